@@ -1,0 +1,365 @@
+"""Sync client: operator calls (stats, lookup, clear, health) and engine sessions.
+
+A `Session` is what an engine holds: it registers the engine's KV memory, keeps the Attach stream
+open (the daemon ends the session when it closes), submits store/load jobs without blocking the
+caller (a sender thread makes the RPCs), and learns completions from shared memory, with no RPC.
+When the daemon restarts, the session registers again on its own; jobs that were in flight are
+reported failed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvstore_client.completion import Completion, CompletionChannel
+from kvstore_client.errors import FailedPrecondition, KVStoreError, Unavailable, from_rpc_error
+from kvstore_client.proto import kvstore_pb2 as pb
+from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SOCKET = "/tmp/kvstore/kvstore.sock"
+PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
+MAX_MESSAGE = 64 << 20
+
+
+def default_socket() -> str:
+    return os.environ.get("KVSTORE_SOCKET", DEFAULT_SOCKET)
+
+
+def target_for(socket: str | None) -> str:
+    """A unix socket path, or an explicit gRPC target such as `dns:host:port`."""
+    socket = socket or default_socket()
+    if socket.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
+        return socket
+    return f"unix://{os.path.abspath(socket)}"
+
+
+def pack_keys(keys: Sequence[bytes]) -> tuple[bytes, int]:
+    """Keys travel packed back to back; they must all have one length."""
+    if not keys:
+        return b"", 32
+    size = len(keys[0])
+    if any(len(k) != size for k in keys):
+        raise ValueError("all keys of one request must have the same length")
+    return b"".join(keys), size
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    """What Register needs to map an engine's KV memory."""
+
+    backend: str  # cpu | cuda | npu
+    handle: bytes
+    size: int
+    num_blocks: int
+    regions: Sequence[tuple[int, int, int]]  # (offset, block_stride, block_bytes)
+    device: int = 0
+
+    def layout(self) -> pb.KVLayout:
+        return pb.KVLayout(num_blocks=self.num_blocks,
+                           regions=[pb.Region(offset=o, block_stride=s, block_bytes=b) for o, s, b in self.regions])
+
+
+class KVStoreClient:
+    def __init__(self, socket: str | None = None, timeout: float = 10.0,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        self.target = target_for(socket)
+        self.timeout = timeout
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE),
+                   ("grpc.max_send_message_length", MAX_MESSAGE)]
+        if credentials is not None:
+            self.channel = grpc.secure_channel(self.target, credentials, options=options)
+        else:
+            self.channel = grpc.insecure_channel(self.target, options=options)
+        self.stub = pb_grpc.KVStoreStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    def call(self, method: Callable, request, timeout: float | None = None):
+        try:
+            return method(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def health(self, service: str = "") -> str:
+        """SERVING, NOT_SERVING, ...; raises Unavailable when the daemon cannot be reached."""
+        reply = self.call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def stats(self) -> pb.StatsResponse:
+        return self.call(self.stub.Stats, pb.StatsRequest())
+
+    def clear(self, namespace: str = "") -> int:
+        return self.call(self.stub.Clear, pb.ClearRequest(namespace=namespace)).cleared_blocks
+
+    def lookup(self, namespace: str, keys: Sequence[bytes]) -> int:
+        packed, size = pack_keys(keys)
+        return self.call(self.stub.Lookup, pb.LookupRequest(namespace=namespace, keys=packed, key_size=size)).hits
+
+    def session(self, namespace: str, memory: MemorySpec | None = None, engine_id: str = "",
+                completion_slots: int = 1024, shm_dir: str = "/dev/shm") -> Session:
+        return Session(self, namespace, memory, engine_id or f"engine-{os.getpid()}", completion_slots, shm_dir)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@dataclass
+class _Submit:
+    job_id: int
+    is_store: bool
+    keys: bytes
+    key_size: int
+    block_ids: Sequence[int]
+
+
+class Session:
+    """One registered engine (or a lookup-only scheduler when `memory` is None)."""
+
+    def __init__(self, client: KVStoreClient, namespace: str, memory: MemorySpec | None, engine_id: str,
+                 completion_slots: int, shm_dir: str) -> None:
+        self.client = client
+        self.namespace = namespace
+        self.memory = memory
+        self.engine_id = engine_id
+        self.slots = completion_slots
+        self.shm_dir = shm_dir
+        self.session_id = b""
+        self.block_bytes = 0
+        self.boot_id = b""
+        self.registrations = 0
+        self.channel: CompletionChannel | None = None
+        self._channel_path = ""
+        self._job_ids = itertools.count(1)
+        self._pending: dict[int, bytes] = {}  # job id -> session id it was submitted under
+        self._local_failures: list[Completion] = []
+        self._lock = threading.Lock()  # guards _pending/_local_failures between caller and threads
+        self._connected = threading.Event()
+        self._closed = threading.Event()
+        self._submits: queue.SimpleQueue[_Submit | None] = queue.SimpleQueue()
+        self._register()
+        self._attach_thread = threading.Thread(target=self._attach_loop, name="kvstore-attach", daemon=True)
+        self._attach_thread.start()
+        self._sender = threading.Thread(target=self._send_loop, name="kvstore-submit", daemon=True)
+        self._sender.start()
+        if not self._connected.wait(client.timeout):
+            self.close()
+            raise Unavailable("the daemon accepted the registration but the session stream did not open")
+
+    # -- registration and liveness ---------------------------------------------------------------
+
+    def _register(self) -> None:
+        request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, engine_id=self.engine_id,
+                                     namespace=self.namespace)
+        channel = None
+        if self.memory is not None:
+            path = os.path.join(self.shm_dir, f"kvstore-done-{os.getpid()}-{secrets.token_hex(6)}")
+            channel = CompletionChannel(path, self.slots, create=True)
+            request.layout.CopyFrom(self.memory.layout())
+            request.memory.CopyFrom(pb.MemoryHandle(backend=self.memory.backend, handle=self.memory.handle,
+                                                    size=self.memory.size, device=self.memory.device))
+            request.completion_path = path
+            request.completion_slots = self.slots
+        try:
+            reply = self.client.call(self.client.stub.Register, request)
+        except BaseException:
+            if channel is not None:
+                channel.close()
+                _unlink(channel.path)
+            raise
+        old = self.channel
+        self.channel, self.session_id = channel, reply.session_id
+        self.block_bytes, self.boot_id = reply.block_bytes, reply.daemon_boot_id
+        self.registrations += 1
+        if old is not None:
+            old.close()
+            _unlink(old.path)
+
+    def _attach_loop(self) -> None:
+        backoff = 0.2
+        while not self._closed.is_set():
+            try:
+                if not self.session_id:
+                    self._register()
+                    log.warning("kvstore: re-registered with the daemon (session %s)", self.session_id.hex()[:8])
+                stream = self.client.stub.Attach(pb.AttachRequest(session_id=self.session_id))
+                for event in stream:
+                    if event.HasField("attached"):
+                        self._connected.set()
+                        backoff = 0.2
+                    elif event.HasField("shutdown"):
+                        break
+            except grpc.RpcError as e:
+                if self._closed.is_set():
+                    return
+                log.debug("kvstore: session stream: %s", e)
+            except KVStoreError as e:
+                if self._closed.is_set():
+                    return
+                if isinstance(e, FailedPrecondition):
+                    log.error("kvstore: the daemon refuses this session: %s", e)
+                log.debug("kvstore: re-register failed: %s", e)
+            if self._closed.is_set():
+                return
+            self._disconnected()
+            self._closed.wait(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    def _disconnected(self) -> None:
+        """The daemon went away: every job in flight is lost; report it failed."""
+        if self._connected.is_set():
+            log.warning("kvstore: lost the daemon; jobs in flight fail, reconnecting in the background")
+        self._connected.clear()
+        self.session_id = b""
+        with self._lock:
+            for job_id in self._pending:
+                self._local_failures.append(Completion(job_id, 0, 1))
+            self._pending.clear()
+
+    @property
+    def connected(self) -> bool:
+        return self._connected.is_set() and bool(self.session_id)
+
+    # -- jobs ------------------------------------------------------------------------------------
+
+    def store(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Queue a copy engine -> pool; returns the job id at once."""
+        return self._submit(True, keys, block_ids)
+
+    def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Queue a copy pool -> engine; returns the job id at once."""
+        return self._submit(False, keys, block_ids)
+
+    def _submit(self, is_store: bool, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        if self.memory is None:
+            raise FailedPrecondition("this session registered no KV memory")
+        job_id = next(self._job_ids)
+        packed, size = pack_keys(keys)
+        with self._lock:
+            if not self.connected or len(self._pending) >= self.slots:
+                self._local_failures.append(Completion(job_id, 0, max(len(keys), 1)))
+                return job_id
+            self._pending[job_id] = self.session_id
+        self._submits.put(_Submit(job_id, is_store, packed, size, block_ids))
+        return job_id
+
+    def _send_loop(self) -> None:
+        stub = self.client.stub
+        while True:
+            item = self._submits.get()
+            if item is None:
+                return
+            with self._lock:
+                session_id = self._pending.get(item.job_id)
+            if session_id is None:
+                continue  # failed already (disconnect)
+            request = pb.TransferRequest(session_id=session_id, job_id=item.job_id, keys=item.keys,
+                                         key_size=item.key_size, block_ids=item.block_ids)
+            try:
+                (stub.Store if item.is_store else stub.Load)(request, timeout=self.client.timeout)
+            except grpc.RpcError as e:
+                log.warning("kvstore: %s job %d refused: %s", "store" if item.is_store else "load", item.job_id,
+                            from_rpc_error(e))
+                with self._lock:
+                    if self._pending.pop(item.job_id, None) is not None:
+                        self._local_failures.append(Completion(item.job_id, 0, max(len(item.block_ids), 1)))
+
+    def poll(self) -> list[Completion]:
+        """Jobs finished since the last poll, read from shared memory (no RPC)."""
+        with self._lock:
+            done = self._local_failures
+            self._local_failures = []
+            channel = self.channel
+            if channel is not None:
+                for job_id in list(self._pending):
+                    completion = channel.check(job_id)
+                    if completion is not None:
+                        del self._pending[job_id]
+                        done.append(completion)
+        return done
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def wait(self, job_ids: Sequence[int], timeout: float = 30.0) -> dict[int, Completion]:
+        """Block until these jobs finished (tests, tools; an engine uses poll())."""
+        wanted, found = set(job_ids), {}
+        deadline = time.monotonic() + timeout
+        while wanted - found.keys():
+            for c in self.poll():
+                found[c.job_id] = c
+            if wanted - found.keys():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"jobs {sorted(wanted - found.keys())} not finished after {timeout}s")
+                time.sleep(0.0002)
+        return {j: found[j] for j in wanted}
+
+    def results(self, wait_ms: int = 0) -> pb.PollResponse:
+        """Per-block results of finished jobs, through the Poll RPC."""
+        return self.client.call(self.client.stub.Poll, pb.PollRequest(session_id=self.session_id, wait_ms=wait_ms),
+                                timeout=self.client.timeout + wait_ms / 1000)
+
+    # -- lookups ---------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes], lease: bool = False, lease_ttl_ms: int = 0) -> tuple[int, bytes]:
+        packed, size = pack_keys(keys)
+        reply = self.client.call(self.client.stub.Lookup, pb.LookupRequest(
+            session_id=self.session_id, keys=packed, key_size=size, lease=lease, lease_ttl_ms=lease_ttl_ms))
+        return reply.hits, reply.lease_id
+
+    def lookup_future(self, keys: Sequence[bytes], lease: bool = False, lease_ttl_ms: int = 0) -> grpc.Future:
+        """Non-blocking lookup: `.done()`, then `.result()` gives a LookupResponse."""
+        packed, size = pack_keys(keys)
+        return self.client.stub.Lookup.future(pb.LookupRequest(
+            session_id=self.session_id, keys=packed, key_size=size, lease=lease, lease_ttl_ms=lease_ttl_ms),
+            timeout=self.client.timeout)
+
+    def release_lease(self, lease_id: bytes, wait: bool = False) -> None:
+        """Release a lease; by default without waiting for the answer."""
+        request = pb.ReleaseLeaseRequest(session_id=self.session_id, lease_id=lease_id)
+        if wait:
+            self.client.call(self.client.stub.ReleaseLease, request)
+        else:
+            self.client.stub.ReleaseLease.future(request, timeout=self.client.timeout)
+
+    # -- end -------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._submits.put(None)
+        if self.session_id:
+            try:
+                self.client.call(self.client.stub.Unregister, pb.UnregisterRequest(session_id=self.session_id))
+            except KVStoreError:
+                pass
+        if self.channel is not None:
+            self.channel.close()
+            _unlink(self.channel.path)
+            self.channel = None
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

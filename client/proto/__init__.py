@@ -1,0 +1,1 @@
+"""Code generated from proto/kvstore/v1/kvstore.proto; do not edit."""

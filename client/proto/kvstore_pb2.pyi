@@ -1,0 +1,275 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
+    PROTOCOL_VERSION_CURRENT: _ClassVar[ProtocolVersion]
+PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
+PROTOCOL_VERSION_CURRENT: ProtocolVersion
+
+class Region(_message.Message):
+    __slots__ = ("offset", "block_stride", "block_bytes")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    block_stride: int
+    block_bytes: int
+    def __init__(self, offset: _Optional[int] = ..., block_stride: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+
+class KVLayout(_message.Message):
+    __slots__ = ("num_blocks", "regions")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, num_blocks: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+
+class MemoryHandle(_message.Message):
+    __slots__ = ("backend", "handle", "size", "device")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    handle: bytes
+    size: int
+    device: int
+    def __init__(self, backend: _Optional[str] = ..., handle: _Optional[bytes] = ..., size: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("protocol_version", "engine_id", "namespace", "layout", "memory", "completion_path", "completion_slots")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_PATH_FIELD_NUMBER: _ClassVar[int]
+    COMPLETION_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    engine_id: str
+    namespace: str
+    layout: KVLayout
+    memory: MemoryHandle
+    completion_path: str
+    completion_slots: int
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., completion_path: _Optional[str] = ..., completion_slots: _Optional[int] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("session_id", "block_bytes", "max_inflight_jobs", "daemon_version", "daemon_boot_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_INFLIGHT_JOBS_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    block_bytes: int
+    max_inflight_jobs: int
+    daemon_version: str
+    daemon_boot_id: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., max_inflight_jobs: _Optional[int] = ..., daemon_version: _Optional[str] = ..., daemon_boot_id: _Optional[bytes] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    def __init__(self, session_id: _Optional[bytes] = ...) -> None: ...
+
+class SessionEvent(_message.Message):
+    __slots__ = ("attached", "shutdown")
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    attached: Attached
+    shutdown: Shutdown
+    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
+
+class Attached(_message.Message):
+    __slots__ = ("daemon_boot_id",)
+    DAEMON_BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    daemon_boot_id: bytes
+    def __init__(self, daemon_boot_id: _Optional[bytes] = ...) -> None: ...
+
+class Shutdown(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class UnregisterRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    def __init__(self, session_id: _Optional[bytes] = ...) -> None: ...
+
+class UnregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("session_id", "namespace", "keys", "key_size", "lease", "lease_ttl_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    namespace: str
+    keys: bytes
+    key_size: int
+    lease: bool
+    lease_ttl_ms: int
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("hits", "lease_id")
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    hits: int
+    lease_id: bytes
+    def __init__(self, hits: _Optional[int] = ..., lease_id: _Optional[bytes] = ...) -> None: ...
+
+class ReleaseLeaseRequest(_message.Message):
+    __slots__ = ("session_id", "lease_id")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    lease_id: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., lease_id: _Optional[bytes] = ...) -> None: ...
+
+class ReleaseLeaseResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TransferRequest(_message.Message):
+    __slots__ = ("session_id", "job_id", "keys", "key_size", "block_ids")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    job_id: int
+    keys: bytes
+    key_size: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[bytes] = ..., job_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TransferResponse(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    def __init__(self, job_id: _Optional[int] = ...) -> None: ...
+
+class PollRequest(_message.Message):
+    __slots__ = ("session_id", "wait_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    wait_ms: int
+    def __init__(self, session_id: _Optional[bytes] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class JobResult(_message.Message):
+    __slots__ = ("job_id", "is_store", "block_ok", "error")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    IS_STORE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    job_id: int
+    is_store: bool
+    block_ok: _containers.RepeatedScalarFieldContainer[bool]
+    error: str
+    def __init__(self, job_id: _Optional[int] = ..., is_store: _Optional[bool] = ..., block_ok: _Optional[_Iterable[bool]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class PollResponse(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobResult]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobResult, _Mapping]]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NamespaceStats(_message.Message):
+    __slots__ = ("namespace", "blocks", "used_bytes", "block_bytes", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    blocks: int
+    used_bytes: int
+    block_bytes: int
+    hits: int
+    misses: int
+    stored_blocks: int
+    loaded_blocks: int
+    evictions: int
+    engines: int
+    def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines", "leases", "jobs_in_flight", "failed_blocks", "store_failures_pool_full", "lease_expiries", "corrupt_blocks", "uptime_s", "namespaces", "daemon_version")
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    STORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    JOBS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    FAILED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    STORE_FAILURES_POOL_FULL_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRIES_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    hits: int
+    misses: int
+    stored_blocks: int
+    loaded_blocks: int
+    evictions: int
+    engines: int
+    leases: int
+    jobs_in_flight: int
+    failed_blocks: int
+    store_failures_pool_full: int
+    lease_expiries: int
+    corrupt_blocks: int
+    uptime_s: int
+    namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
+    daemon_version: str
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., leases: _Optional[int] = ..., jobs_in_flight: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., store_failures_pool_full: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., uptime_s: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., daemon_version: _Optional[str] = ...) -> None: ...
+
+class ClearRequest(_message.Message):
+    __slots__ = ("namespace",)
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
+
+class ClearResponse(_message.Message):
+    __slots__ = ("cleared_blocks",)
+    CLEARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    cleared_blocks: int
+    def __init__(self, cleared_blocks: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,3 @@
+from kvstore_service.cli import main
+
+main()

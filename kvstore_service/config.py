@@ -1,0 +1,99 @@
+"""Daemon configuration: flags > environment (KVSTORE_*) > YAML file (--config) > defaults.
+
+One pydantic model is the single source of truth: `kvstore serve --help` is generated from the
+field descriptions below, and every field is also read from `KVSTORE_<FIELD>`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import ByteSize, Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+DEFAULT_SOCKET = "/tmp/kvstore/kvstore.sock"
+
+
+def default_socket() -> str:
+    return os.environ.get("KVSTORE_SOCKET", DEFAULT_SOCKET)
+
+
+class Config(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVSTORE_", extra="forbid", validate_default=True)
+
+    socket: str = Field(DEFAULT_SOCKET, description="Unix socket path the daemon listens on.")
+    socket_mode: str = Field("0660", description="Permission bits of the socket file (octal).")
+    socket_group: str = Field("", description="Group that owns the socket file (name or gid); empty: keep.")
+    allowed_uids: list[int] = Field(
+        default_factory=list, description="Peer uids allowed on the unix socket (SO_PEERCRED); empty: any."
+    )
+    tcp: str = Field("", description="Also listen on this TCP host:port (needs TLS or --insecure).")
+    insecure: bool = Field(False, description="Allow plaintext TCP (logs a warning).")
+    tls_cert: str = Field("", description="PEM server certificate for TCP.")
+    tls_key: str = Field("", description="PEM private key of --tls-cert.")
+    tls_client_ca: str = Field("", description="PEM CA bundle; when set, TCP clients must present a cert (mTLS).")
+    pool_size: ByteSize = Field(ByteSize(1 << 30), description="Pool capacity, e.g. 4GiB, 512MiB.")
+    pool_path: str = Field(
+        "/dev/shm/kvstore-pool", description="Shared-memory file holding the pool; re-attached on restart."
+    )
+    shm_dir: str = Field("/dev/shm", description="Directory of the engines' shared-memory files (CPU backend).")
+    fresh: bool = Field(False, description="Discard the blocks of an existing pool file and start empty.")
+    segment_size: ByteSize = Field(
+        ByteSize(64 << 20), description="Pool unit handed to one block size at a time (largest block allowed)."
+    )
+    copy_threads: int = Field(2, ge=1, le=64, description="Threads that copy blocks.")
+    lease_ttl_s: float = Field(60.0, gt=0, description="Default lifetime of a lookup lease, seconds.")
+    attach_timeout_s: float = Field(
+        10.0, gt=0, description="A session that never opens its Attach stream within this is dropped."
+    )
+    max_sessions: int = Field(256, ge=1, description="Most registered sessions at once.")
+    max_inflight_jobs: int = Field(1024, ge=1, description="Most unfinished jobs per session.")
+    max_request_bytes: ByteSize = Field(ByteSize(64 << 20), description="Largest gRPC message accepted.")
+    verify_loads: float = Field(
+        1.0, ge=0, le=1, description="Fraction of loaded blocks whose checksum is verified (0..1)."
+    )
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0: off.")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+
+    @field_validator("socket_mode")
+    @classmethod
+    def _octal(cls, value: str) -> str:
+        int(value, 8)
+        return value
+
+    @field_validator("pool_size", "segment_size")
+    @classmethod
+    def _positive(cls, value: ByteSize) -> ByteSize:
+        if value <= 0:
+            raise ValueError("must be positive")
+        return value
+
+    @classmethod
+    def load(cls, yaml_path: str | None = None, **overrides: Any) -> Config:
+        """Build the config: `overrides` (flags) beat env vars, which beat the YAML file."""
+        file_values: dict[str, Any] = {}
+        if yaml_path:
+            file_values = yaml.safe_load(Path(yaml_path).read_text()) or {}
+            if not isinstance(file_values, dict):
+                raise ValueError(f"{yaml_path}: expected a mapping of settings")
+            file_values = {k.replace("-", "_"): v for k, v in file_values.items()}
+        return _with_file(cls, file_values)(**overrides)
+
+
+def _with_file(cls: type[Config], file_values: dict[str, Any]) -> type[Config]:
+    class _FileConfig(cls):  # type: ignore[misc, valid-type]
+        @classmethod
+        def settings_customise_sources(
+            cls,
+            settings_cls: type[BaseSettings],
+            init_settings: PydanticBaseSettingsSource,
+            env_settings: PydanticBaseSettingsSource,
+            dotenv_settings: PydanticBaseSettingsSource,
+            file_secret_settings: PydanticBaseSettingsSource,
+        ) -> tuple[PydanticBaseSettingsSource, ...]:
+            return (init_settings, env_settings, lambda: file_values)  # type: ignore[return-value]
+
+    return _FileConfig

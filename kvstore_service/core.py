@@ -1,0 +1,532 @@
+"""The daemon core: sessions, leases and copy jobs around the pool and its index.
+
+Plain asyncio Python, no gRPC: every public method validates its input and raises `KVError` with a
+gRPC-style status name. All state is owned by the event loop thread; only the byte copies (and
+checksums) run in worker threads, on runs that were bounds-checked here first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import secrets
+import time
+from array import array
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvstore_client.completion import CompletionChannel
+from kvstore_service import native
+from kvstore_service.backends import Backend, Mapping, TransferPlan, make_backend
+from kvstore_service.config import Config
+from kvstore_service.index import Block, BlockIndex, Namespace
+from kvstore_service.pool import Pool
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+MIN_KEY, MAX_KEY = 16, 64
+MAX_COMPLETION_SLOTS = 1 << 16
+FINISHED_KEPT = 4096  # per session, for the Poll RPC; the shared-memory channel is the main path
+
+
+class KVError(Exception):
+    """A request the daemon refuses; `code` is a grpc.StatusCode name."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _invalid(message: str) -> KVError:
+    return KVError("INVALID_ARGUMENT", message)
+
+
+@dataclass(frozen=True)
+class Region:
+    offset: int
+    block_stride: int
+    block_bytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    num_blocks: int
+    regions: tuple[Region, ...]
+
+    @property
+    def block_bytes(self) -> int:
+        return sum(r.block_bytes for r in self.regions)
+
+    def check(self, memory_size: int) -> None:
+        if self.num_blocks <= 0:
+            raise _invalid("layout: num_blocks must be positive")
+        if not self.regions:
+            raise _invalid("layout: at least one region is needed")
+        for i, r in enumerate(self.regions):
+            if r.block_bytes <= 0:
+                raise _invalid(f"layout: region {i} has block_bytes 0")
+            if r.block_stride < r.block_bytes and self.num_blocks > 1:
+                raise _invalid(f"layout: region {i} blocks overlap (stride {r.block_stride} < {r.block_bytes})")
+            end = r.offset + (self.num_blocks - 1) * r.block_stride + r.block_bytes
+            if end > memory_size:
+                raise _invalid(f"layout: region {i} ends at byte {end}, beyond the {memory_size}-byte memory")
+
+
+@dataclass(eq=False)
+class Lease:
+    lease_id: bytes
+    session: Session
+    blocks: list[Block]
+    expires: float
+
+
+@dataclass(eq=False)
+class Job:
+    job_id: int
+    is_store: bool
+    session: Session
+    blocks: list[Block | None]  # per key: the block copied, or None (failed or deduplicated)
+    ok: list[bool]
+    plan: TransferPlan | None = None
+    checksums: list[int] = field(default_factory=list)  # store: per copied block
+    corrupt: set[int] = field(default_factory=set)  # load: indexes of blocks that failed their checksum
+    error: str = ""
+    submitted: float = field(default_factory=time.monotonic)
+
+
+@dataclass(eq=False)
+class Session:
+    session_id: bytes
+    engine_id: str
+    namespace_name: str
+    layout: Layout | None
+    backend: Backend | None
+    mapping: Mapping | None
+    channel: CompletionChannel | None
+    files: list[str]
+    attached: bool = False
+    closed: bool = False
+    created: float = field(default_factory=time.monotonic)
+    jobs: dict[int, Job] = field(default_factory=dict)  # completion slot -> unfinished job
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    leases: dict[bytes, Lease] = field(default_factory=dict)
+    finished: deque = field(default_factory=lambda: deque(maxlen=FINISHED_KEPT))
+    finished_event: asyncio.Event = field(default_factory=asyncio.Event)
+    namespace: Namespace | None = None
+
+
+@dataclass
+class Counters:
+    failed_blocks: int = 0
+    store_failures_pool_full: int = 0
+    lease_expiries: int = 0
+    corrupt_blocks: int = 0
+
+
+class KVStore:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.boot_id = secrets.token_bytes(16)
+        self.started = time.monotonic()
+        self.pool = Pool(config.pool_path, int(config.pool_size), int(config.segment_size), fresh=config.fresh)
+        self.index = BlockIndex(self.pool)
+        self.recovered = self.index.recover() if self.pool.reattached else 0
+        self.sessions: dict[bytes, Session] = {}
+        self.counters = Counters()
+        self.executor = ThreadPoolExecutor(max_workers=config.copy_threads, thread_name_prefix="kvstore-copy")
+        self._backends: dict[str, Backend] = {}
+        if self.recovered:
+            log.info("re-attached pool %s: %d blocks recovered", config.pool_path, self.recovered)
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    def backend(self, name: str) -> Backend:
+        backend = self._backends.get(name)
+        if backend is None:
+            try:
+                backend = make_backend(name, self.config.copy_threads, self.config.shm_dir)
+            except ValueError as e:
+                raise _invalid(str(e)) from None
+            except (ImportError, RuntimeError) as e:
+                raise KVError("FAILED_PRECONDITION", f"backend {name!r} is not usable here: {e}") from None
+            backend.register_pool(self.pool.base, self.pool.size)
+            self._backends[name] = backend
+        return backend
+
+    def register(
+        self,
+        *,
+        protocol_version: int,
+        engine_id: str,
+        namespace: str,
+        layout: Layout | None,
+        backend: str,
+        handle: bytes,
+        memory_size: int,
+        device: int,
+        completion_path: str,
+        completion_slots: int,
+    ) -> Session:
+        if protocol_version != PROTOCOL_VERSION:
+            raise KVError("FAILED_PRECONDITION",
+                          f"client speaks protocol {protocol_version}, this daemon speaks {PROTOCOL_VERSION}; "
+                          "upgrade the client or the daemon so both match")
+        if not namespace:
+            raise _invalid("namespace is empty")
+        if len(self.sessions) >= self.config.max_sessions:
+            raise KVError("RESOURCE_EXHAUSTED", f"the daemon already has {len(self.sessions)} sessions (max)")
+        session = Session(secrets.token_bytes(16), engine_id, namespace, layout, None, None, None, [])
+        try:
+            if layout is not None:
+                layout.check(memory_size)
+                if not 0 < completion_slots <= MAX_COMPLETION_SLOTS:
+                    raise _invalid(f"completion_slots must be 1..{MAX_COMPLETION_SLOTS}")
+                try:
+                    session.namespace = self.index.namespace(namespace, layout.block_bytes)
+                except ValueError as e:
+                    raise KVError("FAILED_PRECONDITION", f"layout mismatch: {e}") from None
+                if self.pool.slots_per_segment(layout.block_bytes) < 1:
+                    raise KVError("FAILED_PRECONDITION",
+                                  f"a {layout.block_bytes}-byte block is larger than a pool segment "
+                                  f"({self.pool.segment_size} bytes); raise --segment-size")
+                session.backend = self.backend(backend)
+                try:
+                    session.channel = self._open_channel(completion_path, completion_slots)
+                    session.mapping = session.backend.map(handle, memory_size, device)
+                except (ValueError, OSError) as e:
+                    raise _invalid(str(e)) from None
+                if backend == "cpu":
+                    session.files = [handle.decode(), completion_path]
+            else:
+                session.namespace = self.index.find_namespace(namespace)
+        except BaseException:
+            self._release_resources(session)
+            raise
+        self.sessions[session.session_id] = session
+        log.info("session %s registered: engine %r namespace %r", session.session_id.hex()[:8], engine_id, namespace)
+        return session
+
+    def _open_channel(self, path: str, slots: int) -> CompletionChannel:
+        cpu = self.backend("cpu")
+        return CompletionChannel(cpu.check_path(path), slots, create=False)  # type: ignore[attr-defined]
+
+    def session(self, session_id: bytes) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None or session.closed:
+            raise KVError("NOT_FOUND", f"unknown or ended session {session_id.hex() or '(empty)'}; register again")
+        return session
+
+    def attach(self, session_id: bytes) -> Session:
+        session = self.session(session_id)
+        if session.attached:
+            raise KVError("ALREADY_EXISTS", "the session already has an Attach stream")
+        session.attached = True
+        return session
+
+    async def end_session(self, session: Session, *, unlink_files: bool = True) -> None:
+        """Drop a session: its leases, queued jobs and mapping. Blocks it stored stay in the pool."""
+        if session.closed:
+            return
+        session.closed = True
+        for lease in list(session.leases.values()):
+            self._drop_lease(lease)
+        if session.tasks:  # copies in flight still use the mapping: let them finish first
+            await asyncio.gather(*session.tasks, return_exceptions=True)
+        self._release_resources(session)
+        if unlink_files:
+            for path in session.files:
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+        self.sessions.pop(session.session_id, None)
+        log.info("session %s ended", session.session_id.hex()[:8])
+
+    def _release_resources(self, session: Session) -> None:
+        if session.mapping is not None and session.backend is not None:
+            session.backend.unmap(session.mapping)
+            session.mapping = None
+        if session.channel is not None:
+            session.channel.close()
+            session.channel = None
+
+    async def reap_unattached(self) -> None:
+        """A client that registered but never attached its stream (it died in between)."""
+        now = time.monotonic()
+        for session in list(self.sessions.values()):
+            if not session.attached and now - session.created > self.config.attach_timeout_s:
+                log.warning("session %s never attached; dropping it", session.session_id.hex()[:8])
+                await self.end_session(session)
+
+    # -- lookups and leases ----------------------------------------------------------------------
+
+    def lookup(self, session_id: bytes, namespace: str, keys: Sequence[bytes], lease: bool,
+               ttl_ms: int) -> tuple[int, bytes]:
+        if session_id:
+            session = self.session(session_id)
+            if namespace and namespace != session.namespace_name:
+                raise KVError("PERMISSION_DENIED", "a session can only look up its own namespace")
+            if session.namespace is None:
+                session.namespace = self.index.find_namespace(session.namespace_name)
+            ns = session.namespace
+        else:
+            if lease:
+                raise _invalid("a lease needs a session")
+            if not namespace:
+                raise _invalid("lookup needs a session or a namespace")
+            session, ns = None, self.index.find_namespace(namespace)
+        found = self.index.prefix(ns, list(keys)) if ns is not None else []
+        if ns is not None:
+            ns.stats.hits += len(found)
+            ns.stats.misses += len(keys) - len(found)
+        for block in found:
+            self.index.touch(block)
+        lease_id = b""
+        if lease and found and session is not None:
+            ttl = ttl_ms / 1000 if ttl_ms else self.config.lease_ttl_s
+            lease_id = secrets.token_bytes(16)
+            for block in found:
+                self.index.pin(block)
+            session.leases[lease_id] = Lease(lease_id, session, found, time.monotonic() + ttl)
+        return len(found), lease_id
+
+    def release_lease(self, session_id: bytes, lease_id: bytes) -> None:
+        session = self.session(session_id)
+        lease = session.leases.get(lease_id)
+        if lease is None:
+            raise KVError("NOT_FOUND", f"unknown or expired lease {lease_id.hex() or '(empty)'}")
+        self._drop_lease(lease)
+
+    def _drop_lease(self, lease: Lease) -> None:
+        del lease.session.leases[lease.lease_id]
+        for block in lease.blocks:
+            self.index.unpin(block)
+
+    def expire_leases(self) -> int:
+        now = time.monotonic()
+        expired = [lease for s in self.sessions.values() for lease in s.leases.values() if lease.expires <= now]
+        for lease in expired:
+            self._drop_lease(lease)
+        self.counters.lease_expiries += len(expired)
+        return len(expired)
+
+    # -- jobs ------------------------------------------------------------------------------------
+
+    def submit(self, session_id: bytes, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int],
+               is_store: bool) -> Job:
+        session = self.session(session_id)
+        if session.layout is None or session.mapping is None or session.namespace is None:
+            raise KVError("FAILED_PRECONDITION", "this session registered no KV memory (lookup-only)")
+        if len(keys) != len(block_ids):
+            raise _invalid(f"{len(keys)} keys but {len(block_ids)} block ids")
+        if not keys:
+            raise _invalid("a job needs at least one block")
+        num_blocks = session.layout.num_blocks
+        for b in block_ids:
+            if not 0 <= b < num_blocks:
+                raise _invalid(f"block id {b} is outside the registered cache (0..{num_blocks - 1})")
+        if len(set(keys)) != len(keys):
+            raise _invalid("duplicate keys in one request")
+        if is_store and len(set(block_ids)) != len(block_ids):
+            pass  # storing one engine block under two keys is odd but harmless
+        if not is_store and len(set(block_ids)) != len(block_ids):
+            raise _invalid("duplicate block ids in one load: two blocks would land in the same place")
+        assert session.channel is not None
+        slot = job_id % session.channel.slots
+        if slot in session.jobs:
+            raise KVError("RESOURCE_EXHAUSTED",
+                          f"job {job_id}: completion slot busy ({len(session.jobs)} jobs in flight, "
+                          f"{session.channel.slots} slots); wait for completions")
+        if len(session.jobs) >= self.config.max_inflight_jobs:
+            raise KVError("RESOURCE_EXHAUSTED", f"{len(session.jobs)} jobs in flight (max)")
+
+        ns = session.namespace
+        job = Job(job_id, is_store, session, [None] * len(keys), [False] * len(keys))
+        if is_store:
+            for i, key in enumerate(keys):
+                if self.index.contains(ns, key):
+                    job.ok[i] = True  # dedupe: present or being written already
+                    continue
+                block = self.index.begin_store(ns, key)
+                if block is None:
+                    self.counters.store_failures_pool_full += 1
+                    job.error = "pool full: every block is pinned or being copied"
+                    continue
+                job.blocks[i] = block
+        else:
+            for i, key in enumerate(keys):
+                block = self.index.get(ns, key)
+                if block is None:
+                    job.error = "block not in the pool"
+                    continue
+                self.index.pin(block)
+                self.index.touch(block)
+                job.blocks[i] = block
+        job.plan = self._plan(session.layout, [(b, bid) for b, bid in zip(job.blocks, block_ids, strict=True)])
+        session.jobs[slot] = job
+        task = asyncio.get_running_loop().create_task(self._run(job))
+        session.tasks.add(task)
+        task.add_done_callback(session.tasks.discard)
+        return job
+
+    def _plan(self, layout: Layout, pairs: list[tuple[Block | None, int]]) -> TransferPlan:
+        pool_offsets, engine_offsets, sizes = array("Q"), array("Q"), array("Q")
+        prefix = []
+        total = 0
+        for r in layout.regions:
+            prefix.append(total)
+            total += r.block_bytes
+        for block, block_id in pairs:
+            if block is None:
+                continue
+            base = self.pool.payload_offset(block.ref)
+            for r, before in zip(layout.regions, prefix, strict=True):
+                pool_offsets.append(base + before)
+                engine_offsets.append(r.offset + block_id * r.block_stride)
+                sizes.append(r.block_bytes)
+        return TransferPlan(pool_offsets, engine_offsets, sizes)
+
+    async def _run(self, job: Job) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self.executor, self._copy, job)
+        except Exception as e:  # every block of the copy failed; never report it as success
+            log.exception("job %d copy failed", job.job_id)
+            job.error = f"copy failed: {e}"
+            job.checksums = []
+            for i, block in enumerate(job.blocks):
+                if block is not None:
+                    job.ok[i] = False
+        finally:
+            self._finish(job)
+
+    def _copy(self, job: Job) -> None:
+        """Worker thread: move the bytes, then checksum (stores) or verify (loads)."""
+        session, plan = job.session, job.plan
+        assert session.mapping is not None and session.backend is not None and plan is not None
+        copied = [i for i, b in enumerate(job.blocks) if b is not None]
+        if not copied:
+            return
+        size = job.blocks[copied[0]].namespace.block_bytes  # type: ignore[union-attr]
+        offsets = array("Q", (self.pool.payload_offset(job.blocks[i].ref) for i in copied))  # type: ignore[union-attr]
+        if job.is_store:
+            session.backend.copy(session.mapping, self.pool.base, plan, to_engine=False)
+            job.checksums = native.checksum_blocks(self.pool.base, offsets, size, self.config.copy_threads)
+            for i in copied:
+                job.ok[i] = True
+            return
+        verify = self.config.verify_loads
+        checked = [k for k in range(len(copied)) if verify >= 1 or random.random() < verify]
+        bad: set[int] = set()
+        if checked:
+            sums = native.checksum_blocks(self.pool.base, array("Q", (offsets[k] for k in checked)), size,
+                                          self.config.copy_threads)
+            for k, value in zip(checked, sums, strict=True):
+                if value != job.blocks[copied[k]].checksum:  # type: ignore[union-attr]
+                    bad.add(copied[k])
+        if bad:
+            regions = len(session.layout.regions)  # type: ignore[union-attr]
+            keep = [k for k, i in enumerate(copied) if i not in bad]
+            plan = TransferPlan(*(array("Q", (a[k * regions + r] for k in keep for r in range(regions)))
+                                  for a in (plan.pool_offsets, plan.engine_offsets, plan.sizes)))
+            job.error = f"{len(bad)} block(s) failed their checksum and were dropped"
+        session.backend.copy(session.mapping, self.pool.base, plan, to_engine=True)
+        for i in copied:
+            job.ok[i] = i not in bad
+        job.corrupt = bad
+
+    def _finish(self, job: Job) -> None:
+        """Event loop: commit or roll back the blocks, publish the completion."""
+        session = job.session
+        copied = [i for i, b in enumerate(job.blocks) if b is not None]
+        for n, i in enumerate(copied):
+            block = job.blocks[i]
+            assert block is not None
+            ns = block.namespace
+            if job.is_store:
+                if job.ok[i] and len(job.checksums) == len(copied):
+                    self.index.commit(block, job.checksums[n])
+                    ns.stats.stored_blocks += 1
+                else:
+                    job.ok[i] = False
+                    self.index.abort(block)
+            else:
+                self.index.unpin(block)
+                if i in job.corrupt:
+                    self.counters.corrupt_blocks += 1
+                    if block.pins == 0 and self.index.blocks.get(block.key) is block:
+                        self.index.drop(block)
+                elif job.ok[i]:
+                    ns.stats.loaded_blocks += 1
+        failed = job.ok.count(False)
+        self.counters.failed_blocks += failed
+        assert session.channel is not None
+        session.jobs.pop(job.job_id % session.channel.slots, None)
+        session.channel.post(job.job_id, len(job.ok) - failed, failed)
+        session.finished.append(job)
+        session.finished_event.set()
+
+    async def poll(self, session_id: bytes, wait_ms: int) -> list[Job]:
+        session = self.session(session_id)
+        if not session.finished and wait_ms > 0:
+            session.finished_event.clear()
+            try:
+                await asyncio.wait_for(session.finished_event.wait(), wait_ms / 1000)
+            except asyncio.TimeoutError:
+                pass
+        jobs = list(session.finished)
+        session.finished.clear()
+        return jobs
+
+    # -- operator calls --------------------------------------------------------------------------
+
+    def clear(self, namespace: str) -> int:
+        if not namespace:
+            return self.index.clear()
+        ns = self.index.find_namespace(namespace)
+        return self.index.clear(ns) if ns is not None else 0
+
+    def stats(self) -> dict:
+        used = sum(ns.blocks * ns.block_bytes for ns in self.index.namespaces.values())
+        namespaces = []
+        for ns in self.index.namespaces.values():
+            engines = sum(1 for s in self.sessions.values() if s.namespace is ns and s.layout is not None)
+            namespaces.append({
+                "namespace": ns.name or f"(recovered {ns.ns_hash.hex()[:12]})",
+                "blocks": ns.blocks, "used_bytes": ns.blocks * ns.block_bytes, "block_bytes": ns.block_bytes,
+                "hits": ns.stats.hits, "misses": ns.stats.misses, "stored_blocks": ns.stats.stored_blocks,
+                "loaded_blocks": ns.stats.loaded_blocks, "evictions": ns.stats.evictions, "engines": engines,
+            })
+        return {
+            "capacity_bytes": self.pool.capacity,
+            "used_bytes": used,
+            "blocks": len(self.index.blocks),
+            "hits": sum(n["hits"] for n in namespaces),
+            "misses": sum(n["misses"] for n in namespaces),
+            "stored_blocks": sum(n["stored_blocks"] for n in namespaces),
+            "loaded_blocks": sum(n["loaded_blocks"] for n in namespaces),
+            "evictions": self.index.evictions,
+            "engines": sum(1 for s in self.sessions.values() if s.layout is not None),
+            "leases": sum(len(s.leases) for s in self.sessions.values()),
+            "jobs_in_flight": sum(len(s.jobs) for s in self.sessions.values()),
+            "failed_blocks": self.counters.failed_blocks,
+            "store_failures_pool_full": self.counters.store_failures_pool_full,
+            "lease_expiries": self.counters.lease_expiries,
+            "corrupt_blocks": self.counters.corrupt_blocks,
+            "uptime_s": int(time.monotonic() - self.started),
+            "namespaces": namespaces,
+        }
+
+    async def shutdown(self) -> None:
+        """Daemon exit: let copies finish, drop mappings; keep engine files (engines re-register)."""
+        for session in list(self.sessions.values()):
+            await self.end_session(session, unlink_files=False)
+        for backend in self._backends.values():
+            backend.unregister_pool(self.pool.base)
+        self.executor.shutdown(wait=True)

@@ -1,0 +1,199 @@
+"""Which key lives in which pool slot: the one owner of that map (no locks; the event loop owns it).
+
+A block is WRITING while its store copy runs and COMMITTED after. Lookups and loads see only
+committed blocks. Pinned blocks (leased, or being loaded) and writing blocks are never evicted; the
+rest are evicted least recently used first, per payload size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvstore_service.pool import COMMITTED, WRITING, Pool, SlotHeader, SlotRef
+
+
+def namespace_hash(name: str) -> bytes:
+    return hashlib.blake2b(name.encode(), digest_size=16).digest()
+
+
+@dataclass(slots=True)
+class NamespaceStats:
+    hits: int = 0
+    misses: int = 0
+    stored_blocks: int = 0
+    loaded_blocks: int = 0
+    evictions: int = 0
+
+
+@dataclass(slots=True)
+class Namespace:
+    name: str
+    ns_hash: bytes
+    block_bytes: int
+    blocks: int = 0
+    stats: NamespaceStats = field(default_factory=NamespaceStats)
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    key: bytes  # namespace hash + block key: unique across namespaces
+    namespace: Namespace
+    ref: SlotRef
+    state: int = WRITING
+    pins: int = 0
+    checksum: int = 0
+
+
+class BlockIndex:
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.namespaces: dict[bytes, Namespace] = {}
+        self.blocks: dict[bytes, Block] = {}
+        self.lru: dict[int, OrderedDict[bytes, Block]] = {}  # payload size -> committed blocks
+        self.by_segment: dict[int, dict[int, Block]] = {}
+        self.evictions = 0
+
+    # -- namespaces ------------------------------------------------------------------------------
+
+    def namespace(self, name: str, block_bytes: int) -> Namespace:
+        """The namespace, created on first use; its block size is fixed from then on."""
+        ns_hash = namespace_hash(name)
+        ns = self.namespaces.get(ns_hash)
+        if ns is None:
+            ns = self.namespaces[ns_hash] = Namespace(name, ns_hash, block_bytes)
+        elif ns.block_bytes != block_bytes:
+            raise ValueError(
+                f"namespace {name!r} holds {ns.block_bytes}-byte blocks, this layout has {block_bytes}-byte blocks"
+            )
+        elif not ns.name:
+            ns.name = name  # recovered from the pool by hash only
+        return ns
+
+    def find_namespace(self, name: str) -> Namespace | None:
+        return self.namespaces.get(namespace_hash(name))
+
+    # -- lookups ---------------------------------------------------------------------------------
+
+    def get(self, ns: Namespace, key: bytes) -> Block | None:
+        block = self.blocks.get(ns.ns_hash + key)
+        return block if block is not None and block.state == COMMITTED else None
+
+    def prefix(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
+        """The committed blocks of the leading keys that are all present."""
+        found = []
+        for key in keys:
+            block = self.get(ns, key)
+            if block is None:
+                break
+            found.append(block)
+        return found
+
+    def touch(self, block: Block) -> None:
+        lru = self.lru.get(block.namespace.block_bytes)
+        if lru is not None and block.key in lru:
+            lru.move_to_end(block.key)
+
+    def pin(self, block: Block) -> None:
+        block.pins += 1
+
+    def unpin(self, block: Block) -> None:
+        block.pins -= 1
+        assert block.pins >= 0, "unbalanced unpin"
+
+    # -- stores ----------------------------------------------------------------------------------
+
+    def contains(self, ns: Namespace, key: bytes) -> bool:
+        """Present or being written: a store of it is a no-op."""
+        return ns.ns_hash + key in self.blocks
+
+    def begin_store(self, ns: Namespace, key: bytes) -> Block | None:
+        """Reserve a slot for a new block (WRITING), evicting if needed; None when the pool is full."""
+        ref = self.pool.allocate(ns.block_bytes) or self._evict_for(ns.block_bytes)
+        if ref is None:
+            return None
+        block = Block(ns.ns_hash + key, ns, ref)
+        self._insert(block)
+        self.pool.write_header(ref, SlotHeader(WRITING, ns.block_bytes, 0, 0, ns.ns_hash, key))
+        return block
+
+    def commit(self, block: Block, checksum: int) -> None:
+        if self.blocks.get(block.key) is not block:
+            return  # cleared while it was written; its slot is already free
+        block.state, block.checksum = COMMITTED, checksum
+        ns = block.namespace
+        key = block.key[len(ns.ns_hash):]
+        self.pool.write_header(block.ref, SlotHeader(COMMITTED, ns.block_bytes, checksum,
+                                                     self.pool.next_generation(), ns.ns_hash, key))
+        self.lru.setdefault(ns.block_bytes, OrderedDict())[block.key] = block
+
+    def abort(self, block: Block) -> None:
+        """A store that did not copy every byte: forget the block."""
+        if self.blocks.get(block.key) is block:
+            self.drop(block)
+
+    def recover(self) -> int:
+        """Rebuild the index from a re-attached pool's slot headers (oldest first, for LRU)."""
+        found = sorted(self.pool.recover(), key=lambda item: item[1].generation)
+        for ref, header in found:
+            ns = self.namespaces.get(header.ns_hash)
+            if ns is None:
+                ns = self.namespaces[header.ns_hash] = Namespace("", header.ns_hash, header.payload_len)
+            block = Block(header.ns_hash + header.key, ns, ref, COMMITTED, 0, header.checksum)
+            self._insert(block)
+            self.lru.setdefault(ns.block_bytes, OrderedDict())[block.key] = block
+        return len(found)
+
+    # -- removal ---------------------------------------------------------------------------------
+
+    def drop(self, block: Block) -> None:
+        """Remove a block and free its slot. The caller makes sure no copy touches it."""
+        del self.blocks[block.key]
+        lru = self.lru.get(block.namespace.block_bytes)
+        if lru is not None:
+            lru.pop(block.key, None)
+        del self.by_segment[block.ref.segment][block.ref.slot]
+        block.namespace.blocks -= 1
+        self.pool.release(block.ref)
+
+    def clear(self, ns: Namespace | None = None) -> int:
+        """Drop every unpinned committed block (of one namespace). Returns how many."""
+        victims = [b for b in self.blocks.values()
+                   if b.state == COMMITTED and b.pins == 0 and (ns is None or b.namespace is ns)]
+        for block in victims:
+            self.drop(block)
+        return len(victims)
+
+    def _insert(self, block: Block) -> None:
+        self.blocks[block.key] = block
+        self.by_segment.setdefault(block.ref.segment, {})[block.ref.slot] = block
+        block.namespace.blocks += 1
+
+    def _evictable(self, block: Block) -> bool:
+        return block.state == COMMITTED and block.pins == 0
+
+    def _evict(self, block: Block) -> None:
+        block.namespace.stats.evictions += 1
+        self.evictions += 1
+        self.drop(block)
+
+    def _evict_for(self, payload_size: int) -> SlotRef | None:
+        """Free a slot of this size: evict the LRU unpinned block of the same size, else empty
+        a whole segment of another size whose blocks are all evictable."""
+        lru = self.lru.get(payload_size)
+        if lru:
+            for block in lru.values():
+                if self._evictable(block):
+                    self._evict(block)
+                    return self.pool.allocate(payload_size)
+        for size, other in self.lru.items():
+            if size == payload_size:
+                continue
+            for block in other.values():
+                segment = self.by_segment.get(block.ref.segment, {})
+                if all(self._evictable(b) for b in segment.values()):
+                    for victim in list(segment.values()):
+                        self._evict(victim)
+                    return self.pool.allocate(payload_size)
+        return None

@@ -1,0 +1,264 @@
+"""The block pool: one shared-memory file, carved into segments, each segment into slots.
+
+Layout of the pool file (all little-endian):
+
+    [pool header 4 KiB][segment table: u64 slot payload size per segment][pad to 2 MiB]
+    [segment 0][segment 1]...
+
+A segment serves one payload size at a time (namespaces with equal block size share segments) and
+holds `n` slots: first `n` slot headers of 128 bytes, then `n` payloads. A slot header describes its
+block (namespace hash, key, length, checksum, state), so a restarted daemon rebuilds the index by
+scanning headers: a slot still marked WRITING was torn by a crash and is dropped, never served.
+
+This module knows bytes and offsets only; which key lives where (and LRU, pins) is index.py's job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+POOL_MAGIC = b"KVSTPOOL"
+POOL_VERSION = 1
+POOL_HEADER = struct.Struct("<8sIIQQQQ")  # magic, version, pad, size, segment_size, segments, data_offset
+POOL_HEADER_BYTES = 4096
+DATA_ALIGN = 2 << 20  # segments start 2 MiB aligned: hugepage and NPU host-register friendly
+PAYLOAD_ALIGN = 256
+
+SLOT_MAGIC = 0x4B565342  # "KVSB"
+FREE, WRITING, COMMITTED = 0, 1, 2
+# magic, state, payload_len, checksum, generation, ns_hash, key_len, key; then crc32 of those bytes
+SLOT_BODY = struct.Struct("<IIQQQ16sI64s")
+SLOT_HEADER_BYTES = 128
+MAX_KEY = 64
+
+
+def _align(value: int, to: int) -> int:
+    return (value + to - 1) // to * to
+
+
+@dataclass(slots=True)
+class SlotHeader:
+    state: int
+    payload_len: int
+    checksum: int
+    generation: int
+    ns_hash: bytes
+    key: bytes
+
+
+@dataclass(slots=True)
+class Segment:
+    index: int
+    offset: int  # of the segment within the pool file
+    payload_size: int = 0  # 0: unassigned
+    slots: int = 0
+    payload_stride: int = 0
+    free_slots: list[int] = field(default_factory=list)
+
+    @property
+    def used(self) -> int:
+        return self.slots - len(self.free_slots)
+
+    def header_offset(self, slot: int) -> int:
+        return self.offset + slot * SLOT_HEADER_BYTES
+
+    def payload_offset(self, slot: int) -> int:
+        headers = _align(self.slots * SLOT_HEADER_BYTES, PAYLOAD_ALIGN)
+        return self.offset + headers + slot * self.payload_stride
+
+
+@dataclass(frozen=True, slots=True)
+class SlotRef:
+    segment: int
+    slot: int
+
+
+class PoolFullError(Exception):
+    pass
+
+
+class Pool:
+    """Owns the mapped pool file and hands out slots of a given payload size."""
+
+    def __init__(self, path: str, size: int, segment_size: int, fresh: bool = False) -> None:
+        if segment_size < 1 << 20:
+            raise ValueError("segment size must be at least 1 MiB")
+        self.path = path
+        self.segment_size = _align(segment_size, PAYLOAD_ALIGN)
+        num_segments = (size - DATA_ALIGN) // self.segment_size
+        if num_segments < 1:
+            raise ValueError(f"pool size {size} is too small for one {segment_size}-byte segment")
+        table_end = POOL_HEADER_BYTES + 8 * num_segments
+        self.data_offset = _align(table_end, DATA_ALIGN)
+        num_segments = (size - self.data_offset) // self.segment_size
+        self.size = self.data_offset + num_segments * self.segment_size
+        self.capacity = num_segments * self.segment_size
+        self.segments = [Segment(i, self.data_offset + i * self.segment_size) for i in range(num_segments)]
+        self.free_segments: list[int] = []
+        self.partial: dict[int, set[int]] = {}  # payload size -> segments with a free slot
+        self.reattached = False
+        self._generation = 0
+        self._mmap = self._open(fresh)
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
+
+    # -- file ------------------------------------------------------------------------------------
+
+    def _open(self, fresh: bool) -> mmap.mmap:
+        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            existing = os.fstat(fd).st_size
+            header = os.pread(fd, POOL_HEADER.size, 0) if existing >= POOL_HEADER.size else b""
+            expected = POOL_HEADER.pack(
+                POOL_MAGIC, POOL_VERSION, 0, self.size, self.segment_size, len(self.segments), self.data_offset
+            )
+            self.reattached = not fresh and existing == self.size and header == expected
+            if not self.reattached:
+                if header[:8] == POOL_MAGIC and not fresh:
+                    log.warning("pool file %s has another geometry; starting empty", self.path)
+                os.ftruncate(fd, 0)  # drop old pages, then grow sparse
+                os.ftruncate(fd, self.size)
+                os.pwrite(fd, expected, 0)
+            mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        if self.reattached:
+            self._load_segment_table(mm)
+        else:
+            self.free_segments = list(range(len(self.segments) - 1, -1, -1))
+        return mm
+
+    def _load_segment_table(self, mm: mmap.mmap) -> None:
+        for seg in self.segments:
+            (payload_size,) = struct.unpack_from("<Q", mm, POOL_HEADER_BYTES + 8 * seg.index)
+            if payload_size == 0 or payload_size > self.segment_size:
+                self.free_segments.append(seg.index)
+            else:
+                self._assign(seg, payload_size, mm)
+        self.free_segments.reverse()
+
+    def close(self) -> None:
+        try:
+            self._mmap.close()
+        except BufferError:  # a ctypes view still points at it; process exit unmaps it
+            pass
+
+    # -- segments and slots ----------------------------------------------------------------------
+
+    def slots_per_segment(self, payload_size: int) -> int:
+        stride = _align(payload_size, PAYLOAD_ALIGN)
+        n = self.segment_size // (stride + SLOT_HEADER_BYTES)
+        while n and _align(n * SLOT_HEADER_BYTES, PAYLOAD_ALIGN) + n * stride > self.segment_size:
+            n -= 1
+        return n
+
+    def _assign(self, seg: Segment, payload_size: int, mm: mmap.mmap | None = None) -> None:
+        seg.payload_size = payload_size
+        seg.payload_stride = _align(payload_size, PAYLOAD_ALIGN)
+        seg.slots = self.slots_per_segment(payload_size)
+        seg.free_slots = list(range(seg.slots - 1, -1, -1))
+        struct.pack_into("<Q", mm if mm is not None else self._mmap, POOL_HEADER_BYTES + 8 * seg.index,
+                         payload_size)
+        self.partial.setdefault(payload_size, set()).add(seg.index)
+
+    def _unassign(self, seg: Segment) -> None:
+        self.partial.get(seg.payload_size, set()).discard(seg.index)
+        struct.pack_into("<Q", self._mmap, POOL_HEADER_BYTES + 8 * seg.index, 0)
+        seg.payload_size = seg.slots = seg.payload_stride = 0
+        seg.free_slots = []
+        self.free_segments.append(seg.index)
+
+    def allocate(self, payload_size: int) -> SlotRef | None:
+        """A free slot for a payload of this size, or None when no slot or segment is free."""
+        if self.slots_per_segment(payload_size) < 1:
+            raise PoolFullError(f"a {payload_size}-byte block does not fit a {self.segment_size}-byte segment")
+        partial = self.partial.get(payload_size)
+        if not partial:
+            if not self.free_segments:
+                return None
+            self._assign(self.segments[self.free_segments.pop()], payload_size)
+            partial = self.partial[payload_size]
+        seg = self.segments[next(iter(partial))]
+        slot = seg.free_slots.pop()
+        if not seg.free_slots:
+            partial.discard(seg.index)
+        return SlotRef(seg.index, slot)
+
+    def release(self, ref: SlotRef) -> None:
+        seg = self.segments[ref.segment]
+        self._write_state(ref, FREE)
+        seg.free_slots.append(ref.slot)
+        if seg.used == 0:
+            self._unassign(seg)
+        else:
+            self.partial.setdefault(seg.payload_size, set()).add(seg.index)
+
+    def payload_address(self, ref: SlotRef) -> int:
+        return self.base + self.segments[ref.segment].payload_offset(ref.slot)
+
+    def payload_offset(self, ref: SlotRef) -> int:
+        return self.segments[ref.segment].payload_offset(ref.slot)
+
+    def payload_view(self, ref: SlotRef) -> memoryview:
+        seg = self.segments[ref.segment]
+        start = seg.payload_offset(ref.slot)
+        return memoryview(self._mmap)[start : start + seg.payload_size]
+
+    # -- slot headers ----------------------------------------------------------------------------
+
+    def next_generation(self) -> int:
+        self._generation += 1
+        return self._generation
+
+    def write_header(self, ref: SlotRef, header: SlotHeader) -> None:
+        body = SLOT_BODY.pack(SLOT_MAGIC, header.state, header.payload_len, header.checksum,
+                              header.generation, header.ns_hash, len(header.key), header.key)
+        offset = self.segments[ref.segment].header_offset(ref.slot)
+        self._mmap[offset : offset + SLOT_BODY.size] = body
+        struct.pack_into("<I", self._mmap, offset + SLOT_BODY.size, zlib.crc32(body))
+
+    def _write_state(self, ref: SlotRef, state: int) -> None:
+        header = self.read_header(ref)
+        if header is not None:
+            header.state = state
+            self.write_header(ref, header)
+
+    def read_header(self, ref: SlotRef) -> SlotHeader | None:
+        offset = self.segments[ref.segment].header_offset(ref.slot)
+        body = bytes(self._mmap[offset : offset + SLOT_BODY.size])
+        (crc,) = struct.unpack_from("<I", self._mmap, offset + SLOT_BODY.size)
+        magic, state, length, checksum, generation, ns_hash, key_len, key = SLOT_BODY.unpack(body)
+        if magic != SLOT_MAGIC or crc != zlib.crc32(body) or key_len > MAX_KEY:
+            return None
+        return SlotHeader(state, length, checksum, generation, ns_hash, key[:key_len])
+
+    def recover(self) -> Iterator[tuple[SlotRef, SlotHeader]]:
+        """After re-attaching: yield committed slots; free torn and empty ones."""
+        for seg in self.segments:
+            if not seg.payload_size:
+                continue
+            seg.free_slots = []
+            for slot in range(seg.slots - 1, -1, -1):
+                ref = SlotRef(seg.index, slot)
+                header = self.read_header(ref)
+                if header is not None and header.state == COMMITTED and header.payload_len == seg.payload_size:
+                    self._generation = max(self._generation, header.generation)
+                    yield ref, header
+                else:
+                    if header is not None and header.state == WRITING:
+                        log.warning("dropping block torn by a crash (segment %d slot %d)", seg.index, slot)
+                        self._write_state(ref, FREE)
+                    seg.free_slots.append(slot)
+            if seg.used == 0:
+                self._unassign(seg)
+            elif not seg.free_slots:
+                self.partial[seg.payload_size].discard(seg.index)

@@ -1,0 +1,252 @@
+"""gRPC front end: thin handlers that translate messages to KVStore calls, plus the serve loop."""
+
+from __future__ import annotations
+
+import asyncio
+import grp
+import logging
+import os
+import signal
+import socket
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from kvstore_client.proto import kvstore_pb2 as pb
+from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore_service import __version__
+from kvstore_service.config import Config
+from kvstore_service.core import MAX_KEY, MIN_KEY, KVError, KVStore, Layout, Region
+
+log = logging.getLogger(__name__)
+SERVICE = "kvstore.v1.KVStore"
+
+
+def split_keys(keys: bytes, key_size: int) -> list[bytes]:
+    if not MIN_KEY <= key_size <= MAX_KEY:
+        raise KVError("INVALID_ARGUMENT", f"key_size {key_size} is outside {MIN_KEY}..{MAX_KEY} bytes")
+    if len(keys) % key_size:
+        raise KVError("INVALID_ARGUMENT", f"{len(keys)} key bytes are not a multiple of key_size {key_size}")
+    return [keys[i : i + key_size] for i in range(0, len(keys), key_size)]
+
+
+class Servicer(pb_grpc.KVStoreServicer):
+    def __init__(self, core: KVStore, stopping: asyncio.Event) -> None:
+        self.core = core
+        self.stopping = stopping
+        self._cleanups: set[asyncio.Task] = set()
+
+    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+        layout = None
+        if request.HasField("layout"):
+            regions = tuple(Region(r.offset, r.block_stride, r.block_bytes) for r in request.layout.regions)
+            layout = Layout(request.layout.num_blocks, regions)
+        mem = request.memory
+        session = self.core.register(
+            protocol_version=request.protocol_version, engine_id=request.engine_id, namespace=request.namespace,
+            layout=layout, backend=mem.backend or "cpu", handle=mem.handle, memory_size=mem.size,
+            device=mem.device, completion_path=request.completion_path, completion_slots=request.completion_slots,
+        )
+        block_bytes = layout.block_bytes if layout else 0
+        return pb.RegisterResponse(session_id=session.session_id, block_bytes=block_bytes,
+                                   max_inflight_jobs=self.core.config.max_inflight_jobs,
+                                   daemon_version=__version__, daemon_boot_id=self.core.boot_id)
+
+    async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext):  # type: ignore[override]
+        session = self.core.attach(request.session_id)
+        try:
+            yield pb.SessionEvent(attached=pb.Attached(daemon_boot_id=self.core.boot_id))
+            await self.stopping.wait()
+            yield pb.SessionEvent(shutdown=pb.Shutdown(reason="daemon shutting down"))
+        finally:
+            # The stream closed: the client went away (or unregistered). Clean up off this task,
+            # which may be cancelled.
+            if not self.stopping.is_set():
+                task = asyncio.get_running_loop().create_task(self.core.end_session(session))
+                self._cleanups.add(task)
+                task.add_done_callback(self._cleanups.discard)
+
+    async def Unregister(self, request: pb.UnregisterRequest, context) -> pb.UnregisterResponse:
+        # The client asked: it owns its shared-memory files and may register them again.
+        await self.core.end_session(self.core.session(request.session_id), unlink_files=False)
+        return pb.UnregisterResponse()
+
+    async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
+        keys = split_keys(request.keys, request.key_size)
+        hits, lease_id = self.core.lookup(request.session_id, request.namespace, keys, request.lease,
+                                          request.lease_ttl_ms)
+        return pb.LookupResponse(hits=hits, lease_id=lease_id)
+
+    async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context) -> pb.ReleaseLeaseResponse:
+        self.core.release_lease(request.session_id, request.lease_id)
+        return pb.ReleaseLeaseResponse()
+
+    async def Store(self, request: pb.TransferRequest, context) -> pb.TransferResponse:
+        return self._submit(request, is_store=True)
+
+    async def Load(self, request: pb.TransferRequest, context) -> pb.TransferResponse:
+        return self._submit(request, is_store=False)
+
+    def _submit(self, request: pb.TransferRequest, is_store: bool) -> pb.TransferResponse:
+        keys = split_keys(request.keys, request.key_size)
+        job = self.core.submit(request.session_id, request.job_id, keys, request.block_ids, is_store)
+        return pb.TransferResponse(job_id=job.job_id)
+
+    async def Poll(self, request: pb.PollRequest, context) -> pb.PollResponse:
+        jobs = await self.core.poll(request.session_id, min(request.wait_ms, 60_000))
+        return pb.PollResponse(jobs=[pb.JobResult(job_id=j.job_id, is_store=j.is_store, block_ok=j.ok,
+                                                  error=j.error) for j in jobs])
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.StatsResponse:
+        stats = self.core.stats()
+        namespaces = [pb.NamespaceStats(**ns) for ns in stats.pop("namespaces")]
+        return pb.StatsResponse(namespaces=namespaces, daemon_version=__version__, **stats)
+
+    async def Clear(self, request: pb.ClearRequest, context) -> pb.ClearResponse:
+        return pb.ClearResponse(cleared_blocks=self.core.clear(request.namespace))
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns KVError into its status code, and any other exception into INTERNAL (logged):
+    a bad request never takes the daemon down."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+
+        async def guarded(request, context):
+            try:
+                return await inner(request, context)
+            except KVError as e:
+                await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as e:
+                log.exception("internal error in %s", handler_call_details.method)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e}")
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+
+
+class StreamErrors:
+    """Attach is a stream: map KVError raised before the first message the same way."""
+
+    @staticmethod
+    def wrap(servicer: Servicer) -> None:
+        original = servicer.Attach
+
+        async def attach(request, context):
+            try:
+                async for event in original(request, context):
+                    yield event
+            except KVError as e:
+                await context.abort(getattr(grpc.StatusCode, e.code), e.message)
+
+        servicer.Attach = attach  # type: ignore[method-assign]
+
+
+def _prepare_socket(path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(path)
+            raise SystemExit(f"another daemon is already listening on {path}")
+        except OSError:
+            os.unlink(path)  # stale socket of a dead daemon
+        finally:
+            probe.close()
+
+
+def _secure_socket(path: str, config: Config) -> None:
+    os.chmod(path, int(config.socket_mode, 8))
+    if config.socket_group:
+        gid = int(config.socket_group) if config.socket_group.isdigit() else grp.getgrnam(config.socket_group).gr_gid
+        os.chown(path, -1, gid)
+
+
+def _tcp_credentials(config: Config) -> grpc.ServerCredentials | None:
+    if config.tls_cert:
+        with open(config.tls_cert, "rb") as f:
+            cert = f.read()
+        with open(config.tls_key, "rb") as f:
+            key = f.read()
+        ca = None
+        if config.tls_client_ca:
+            with open(config.tls_client_ca, "rb") as f:
+                ca = f.read()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+    if not config.insecure:
+        raise SystemExit("--tcp needs --tls-cert/--tls-key, or --insecure for plaintext")
+    log.warning("listening on plaintext TCP %s: anyone who reaches it can read and write the cache", config.tcp)
+    return None
+
+
+async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
+    stopping = asyncio.Event()
+    options = [("grpc.max_receive_message_length", int(config.max_request_bytes)),
+               ("grpc.max_send_message_length", int(config.max_request_bytes)),
+               ("grpc.so_reuseport", 0)]
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+    health_servicer = health.aio.HealthServicer()
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+
+    _prepare_socket(config.socket)
+    server.add_insecure_port(f"unix://{config.socket}")
+    if config.tcp:
+        creds = _tcp_credentials(config)
+        if creds is None:
+            server.add_insecure_port(config.tcp)
+        else:
+            server.add_secure_port(config.tcp, creds)
+
+    # The pool is set up (and recovered) while health says NOT_SERVING.
+    core = await asyncio.to_thread(KVStore, config)
+    servicer = Servicer(core, stopping)
+    StreamErrors.wrap(servicer)
+    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
+    await server.start()
+    _secure_socket(config.socket, config)
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+
+    async def housekeeping() -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            core.expire_leases()
+            await core.reap_unattached()
+
+    chores = loop.create_task(housekeeping())
+    for name in ("", SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("kvstore %s serving on %s (pool %s, %d bytes, %d blocks recovered)", __version__, config.socket,
+             config.pool_path, core.pool.capacity, core.recovered)
+    if ready is not None:
+        ready.set()
+    await stopping.wait()
+
+    log.info("shutting down")
+    await health_servicer.enter_graceful_shutdown()
+    chores.cancel()
+    await server.stop(grace=2.0)
+    await core.shutdown()
+    core.pool.close()
+    try:
+        os.unlink(config.socket)
+    except OSError:
+        pass
+
+
+def run(config: Config) -> None:
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvloop
+
+    uvloop.run(serve(config))
