@@ -197,10 +197,13 @@ class KVStore:
                                   f"({self.pool.segment_size} bytes); raise --segment-size")
                 session.backend = self.backend(backend)
                 try:
-                    session.channel = self._open_channel(completion_path, completion_slots)
                     session.mapping = session.backend.map(handle, memory_size, device)
                 except (ValueError, OSError) as e:
                     raise _invalid(str(e)) from None
+                try:
+                    session.channel = self._open_channel(completion_path, completion_slots)
+                except (ValueError, OSError) as e:
+                    raise _invalid(f"cannot open the completion channel {completion_path!r}: {e}") from None
                 if backend == "cpu":
                     session.files = [handle.decode(), completion_path]
             else:

@@ -1,0 +1,176 @@
+"""Every bad request gets the right status and a message naming the problem; the daemon keeps
+serving and the pool's other blocks are untouched."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+
+from engine import Engine, key_of
+from kvstore_client.proto import kvstore_pb2 as pb
+from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.shm import block_cache
+
+KB64 = 64 * 1024
+NUM_BLOCKS = 32
+
+
+@pytest.fixture
+def setup(daemon):
+    engine = Engine(daemon.socket, "bad-input", NUM_BLOCKS, KB64)
+    keys = [key_of("good", i) for i in range(8)]
+    engine.fill(keys, list(range(8)))
+    job = engine.session.store(keys, list(range(8)))
+    assert engine.session.wait([job])[job].ok
+    channel = grpc.insecure_channel(f"unix://{daemon.socket}")
+    yield daemon, engine, keys, pb_grpc.KVStoreStub(channel)
+    # Afterwards the daemon still serves, and the good blocks load byte-exact.
+    engine.blocks.zero_()
+    job = engine.session.load(keys, list(range(10, 18)))
+    assert engine.session.wait([job])[job].blocks_ok == 8
+    assert engine.verify(keys, list(range(10, 18))) == 0
+    assert daemon.proc.poll() is None
+    engine.close()
+
+
+def expect(code: grpc.StatusCode, words: str, call, request) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        call(request, timeout=10)
+    assert info.value.code() == code, info.value.details()
+    assert words in info.value.details(), info.value.details()
+
+
+def transfer(engine, keys, block_ids, key_size=32, job_id=1000, session_id=None) -> pb.TransferRequest:
+    return pb.TransferRequest(session_id=engine.session.session_id if session_id is None else session_id,
+                              job_id=job_id, keys=b"".join(keys), key_size=key_size, block_ids=block_ids)
+
+
+def test_unknown_session(setup) -> None:
+    _, engine, keys, stub = setup
+    expect(grpc.StatusCode.NOT_FOUND, "unknown or ended session", stub.Store,
+           transfer(engine, keys[:1], [0], session_id=os.urandom(16)))
+    expect(grpc.StatusCode.NOT_FOUND, "unknown or ended session", stub.Poll, pb.PollRequest(session_id=b""))
+
+
+def test_block_id_outside_cache(setup) -> None:
+    _, engine, keys, stub = setup
+    expect(grpc.StatusCode.INVALID_ARGUMENT, f"block id {NUM_BLOCKS} is outside", stub.Load,
+           transfer(engine, keys[:1], [NUM_BLOCKS]))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "outside the registered cache", stub.Store,
+           transfer(engine, [key_of("x", 1)], [2**63]))
+
+
+def test_keys_of_wrong_length(setup) -> None:
+    _, engine, _, stub = setup
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "key_size 8 is outside", stub.Store,
+           transfer(engine, [b"k" * 8], [0], key_size=8))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "key_size 65 is outside", stub.Store,
+           transfer(engine, [b"k" * 65], [0], key_size=65))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "not a multiple of key_size", stub.Store,
+           pb.TransferRequest(session_id=engine.session.session_id, job_id=5, keys=b"k" * 40, key_size=32,
+                              block_ids=[0]))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "key_size 0", stub.Lookup,
+           pb.LookupRequest(namespace="bad-input", keys=b"", key_size=0))
+
+
+def test_duplicate_keys_and_count_mismatch(setup) -> None:
+    _, engine, keys, stub = setup
+    k = key_of("dup", 0)
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "duplicate keys", stub.Store, transfer(engine, [k, k], [0, 1]))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "2 keys but 3 block ids", stub.Load,
+           transfer(engine, keys[:2], [0, 1, 2]))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "duplicate block ids", stub.Load,
+           transfer(engine, keys[:2], [4, 4]))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "at least one block", stub.Load, transfer(engine, [], []))
+
+
+def test_oversized_request(daemon_factory) -> None:
+    daemon = daemon_factory("--max-request-bytes", "1MiB").start()
+    stub = pb_grpc.KVStoreStub(grpc.insecure_channel(f"unix://{daemon.socket}"))
+    expect(grpc.StatusCode.RESOURCE_EXHAUSTED, "", stub.Lookup,
+           pb.LookupRequest(namespace="n", keys=b"k" * 32 * 40000, key_size=32))
+    assert daemon.client().health() == "SERVING"
+    # 10k blocks in one request are fine under the default limit.
+    big = daemon_factory().start()
+    stub = pb_grpc.KVStoreStub(grpc.insecure_channel(f"unix://{big.socket}"))
+    keys = b"".join(key_of("big", i) for i in range(10_000))
+    assert stub.Lookup(pb.LookupRequest(namespace="n", keys=keys, key_size=32)).hits == 0
+
+
+def test_register_errors(setup, tmp_path) -> None:
+    daemon, engine, _, stub = setup
+    memory, spec = block_cache(4, KB64 * 2)  # another block size in the same namespace
+    try:
+        def register(**fields) -> pb.RegisterRequest:
+            request = pb.RegisterRequest(protocol_version=1, engine_id="e", namespace="bad-input",
+                                         completion_path="/dev/shm/kvstore-done-none", completion_slots=8)
+            request.layout.CopyFrom(spec.layout())
+            request.memory.CopyFrom(pb.MemoryHandle(backend="cpu", handle=spec.handle, size=spec.size))
+            for name, value in fields.items():
+                setattr(request, name, value)
+            return request
+
+        expect(grpc.StatusCode.FAILED_PRECONDITION, "protocol 7, this daemon speaks 1", stub.Register,
+               register(protocol_version=7))
+        expect(grpc.StatusCode.FAILED_PRECONDITION, "layout mismatch", stub.Register, register())
+        bad = register(namespace="other")
+        bad.layout.regions[0].block_stride = KB64 * 4  # runs past the end of the memory
+        expect(grpc.StatusCode.INVALID_ARGUMENT, "beyond the", stub.Register, bad)
+        bad = register(namespace="other")
+        bad.memory.handle = b"/etc/passwd"
+        expect(grpc.StatusCode.INVALID_ARGUMENT, "must be a file directly in /dev/shm", stub.Register, bad)
+        bad = register(namespace="other")
+        bad.memory.backend = "tpu"
+        expect(grpc.StatusCode.INVALID_ARGUMENT, "unknown backend 'tpu'", stub.Register, bad)
+        expect(grpc.StatusCode.INVALID_ARGUMENT, "namespace is empty", stub.Register, register(namespace=""))
+        expect(grpc.StatusCode.INVALID_ARGUMENT, "cannot open the completion channel", stub.Register,
+               register(namespace="other"))  # the completion file does not exist
+    finally:
+        memory.close()
+
+
+def test_lookup_only_session_cannot_transfer(setup) -> None:
+    daemon, engine, keys, stub = setup
+    from kvstore_client import KVStoreClient
+
+    scheduler = KVStoreClient(daemon.socket).session("bad-input")
+    expect(grpc.StatusCode.FAILED_PRECONDITION, "lookup-only", stub.Store,
+           transfer(engine, keys[:1], [0], session_id=scheduler.session_id))
+    expect(grpc.StatusCode.PERMISSION_DENIED, "its own namespace", stub.Lookup,
+           pb.LookupRequest(session_id=scheduler.session_id, namespace="other", keys=keys[0], key_size=32))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "a lease needs a session", stub.Lookup,
+           pb.LookupRequest(namespace="bad-input", keys=keys[0], key_size=32, lease=True))
+    expect(grpc.StatusCode.NOT_FOUND, "unknown or expired lease", stub.ReleaseLease,
+           pb.ReleaseLeaseRequest(session_id=scheduler.session_id, lease_id=b"nope"))
+    assert scheduler.lookup(keys) == (8, b"")
+    scheduler.close()
+
+
+def test_jobs_beyond_completion_slots_fail_without_blocking(daemon) -> None:
+    from kvstore_client import KVStoreClient
+
+    memory, spec = block_cache(8, KB64)
+    session = KVStoreClient(daemon.socket).session("slots", spec, completion_slots=2)
+    keys = [key_of("slot", i) for i in range(3)]
+    first, second = session.store(keys[:1], [0]), session.store(keys[1:2], [1])
+    third = session.store(keys[2:], [2])  # both slots are taken until their completions are polled
+    done = session.wait([first, second, third])
+    assert done[first].ok and done[second].ok
+    assert (done[third].blocks_ok, done[third].blocks_failed) == (0, 1)
+    session.close()
+    memory.close()
+
+
+def test_too_many_sessions(daemon_factory) -> None:
+    daemon = daemon_factory("--max-sessions", "2").start()
+    from kvstore_client import KVStoreClient, ResourceExhausted
+
+    client = KVStoreClient(daemon.socket)
+    sessions = [client.session("n"), client.session("n")]
+    with pytest.raises(ResourceExhausted, match="sessions"):
+        client.session("n")
+    sessions[0].close()
+    client.session("n").close()
+    sessions[1].close()

@@ -1,0 +1,224 @@
+"""The daemon end to end: real daemon process, real engine processes, bytes verified."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, content_of, key_of
+from kvstore_client import KVStoreClient
+
+ENGINE = str(Path(__file__).parent / "engine.py")
+KB64 = 64 * 1024
+
+
+def run_engine(daemon, *args: str, timeout: float = 120) -> dict:
+    out = subprocess.run([sys.executable, ENGINE, "--socket", daemon.socket, *args], capture_output=True,
+                         text=True, timeout=timeout, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+def test_two_engine_processes_store_and_load_byte_exact(daemon) -> None:
+    a = run_engine(daemon, "--seed", "a", "--count", "40", "store")
+    b = run_engine(daemon, "--seed", "b", "--count", "40", "store")
+    assert a["completion"] == 40 and b["completion"] == 40
+    # Each engine loads the other's blocks into fresh memory at other block ids.
+    la = run_engine(daemon, "--seed", "b", "--count", "40", "load")
+    lb = run_engine(daemon, "--seed", "a", "--count", "40", "load")
+    assert (la["hits"], la["loaded"], la["corrupt"]) == (40, 40, 0)
+    assert (lb["hits"], lb["loaded"], lb["corrupt"]) == (40, 40, 0)
+    stats = daemon.client().stats()
+    assert stats.blocks == 80 and stats.stored_blocks == 80 and stats.loaded_blocks == 80
+
+
+def test_restarted_engine_finds_its_blocks(daemon) -> None:
+    engine = Engine(daemon.socket, "restart-ns", 64, KB64)
+    keys = [key_of("r", i) for i in range(20)]
+    engine.fill(keys, list(range(20)))
+    job = engine.session.store(keys, list(range(20)))
+    assert engine.session.wait([job])[job].ok
+    engine.close()  # the engine goes away; its blocks stay
+
+    again = Engine(daemon.socket, "restart-ns", 64, KB64)  # new process memory, new session
+    assert again.session.lookup(keys) == (20, b"")
+    ids = list(range(40, 60))
+    job = again.session.load(keys, ids)
+    assert again.session.wait([job])[job].blocks_ok == 20
+    assert again.verify(keys, ids) == 0
+    again.close()
+
+
+def test_engine_killed_mid_job_releases_session(daemon) -> None:
+    client = daemon.client()
+    before = set(glob.glob("/dev/shm/kvstore-*"))
+    proc = subprocess.Popen([sys.executable, ENGINE, "--socket", daemon.socket, "--seed", "k", "--count", "100",
+                             "--num-blocks", "128", "--hang", "store"], stdout=subprocess.PIPE, text=True)
+    assert "submitted" in proc.stdout.readline()
+    stats = client.stats()
+    assert stats.engines == 1
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    wait_for(lambda: client.stats().engines == 0)
+    stats = client.stats()
+    assert stats.jobs_in_flight == 0 and stats.leases == 0
+    # Its shared-memory files are unlinked by the daemon; nothing else leaked.
+    wait_for(lambda: set(glob.glob("/dev/shm/kvstore-*")) <= before)
+    # The daemon keeps serving: another engine stores and loads.
+    assert run_engine(daemon, "--seed", "after", "--count", "10", "store")["completion"] == 10
+    assert run_engine(daemon, "--seed", "after", "--count", "10", "load")["corrupt"] == 0
+
+
+def test_lease_released_when_owner_dies(daemon) -> None:
+    run_engine(daemon, "--seed", "l", "--count", "8", "store")
+    code = (
+        "import sys, time; sys.path.insert(0, %r)\n"
+        "from engine import key_of\n"
+        "from kvstore_client import KVStoreClient\n"
+        "s = KVStoreClient(%r).session('test-ns')\n"
+        "print(s.lookup([key_of('l', i) for i in range(8)], lease=True)[0], flush=True)\n"
+        "time.sleep(600)\n"
+    ) % (str(Path(ENGINE).parent), daemon.socket)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "8"
+    client = daemon.client()
+    assert client.stats().leases == 1
+    proc.kill()
+    proc.wait()
+    wait_for(lambda: client.stats().leases == 0)
+
+
+def _small_pool(daemon_factory):
+    # 4 segments of 1 MiB, 15 slots of 64 KiB each: 60 blocks.
+    return daemon_factory(pool_size="6MiB", segment_size="1MiB").start()
+
+
+def test_lru_eviction_skips_leased_blocks(daemon_factory) -> None:
+    daemon = _small_pool(daemon_factory)
+    engine = Engine(daemon.socket, "lru", 64, KB64)
+    s = engine.session
+    keys = [key_of("lru", i) for i in range(70)]
+    engine.fill(keys[:60], list(range(60)))
+    for start in range(0, 60, 20):
+        job = s.store(keys[start:start + 20], list(range(start, start + 20)))
+        assert s.wait([job])[job].blocks_ok == 20
+    assert daemon.client().stats().blocks == 60
+    hits, lease = s.lookup(keys[:5], lease=True)  # pins the 5 oldest
+    assert hits == 5 and lease
+    assert s.lookup([keys[10]]) == (1, b"")  # recently used now
+    engine.fill(keys[60:70], list(range(10)))
+    job = s.store(keys[60:70], list(range(10)))
+    assert s.wait([job])[job].blocks_ok == 10
+    present = {i for i in range(70) if s.lookup([keys[i]])[0]}
+    evicted = set(range(70)) - present
+    assert evicted == {5, 6, 7, 8, 9, 11, 12, 13, 14, 15}
+    stats = daemon.client().stats()
+    assert stats.evictions == 10 and stats.blocks == 60
+    s.release_lease(lease, wait=True)
+    engine.close()
+
+
+def test_dedupe_and_pool_full(daemon_factory) -> None:
+    daemon = _small_pool(daemon_factory)
+    engine = Engine(daemon.socket, "full", 64, KB64)
+    s = engine.session
+    keys = [key_of("full", i) for i in range(64)]
+    engine.fill(keys[:60], list(range(60)))
+    job = s.store(keys[:60], list(range(60)))
+    assert s.wait([job])[job].blocks_ok == 60
+    # Storing present keys again is a no-op that succeeds.
+    job = s.store(keys[:60], list(range(60)))
+    assert s.wait([job])[job].blocks_ok == 60
+    stats = daemon.client().stats()
+    assert stats.blocks == 60 and stats.stored_blocks == 60
+    # Everything leased: a new block has nowhere to go, and fails alone.
+    _, lease = s.lookup(keys[:60], lease=True)
+    job = s.store(keys[60:64], [60, 61, 62, 63])
+    done = s.wait([job])[job]
+    assert (done.blocks_ok, done.blocks_failed) == (0, 4)
+    assert daemon.client().stats().store_failures_pool_full == 4
+    (result,) = [j for j in s.results().jobs if j.job_id == job]
+    assert list(result.block_ok) == [False] * 4 and "pool full" in result.error
+    # The leased blocks are intact and load byte-exact.
+    engine.blocks.zero_()
+    job = s.load(keys[:60], list(range(60)))
+    assert s.wait([job])[job].blocks_ok == 60
+    assert engine.verify(keys[:60], list(range(60))) == 0
+    s.release_lease(lease, wait=True)
+    job = s.store(keys[60:64], [60, 61, 62, 63])
+    assert s.wait([job])[job].blocks_ok == 4
+    engine.close()
+
+
+def test_load_of_missing_block_fails_that_block_only(daemon) -> None:
+    engine = Engine(daemon.socket, "miss", 16, KB64)
+    s = engine.session
+    present = key_of("m", 0)
+    engine.fill([present], [0])
+    s.wait([s.store([present], [0])])
+    engine.blocks.zero_()
+    job = s.load([present, key_of("m", 1)], [1, 2])
+    done = s.wait([job])[job]
+    assert (done.blocks_ok, done.blocks_failed) == (1, 1)
+    assert engine.verify([present], [1]) == 0
+    assert int(engine.blocks[2].count_nonzero()) == 0  # the missing block wrote nothing
+    engine.close()
+
+
+def test_concurrent_engine_processes_hammer(daemon) -> None:
+    procs = [subprocess.Popen([sys.executable, ENGINE, "--socket", daemon.socket, "--seed", "shared",
+                               "--count", "48", "--rounds", "25", "hammer"], stdout=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    results = []
+    for p in procs:
+        out, _ = p.communicate(timeout=180)
+        assert p.returncode == 0
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    assert all(r["corrupt"] == 0 for r in results)
+    assert sum(r["loaded"] for r in results) > 0 and sum(r["stored"] for r in results) > 0
+    stats = daemon.client().stats()
+    assert stats.engines == 0 and stats.jobs_in_flight == 0 and stats.failed_blocks == 0
+
+
+def test_stats_and_clear(daemon) -> None:
+    run_engine(daemon, "--namespace", "one", "--seed", "x", "--count", "6", "store")
+    run_engine(daemon, "--namespace", "two", "--seed", "x", "--count", "4", "store")
+    client = daemon.client()
+    names = {ns.namespace: ns.blocks for ns in client.stats().namespaces}
+    assert names == {"one": 6, "two": 4}
+    # Namespaces never mix: the same keys are absent in another namespace.
+    assert client.lookup("one", [key_of("x", i) for i in range(6)]) == 6
+    assert client.lookup("three", [key_of("x", i) for i in range(6)]) == 0
+    assert client.clear("one") == 6
+    assert client.lookup("one", [key_of("x", 0)]) == 0
+    assert client.lookup("two", [key_of("x", 0)]) == 1
+    assert client.clear() == 4 and client.stats().blocks == 0
+
+
+def test_content_helper_is_deterministic() -> None:
+    assert torch.equal(content_of(b"k" * 32, 1000), content_of(b"k" * 32, 1000))
+    assert not torch.equal(content_of(b"k" * 32, 1000), content_of(b"j" * 32, 1000))
+
+
+def test_client_reports_unreachable_daemon(tmp_path) -> None:
+    from kvstore_client import Unavailable
+
+    with pytest.raises(Unavailable):
+        KVStoreClient(str(tmp_path / "nobody.sock"), timeout=1).stats()
+    assert not os.path.exists(tmp_path / "nobody.sock")
