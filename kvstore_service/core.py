@@ -288,14 +288,13 @@ class KVStore:
         if ns is not None:
             ns.stats.hits += len(found)
             ns.stats.misses += len(keys) - len(found)
-        for block in found:
-            self.index.touch(block)
         lease_id = b""
         if lease and found and session is not None:
             ttl = ttl_ms / 1000 if ttl_ms else self.config.lease_ttl_s
             lease_id = secrets.token_bytes(16)
             for block in found:
                 self.index.pin(block)
+                self.index.touch(block)
             session.leases[lease_id] = Lease(lease_id, session, found, time.monotonic() + ttl)
         return len(found), lease_id
 
@@ -463,7 +462,7 @@ class KVStore:
                 self.index.unpin(block)
                 if i in job.corrupt:
                     self.counters.corrupt_blocks += 1
-                    if block.pins == 0 and self.index.blocks.get(block.key) is block:
+                    if block.pins == 0 and self.index.present(block):
                         self.index.drop(block)
                 elif job.ok[i]:
                     ns.stats.loaded_blocks += 1
@@ -509,7 +508,7 @@ class KVStore:
         return {
             "capacity_bytes": self.pool.capacity,
             "used_bytes": used,
-            "blocks": len(self.index.blocks),
+            "blocks": self.index.count,
             "hits": sum(n["hits"] for n in namespaces),
             "misses": sum(n["misses"] for n in namespaces),
             "stored_blocks": sum(n["stored_blocks"] for n in namespaces),

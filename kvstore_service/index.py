@@ -27,18 +27,22 @@ class NamespaceStats:
     evictions: int = 0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class Namespace:
     name: str
     ns_hash: bytes
     block_bytes: int
-    blocks: int = 0
+    entries: dict[bytes, Block] = field(default_factory=dict)  # key -> block, writing or committed
     stats: NamespaceStats = field(default_factory=NamespaceStats)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.entries)
 
 
 @dataclass(slots=True, eq=False)
 class Block:
-    key: bytes  # namespace hash + block key: unique across namespaces
+    key: bytes
     namespace: Namespace
     ref: SlotRef
     state: int = WRITING
@@ -50,8 +54,8 @@ class BlockIndex:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.namespaces: dict[bytes, Namespace] = {}
-        self.blocks: dict[bytes, Block] = {}
-        self.lru: dict[int, OrderedDict[bytes, Block]] = {}  # payload size -> committed blocks
+        self.count = 0
+        self.lru: dict[int, OrderedDict[Block, None]] = {}  # payload size -> committed blocks, oldest first
         self.by_segment: dict[int, dict[int, Block]] = {}
         self.evictions = 0
 
@@ -77,23 +81,24 @@ class BlockIndex:
     # -- lookups ---------------------------------------------------------------------------------
 
     def get(self, ns: Namespace, key: bytes) -> Block | None:
-        block = self.blocks.get(ns.ns_hash + key)
+        block = ns.entries.get(key)
         return block if block is not None and block.state == COMMITTED else None
 
     def prefix(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
         """The committed blocks of the leading keys that are all present."""
         found = []
+        entries = ns.entries
         for key in keys:
-            block = self.get(ns, key)
-            if block is None:
+            block = entries.get(key)
+            if block is None or block.state != COMMITTED:
                 break
             found.append(block)
         return found
 
     def touch(self, block: Block) -> None:
         lru = self.lru.get(block.namespace.block_bytes)
-        if lru is not None and block.key in lru:
-            lru.move_to_end(block.key)
+        if lru is not None and block in lru:
+            lru.move_to_end(block)
 
     def pin(self, block: Block) -> None:
         block.pins += 1
@@ -106,32 +111,33 @@ class BlockIndex:
 
     def contains(self, ns: Namespace, key: bytes) -> bool:
         """Present or being written: a store of it is a no-op."""
-        return ns.ns_hash + key in self.blocks
+        return key in ns.entries
 
     def begin_store(self, ns: Namespace, key: bytes) -> Block | None:
         """Reserve a slot for a new block (WRITING), evicting if needed; None when the pool is full."""
         ref = self.pool.allocate(ns.block_bytes) or self._evict_for(ns.block_bytes)
         if ref is None:
             return None
-        block = Block(ns.ns_hash + key, ns, ref)
+        block = Block(key, ns, ref)
         self._insert(block)
-        self.pool.write_header(ref, SlotHeader(WRITING, ns.block_bytes, 0, 0, ns.ns_hash, key))
-        return block
+        return block  # its slot header stays invalid until commit(): a crash mid-copy drops it
 
     def commit(self, block: Block, checksum: int) -> None:
-        if self.blocks.get(block.key) is not block:
+        ns = block.namespace
+        if ns.entries.get(block.key) is not block:
             return  # cleared while it was written; its slot is already free
         block.state, block.checksum = COMMITTED, checksum
-        ns = block.namespace
-        key = block.key[len(ns.ns_hash):]
         self.pool.write_header(block.ref, SlotHeader(COMMITTED, ns.block_bytes, checksum,
-                                                     self.pool.next_generation(), ns.ns_hash, key))
-        self.lru.setdefault(ns.block_bytes, OrderedDict())[block.key] = block
+                                                     self.pool.next_generation(), ns.ns_hash, block.key))
+        self.lru.setdefault(ns.block_bytes, OrderedDict())[block] = None
 
     def abort(self, block: Block) -> None:
         """A store that did not copy every byte: forget the block."""
-        if self.blocks.get(block.key) is block:
+        if self.present(block):
             self.drop(block)
+
+    def present(self, block: Block) -> bool:
+        return block.namespace.entries.get(block.key) is block
 
     def recover(self) -> int:
         """Rebuild the index from a re-attached pool's slot headers (oldest first, for LRU)."""
@@ -140,35 +146,35 @@ class BlockIndex:
             ns = self.namespaces.get(header.ns_hash)
             if ns is None:
                 ns = self.namespaces[header.ns_hash] = Namespace("", header.ns_hash, header.payload_len)
-            block = Block(header.ns_hash + header.key, ns, ref, COMMITTED, 0, header.checksum)
+            block = Block(header.key, ns, ref, COMMITTED, 0, header.checksum)
             self._insert(block)
-            self.lru.setdefault(ns.block_bytes, OrderedDict())[block.key] = block
+            self.lru.setdefault(ns.block_bytes, OrderedDict())[block] = None
         return len(found)
 
     # -- removal ---------------------------------------------------------------------------------
 
     def drop(self, block: Block) -> None:
         """Remove a block and free its slot. The caller makes sure no copy touches it."""
-        del self.blocks[block.key]
+        del block.namespace.entries[block.key]
+        self.count -= 1
         lru = self.lru.get(block.namespace.block_bytes)
         if lru is not None:
-            lru.pop(block.key, None)
+            lru.pop(block, None)
         del self.by_segment[block.ref.segment][block.ref.slot]
-        block.namespace.blocks -= 1
         self.pool.release(block.ref)
 
     def clear(self, ns: Namespace | None = None) -> int:
         """Drop every unpinned committed block (of one namespace). Returns how many."""
-        victims = [b for b in self.blocks.values()
-                   if b.state == COMMITTED and b.pins == 0 and (ns is None or b.namespace is ns)]
+        namespaces = [ns] if ns is not None else list(self.namespaces.values())
+        victims = [b for n in namespaces for b in n.entries.values() if b.state == COMMITTED and b.pins == 0]
         for block in victims:
             self.drop(block)
         return len(victims)
 
     def _insert(self, block: Block) -> None:
-        self.blocks[block.key] = block
+        block.namespace.entries[block.key] = block
+        self.count += 1
         self.by_segment.setdefault(block.ref.segment, {})[block.ref.slot] = block
-        block.namespace.blocks += 1
 
     def _evictable(self, block: Block) -> bool:
         return block.state == COMMITTED and block.pins == 0
@@ -183,14 +189,14 @@ class BlockIndex:
         a whole segment of another size whose blocks are all evictable."""
         lru = self.lru.get(payload_size)
         if lru:
-            for block in lru.values():
+            for block in lru:
                 if self._evictable(block):
                     self._evict(block)
                     return self.pool.allocate(payload_size)
         for size, other in self.lru.items():
             if size == payload_size:
                 continue
-            for block in other.values():
+            for block in other:
                 segment = self.by_segment.get(block.ref.segment, {})
                 if all(self._evictable(b) for b in segment.values()):
                     for victim in list(segment.values()):

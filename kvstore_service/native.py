@@ -62,7 +62,8 @@ def copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets
     split across ``threads`` threads by bytes. Overlapping ranges are undefined (as with memcpy).
     """
     if _native is not None:
-        _native.copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes), threads)
+        _native.copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes),
+                            threads)
     else:
         _fallback_notice()
         _py_copy_blocks(src_base, dst_base, src_offsets, dst_offsets, sizes, threads)
@@ -80,12 +81,14 @@ def copy_and_checksum(src_base: int, dst_base: int, src_offsets: U64Array, dst_o
                       threads: int = 1) -> list[int]:
     """Copy equal-size blocks and return the CRC32C of each; natively in one pass over the source."""
     if _native is not None:
-        return _u64_list(_native.copy_and_checksum(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets),
-                                                   size, threads))
+        raw = _native.copy_and_checksum(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), size,
+                                        threads)
+        return _u64_list(raw)
     _fallback_notice()
     src, dst = _u64_values(src_offsets, "src_offsets"), _u64_values(dst_offsets, "dst_offsets")
     if len(src) != len(dst):
-        raise ValueError(f"src_offsets and dst_offsets must have the same length (got {len(src)} and {len(dst)})")
+        raise ValueError(
+            f"src_offsets and dst_offsets must have the same length (got {len(src)} and {len(dst)})")
     _py_copy_blocks(src_base, dst_base, src, dst, [size] * len(src), threads)
     return _py_checksum_blocks(dst_base, dst, size, threads)
 
@@ -97,7 +100,8 @@ def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
     return _crc32c_fallback()(data, crc)
 
 
-def coalesce_runs(src_offsets: U64Array, dst_offsets: U64Array, sizes: U64Array) -> list[tuple[int, int, int]]:
+def coalesce_runs(src_offsets: U64Array, dst_offsets: U64Array,
+                  sizes: U64Array) -> list[tuple[int, int, int]]:
     """The merged ``(src_offset, dst_offset, size)`` runs a copy of these blocks executes."""
     if _native is not None:
         return list(_native.coalesce_runs(_as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes)))
@@ -118,12 +122,13 @@ def features() -> dict[str, Any]:
 # Device paths: only in the native engine (see csrc/cuda_copy.cpp and csrc/acl_copy.cpp).
 
 
-def cuda_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array, sizes: U64Array,
-                     direction: str, device: int, stream: int = 0, allow_batch: bool = True) -> None:
+def cuda_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array,
+                     sizes: U64Array, direction: str, device: int, stream: int = 0,
+                     allow_batch: bool = True) -> None:
     """Copy between GPU memory and host memory ('h2d', 'd2h', 'd2d') and wait for completion."""
     _require_native("cuda_copy_blocks").cuda_copy_blocks(
-        src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes), direction, device, stream,
-        allow_batch)
+        src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes), direction, device,
+        stream, allow_batch)
 
 
 def cuda_host_register(addr: int, size: int, device: int = 0) -> None:
@@ -135,12 +140,13 @@ def cuda_host_unregister(addr: int, device: int = 0) -> None:
     _require_native("cuda_host_unregister").cuda_host_unregister(addr, device)
 
 
-def acl_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array, sizes: U64Array,
-                    direction: str, device: int, stream: int = 0, allow_batch: bool = True) -> None:
+def acl_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array,
+                    sizes: U64Array, direction: str, device: int, stream: int = 0,
+                    allow_batch: bool = True) -> None:
     """Ascend counterpart of cuda_copy_blocks (unverified on hardware)."""
     _require_native("acl_copy_blocks").acl_copy_blocks(
-        src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes), direction, device, stream,
-        allow_batch)
+        src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes), direction, device,
+        stream, allow_batch)
 
 
 def acl_host_register(addr: int, size: int, device: int = 0) -> int:
@@ -165,8 +171,8 @@ def _fallback_notice() -> None:
     with _notice_lock:
         if not _notice_done:
             _notice_done = True
-            log.warning("native copy engine unavailable (%s); using the slower Python fallback with %s checksums",
-                        _NATIVE_MISSING, _crc32c_fallback_name())
+            log.warning("native copy engine unavailable (%s); using the slower Python fallback "
+                        "with %s checksums", _NATIVE_MISSING, _crc32c_fallback_name())
 
 
 def _require_native(name: str) -> ModuleType:
@@ -226,7 +232,7 @@ def _validated(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets:
     if not len(src) == len(dst) == len(size):
         raise ValueError(f"src_offsets, dst_offsets and sizes must have the same length "
                          f"(got {len(src)}, {len(dst)}, {len(size)})")
-    for i, (s, d, n) in enumerate(zip(src, dst, size)):
+    for i, (s, d, n) in enumerate(zip(src, dst, size, strict=True)):
         if src_base + s + n > _U64_MAX or dst_base + d + n > _U64_MAX:
             raise OverflowError(f"block {i}: base + offset + size overflows the address space")
     return src, dst, size
@@ -234,7 +240,7 @@ def _validated(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets:
 
 def _py_coalesce(src: list[int], dst: list[int], sizes: list[int]) -> list[tuple[int, int, int]]:
     """Sort by source, drop empty blocks, merge runs contiguous on both sides (as the extension)."""
-    runs = sorted((r for r in zip(src, dst, sizes) if r[2]), key=lambda r: r[0])
+    runs = sorted((r for r in zip(src, dst, sizes, strict=True) if r[2]), key=lambda r: r[0])
     merged: list[tuple[int, int, int]] = []
     for s, d, n in runs:
         if merged:
@@ -289,8 +295,8 @@ def _parallel(parts: int, fn: Callable[[int], None]) -> None:
         f.result()
 
 
-def _py_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array, sizes: U64Array,
-                    threads: int = 1) -> int:
+def _py_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array,
+                    sizes: U64Array, threads: int = 1) -> int:
     """Fallback copy: ctypes.memmove (GIL released) per run piece on a thread pool. Returns #runs."""
     _check_threads(threads)
     runs = _py_coalesce(*_validated(src_base, dst_base, src_offsets, dst_offsets, sizes))
@@ -317,7 +323,9 @@ def _py_checksum_blocks(base: int, offsets: U64Array, size: int, threads: int = 
     crc = _crc32c_fallback()
     sums = [0] * len(offs)
     # Threads only help when the CRC code releases the GIL (the packages do; pure Python does not).
-    parts = 1 if crc is _crc32c_py else max(1, min(threads, len(offs), len(offs) * size // _MIN_BYTES_PER_THREAD))
+    parts = 1
+    if crc is not _crc32c_py:
+        parts = max(1, min(threads, len(offs), len(offs) * size // _MIN_BYTES_PER_THREAD))
 
     def work(t: int) -> None:
         for i in range(len(offs) * t // parts, len(offs) * (t + 1) // parts):

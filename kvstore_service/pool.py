@@ -7,8 +7,9 @@ Layout of the pool file (all little-endian):
 
 A segment serves one payload size at a time (namespaces with equal block size share segments) and
 holds `n` slots: first `n` slot headers of 128 bytes, then `n` payloads. A slot header describes its
-block (namespace hash, key, length, checksum, state), so a restarted daemon rebuilds the index by
-scanning headers: a slot still marked WRITING was torn by a crash and is dropped, never served.
+block (namespace hash, key, length, checksum), so a restarted daemon rebuilds the index by scanning
+headers. A header is written only once the block's bytes are all copied, and invalidated before a
+slot is reused: a block torn by a crash has no valid header and is dropped, never served.
 
 This module knows bytes and offsets only; which key lives where (and LRU, pins) is index.py's job.
 """
@@ -32,9 +33,10 @@ POOL_HEADER = struct.Struct("<8sIIQQQQ")  # magic, version, pad, size, segment_s
 POOL_HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20  # segments start 2 MiB aligned: hugepage and NPU host-register friendly
 PAYLOAD_ALIGN = 256
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 SLOT_MAGIC = 0x4B565342  # "KVSB"
-FREE, WRITING, COMMITTED = 0, 1, 2
+WRITING, COMMITTED = 1, 2
 # magic, state, payload_len, checksum, generation, ns_hash, key_len, key; then crc32 of those bytes
 SLOT_BODY = struct.Struct("<IIQQQ16sI64s")
 SLOT_HEADER_BYTES = 128
@@ -62,6 +64,7 @@ class Segment:
     payload_size: int = 0  # 0: unassigned
     slots: int = 0
     payload_stride: int = 0
+    payload_base: int = 0  # offset of slot 0's payload within the pool file
     free_slots: list[int] = field(default_factory=list)
 
     @property
@@ -72,8 +75,7 @@ class Segment:
         return self.offset + slot * SLOT_HEADER_BYTES
 
     def payload_offset(self, slot: int) -> int:
-        headers = _align(self.slots * SLOT_HEADER_BYTES, PAYLOAD_ALIGN)
-        return self.offset + headers + slot * self.payload_stride
+        return self.payload_base + slot * self.payload_stride
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,12 +127,23 @@ class Pool:
             if not self.reattached:
                 if header[:8] == POOL_MAGIC and not fresh:
                     log.warning("pool file %s has another geometry; starting empty", self.path)
-                os.ftruncate(fd, 0)  # drop old pages, then grow sparse
+                os.ftruncate(fd, 0)  # drop old pages
+                free = os.statvfs(os.path.dirname(self.path) or ".")
+                if free.f_bavail * free.f_frsize < self.size:
+                    raise PoolFullError(
+                        f"{os.path.dirname(self.path)} has {free.f_bavail * free.f_frsize} bytes free, the pool "
+                        f"needs {self.size}: lower --pool-size or grow the shared-memory mount")
                 os.ftruncate(fd, self.size)
-                os.pwrite(fd, expected, 0)
             mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        if not self.reattached:
+            # Fault every page in now, once: a first touch during a store costs more than the copy.
+            try:
+                mm.madvise(MADV_POPULATE_WRITE)
+            except OSError:  # kernels before 5.14
+                ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(mm)), 0, self.size)
+            mm[: POOL_HEADER.size] = expected
         if self.reattached:
             self._load_segment_table(mm)
         else:
@@ -165,6 +178,9 @@ class Pool:
         seg.payload_size = payload_size
         seg.payload_stride = _align(payload_size, PAYLOAD_ALIGN)
         seg.slots = self.slots_per_segment(payload_size)
+        seg.payload_base = seg.offset + _align(seg.slots * SLOT_HEADER_BYTES, PAYLOAD_ALIGN)
+        if mm is None:  # a new assignment: old bytes here must never parse as slot headers
+            ctypes.memset(self.base + seg.offset, 0, seg.payload_base - seg.offset)
         seg.free_slots = list(range(seg.slots - 1, -1, -1))
         struct.pack_into("<Q", mm if mm is not None else self._mmap, POOL_HEADER_BYTES + 8 * seg.index,
                          payload_size)
@@ -173,16 +189,16 @@ class Pool:
     def _unassign(self, seg: Segment) -> None:
         self.partial.get(seg.payload_size, set()).discard(seg.index)
         struct.pack_into("<Q", self._mmap, POOL_HEADER_BYTES + 8 * seg.index, 0)
-        seg.payload_size = seg.slots = seg.payload_stride = 0
+        seg.payload_size = seg.slots = seg.payload_stride = seg.payload_base = 0
         seg.free_slots = []
         self.free_segments.append(seg.index)
 
     def allocate(self, payload_size: int) -> SlotRef | None:
         """A free slot for a payload of this size, or None when no slot or segment is free."""
-        if self.slots_per_segment(payload_size) < 1:
-            raise PoolFullError(f"a {payload_size}-byte block does not fit a {self.segment_size}-byte segment")
         partial = self.partial.get(payload_size)
         if not partial:
+            if self.slots_per_segment(payload_size) < 1:
+                raise PoolFullError(f"a {payload_size}-byte block does not fit a {self.segment_size}-byte segment")
             if not self.free_segments:
                 return None
             self._assign(self.segments[self.free_segments.pop()], payload_size)
@@ -195,7 +211,7 @@ class Pool:
 
     def release(self, ref: SlotRef) -> None:
         seg = self.segments[ref.segment]
-        self._write_state(ref, FREE)
+        self.invalidate(ref)
         seg.free_slots.append(ref.slot)
         if seg.used == 0:
             self._unassign(seg)
@@ -226,11 +242,10 @@ class Pool:
         self._mmap[offset : offset + SLOT_BODY.size] = body
         struct.pack_into("<I", self._mmap, offset + SLOT_BODY.size, zlib.crc32(body))
 
-    def _write_state(self, ref: SlotRef, state: int) -> None:
-        header = self.read_header(ref)
-        if header is not None:
-            header.state = state
-            self.write_header(ref, header)
+    def invalidate(self, ref: SlotRef) -> None:
+        """Mark a slot's header invalid before its payload is rewritten: a crash mid-copy then
+        leaves a slot that recovery drops, never the old header over new, torn bytes."""
+        struct.pack_into("<I", self._mmap, self.segments[ref.segment].header_offset(ref.slot), 0)
 
     def read_header(self, ref: SlotRef) -> SlotHeader | None:
         offset = self.segments[ref.segment].header_offset(ref.slot)
@@ -254,9 +269,7 @@ class Pool:
                     self._generation = max(self._generation, header.generation)
                     yield ref, header
                 else:
-                    if header is not None and header.state == WRITING:
-                        log.warning("dropping block torn by a crash (segment %d slot %d)", seg.index, slot)
-                        self._write_state(ref, FREE)
+                    self.invalidate(ref)
                     seg.free_slots.append(slot)
             if seg.used == 0:
                 self._unassign(seg)

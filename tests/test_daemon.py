@@ -121,7 +121,9 @@ def test_lru_eviction_skips_leased_blocks(daemon_factory) -> None:
     assert daemon.client().stats().blocks == 60
     hits, lease = s.lookup(keys[:5], lease=True)  # pins the 5 oldest
     assert hits == 5 and lease
-    assert s.lookup([keys[10]]) == (1, b"")  # recently used now
+    hits, recent = s.lookup([keys[10]], lease=True)  # a leased lookup marks it recently used
+    assert hits == 1
+    s.release_lease(recent, wait=True)
     engine.fill(keys[60:70], list(range(10)))
     job = s.store(keys[60:70], list(range(10)))
     assert s.wait([job])[job].blocks_ok == 10

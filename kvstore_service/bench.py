@@ -1,0 +1,157 @@
+"""`kvstore bench`: the data path and control path measured against their physical limits, in one run."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import random
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+from kvstore_client import KVStoreClient, Unavailable
+from kvstore_client.client import MemorySpec, Session
+from kvstore_client.shm import SharedKVMemory
+from kvstore_service import native
+
+
+@contextlib.contextmanager
+def private_daemon(pool_bytes: int, copy_threads: int) -> Iterator[str]:
+    """A daemon of our own on a temp socket and pool file, stopped afterwards."""
+    tmp = tempfile.mkdtemp(prefix="kvstore-bench-")
+    socket = os.path.join(tmp, "kvstore.sock")
+    pool = f"/dev/shm/kvstore-bench-{secrets.token_hex(4)}"
+    proc = subprocess.Popen([sys.executable, "-m", "kvstore_service", "serve", "--socket", socket,
+                             "--pool-path", pool, "--pool-size", str(pool_bytes), "--fresh",
+                             "--copy-threads", str(copy_threads), "--log-level", "WARNING"])
+    try:
+        client = KVStoreClient(socket, timeout=1)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if client.health() == "SERVING":
+                    break
+            except Unavailable:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the benchmark daemon did not start")
+            time.sleep(0.05)
+        yield socket
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        for path in (pool, socket):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        with contextlib.suppress(OSError):
+            os.rmdir(tmp)
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def timed(fn: Callable[[], object], n: int) -> list[float]:
+    """Microseconds per call."""
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e6)
+    return out
+
+
+def memcpy_gbps(total: int, rounds: int) -> float:
+    """The limit: one contiguous copy of the same bytes between two shared-memory buffers."""
+    src, dst = SharedKVMemory(total), SharedKVMemory(total)
+    try:
+        src.tensor.fill_(7)
+        dst.tensor.fill_(0)  # fault the pages in first, as the pool and cache are
+        src_addr, dst_addr = src.tensor.data_ptr(), dst.tensor.data_ptr()
+        best = min(timed(lambda: ctypes.memmove(dst_addr, src_addr, total), rounds))
+        return total / (best / 1e6) / 1e9
+    finally:
+        src.close()
+        dst.close()
+
+
+def run_job(session: Session, submit: Callable[[], int]) -> float:
+    """Seconds from submit to completion seen through the completion channel."""
+    t0 = time.perf_counter()
+    job = submit()
+    done = session.wait([job], timeout=120)[job]
+    elapsed = time.perf_counter() - t0
+    if not done.ok:
+        raise RuntimeError(f"benchmark job failed: {done}")
+    return elapsed
+
+
+def run_bench(socket: str | None, blocks: int, block_bytes: int, rounds: int, backend: str,
+              copy_threads: int = 2) -> dict:
+    if backend != "cpu":
+        raise SystemExit(f"backend {backend!r}: run the bench on a machine with that device "
+                         "(see benchmarks/ for the device benchmark)")
+    total = blocks * block_bytes
+    results: dict = {"backend": backend, "blocks": blocks, "block_bytes": block_bytes, "native": native.NATIVE}
+    results["memcpy_gbps"] = memcpy_gbps(total, rounds)
+    pool_bytes = (rounds + 2) * total + (64 << 20)
+    ctx = private_daemon(pool_bytes, copy_threads) if socket is None else contextlib.nullcontext(socket)
+    with ctx as sock:
+        client = KVStoreClient(sock)
+        cache_blocks = 2 * blocks  # block ids scattered over a cache twice the job's size
+        memory = SharedKVMemory(cache_blocks * block_bytes)
+        memory.tensor.fill_(1)
+        spec = MemorySpec("cpu", memory.path.encode(), memory.nbytes, cache_blocks,
+                          [(0, block_bytes, block_bytes)])
+        session = client.session(f"bench-{secrets.token_hex(4)}", spec)
+        try:
+            rng = random.Random(0)
+            store_s, load_s, all_keys = [], [], []
+            for _ in range(rounds):
+                keys = [secrets.token_bytes(32) for _ in range(blocks)]
+                ids = rng.sample(range(cache_blocks), blocks)
+                store_s.append(run_job(session, lambda k=keys, i=ids: session.store(k, i)))
+                all_keys.append(keys)
+            for r in range(rounds):
+                ids = rng.sample(range(cache_blocks), blocks)
+                load_s.append(run_job(session, lambda k=all_keys[r], i=ids: session.load(k, i)))
+            results["store_gbps"] = total / min(store_s) / 1e9
+            results["load_gbps"] = total / min(load_s) / 1e9
+            results["store_vs_memcpy"] = results["store_gbps"] / results["memcpy_gbps"]
+            results["load_vs_memcpy"] = results["load_gbps"] / results["memcpy_gbps"]
+
+            results["grpc_empty_p50_us"] = statistics.median(timed(client.health, 300))
+            lookup_keys = all_keys[-1][:1000] + [secrets.token_bytes(32) for _ in range(max(0, 1000 - blocks))]
+            results["lookup_1k_p50_us"] = statistics.median(timed(lambda: session.lookup(lookup_keys), 300))
+            results["lookup_vs_grpc_empty"] = results["lookup_1k_p50_us"] / results["grpc_empty_p50_us"]
+
+            small = 64
+            submit_us, poll_us = [], []
+            for i in range(200):
+                keys = all_keys[-1][(i * small) % blocks:][:small]
+                ids = list(range(len(keys)))
+                t0 = time.perf_counter()
+                job = session.load(keys, ids)
+                submit_us.append((time.perf_counter() - t0) * 1e6)
+                while True:  # the engine's per-step check, measured while the job runs and after
+                    t0 = time.perf_counter()
+                    done = session.poll()
+                    poll_us.append((time.perf_counter() - t0) * 1e6)
+                    if done:
+                        assert done[0].job_id == job and done[0].ok
+                        break
+            results["submit_p50_us"] = statistics.median(submit_us)
+            results["submit_p99_us"] = percentile(submit_us, 0.99)
+            results["poll_p50_us"] = statistics.median(poll_us)
+            results["poll_p99_us"] = percentile(poll_us, 0.99)
+        finally:
+            session.close()
+            memory.close()
+            client.close()
+    return results
