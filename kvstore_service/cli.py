@@ -114,7 +114,8 @@ def _render_stats(data: dict[str, Any]) -> Any:
     per_ns = Table(title="namespaces")
     for column in ("namespace", "blocks", "used", "block size", "hits", "misses", "stored", "loaded",
                    "evictions", "engines"):
-        per_ns.add_column(column, justify="left" if column == "namespace" else "right")
+        per_ns.add_column(column, justify="left" if column == "namespace" else "right",
+                          no_wrap=column == "namespace")
     for ns in data.get("namespaces", []):
         per_ns.add_row(ns["namespace"], str(ns["blocks"]), _human(ns["used_bytes"]), _human(ns["block_bytes"]),
                        str(ns["hits"]), str(ns["misses"]), str(ns["stored_blocks"]), str(ns["loaded_blocks"]),

@@ -24,6 +24,7 @@ from kvstore_service import native
 from kvstore_service.backends import Backend, Mapping, TransferPlan, make_backend
 from kvstore_service.config import Config
 from kvstore_service.index import Block, BlockIndex, Namespace
+from kvstore_service.metrics import Metrics
 from kvstore_service.pool import Pool
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class Job:
     corrupt: set[int] = field(default_factory=set)  # load: indexes of blocks that failed their checksum
     error: str = ""
     submitted: float = field(default_factory=time.monotonic)
+    copy_seconds: float = 0.0
 
 
 @dataclass(eq=False)
@@ -139,6 +141,7 @@ class KVStore:
         self.recovered = self.index.recover() if self.pool.reattached else 0
         self.sessions: dict[bytes, Session] = {}
         self.counters = Counters()
+        self.metrics = Metrics()
         self.executor = ThreadPoolExecutor(max_workers=config.copy_threads, thread_name_prefix="kvstore-copy")
         self._backends: dict[str, Backend] = {}
         if self.recovered:
@@ -397,7 +400,9 @@ class KVStore:
     async def _run(self, job: Job) -> None:
         loop = asyncio.get_running_loop()
         try:
+            started = time.monotonic()
             await loop.run_in_executor(self.executor, self._copy, job)
+            job.copy_seconds = time.monotonic() - started
         except Exception as e:  # every block of the copy failed; never report it as success
             log.exception("job %d copy failed", job.job_id)
             job.error = f"copy failed: {e}"
@@ -468,6 +473,9 @@ class KVStore:
                     ns.stats.loaded_blocks += 1
         failed = job.ok.count(False)
         self.counters.failed_blocks += failed
+        assert job.plan is not None
+        self.metrics.observe_job(job.is_store, time.monotonic() - job.submitted, job.copy_seconds,
+                                 sum(job.plan.sizes) if failed == 0 else 0)
         assert session.channel is not None
         session.jobs.pop(job.job_id % session.channel.slots, None)
         session.channel.post(job.job_id, len(job.ok) - failed, failed)

@@ -31,10 +31,16 @@ def split_keys(keys: bytes, key_size: int) -> list[bytes]:
 
 
 class Servicer(pb_grpc.KVStoreServicer):
-    def __init__(self, core: KVStore, stopping: asyncio.Event) -> None:
-        self.core = core
+    def __init__(self, stopping: asyncio.Event) -> None:
+        self._core: KVStore | None = None  # None while the pool is set up
         self.stopping = stopping
         self._cleanups: set[asyncio.Task] = set()
+
+    @property
+    def core(self) -> KVStore:
+        if self._core is None:
+            raise KVError("UNAVAILABLE", "the daemon is starting (setting up the pool); retry shortly")
+        return self._core
 
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
         layout = None
@@ -110,6 +116,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns KVError into its status code, and any other exception into INTERNAL (logged):
     a bad request never takes the daemon down."""
 
+    def __init__(self) -> None:
+        self.core: KVStore | None = None  # set once the pool is up; counts errors in its metrics
+
+    def count(self, code: str) -> None:
+        if self.core is not None:
+            self.core.metrics.errors.labels(code).inc()
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
         if handler is None or handler.unary_unary is None:
@@ -120,11 +133,13 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             try:
                 return await inner(request, context)
             except KVError as e:
+                self.count(e.code)
                 await context.abort(getattr(grpc.StatusCode, e.code), e.message)
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
             except Exception as e:
                 log.exception("internal error in %s", handler_call_details.method)
+                self.count("INTERNAL")
                 await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e}")
 
         return grpc.unary_unary_rpc_method_handler(
@@ -191,12 +206,16 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     options = [("grpc.max_receive_message_length", int(config.max_request_bytes)),
                ("grpc.max_send_message_length", int(config.max_request_bytes)),
                ("grpc.so_reuseport", 0)]
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+    errors = ErrorInterceptor()
+    server = grpc.aio.server(interceptors=[errors], options=options)
     health_servicer = health.aio.HealthServicer()
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
 
+    servicer = Servicer(stopping)
+    StreamErrors.wrap(servicer)
+    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
     _prepare_socket(config.socket)
     server.add_insecure_port(f"unix://{config.socket}")
     if config.tcp:
@@ -206,15 +225,15 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
         else:
             server.add_secure_port(config.tcp, creds)
 
-    # The pool is set up (and recovered) while health says NOT_SERVING.
-    core = await asyncio.to_thread(KVStore, config)
-    servicer = Servicer(core, stopping)
-    StreamErrors.wrap(servicer)
-    pb_grpc.add_KVStoreServicer_to_server(servicer, server)
     await server.start()
     _secure_socket(config.socket, config)
+    # The pool is set up (and recovered) while health says NOT_SERVING.
+    core = await asyncio.to_thread(KVStore, config)
+    servicer._core = errors.core = core
 
     loop = asyncio.get_running_loop()
+    if config.metrics_port:
+        core.metrics.serve(config.metrics_port, core.stats, loop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
 
@@ -249,4 +268,10 @@ def run(config: Config) -> None:
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvloop
 
-    uvloop.run(serve(config))
+    from kvstore_service.pool import PoolFullError
+
+    try:
+        uvloop.run(serve(config))
+    except (PoolFullError, ValueError, OSError) as e:
+        log.error("cannot start: %s", e)
+        raise SystemExit(2) from None

@@ -1,0 +1,84 @@
+"""Prometheus metrics: pool, blocks, hits, copies, job latency, evictions, errors, engines.
+
+Counters the core already keeps are read at scrape time (a snapshot taken on the event loop, which
+owns them); only job latencies and gRPC errors are recorded as they happen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.job_seconds = Histogram("kvstore_job_duration_seconds", "Job latency from submit to done.",
+                                     ["kind"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.copied_bytes = Counter("kvstore_copied_bytes", "Bytes copied by jobs.", ["kind"],
+                                    registry=self.registry)
+        self.copy_seconds = Counter("kvstore_copy_seconds", "Time spent copying (throughput = "
+                                    "rate(kvstore_copied_bytes_total) / rate(kvstore_copy_seconds_total)).",
+                                    ["kind"], registry=self.registry)
+        self.errors = Counter("kvstore_rpc_errors", "Requests refused, by gRPC status code.", ["code"],
+                              registry=self.registry)
+
+    def observe_job(self, is_store: bool, seconds: float, copy_seconds: float, nbytes: int) -> None:
+        kind = "store" if is_store else "load"
+        self.job_seconds.labels(kind).observe(seconds)
+        self.copy_seconds.labels(kind).inc(copy_seconds)
+        self.copied_bytes.labels(kind).inc(nbytes)
+
+    def serve(self, port: int, stats_snapshot, loop: asyncio.AbstractEventLoop) -> None:
+        self.registry.register(_StatsCollector(stats_snapshot, loop))
+        start_http_server(port, registry=self.registry)
+
+
+class _StatsCollector(Collector):
+    def __init__(self, stats_snapshot, loop: asyncio.AbstractEventLoop) -> None:
+        self.snapshot = stats_snapshot
+        self.loop = loop
+
+    def collect(self) -> Iterator:
+        async def take() -> dict:
+            return self.snapshot()
+
+        s = asyncio.run_coroutine_threadsafe(take(), self.loop).result(timeout=5)
+        yield GaugeMetricFamily("kvstore_pool_capacity_bytes", "Pool capacity.", value=s["capacity_bytes"])
+        yield GaugeMetricFamily("kvstore_pool_used_bytes", "Pool bytes holding blocks.", value=s["used_bytes"])
+        yield GaugeMetricFamily("kvstore_engines", "Engines connected.", value=s["engines"])
+        yield GaugeMetricFamily("kvstore_leases", "Lookup leases held.", value=s["leases"])
+        yield GaugeMetricFamily("kvstore_jobs_in_flight", "Copy jobs not finished.", value=s["jobs_in_flight"])
+        lookups = s["hits"] + s["misses"]
+        yield GaugeMetricFamily("kvstore_hit_ratio", "Looked-up blocks found / looked up, since start.",
+                                value=s["hits"] / lookups if lookups else 0.0)
+        for name, doc in (("failed_blocks", "Blocks whose job failed."),
+                          ("store_failures_pool_full", "Stores refused because no slot could be freed."),
+                          ("lease_expiries", "Leases that expired before release."),
+                          ("corrupt_blocks", "Blocks dropped after a checksum mismatch.")):
+            yield CounterMetricFamily(f"kvstore_{name}", doc, value=s[name])
+        per_ns = {
+            "blocks": GaugeMetricFamily("kvstore_blocks", "Blocks in the pool.", labels=["namespace"]),
+            "used_bytes": GaugeMetricFamily("kvstore_namespace_used_bytes", "Pool bytes per namespace.",
+                                            labels=["namespace"]),
+            "hits": CounterMetricFamily("kvstore_lookup_hits", "Looked-up blocks found.", labels=["namespace"]),
+            "misses": CounterMetricFamily("kvstore_lookup_misses", "Looked-up blocks missing.",
+                                          labels=["namespace"]),
+            "stored_blocks": CounterMetricFamily("kvstore_stored_blocks", "Blocks stored.", labels=["namespace"]),
+            "loaded_blocks": CounterMetricFamily("kvstore_loaded_blocks", "Blocks loaded.", labels=["namespace"]),
+            "evictions": CounterMetricFamily("kvstore_evictions", "Blocks evicted (LRU).", labels=["namespace"]),
+        }
+        for ns in s["namespaces"]:
+            for key, family in per_ns.items():
+                family.add_metric([ns["namespace"]], ns[key])
+        yield from per_ns.values()
+        yield CounterMetricFamily("kvstore_stored_bytes", "Bytes stored.",
+                                  value=sum(n["stored_blocks"] * n["block_bytes"] for n in s["namespaces"]))
+        yield CounterMetricFamily("kvstore_loaded_bytes", "Bytes loaded.",
+                                  value=sum(n["loaded_blocks"] * n["block_bytes"] for n in s["namespaces"]))

@@ -1,0 +1,134 @@
+"""Operator surface: CLI, configuration sources, metrics, health, graceful shutdown."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from engine import Engine, key_of
+from kvstore_service.config import Config
+
+KB64 = 64 * 1024
+
+
+def kvstore(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvstore_service", *args], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **(env or {})})
+
+
+def store_some(daemon, namespace: str, n: int) -> list[bytes]:
+    engine = Engine(daemon.socket, namespace, 16, KB64)
+    keys = [key_of(namespace, i) for i in range(n)]
+    engine.fill(keys, list(range(n)))
+    job = engine.session.store(keys, list(range(n)))
+    assert engine.session.wait([job])[job].ok
+    engine.close()
+    return keys
+
+
+def test_cli_stats_lookup_clear_health(daemon) -> None:
+    keys = store_some(daemon, "cli-ns", 5)
+    out = kvstore("stats", "--json", "--socket", daemon.socket)
+    assert out.returncode == 0, out.stderr
+    stats = json.loads(out.stdout)
+    for key in ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "stored_blocks", "loaded_blocks",
+                "evictions", "engines"):
+        assert key in stats
+    assert stats["blocks"] == 5 and stats["stored_blocks"] == 5 and stats["used_bytes"] == 5 * KB64
+    table = kvstore("stats", env={"KVSTORE_SOCKET": daemon.socket, "COLUMNS": "160"})  # the env var selects the daemon
+    assert table.returncode == 0 and "cli-ns" in table.stdout and "hit rate" in table.stdout
+    out = kvstore("lookup", "--socket", daemon.socket, "-n", "cli-ns", *(k.hex() for k in keys[:3]), "00" * 32)
+    assert out.returncode == 0 and "3 of 4" in out.stdout
+    assert "SERVING" in kvstore("health", "--socket", daemon.socket).stdout
+    out = kvstore("clear", "--socket", daemon.socket, "-n", "cli-ns")
+    assert out.returncode == 0 and "cleared 5 blocks" in out.stdout
+
+
+def test_cli_unreachable_daemon(tmp_path) -> None:
+    for command in ("stats", "health", "clear"):
+        out = kvstore(command, "--socket", str(tmp_path / "none.sock"))
+        assert out.returncode == 3
+        assert "cannot reach the daemon" in out.stderr and "kvstore serve" in out.stderr
+
+
+def test_serve_help_documents_every_setting() -> None:
+    out = kvstore("serve", "--help")
+    assert out.returncode == 0
+    for name in Config.model_fields:
+        assert "--" + name.replace("_", "-") in out.stdout
+        assert f"KVSTORE_{name.upper()}" in out.stdout.replace("\n", "").replace(" ", "")
+
+
+def test_config_precedence(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "kvstore.yaml"
+    path.write_text("pool_size: 2GiB\ncopy_threads: 3\nlease-ttl-s: 5\n")
+    monkeypatch.setenv("KVSTORE_COPY_THREADS", "4")
+    config = Config.load(str(path), lease_ttl_s=7)
+    assert config.pool_size == 2 << 30  # from the file
+    assert config.copy_threads == 4  # env beats the file
+    assert config.lease_ttl_s == 7  # a flag beats both
+    with pytest.raises(ValueError, match="pool_size"):
+        Config.load(None, pool_size="-1GiB")
+
+
+def test_bad_config_is_a_usage_error(tmp_path) -> None:
+    out = kvstore("serve", "--pool-size", "lots", "--socket", str(tmp_path / "s.sock"))
+    assert out.returncode == 2 and "pool_size" in out.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prometheus_metrics(daemon_factory) -> None:
+    port = _free_port()
+    daemon = daemon_factory("--metrics-port", str(port)).start()
+    store_some(daemon, "metrics-ns", 4)
+    client = daemon.client()
+    assert client.lookup("metrics-ns", [key_of("metrics-ns", 0), key_of("x", 1)]) == 1
+    with pytest.raises(Exception):
+        client.lookup("metrics-ns", [b"short"])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    expected = [
+        'kvstore_blocks{namespace="metrics-ns"} 4.0',
+        'kvstore_stored_blocks_total{namespace="metrics-ns"} 4.0',
+        'kvstore_lookup_hits_total{namespace="metrics-ns"} 1.0',
+        'kvstore_lookup_misses_total{namespace="metrics-ns"} 1.0',
+        'kvstore_job_duration_seconds_count{kind="store"} 1.0',
+        f'kvstore_copied_bytes_total{{kind="store"}} {4.0 * KB64}',
+        'kvstore_rpc_errors_total{code="INVALID_ARGUMENT"} 1.0',
+        "kvstore_pool_used_bytes 262144.0",
+        "kvstore_engines 0.0",
+        "kvstore_hit_ratio 0.5",
+    ]
+    for line in expected:
+        assert line in text, line
+
+
+def test_sigterm_is_graceful(daemon) -> None:
+    engine = Engine(daemon.socket, "term", 16, KB64)
+    keys = [key_of("term", i) for i in range(8)]
+    engine.fill(keys, list(range(8)))
+    assert engine.session.wait([engine.session.store(keys, list(range(8)))])
+    proc = daemon.proc
+    daemon.stop()  # SIGTERM
+    assert proc.returncode == 0
+    assert not os.path.exists(daemon.socket)
+    assert "shutting down" in daemon.log.read_text()
+    # The engine notices, and its later jobs fail fast instead of hanging.
+    deadline = time.monotonic() + 10
+    while engine.session.connected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not engine.session.connected
+    job = engine.session.load(keys, list(range(8)))
+    assert engine.session.wait([job], timeout=5)[job].blocks_failed == 8
+    engine.close()
