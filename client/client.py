@@ -108,8 +108,11 @@ class KVStoreClient:
         return self.call(self.stub.Lookup, pb.LookupRequest(namespace=namespace, keys=packed, key_size=size)).hits
 
     def session(self, namespace: str, memory: MemorySpec | None = None, engine_id: str = "",
-                completion_slots: int = 1024, shm_dir: str = "/dev/shm") -> Session:
-        return Session(self, namespace, memory, engine_id or f"engine-{os.getpid()}", completion_slots, shm_dir)
+                completion_slots: int = 1024, shm_dir: str = "/dev/shm", wait: bool = True) -> Session:
+        """Register (and keep registered) an engine. With wait=False a daemon that is not up yet
+        is not an error: the session connects in the background and jobs fail until it does."""
+        return Session(self, namespace, memory, engine_id or f"engine-{os.getpid()}", completion_slots, shm_dir,
+                       wait)
 
     def close(self) -> None:
         self.channel.close()
@@ -128,7 +131,7 @@ class Session:
     """One registered engine (or a lookup-only scheduler when `memory` is None)."""
 
     def __init__(self, client: KVStoreClient, namespace: str, memory: MemorySpec | None, engine_id: str,
-                 completion_slots: int, shm_dir: str) -> None:
+                 completion_slots: int, shm_dir: str, wait: bool = True) -> None:
         self.client = client
         self.namespace = namespace
         self.memory = memory
@@ -143,17 +146,22 @@ class Session:
         self._channel_path = ""
         self._job_ids = itertools.count(1)
         self._pending: dict[int, bytes] = {}  # job id -> session id it was submitted under
-        self._local_failures: list[Completion] = []
-        self._lock = threading.Lock()  # guards _pending/_local_failures between caller and threads
+        self._done: list[Completion] = []  # finished, not yet returned by poll()
+        self._lock = threading.Lock()  # guards _pending/_done between the caller and the threads
         self._connected = threading.Event()
         self._closed = threading.Event()
         self._submits: queue.SimpleQueue[_Submit | None] = queue.SimpleQueue()
-        self._register()
+        try:
+            self._register()
+        except Unavailable:
+            if wait:
+                raise
+            log.warning("kvstore: daemon at %s not reachable yet; connecting in the background", client.target)
         self._attach_thread = threading.Thread(target=self._attach_loop, name="kvstore-attach", daemon=True)
         self._attach_thread.start()
         self._sender = threading.Thread(target=self._send_loop, name="kvstore-submit", daemon=True)
         self._sender.start()
-        if not self._connected.wait(client.timeout):
+        if wait and not self._connected.wait(client.timeout):
             self.close()
             raise Unavailable("the daemon accepted the registration but the session stream did not open")
 
@@ -224,7 +232,7 @@ class Session:
         self.session_id = b""
         with self._lock:
             for job_id in self._pending:
-                self._local_failures.append(Completion(job_id, 0, 1))
+                self._done.append(Completion(job_id, 0, 1))
             self._pending.clear()
 
     @property
@@ -248,7 +256,7 @@ class Session:
         packed, size = pack_keys(keys)
         with self._lock:
             if not self.connected or len(self._pending) >= self.slots:
-                self._local_failures.append(Completion(job_id, 0, max(len(keys), 1)))
+                self._done.append(Completion(job_id, 0, max(len(keys), 1)))
                 return job_id
             self._pending[job_id] = self.session_id
         self._submits.put(_Submit(job_id, is_store, packed, size, block_ids))
@@ -273,13 +281,13 @@ class Session:
                             from_rpc_error(e))
                 with self._lock:
                     if self._pending.pop(item.job_id, None) is not None:
-                        self._local_failures.append(Completion(item.job_id, 0, max(len(item.block_ids), 1)))
+                        self._done.append(Completion(item.job_id, 0, max(len(item.block_ids), 1)))
 
     def poll(self) -> list[Completion]:
         """Jobs finished since the last poll, read from shared memory (no RPC)."""
         with self._lock:
-            done = self._local_failures
-            self._local_failures = []
+            done = self._done
+            self._done = []
             channel = self.channel
             if channel is not None:
                 for job_id in list(self._pending):
@@ -295,18 +303,27 @@ class Session:
 
     def wait(self, job_ids: Sequence[int], timeout: float = 30.0) -> dict[int, Completion]:
         """Block until these jobs finished (tests, tools; an engine uses poll())."""
-        wanted, found = set(job_ids), {}
-        deadline = time.monotonic() + timeout
+        wanted, found, others = set(job_ids), {}, []
         start = time.monotonic()
         while wanted - found.keys():
             for c in self.poll():
-                found[c.job_id] = c
+                if c.job_id in wanted:
+                    found[c.job_id] = c
+                else:
+                    others.append(c)
             if wanted - found.keys():
                 now = time.monotonic()
                 if now > start + timeout:
+                    self._keep(others)
                     raise TimeoutError(f"jobs {sorted(wanted - found.keys())} not finished after {timeout}s")
                 time.sleep(min(0.001, (now - start) / 50))  # ~2% timing error, little CPU taken from copies
+        self._keep(others)
         return {j: found[j] for j in wanted}
+
+    def _keep(self, completions: list[Completion]) -> None:
+        """Completions wait() saw for other jobs: the next poll() returns them."""
+        with self._lock:
+            self._done[:0] = completions
 
     def results(self, wait_ms: int = 0) -> pb.PollResponse:
         """Per-block results of finished jobs, through the Poll RPC."""

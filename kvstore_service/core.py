@@ -95,7 +95,6 @@ class Job:
     blocks: list[Block | None]  # per key: the block copied, or None (failed or deduplicated)
     ok: list[bool]
     plan: TransferPlan | None = None
-    checksums: list[int] = field(default_factory=list)  # store: per copied block
     corrupt: set[int] = field(default_factory=set)  # load: indexes of blocks that failed their checksum
     error: str = ""
     submitted: float = field(default_factory=time.monotonic)
@@ -399,84 +398,96 @@ class KVStore:
 
     async def _run(self, job: Job) -> None:
         loop = asyncio.get_running_loop()
+        copied = [i for i, b in enumerate(job.blocks) if b is not None]
         try:
             started = time.monotonic()
-            await loop.run_in_executor(self.executor, self._copy, job)
+            if copied:
+                await loop.run_in_executor(self.executor, self._copy, job, copied)
             job.copy_seconds = time.monotonic() - started
         except Exception as e:  # every block of the copy failed; never report it as success
             log.exception("job %d copy failed", job.job_id)
             job.error = f"copy failed: {e}"
-            job.checksums = []
-            for i, block in enumerate(job.blocks):
-                if block is not None:
-                    job.ok[i] = False
-        finally:
-            self._finish(job)
-
-    def _copy(self, job: Job) -> None:
-        """Worker thread: move the bytes, then checksum (stores) or verify (loads)."""
-        session, plan = job.session, job.plan
-        assert session.mapping is not None and session.backend is not None and plan is not None
-        copied = [i for i, b in enumerate(job.blocks) if b is not None]
-        if not copied:
-            return
-        size = job.blocks[copied[0]].namespace.block_bytes  # type: ignore[union-attr]
-        offsets = array("Q", (self.pool.payload_offset(job.blocks[i].ref) for i in copied))  # type: ignore[union-attr]
-        if job.is_store:
-            session.backend.copy(session.mapping, self.pool.base, plan, to_engine=False)
-            job.checksums = native.checksum_blocks(self.pool.base, offsets, size, self.config.copy_threads)
             for i in copied:
-                job.ok[i] = True
-            return
-        verify = self.config.verify_loads
-        checked = [k for k in range(len(copied)) if verify >= 1 or random.random() < verify]
-        bad: set[int] = set()
-        if checked:
-            sums = native.checksum_blocks(self.pool.base, array("Q", (offsets[k] for k in checked)), size,
-                                          self.config.copy_threads)
-            for k, value in zip(checked, sums, strict=True):
-                if value != job.blocks[copied[k]].checksum:  # type: ignore[union-attr]
-                    bad.add(copied[k])
-        if bad:
-            regions = len(session.layout.regions)  # type: ignore[union-attr]
-            keep = [k for k, i in enumerate(copied) if i not in bad]
-            plan = TransferPlan(*(array("Q", (a[k * regions + r] for k in keep for r in range(regions)))
-                                  for a in (plan.pool_offsets, plan.engine_offsets, plan.sizes)))
-            job.error = f"{len(bad)} block(s) failed their checksum and were dropped"
-        session.backend.copy(session.mapping, self.pool.base, plan, to_engine=True)
-        for i in copied:
-            job.ok[i] = i not in bad
-        job.corrupt = bad
-
-    def _finish(self, job: Job) -> None:
-        """Event loop: commit or roll back the blocks, publish the completion."""
-        session = job.session
-        copied = [i for i, b in enumerate(job.blocks) if b is not None]
-        for n, i in enumerate(copied):
-            block = job.blocks[i]
-            assert block is not None
-            ns = block.namespace
-            if job.is_store:
-                if job.ok[i] and len(job.checksums) == len(copied):
-                    self.index.commit(block, job.checksums[n])
-                    ns.stats.stored_blocks += 1
+                job.ok[i] = False
+        if job.is_store:
+            # The bytes are in the pool: the blocks are visible now and the engine may reuse its
+            # memory. The checksum is taken from the pool copy afterwards (blocks pinned
+            # meanwhile) and sealed into the slot header, which is what survives a restart.
+            stored = [i for i in copied if job.ok[i]]
+            for i in copied:
+                block = job.blocks[i]
+                assert block is not None
+                if job.ok[i]:
+                    self.index.commit(block)
+                    self.index.pin(block)
+                    block.namespace.stats.stored_blocks += 1
                 else:
-                    job.ok[i] = False
                     self.index.abort(block)
-            else:
+            self._publish(job)
+            checksums: list[int] = []
+            if stored:
+                try:
+                    checksums = await loop.run_in_executor(self.executor, self._checksums, job, stored)
+                except Exception:
+                    log.exception("job %d checksum failed; its blocks will not survive a restart", job.job_id)
+            for n, i in enumerate(stored):
+                block = job.blocks[i]
+                assert block is not None
+                self.index.unpin(block)
+                if checksums:
+                    self.index.seal(block, checksums[n])
+        else:
+            for i in copied:
+                block = job.blocks[i]
+                assert block is not None
                 self.index.unpin(block)
                 if i in job.corrupt:
                     self.counters.corrupt_blocks += 1
                     if block.pins == 0 and self.index.present(block):
                         self.index.drop(block)
                 elif job.ok[i]:
-                    ns.stats.loaded_blocks += 1
+                    block.namespace.stats.loaded_blocks += 1
+            self._publish(job)
+
+    def _checksums(self, job: Job, indexes: list[int]) -> list[int]:
+        size = job.session.layout.block_bytes  # type: ignore[union-attr]
+        offsets = array("Q", (self.pool.payload_offset(job.blocks[i].ref) for i in indexes))  # type: ignore[union-attr]
+        return native.checksum_blocks(self.pool.base, offsets, size, self.config.copy_threads)
+
+    def _copy(self, job: Job, copied: list[int]) -> None:
+        """Worker thread: move the bytes; a load first verifies (a sample of) the pool's checksums."""
+        session, plan = job.session, job.plan
+        assert session.mapping is not None and session.backend is not None and plan is not None
+        if job.is_store:
+            session.backend.copy(session.mapping, self.pool.base, plan, to_engine=False)
+            for i in copied:
+                job.ok[i] = True
+            return
+        verify = self.config.verify_loads
+        checked = [i for i in copied if verify >= 1 or random.random() < verify]
+        if checked:
+            sums = self._checksums(job, checked)
+            # A block stored a moment ago may not have its checksum yet (None): nothing to check.
+            job.corrupt = {i for i, value in zip(checked, sums, strict=True)
+                           if job.blocks[i].checksum not in (None, value)}  # type: ignore[union-attr]
+        if job.corrupt:
+            regions = len(session.layout.regions)  # type: ignore[union-attr]
+            keep = [k for k, i in enumerate(copied) if i not in job.corrupt]
+            plan = TransferPlan(*(array("Q", (a[k * regions + r] for k in keep for r in range(regions)))
+                                  for a in (plan.pool_offsets, plan.engine_offsets, plan.sizes)))
+            job.error = f"{len(job.corrupt)} block(s) failed their checksum and were dropped"
+        session.backend.copy(session.mapping, self.pool.base, plan, to_engine=True)
+        for i in copied:
+            job.ok[i] = i not in job.corrupt
+
+    def _publish(self, job: Job) -> None:
+        """Event loop: the job is done for the engine; write its completion."""
+        session = job.session
         failed = job.ok.count(False)
         self.counters.failed_blocks += failed
-        assert job.plan is not None
+        assert job.plan is not None and session.channel is not None
         self.metrics.observe_job(job.is_store, time.monotonic() - job.submitted, job.copy_seconds,
                                  sum(job.plan.sizes) if failed == 0 else 0)
-        assert session.channel is not None
         session.jobs.pop(job.job_id % session.channel.slots, None)
         session.channel.post(job.job_id, len(job.ok) - failed, failed)
         session.finished.append(job)

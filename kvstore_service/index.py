@@ -47,7 +47,7 @@ class Block:
     ref: SlotRef
     state: int = WRITING
     pins: int = 0
-    checksum: int = 0
+    checksum: int | None = None  # None until computed after the store
 
 
 class BlockIndex:
@@ -122,14 +122,21 @@ class BlockIndex:
         self._insert(block)
         return block  # its slot header stays invalid until commit(): a crash mid-copy drops it
 
-    def commit(self, block: Block, checksum: int) -> None:
-        ns = block.namespace
-        if ns.entries.get(block.key) is not block:
+    def commit(self, block: Block) -> None:
+        """Every byte is in the pool: lookups and loads see the block from now on."""
+        if not self.present(block):
             return  # cleared while it was written; its slot is already free
-        block.state, block.checksum = COMMITTED, checksum
+        block.state = COMMITTED
+        self.lru.setdefault(block.namespace.block_bytes, OrderedDict())[block] = None
+
+    def seal(self, block: Block, checksum: int) -> None:
+        """Record the checksum in the slot header: from now on the block survives a restart."""
+        if not self.present(block):
+            return
+        ns = block.namespace
+        block.checksum = checksum
         self.pool.write_header(block.ref, SlotHeader(COMMITTED, ns.block_bytes, checksum,
                                                      self.pool.next_generation(), ns.ns_hash, block.key))
-        self.lru.setdefault(ns.block_bytes, OrderedDict())[block] = None
 
     def abort(self, block: Block) -> None:
         """A store that did not copy every byte: forget the block."""

@@ -1,0 +1,38 @@
+# syntax=docker/dockerfile:1
+# Image of the kvstore daemon, deployed by the Helm chart in helm/kvstore.
+# CI does not build this image (no container engine there); build it with BuildKit (Docker >= 23):
+#   docker build -t kvstore:0.1.0 .
+# It is CPU-only (accelerator=none). For accelerator=nvidia, pass the CUDA index that matches the nodes'
+# driver: --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/<cuda tag>.
+# accelerator=ascend needs an image built on a CANN base with torch-npu.
+
+# Build the kvstore wheel with its native copy engine (C++, needs g++ and the Python headers).
+FROM python:3.11-slim AS build
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+# The source is bind-mounted, so no layer keeps it. KVSTORE_REQUIRE_NATIVE: fail here rather than
+# ship the slow pure-Python fallback.
+RUN --mount=type=bind,target=/src,rw \
+    KVSTORE_REQUIRE_NATIVE=1 pip wheel --no-cache-dir --no-deps --wheel-dir /wheels /src
+
+FROM python:3.11-slim
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# torch first, from the CPU index: otherwise kvstore's torch requirement pulls a CUDA build of several GB.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"
+
+# Then kvstore itself (`pip install .`, built in the stage above).
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels pip install /wheels/*.whl
+
+# The chart runs the daemon as this uid/gid (podSecurityContext.runAsUser/runAsGroup).
+RUN groupadd --system --gid 10001 kvstore \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent \
+       --shell /usr/sbin/nologin kvstore
+USER 10001:10001
+
+ENTRYPOINT ["kvstore", "serve"]

@@ -1,0 +1,488 @@
+"""vLLM 0.32 KV connector: offload KV blocks to the kvstore sidecar and load them back.
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+                           "kv_connector_module_path": "kvstore_client.vllm", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"socket": "/run/kvstore/kvstore.sock"}}'
+
+Scheduler side (no tensors): looks a request's block hashes up in the sidecar asynchronously
+(`get_num_new_matched_tokens` answers None, "ask again", until the reply is in), pins the hits with a
+lease, pairs keys with the engine blocks vLLM allocates, and plans each step's loads and stores.
+Worker side: moves the KV cache into shared memory (CPU) and registers it, submits the planned jobs
+without waiting, and polls their completions from shared memory once per step. No RPC is ever
+waited on in the engine's step loop; if the sidecar is down, lookups miss, loads fail (vLLM
+recomputes) and stores are dropped, and the connector reconnects on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvstore_client.client import KVStoreClient, MemorySpec, Session
+from kvstore_client.shm import SharedKVMemory, move_to_shared_memory
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+PREEMPTION_WAIT_S = 30.0
+
+
+# -- settings and identity ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    socket: str | None = None
+    tenant_salt: str = ""
+    timeout_s: float = 5.0
+    lease_ttl_ms: int = 120_000
+    store: bool = True  # offload newly computed full blocks (eagerly, each step)
+    load: bool = True
+    shm_dir: str = "/dev/shm"
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(extra) - known
+        if unknown:
+            raise ValueError(f"unknown kvstore connector settings {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**extra)
+
+
+def namespace_for(vllm_config: VllmConfig, tp_rank: int, tenant_salt: str) -> str:
+    """Blocks are shareable exactly when model, KV layout, hashing, TP rank and tenant all match."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    dtype = cache.cache_dtype if cache.cache_dtype != "auto" else str(model.dtype).removeprefix("torch.")
+    parts = [
+        f"model={model.model}",
+        f"dtype={dtype}",
+        f"block={cache.block_size}",
+        f"layers={model.get_num_layers(parallel)}",
+        f"kv_heads={model.get_num_kv_heads(parallel)}",
+        f"head={model.get_head_size()}",
+        f"hash={cache.prefix_caching_hash_algo}",
+        f"tp={tp_rank}/{parallel.tensor_parallel_size}",
+        f"pp={parallel.pipeline_parallel_size}",
+    ]
+    if tenant_salt:
+        parts.append(f"salt={tenant_salt}")
+    return ";".join(parts)
+
+
+# -- scheduler -> worker ------------------------------------------------------------------------
+
+
+@dataclass
+class Transfer:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    stores: list[Transfer] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+
+# -- stats --------------------------------------------------------------------------------------
+
+
+@dataclass
+class KVStoreConnectorStats(KVConnectorStats):
+    """Worker-side counters per logging interval, summed across workers."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"loaded_blocks": 0, "load_failed_blocks": 0, "stored_blocks": 0, "store_failed_blocks": 0,
+                     "load_seconds": [], "sidecar_unavailable": 0}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            if isinstance(value, list):
+                self.data.setdefault(key, []).extend(value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        delays = sorted(self.data.get("load_seconds", []))
+        out: dict[str, int | float] = {k: v for k, v in self.data.items() if not isinstance(v, list)}
+        out["load_delay_p50_ms"] = 1000 * delays[len(delays) // 2] if delays else 0.0
+        out["load_delay_max_ms"] = 1000 * delays[-1] if delays else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(v for v in self.data.values())
+
+
+# -- the connector ------------------------------------------------------------------------------
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.from_extra_config(dict(transfer.kv_connector_extra_config or {}))
+        # A cache miss is never fatal: a block that fails to load is recomputed.
+        transfer.kv_load_failure_policy = "recompute"
+        self.scheduler: _Scheduler | None = None
+        self.worker: _Worker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = _Scheduler(vllm_config, self.settings)
+        else:
+            self.worker = _Worker(vllm_config, self.settings)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped store is a future miss, never a correctness problem
+
+    # scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def on_new_request(self, request: Request) -> None:
+        if self.scheduler is not None:
+            self.scheduler.requests[request.request_id] = request
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request), None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVStoreConnectorStats(data=dict(data) if data else {})
+
+    # worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self.worker is not None and isinstance(kv_connector_metadata, KVStoreConnectorMetadata)
+        self.worker.flush(kv_connector_metadata.preempted)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        self.worker.start_loads(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # loads finish before the request is scheduled (asynchronous loading)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        pass  # whole blocks are stored after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        self.worker.start_stores(meta.stores)  # submits and returns: never waits for the copies
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        sending, recving = self.worker.get_finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self.worker.take_stats() if self.worker is not None else None
+
+    def shutdown(self) -> None:
+        for side in (self.scheduler, self.worker):
+            if side is not None:
+                side.close()
+
+
+@dataclass
+class _Lookup:
+    start: int  # first block looked up
+    end: int  # one past the last
+    future: grpc.Future | None
+    hits: int = 0
+    lease_id: bytes = b""
+    loading: bool = False
+
+
+class _Scheduler:
+    """Bookkeeping only: keys, block ids, leases. Holds no tensors."""
+
+    def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings) -> None:
+        self.settings = settings
+        self.block_size = vllm_config.cache_config.block_size
+        self.namespace = namespace_for(vllm_config, 0, settings.tenant_salt)
+        self.client = KVStoreClient(settings.socket, timeout=settings.timeout_s)
+        self.session: Session = self.client.session(self.namespace, None, engine_id="vllm-scheduler", wait=False)
+        self.requests: dict[str, Request] = {}
+        self.lookups: dict[str, _Lookup] = {}
+        self.loads: list[Transfer] = []
+        self.stored_upto: dict[str, int] = {}  # blocks of the request already sent for store
+        self.had_stores: set[str] = set()
+        self.unavailable_warned = False
+        self.lookup_errors = 0
+
+    def _available(self) -> bool:
+        if self.session.connected:
+            self.unavailable_warned = False
+            return True
+        if not self.unavailable_warned:
+            log.warning("kvstore sidecar unavailable: serving without it (recompute) until it is back")
+            self.unavailable_warned = True
+        return False
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        req_id = request.request_id
+        self.requests.setdefault(req_id, request)
+        start = num_computed_tokens // self.block_size
+        # Never claim the last prompt token: vLLM must compute at least one token.
+        end = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
+        if not self.settings.load or end <= start:
+            return 0, False
+        state = self.lookups.get(req_id)
+        if state is None or (state.start, state.end) != (start, end):
+            if state is not None:
+                self._release(state)  # the request changed under the lookup: ask afresh
+            if not self._available():
+                return 0, False
+            future = self.session.lookup_future(request.block_hashes[start:end], lease=True,
+                                                lease_ttl_ms=self.settings.lease_ttl_ms)
+            self.lookups[req_id] = _Lookup(start, end, future)
+            return None, False
+        if state.future is not None:
+            if not state.future.done():
+                return None, False
+            try:
+                reply = state.future.result()
+                state.hits, state.lease_id = reply.hits, reply.lease_id
+            except grpc.RpcError as e:
+                self.lookup_errors += 1
+                log.warning("kvstore lookup failed (%s); recomputing", e.code())
+            state.future = None
+        if state.hits == 0:
+            return 0, False
+        return state.hits * self.block_size, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        req_id = request.request_id
+        state = self.lookups.get(req_id)
+        if num_external_tokens == 0 or state is None:
+            return
+        count = num_external_tokens // self.block_size
+        block_ids = blocks.get_block_ids()[0][state.start : state.start + count]
+        keys = request.block_hashes[state.start : state.start + count]
+        self.loads.append(Transfer(req_id, list(keys), list(block_ids)))
+        state.loading = True
+        self.stored_upto[req_id] = max(self.stored_upto.get(req_id, 0), state.start + count)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
+        meta = KVStoreConnectorMetadata(loads=self.loads, preempted=set(scheduler_output.preempted_req_ids or ()))
+        self.loads = []
+        block_state = scheduler_output.kv_connector_block_state
+        if self.settings.store and block_state is not None:
+            for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+                request = self.requests.get(req_id)
+                if request is None:
+                    continue
+                # Full blocks computed once this step's forward is done, and hashed.
+                done = min((request.num_computed_tokens + scheduled) // self.block_size, len(request.block_hashes))
+                first = self.stored_upto.get(req_id)
+                if first is None:  # blocks vLLM had cached locally when the request arrived
+                    first = self.stored_upto[req_id] = request.num_computed_tokens // self.block_size
+                if done <= first:
+                    continue
+                ids = block_state.get_block_ids(req_id)
+                if ids is None:
+                    continue
+                meta.stores.append(Transfer(req_id, list(request.block_hashes[first:done]), list(ids[0][first:done])))
+                self.stored_upto[req_id] = done
+                self.had_stores.add(req_id)
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        for req_id in connector_output.finished_recving or ():
+            state = self.lookups.pop(req_id, None)
+            if state is not None:
+                self._release(state)
+
+    def request_finished(self, request: Request) -> bool:
+        """True: vLLM keeps the blocks until the worker reports the request's stores done."""
+        req_id = request.request_id
+        state = self.lookups.pop(req_id, None)
+        if state is not None:
+            self._release(state)
+        self.requests.pop(req_id, None)
+        self.stored_upto.pop(req_id, None)
+        if req_id in self.had_stores:
+            self.had_stores.discard(req_id)
+            return True
+        return False
+
+    def _release(self, state: _Lookup) -> None:
+        if state.future is not None and not state.future.done():
+            state.future.cancel()  # the daemon drops the lease if the answer already went out? see below
+            # A cancelled lookup may still have taken its lease; it expires by TTL.
+        if state.lease_id and self.session.connected:
+            self.session.release_lease(state.lease_id)
+        state.lease_id = b""
+
+    def close(self) -> None:
+        self.session.close()
+        self.client.close()
+
+
+class _Worker:
+    """Moves bytes: registers the KV memory, submits jobs, reports completions."""
+
+    def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings) -> None:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        self.settings = settings
+        self.vllm_config = vllm_config
+        self.namespace = namespace_for(vllm_config, get_tensor_model_parallel_rank(), settings.tenant_salt)
+        self.client = KVStoreClient(settings.socket, timeout=settings.timeout_s)
+        self.session: Session | None = None
+        self.memory: SharedKVMemory | None = None
+        self.load_jobs: dict[int, tuple[str, list[int], float]] = {}  # job -> request, block ids, submit time
+        self.store_jobs: dict[int, str] = {}  # job -> request
+        self.loads_left: dict[str, int] = {}
+        self.stores_left: dict[str, int] = {}
+        self.finished_waiting: set[str] = set()  # finished requests whose stores are in flight
+        self.had_stores: set[str] = set()
+        self.load_errors: set[int] = set()
+        self.stats = KVStoreConnectorStats()
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        tensors = sorted(kv_caches.values(), key=lambda t: t.data_ptr())
+        if tensors[0].device.type != "cpu":
+            raise NotImplementedError(f"kvstore connector: {tensors[0].device.type} KV caches are not supported "
+                                      "by this build (CPU only)")
+        self.memory = move_to_shared_memory(tensors, self.settings.shm_dir)
+        base = self.memory.tensor.data_ptr()
+        regions = []
+        for t in tensors:
+            if not t[0].is_contiguous():
+                raise ValueError(f"kvstore connector: a KV block of shape {tuple(t.shape)} is not contiguous")
+            regions.append((t.data_ptr() - base, t.stride(0) * t.element_size(), t[0].numel() * t.element_size()))
+        spec = MemorySpec("cpu", self.memory.path.encode(), self.memory.nbytes, tensors[0].shape[0], regions)
+        self.session = self.client.session(self.namespace, spec, engine_id="vllm-worker",
+                                           shm_dir=self.settings.shm_dir, wait=False)
+        log.info("kvstore: registered %d KV layers (%d blocks) in namespace %s", len(regions), spec.num_blocks,
+                 self.namespace)
+
+    def start_loads(self, loads: list[Transfer]) -> None:
+        assert self.session is not None
+        for t in loads:
+            job = self.session.load(t.keys, t.block_ids)
+            self.load_jobs[job] = (t.req_id, t.block_ids, time.monotonic())
+            self.loads_left[t.req_id] = self.loads_left.get(t.req_id, 0) + 1
+
+    def start_stores(self, stores: list[Transfer]) -> None:
+        assert self.session is not None
+        for t in stores:
+            job = self.session.store(t.keys, t.block_ids)
+            self.store_jobs[job] = t.req_id
+            self.stores_left[t.req_id] = self.stores_left.get(t.req_id, 0) + 1
+            self.had_stores.add(t.req_id)
+
+    def flush(self, preempted: set[str]) -> None:
+        """A preempted request's blocks may be reused right away: its stores must finish first."""
+        jobs = [j for j, r in self.store_jobs.items() if r in preempted]
+        if jobs and self.session is not None:
+            try:
+                self.session.wait(jobs, timeout=PREEMPTION_WAIT_S)
+            except TimeoutError:
+                log.error("kvstore: stores of preempted requests did not finish in %ss", PREEMPTION_WAIT_S)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        recving: set[str] = set()
+        if self.session is not None:
+            if not self.session.connected:
+                self.stats.data["sidecar_unavailable"] = 1
+            for c in self.session.poll():
+                if c.job_id in self.load_jobs:
+                    req_id, block_ids, submitted = self.load_jobs.pop(c.job_id)
+                    self.stats.data["load_seconds"].append(time.monotonic() - submitted)
+                    if c.ok:
+                        self.stats.data["loaded_blocks"] += c.blocks_ok
+                    else:
+                        # Which blocks failed is not in the completion word: recompute them all.
+                        self.load_errors.update(block_ids)
+                        self.stats.data["load_failed_blocks"] += len(block_ids)
+                    self.loads_left[req_id] -= 1
+                    if self.loads_left[req_id] == 0:
+                        del self.loads_left[req_id]
+                        recving.add(req_id)
+                elif c.job_id in self.store_jobs:
+                    req_id = self.store_jobs.pop(c.job_id)
+                    self.stats.data["stored_blocks"] += c.blocks_ok
+                    self.stats.data["store_failed_blocks"] += c.blocks_failed
+                    self.stores_left[req_id] -= 1
+                    if self.stores_left[req_id] == 0:
+                        del self.stores_left[req_id]
+        self.finished_waiting.update(r for r in finished_req_ids if r in self.had_stores)
+        sending = {r for r in self.finished_waiting if r not in self.stores_left}
+        self.finished_waiting -= sending
+        self.had_stores -= sending
+        return sending, recving
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def take_stats(self) -> KVStoreConnectorStats | None:
+        if self.stats.is_empty():
+            return None
+        stats, self.stats = self.stats, KVStoreConnectorStats()
+        return stats
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+        self.client.close()
+        # The engine's KV tensors still use the shared memory: only the file name goes.
+        if self.memory is not None:
+            self.memory.close()

@@ -1,0 +1,519 @@
+// kvstore_service._native: batched block copies and CRC32C checksums for the kvstore daemon.
+//
+// Plain CPython C API (no torch, no pybind11) so it builds with just a C++17 compiler and the
+// Python headers. Every function that touches block memory releases the GIL while it works.
+//
+// Memory safety: addresses are base + offset, and nothing here knows the size of the mappings.
+// Keeping every (offset, size) inside its mapping is the caller's job; this module only rejects
+// 64-bit overflow of base + offset + size. Overlapping source/destination ranges are undefined,
+// as with memcpy (runs are reordered and copied in parallel).
+
+#include <algorithm>
+#include <cstring>
+#include <system_error>
+#include <thread>
+
+#include "crc32c.h"
+#include "kvstore_native.h"
+
+namespace kvstore {
+
+namespace {
+
+// Below this many bytes per thread, spawning a thread costs more than it saves.
+constexpr uint64_t kMinBytesPerThread = 256 * 1024;
+// Thread counts above this are rejected: they are a configuration mistake, not a speedup.
+constexpr int kMaxThreads = 256;
+// Fused copy+checksum works in chunks small enough to still be in L1/L2 when memcpy reads them.
+constexpr uint64_t kFuseChunk = 64 * 1024;
+
+struct Buffer {
+  Py_buffer view{};
+  bool held = false;
+  ~Buffer() {
+    if (held) PyBuffer_Release(&view);
+  }
+};
+
+// True for a struct-module format code of a 64-bit integer in native byte order.
+bool is_u64_format(const char* fmt, bool* is_signed) {
+  if (fmt == nullptr) return false;
+  if (*fmt == '@' || *fmt == '=') ++fmt;
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+  else if (*fmt == '<') ++fmt;
+#else
+  else if (*fmt == '>' || *fmt == '!') ++fmt;
+#endif
+  if (fmt[0] == '\0' || fmt[1] != '\0') return false;
+  switch (fmt[0]) {
+    case 'Q': case 'L': case 'N':
+      *is_signed = false;
+      return true;
+    case 'q': case 'l': case 'n':
+      *is_signed = true;
+      return true;
+    default:
+      return false;
+  }
+}
+
+bool is_byte_format(const char* fmt) {
+  return fmt == nullptr || std::strcmp(fmt, "B") == 0 || std::strcmp(fmt, "b") == 0 ||
+         std::strcmp(fmt, "c") == 0;
+}
+
+int effective_parts(int threads, uint64_t total_bytes, uint64_t max_parts) {
+  uint64_t by_bytes = std::max<uint64_t>(1, total_bytes / kMinBytesPerThread);
+  return static_cast<int>(std::min<uint64_t>({static_cast<uint64_t>(threads), by_bytes, max_parts}));
+}
+
+// Runs fn(0..parts-1), part 0 on the calling thread. If a thread cannot be started (resource
+// limits), its part runs inline instead of failing the copy.
+template <class Fn>
+void run_parallel(int parts, Fn fn) {
+  if (parts <= 1) {
+    fn(0);
+    return;
+  }
+  std::vector<std::thread> workers;
+  workers.reserve(parts - 1);
+  for (int t = 1; t < parts; ++t) {
+    try {
+      workers.emplace_back(fn, t);
+    } catch (const std::system_error&) {
+      fn(t);
+    }
+  }
+  fn(0);
+  for (auto& w : workers) w.join();
+}
+
+// Splits runs into `parts` lists of nearly equal byte counts. A run that crosses a boundary is
+// cut (at 64-byte granularity), so two threads both work on a single huge run.
+std::vector<std::vector<Run>> split_by_bytes(const std::vector<Run>& runs, int parts) {
+  uint64_t total = 0;
+  for (const Run& r : runs) total += r.size;
+  std::vector<uint64_t> bound(parts);
+  uint64_t share = (total / parts + 63) & ~uint64_t{63};
+  for (int t = 0; t < parts; ++t) bound[t] = std::min(total, share * (t + 1));
+  bound[parts - 1] = total;
+
+  std::vector<std::vector<Run>> out(parts);
+  uint64_t pos = 0;
+  int t = 0;
+  for (const Run& r : runs) {
+    uint64_t off = 0;
+    while (off < r.size) {
+      while (pos >= bound[t] && t + 1 < parts) ++t;
+      uint64_t take = std::min(r.size - off, bound[t] - pos);
+      out[t].push_back(Run{r.src + off, r.dst + off, take});
+      off += take;
+      pos += take;
+    }
+  }
+  return out;
+}
+
+void copy_runs(const std::vector<Run>& runs, int threads) {
+  uint64_t total = 0;
+  for (const Run& r : runs) total += r.size;
+  int parts = effective_parts(threads, total, UINT64_MAX);
+  auto copy_list = [](const std::vector<Run>& list) {
+    for (const Run& r : list) {
+      std::memcpy(reinterpret_cast<void*>(r.dst), reinterpret_cast<const void*>(r.src), r.size);
+    }
+  };
+  if (parts <= 1) {
+    copy_list(runs);
+    return;
+  }
+  std::vector<std::vector<Run>> lists = split_by_bytes(runs, parts);
+  run_parallel(parts, [&](int t) { copy_list(lists[t]); });
+}
+
+bool parse_threads(int threads) {
+  if (threads < 1 || threads > kMaxThreads) {
+    PyErr_Format(PyExc_ValueError, "threads must be between 1 and %d (got %d)", kMaxThreads, threads);
+    return false;
+  }
+  return true;
+}
+
+// base + offsets[i] + size for every block, rejecting 64-bit overflow.
+bool block_addresses(uint64_t base, const std::vector<uint64_t>& offsets, uint64_t size, const char* name,
+                     std::vector<uint64_t>* out) {
+  out->resize(offsets.size());
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    uint64_t addr, end;
+    if (__builtin_add_overflow(base, offsets[i], &addr) || __builtin_add_overflow(addr, size, &end) ||
+        end > UINTPTR_MAX) {
+      PyErr_Format(PyExc_OverflowError, "block %zu: %s base + offset + size overflows the address space", i,
+                   name);
+      return false;
+    }
+    (*out)[i] = addr;
+  }
+  return true;
+}
+
+uint64_t total_bytes(size_t n, uint64_t size) {
+  uint64_t total;
+  return __builtin_mul_overflow(static_cast<uint64_t>(n), size, &total) ? UINT64_MAX : total;
+}
+
+PyObject* u64_bytes(const std::vector<uint64_t>& values) {
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(values.data()),
+                                   static_cast<Py_ssize_t>(values.size() * sizeof(uint64_t)));
+}
+
+// ---- Python entry points ---------------------------------------------------------------------
+
+PyObject* py_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"src_base", "dst_base", "src_offsets", "dst_offsets", "sizes", "threads",
+                                 nullptr};
+  PyObject *src_base_obj, *dst_base_obj, *src_offsets, *dst_offsets, *sizes;
+  int threads = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|i:copy_blocks", const_cast<char**>(kwlist),
+                                   &src_base_obj, &dst_base_obj, &src_offsets, &dst_offsets, &sizes,
+                                   &threads)) {
+    return nullptr;
+  }
+  uint64_t src_base, dst_base;
+  if (!parse_u64(src_base_obj, "src_base", &src_base) || !parse_u64(dst_base_obj, "dst_base", &dst_base) ||
+      !parse_threads(threads)) {
+    return nullptr;
+  }
+  std::vector<Run> runs;
+  if (!build_runs(src_base, dst_base, src_offsets, dst_offsets, sizes, &runs)) return nullptr;
+  Py_BEGIN_ALLOW_THREADS
+  copy_runs(runs, threads);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromSize_t(runs.size());
+}
+
+PyObject* py_checksum_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"base", "offsets", "size", "threads", nullptr};
+  PyObject *base_obj, *offsets_obj, *size_obj;
+  int threads = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO|i:checksum_blocks", const_cast<char**>(kwlist), &base_obj,
+                                   &offsets_obj, &size_obj, &threads)) {
+    return nullptr;
+  }
+  uint64_t base, size;
+  std::vector<uint64_t> offsets, addrs;
+  if (!parse_u64(base_obj, "base", &base) || !parse_u64(size_obj, "size", &size) || !parse_threads(threads) ||
+      !parse_u64_array(offsets_obj, "offsets", &offsets) ||
+      !block_addresses(base, offsets, size, "checksum", &addrs)) {
+    return nullptr;
+  }
+  const size_t n = addrs.size();
+  std::vector<uint64_t> sums(n);
+  Py_BEGIN_ALLOW_THREADS
+  int parts = effective_parts(threads, total_bytes(n, size), std::max<size_t>(n, 1));
+  run_parallel(parts, [&](int t) {
+    for (size_t i = n * t / parts; i < n * (t + 1) / parts; ++i) {
+      sums[i] = crc32c(0, reinterpret_cast<const void*>(addrs[i]), size);
+    }
+  });
+  Py_END_ALLOW_THREADS
+  return u64_bytes(sums);
+}
+
+PyObject* py_copy_and_checksum(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"src_base", "dst_base", "src_offsets", "dst_offsets", "size", "threads",
+                                 nullptr};
+  PyObject *src_base_obj, *dst_base_obj, *src_offsets_obj, *dst_offsets_obj, *size_obj;
+  int threads = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOO|i:copy_and_checksum", const_cast<char**>(kwlist),
+                                   &src_base_obj, &dst_base_obj, &src_offsets_obj, &dst_offsets_obj, &size_obj,
+                                   &threads)) {
+    return nullptr;
+  }
+  uint64_t src_base, dst_base, size;
+  std::vector<uint64_t> src_offsets, dst_offsets, srcs, dsts;
+  if (!parse_u64(src_base_obj, "src_base", &src_base) || !parse_u64(dst_base_obj, "dst_base", &dst_base) ||
+      !parse_u64(size_obj, "size", &size) || !parse_threads(threads) ||
+      !parse_u64_array(src_offsets_obj, "src_offsets", &src_offsets) ||
+      !parse_u64_array(dst_offsets_obj, "dst_offsets", &dst_offsets)) {
+    return nullptr;
+  }
+  if (src_offsets.size() != dst_offsets.size()) {
+    PyErr_Format(PyExc_ValueError, "src_offsets and dst_offsets must have the same length (got %zu and %zu)",
+                 src_offsets.size(), dst_offsets.size());
+    return nullptr;
+  }
+  if (!block_addresses(src_base, src_offsets, size, "source", &srcs) ||
+      !block_addresses(dst_base, dst_offsets, size, "destination", &dsts)) {
+    return nullptr;
+  }
+  const size_t n = srcs.size();
+  std::vector<uint64_t> sums(n);
+  Py_BEGIN_ALLOW_THREADS
+  int parts = effective_parts(threads, total_bytes(n, size), std::max<size_t>(n, 1));
+  run_parallel(parts, [&](int t) {
+    for (size_t i = n * t / parts; i < n * (t + 1) / parts; ++i) {
+      // Checksum a chunk, then copy it while it is still in cache: the source is read from
+      // memory once for both jobs.
+      const auto* src = reinterpret_cast<const uint8_t*>(srcs[i]);
+      auto* dst = reinterpret_cast<uint8_t*>(dsts[i]);
+      uint32_t crc = 0;
+      for (uint64_t off = 0; off < size; off += kFuseChunk) {
+        uint64_t len = std::min(kFuseChunk, size - off);
+        crc = crc32c(crc, src + off, len);
+        std::memcpy(dst + off, src + off, len);
+      }
+      sums[i] = crc;
+    }
+  });
+  Py_END_ALLOW_THREADS
+  return u64_bytes(sums);
+}
+
+// crc32c(data, crc=0): checksum of one buffer, continuing from `crc`.
+PyObject* crc32c_common(PyObject* args, PyObject* kwargs, const char* fmt, bool portable) {
+  static const char* kwlist[] = {"data", "crc", nullptr};
+  Buffer data;
+  unsigned int crc = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, fmt, const_cast<char**>(kwlist), &data.view, &crc)) {
+    return nullptr;
+  }
+  data.held = true;
+  uint32_t result;
+  if (data.view.len >= 65536) {
+    Py_BEGIN_ALLOW_THREADS
+    result = portable ? crc32c_portable(crc, data.view.buf, data.view.len) : crc32c(crc, data.view.buf, data.view.len);
+    Py_END_ALLOW_THREADS
+  } else {
+    result = portable ? crc32c_portable(crc, data.view.buf, data.view.len) : crc32c(crc, data.view.buf, data.view.len);
+  }
+  return PyLong_FromUnsignedLong(result);
+}
+
+PyObject* py_crc32c(PyObject*, PyObject* args, PyObject* kwargs) {
+  return crc32c_common(args, kwargs, "y*|I:crc32c", false);
+}
+
+PyObject* py_crc32c_portable(PyObject*, PyObject* args, PyObject* kwargs) {
+  return crc32c_common(args, kwargs, "y*|I:crc32c_portable", true);
+}
+
+// coalesce_runs(src_offsets, dst_offsets, sizes) -> [(src, dst, size), ...]: the run list the copy
+// functions (CPU and device) would execute, for tests and diagnostics.
+PyObject* py_coalesce_runs(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"src_offsets", "dst_offsets", "sizes", nullptr};
+  PyObject *src_offsets, *dst_offsets, *sizes;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOO:coalesce_runs", const_cast<char**>(kwlist), &src_offsets,
+                                   &dst_offsets, &sizes)) {
+    return nullptr;
+  }
+  std::vector<Run> runs;
+  if (!build_runs(0, 0, src_offsets, dst_offsets, sizes, &runs)) return nullptr;
+  PyObject* list = PyList_New(static_cast<Py_ssize_t>(runs.size()));
+  if (list == nullptr) return nullptr;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    PyObject* item = Py_BuildValue("(KKK)", static_cast<unsigned long long>(runs[i].src),
+                                   static_cast<unsigned long long>(runs[i].dst),
+                                   static_cast<unsigned long long>(runs[i].size));
+    if (item == nullptr) {
+      Py_DECREF(list);
+      return nullptr;
+    }
+    PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+  }
+  return list;
+}
+
+PyObject* py_features(PyObject*, PyObject*) {
+  PyObject* d = PyDict_New();
+  if (d == nullptr) return nullptr;
+  bool ok = set_item(d, "cpu_threads", PyLong_FromUnsignedLong(std::thread::hardware_concurrency())) &&
+            set_item(d, "checksum", PyUnicode_FromString("crc32c")) &&
+            set_item(d, "crc32c_impl", PyUnicode_FromString(crc32c_impl())) &&
+            set_item(d, "crc32c_hardware", PyBool_FromLong(crc32c_hardware())) &&
+            add_cuda_features(d) && add_acl_features(d);
+  if (!ok) {
+    Py_DECREF(d);
+    return nullptr;
+  }
+  return d;
+}
+
+#define KV_KW(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_VARARGS | METH_KEYWORDS
+
+PyMethodDef kMethods[] = {
+    {"copy_blocks", KV_KW(py_copy_blocks),
+     "copy_blocks(src_base, dst_base, src_offsets, dst_offsets, sizes, threads=1) -> int\n\n"
+     "Copy block i from src_base+src_offsets[i] to dst_base+dst_offsets[i] (sizes[i] bytes) with memcpy on\n"
+     "`threads` threads, GIL released. Offsets/sizes: uint64 buffers. Runs contiguous on both sides are\n"
+     "merged first; returns the number of merged runs. Bounds are the caller's job."},
+    {"checksum_blocks", KV_KW(py_checksum_blocks),
+     "checksum_blocks(base, offsets, size, threads=1) -> bytes\n\n"
+     "CRC32C of each `size`-byte block at base+offsets[i], as native-endian uint64 values."},
+    {"copy_and_checksum", KV_KW(py_copy_and_checksum),
+     "copy_and_checksum(src_base, dst_base, src_offsets, dst_offsets, size, threads=1) -> bytes\n\n"
+     "copy_blocks for equal-size blocks fused with checksum_blocks of the copied data (one read of the source)."},
+    {"crc32c", KV_KW(py_crc32c), "crc32c(data, crc=0) -> int\n\nCRC32C of a bytes-like object, continuing from crc."},
+    {"crc32c_portable", KV_KW(py_crc32c_portable),
+     "crc32c_portable(data, crc=0) -> int\n\nSame as crc32c, always with the table-driven implementation."},
+    {"coalesce_runs", KV_KW(py_coalesce_runs),
+     "coalesce_runs(src_offsets, dst_offsets, sizes) -> list[tuple[int, int, int]]\n\n"
+     "The merged (src, dst, size) runs the copy functions would execute."},
+    {"cuda_copy_blocks", KV_KW(py_cuda_copy_blocks),
+     "cuda_copy_blocks(src_base, dst_base, src_offsets, dst_offsets, sizes, direction, device, stream=0,\n"
+     "                 allow_batch=True) -> None\n\n"
+     "Copy merged runs with cuMemcpyBatchAsync (driver >= 12.8) or cuMemcpyAsync per run, on `stream` or\n"
+     "a dedicated stream of `device`, and wait for completion (GIL released). direction: 'h2d', 'd2h', 'd2d'."},
+    {"cuda_host_register", KV_KW(py_cuda_host_register),
+     "cuda_host_register(addr, size, device=0) -> None\n\nPin host memory (cuMemHostRegister, portable)."},
+    {"cuda_host_unregister", KV_KW(py_cuda_host_unregister),
+     "cuda_host_unregister(addr, device=0) -> None\n\nUndo cuda_host_register."},
+    {"acl_copy_blocks", KV_KW(py_acl_copy_blocks),
+     "acl_copy_blocks(src_base, dst_base, src_offsets, dst_offsets, sizes, direction, device, stream=0,\n"
+     "                allow_batch=True) -> None\n\n"
+     "Ascend version of cuda_copy_blocks (aclrtMemcpyBatchAsync or aclrtMemcpyAsync). Unverified on hardware."},
+    {"acl_host_register", KV_KW(py_acl_host_register),
+     "acl_host_register(addr, size, device=0) -> int\n\n"
+     "aclrtHostRegister(ptr, size, ACL_HOST_REGISTER_MAPPED); returns the device-side address."},
+    {"acl_host_unregister", KV_KW(py_acl_host_unregister),
+     "acl_host_unregister(addr, device=0) -> None\n\nUndo acl_host_register."},
+    {"features", reinterpret_cast<PyCFunction>(py_features), METH_NOARGS,
+     "features() -> dict\n\nWhat was compiled in and what the machine offers (probes the CUDA/ACL runtimes)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef kModule = {
+    PyModuleDef_HEAD_INIT, "_native",
+    "Native batched block copy and CRC32C checksum engine of the kvstore daemon.", -1, kMethods,
+    nullptr, nullptr, nullptr, nullptr,
+};
+
+}  // namespace
+
+// ---- shared helpers (declared in kvstore_native.h) -------------------------------------------
+
+bool set_item(PyObject* dict, const char* key, PyObject* value) {
+  if (value == nullptr) return false;
+  int rc = PyDict_SetItemString(dict, key, value);
+  Py_DECREF(value);
+  return rc == 0;
+}
+
+bool parse_u64(PyObject* obj, const char* name, uint64_t* out) {
+  PyObject* index = PyNumber_Index(obj);
+  if (index == nullptr) {
+    PyErr_Format(PyExc_TypeError, "%s must be an int, not %.100s", name, Py_TYPE(obj)->tp_name);
+    return false;
+  }
+  unsigned long long value = PyLong_AsUnsignedLongLong(index);
+  Py_DECREF(index);
+  if (value == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
+    PyErr_Format(PyExc_OverflowError, "%s must be an int in [0, 2**64)", name);
+    return false;
+  }
+  *out = value;
+  return true;
+}
+
+bool parse_u64_array(PyObject* obj, const char* name, std::vector<uint64_t>* out) {
+  Buffer buf;
+  if (PyObject_GetBuffer(obj, &buf.view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+    PyErr_Format(PyExc_TypeError, "%s must be a contiguous buffer of uint64 (e.g. array('Q')), not %.100s", name,
+                 Py_TYPE(obj)->tp_name);
+    return false;
+  }
+  buf.held = true;
+  bool is_signed = false;
+  if (buf.view.itemsize == 8 && is_u64_format(buf.view.format, &is_signed)) {
+    // typed 64-bit integers
+  } else if (buf.view.itemsize == 1 && is_byte_format(buf.view.format) && buf.view.len % 8 == 0) {
+    // raw bytes holding native-endian uint64 values
+  } else {
+    PyErr_Format(PyExc_ValueError,
+                 "%s must hold 64-bit unsigned integers (itemsize 8, e.g. array('Q')); got format '%s' "
+                 "with itemsize %zd",
+                 name, buf.view.format ? buf.view.format : "B", buf.view.itemsize);
+    return false;
+  }
+  out->resize(static_cast<size_t>(buf.view.len) / 8);
+  if (!out->empty()) std::memcpy(out->data(), buf.view.buf, static_cast<size_t>(buf.view.len));
+  if (is_signed) {
+    for (size_t i = 0; i < out->size(); ++i) {
+      if (static_cast<int64_t>((*out)[i]) < 0) {
+        PyErr_Format(PyExc_ValueError, "%s[%zu] is negative", name, i);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+void coalesce(std::vector<Run>* runs) {
+  auto by_src = [](const Run& a, const Run& b) { return a.src < b.src; };
+  // Block lists usually arrive sorted; skip the sort then.
+  if (!std::is_sorted(runs->begin(), runs->end(), by_src)) {
+    std::stable_sort(runs->begin(), runs->end(), by_src);
+  }
+  size_t out = 0;
+  for (size_t i = 0; i < runs->size(); ++i) {
+    const Run& r = (*runs)[i];
+    if (out > 0) {
+      Run& prev = (*runs)[out - 1];
+      if (prev.src + prev.size == r.src && prev.dst + prev.size == r.dst) {
+        prev.size += r.size;
+        continue;
+      }
+    }
+    (*runs)[out++] = r;
+  }
+  runs->resize(out);
+}
+
+bool build_runs(uint64_t src_base, uint64_t dst_base, PyObject* src_offsets_obj, PyObject* dst_offsets_obj,
+                PyObject* sizes_obj, std::vector<Run>* runs) {
+  std::vector<uint64_t> src_offsets, dst_offsets, sizes;
+  if (!parse_u64_array(src_offsets_obj, "src_offsets", &src_offsets) ||
+      !parse_u64_array(dst_offsets_obj, "dst_offsets", &dst_offsets) ||
+      !parse_u64_array(sizes_obj, "sizes", &sizes)) {
+    return false;
+  }
+  if (src_offsets.size() != dst_offsets.size() || src_offsets.size() != sizes.size()) {
+    PyErr_Format(PyExc_ValueError,
+                 "src_offsets, dst_offsets and sizes must have the same length (got %zu, %zu, %zu)",
+                 src_offsets.size(), dst_offsets.size(), sizes.size());
+    return false;
+  }
+  runs->clear();
+  runs->reserve(sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    uint64_t src, dst, src_end, dst_end;
+    if (__builtin_add_overflow(src_base, src_offsets[i], &src) ||
+        __builtin_add_overflow(src, sizes[i], &src_end) || __builtin_add_overflow(dst_base, dst_offsets[i], &dst) ||
+        __builtin_add_overflow(dst, sizes[i], &dst_end) || src_end > UINTPTR_MAX || dst_end > UINTPTR_MAX) {
+      PyErr_Format(PyExc_OverflowError, "block %zu: base + offset + size overflows the address space", i);
+      return false;
+    }
+    if (sizes[i] != 0) runs->push_back(Run{src, dst, sizes[i]});
+  }
+  coalesce(runs);
+  return true;
+}
+
+bool parse_direction(PyObject* obj, Direction* out) {
+  const char* s = PyUnicode_Check(obj) ? PyUnicode_AsUTF8(obj) : nullptr;
+  if (s != nullptr && std::strcmp(s, "h2d") == 0) {
+    *out = Direction::kHostToDevice;
+  } else if (s != nullptr && std::strcmp(s, "d2h") == 0) {
+    *out = Direction::kDeviceToHost;
+  } else if (s != nullptr && std::strcmp(s, "d2d") == 0) {
+    *out = Direction::kDeviceToDevice;
+  } else {
+    PyErr_Clear();
+    PyErr_SetString(PyExc_ValueError, "direction must be 'h2d', 'd2h' or 'd2d'");
+    return false;
+  }
+  return true;
+}
+
+}  // namespace kvstore
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&kvstore::kModule); }

@@ -1,0 +1,481 @@
+// CUDA copy path: batched block copies between device memory and the host pool.
+//
+// Why dlopen instead of compiling against cuda.h and linking libcuda/libcudart:
+//  * the same build works on machines with and without a CUDA toolkit (CI often has no nvcc), and
+//    one wheel serves CPU-only and GPU nodes;
+//  * importing the module never fails for a missing or mismatched driver; the CUDA functions
+//    raise RuntimeError instead, and everything else keeps working;
+//  * cuMemcpyBatchAsync (CUDA 12.8+) is found at runtime from the driver actually installed, not
+//    from whichever toolkit the build machine had.
+// The price is declaring the few driver types used here by hand. They are the stable C ABI of
+// libcuda (ints, opaque pointers, one small struct); when cuda.h is present at build time
+// (KVSTORE_CUDA_ABI_CHECK) static_asserts at the end of this file compare them with the real header.
+//
+// Only the host-side logic (argument parsing, run coalescing, "no driver" errors) is exercised on
+// machines without a GPU; the driver calls themselves need a GPU to be verified.
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <map>
+#include <mutex>
+
+#include "kvstore_native.h"
+
+namespace kvstore {
+namespace cu {
+
+using CUresult = int;
+using CUdevice = int;
+using CUdeviceptr = unsigned long long;
+using CUcontext = struct CUctx_st*;
+using CUstream = struct CUstream_st*;
+using CUevent = struct CUevent_st*;
+
+struct CUmemLocation {
+  int type;  // CUmemLocationType
+  int id;
+};
+
+struct CUmemcpyAttributes {
+  int srcAccessOrder;  // CUmemcpySrcAccessOrder
+  CUmemLocation srcLocHint;
+  CUmemLocation dstLocHint;
+  unsigned int flags;
+};
+
+constexpr CUresult kSuccess = 0;
+constexpr CUresult kErrorNotSupported = 801;
+constexpr int kLocationDevice = 0x1;
+constexpr int kLocationHost = 0x2;
+constexpr int kSrcAccessOrderStream = 0x1;
+constexpr unsigned int kFlagPreferOverlapWithCompute = 0x1;
+constexpr unsigned int kStreamNonBlocking = 0x1;
+constexpr unsigned int kEventBlockingSync = 0x1;
+constexpr unsigned int kEventDisableTiming = 0x2;
+constexpr unsigned int kMemHostRegisterPortable = 0x1;
+constexpr unsigned long long kGetProcAddressDefault = 0;
+
+using PFN_cuInit = CUresult (*)(unsigned int);
+using PFN_cuDriverGetVersion = CUresult (*)(int*);
+using PFN_cuGetProcAddress_v2 = CUresult (*)(const char*, void**, int, unsigned long long, int*);
+using PFN_cuGetProcAddress_v1 = CUresult (*)(const char*, void**, int, unsigned long long);
+using PFN_cuGetErrorName = CUresult (*)(CUresult, const char**);
+using PFN_cuGetErrorString = CUresult (*)(CUresult, const char**);
+using PFN_cuDeviceGetCount = CUresult (*)(int*);
+using PFN_cuDeviceGet = CUresult (*)(CUdevice*, int);
+using PFN_cuDevicePrimaryCtxRetain = CUresult (*)(CUcontext*, CUdevice);
+using PFN_cuCtxGetCurrent = CUresult (*)(CUcontext*);
+using PFN_cuCtxSetCurrent = CUresult (*)(CUcontext);
+using PFN_cuStreamCreate = CUresult (*)(CUstream*, unsigned int);
+using PFN_cuEventCreate = CUresult (*)(CUevent*, unsigned int);
+using PFN_cuEventRecord = CUresult (*)(CUevent, CUstream);
+using PFN_cuEventSynchronize = CUresult (*)(CUevent);
+using PFN_cuMemcpyAsync = CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+// The CUDA 12.8 ABI of cuMemcpyBatchAsync (with failIdx). CUDA 13 headers call this one
+// cuMemcpyBatchAsync and add a _v2 without failIdx; asking cuGetProcAddress for version 12080
+// returns this ABI from both 12.8+ and 13.x drivers.
+using PFN_cuMemcpyBatchAsync = CUresult (*)(CUdeviceptr*, CUdeviceptr*, size_t*, size_t, CUmemcpyAttributes*,
+                                            size_t*, size_t, size_t*, CUstream);
+using PFN_cuMemHostRegister = CUresult (*)(void*, size_t, unsigned int);
+using PFN_cuMemHostUnregister = CUresult (*)(void*);
+
+}  // namespace cu
+
+namespace {
+
+constexpr int kBatchApiVersion = 12080;  // cuMemcpyBatchAsync appeared in CUDA 12.8
+// Copies per cuMemcpyBatchAsync call. The API documents no limit; bounding it keeps the staging
+// arrays small and costs one extra call per 8192 runs.
+constexpr size_t kMaxBatch = 8192;
+
+struct Driver {
+  std::string error;  // non-empty: CUDA is unusable here, and this says why
+  int version = 0;
+  cu::PFN_cuGetErrorName get_error_name = nullptr;
+  cu::PFN_cuGetErrorString get_error_string = nullptr;
+  cu::PFN_cuDeviceGetCount device_get_count = nullptr;
+  cu::PFN_cuDeviceGet device_get = nullptr;
+  cu::PFN_cuDevicePrimaryCtxRetain primary_ctx_retain = nullptr;
+  cu::PFN_cuCtxGetCurrent ctx_get_current = nullptr;
+  cu::PFN_cuCtxSetCurrent ctx_set_current = nullptr;
+  cu::PFN_cuStreamCreate stream_create = nullptr;
+  cu::PFN_cuEventCreate event_create = nullptr;
+  cu::PFN_cuEventRecord event_record = nullptr;
+  cu::PFN_cuEventSynchronize event_synchronize = nullptr;
+  cu::PFN_cuMemcpyAsync memcpy_async = nullptr;
+  cu::PFN_cuMemcpyBatchAsync memcpy_batch_async = nullptr;  // null: driver older than 12.8
+  cu::PFN_cuMemHostRegister mem_host_register = nullptr;
+  cu::PFN_cuMemHostUnregister mem_host_unregister = nullptr;
+};
+
+std::string describe(const Driver& d, cu::CUresult rc) {
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (d.get_error_name) d.get_error_name(rc, &name);
+  if (d.get_error_string) d.get_error_string(rc, &text);
+  std::string s = name ? name : "CUDA error";
+  s += " (" + std::to_string(rc) + ")";
+  if (text) s += std::string(": ") + text;
+  return s;
+}
+
+Driver load_driver() {
+  Driver d;
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* why = dlerror();
+    d.error = std::string("CUDA driver not available: cannot load libcuda.so.1 (") + (why ? why : "?") + ")";
+    return d;
+  }
+  // Kept loaded for the life of the process.
+  auto init = reinterpret_cast<cu::PFN_cuInit>(dlsym(lib, "cuInit"));
+  auto get_version = reinterpret_cast<cu::PFN_cuDriverGetVersion>(dlsym(lib, "cuDriverGetVersion"));
+  d.get_error_name = reinterpret_cast<cu::PFN_cuGetErrorName>(dlsym(lib, "cuGetErrorName"));
+  d.get_error_string = reinterpret_cast<cu::PFN_cuGetErrorString>(dlsym(lib, "cuGetErrorString"));
+  auto gpa_v2 = reinterpret_cast<cu::PFN_cuGetProcAddress_v2>(dlsym(lib, "cuGetProcAddress_v2"));
+  auto gpa_v1 = reinterpret_cast<cu::PFN_cuGetProcAddress_v1>(dlsym(lib, "cuGetProcAddress"));
+  if (init == nullptr || get_version == nullptr || (gpa_v2 == nullptr && gpa_v1 == nullptr)) {
+    d.error = "CUDA driver too old: libcuda.so.1 lacks cuGetProcAddress (need CUDA 11.3 or newer)";
+    return d;
+  }
+  if (get_version(&d.version) != cu::kSuccess) d.version = 0;
+  cu::CUresult rc = init(0);
+  if (rc != cu::kSuccess) {
+    d.error = "CUDA not usable: cuInit failed: " + describe(d, rc);
+    return d;
+  }
+
+  // Resolve each entry point with the ABI of an explicit CUDA version (the driver keeps older
+  // ABIs for compatibility), so the signatures declared above stay right on newer drivers.
+  auto resolve = [&](const char* name, int version) -> void* {
+    void* fn = nullptr;
+    version = std::min(version, d.version);
+    if (gpa_v2 != nullptr) {
+      int status = 0;
+      if (gpa_v2(name, &fn, version, cu::kGetProcAddressDefault, &status) != cu::kSuccess || status != 0) {
+        return nullptr;
+      }
+    } else if (gpa_v1(name, &fn, version, cu::kGetProcAddressDefault) != cu::kSuccess) {
+      return nullptr;
+    }
+    return fn;
+  };
+  constexpr int kBase = 12000;  // ABI level for everything but the batch API
+  d.device_get_count = reinterpret_cast<cu::PFN_cuDeviceGetCount>(resolve("cuDeviceGetCount", kBase));
+  d.device_get = reinterpret_cast<cu::PFN_cuDeviceGet>(resolve("cuDeviceGet", kBase));
+  d.primary_ctx_retain = reinterpret_cast<cu::PFN_cuDevicePrimaryCtxRetain>(resolve("cuDevicePrimaryCtxRetain", kBase));
+  d.ctx_get_current = reinterpret_cast<cu::PFN_cuCtxGetCurrent>(resolve("cuCtxGetCurrent", kBase));
+  d.ctx_set_current = reinterpret_cast<cu::PFN_cuCtxSetCurrent>(resolve("cuCtxSetCurrent", kBase));
+  d.stream_create = reinterpret_cast<cu::PFN_cuStreamCreate>(resolve("cuStreamCreate", kBase));
+  d.event_create = reinterpret_cast<cu::PFN_cuEventCreate>(resolve("cuEventCreate", kBase));
+  d.event_record = reinterpret_cast<cu::PFN_cuEventRecord>(resolve("cuEventRecord", kBase));
+  d.event_synchronize = reinterpret_cast<cu::PFN_cuEventSynchronize>(resolve("cuEventSynchronize", kBase));
+  d.memcpy_async = reinterpret_cast<cu::PFN_cuMemcpyAsync>(resolve("cuMemcpyAsync", kBase));
+  d.mem_host_register = reinterpret_cast<cu::PFN_cuMemHostRegister>(resolve("cuMemHostRegister", kBase));
+  d.mem_host_unregister = reinterpret_cast<cu::PFN_cuMemHostUnregister>(resolve("cuMemHostUnregister", kBase));
+  if (d.version >= kBatchApiVersion) {
+    d.memcpy_batch_async = reinterpret_cast<cu::PFN_cuMemcpyBatchAsync>(resolve("cuMemcpyBatchAsync", kBatchApiVersion));
+  }
+  if (!d.device_get_count || !d.device_get || !d.primary_ctx_retain || !d.ctx_get_current ||
+      !d.ctx_set_current || !d.stream_create || !d.event_create || !d.event_record || !d.event_synchronize ||
+      !d.memcpy_async || !d.mem_host_register || !d.mem_host_unregister) {
+    d.error = "CUDA driver " + std::to_string(d.version) + " lacks a required entry point";
+  }
+  return d;
+}
+
+// Loaded once, on first use (thread-safe static init; called with the GIL released since cuInit
+// can take a while).
+const Driver& driver() {
+  static const Driver d = load_driver();
+  return d;
+}
+
+// A stream and an event for one copy at a time. Reused across calls: creating them per call
+// would cost more than small copies do.
+struct Lane {
+  cu::CUstream stream = nullptr;
+  cu::CUevent event = nullptr;
+};
+
+struct DeviceState {
+  cu::CUcontext ctx = nullptr;
+  std::mutex mu;
+  std::vector<Lane> idle;
+};
+
+// Devices are set up once and kept for the life of the process (the primary context is retained
+// and never released, so the pinned pool and streams stay valid).
+DeviceState* device_state(const Driver& d, int ordinal, std::string* err) {
+  static std::mutex mu;
+  static std::map<int, DeviceState*> devices;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = devices.find(ordinal);
+  if (it != devices.end()) return it->second;
+  int count = 0;
+  cu::CUresult rc = d.device_get_count(&count);
+  if (rc != cu::kSuccess) {
+    *err = "cuDeviceGetCount failed: " + describe(d, rc);
+    return nullptr;
+  }
+  if (ordinal < 0 || ordinal >= count) {
+    *err = "CUDA device " + std::to_string(ordinal) + " does not exist (" + std::to_string(count) + " visible)";
+    return nullptr;
+  }
+  cu::CUdevice dev = 0;
+  cu::CUcontext ctx = nullptr;
+  if ((rc = d.device_get(&dev, ordinal)) != cu::kSuccess ||
+      (rc = d.primary_ctx_retain(&ctx, dev)) != cu::kSuccess) {
+    *err = "cannot open CUDA device " + std::to_string(ordinal) + ": " + describe(d, rc);
+    return nullptr;
+  }
+  auto* state = new DeviceState();
+  state->ctx = ctx;
+  devices[ordinal] = state;
+  return state;
+}
+
+// Makes the device's primary context current on this thread, restoring the previous one after.
+class ContextScope {
+ public:
+  ContextScope(const Driver& d, cu::CUcontext ctx) : d_(d) {
+    if (d_.ctx_get_current(&prev_) != cu::kSuccess) prev_ = nullptr;
+    ok_ = d_.ctx_set_current(ctx) == cu::kSuccess;
+  }
+  ~ContextScope() { d_.ctx_set_current(prev_); }
+  bool ok() const { return ok_; }
+
+ private:
+  const Driver& d_;
+  cu::CUcontext prev_ = nullptr;
+  bool ok_ = false;
+};
+
+bool acquire_lane(const Driver& d, DeviceState* dev, Lane* lane, std::string* err) {
+  {
+    std::lock_guard<std::mutex> lock(dev->mu);
+    if (!dev->idle.empty()) {
+      *lane = dev->idle.back();
+      dev->idle.pop_back();
+      return true;
+    }
+  }
+  cu::CUresult rc;
+  // Non-blocking: no implicit sync with the legacy default stream the engine may be using.
+  if ((rc = d.stream_create(&lane->stream, cu::kStreamNonBlocking)) != cu::kSuccess) {
+    *err = "cuStreamCreate failed: " + describe(d, rc);
+    return false;
+  }
+  // Blocking sync: the waiting thread sleeps instead of spinning a core the engine could use.
+  if ((rc = d.event_create(&lane->event, cu::kEventBlockingSync | cu::kEventDisableTiming)) !=
+      cu::kSuccess) {
+    *err = "cuEventCreate failed: " + describe(d, rc);
+    return false;  // the stream leaks; this only happens when the device is already broken
+  }
+  return true;
+}
+
+void release_lane(DeviceState* dev, const Lane& lane) {
+  std::lock_guard<std::mutex> lock(dev->mu);
+  dev->idle.push_back(lane);
+}
+
+// Enqueues all runs on `stream`; returns "" or an error message. *used_batch tells which API ran.
+std::string enqueue_copies(const Driver& d, const std::vector<Run>& runs, Direction dir, int device,
+                           cu::CUstream stream, bool allow_batch, bool* used_batch) {
+  *used_batch = false;
+  if (allow_batch && d.memcpy_batch_async != nullptr) {
+    cu::CUmemcpyAttributes attr{};
+    attr.srcAccessOrder = cu::kSrcAccessOrderStream;
+    cu::CUmemLocation host{cu::kLocationHost, 0};
+    cu::CUmemLocation dev{cu::kLocationDevice, device};
+    attr.srcLocHint = dir == Direction::kHostToDevice ? host : dev;
+    attr.dstLocHint = dir == Direction::kDeviceToHost ? host : dev;
+    // KV offload runs next to inference: prefer copy engines over SMs where the driver can.
+    attr.flags = cu::kFlagPreferOverlapWithCompute;
+    std::vector<cu::CUdeviceptr> dsts, srcs;
+    std::vector<size_t> sizes;
+    for (size_t start = 0; start < runs.size(); start += kMaxBatch) {
+      size_t count = std::min(kMaxBatch, runs.size() - start);
+      dsts.resize(count);
+      srcs.resize(count);
+      sizes.resize(count);
+      for (size_t i = 0; i < count; ++i) {
+        dsts[i] = runs[start + i].dst;
+        srcs[i] = runs[start + i].src;
+        sizes[i] = runs[start + i].size;
+      }
+      size_t attr_index = 0;
+      size_t fail_index = SIZE_MAX;
+      cu::CUresult rc = d.memcpy_batch_async(dsts.data(), srcs.data(), sizes.data(), count, &attr, &attr_index, 1,
+                                             &fail_index, stream);
+      if (rc == cu::kErrorNotSupported && start == 0) break;  // e.g. unsupported platform: per-run below
+      if (rc != cu::kSuccess) {
+        std::string where = fail_index == SIZE_MAX ? "" : " at run " + std::to_string(start + fail_index);
+        return "cuMemcpyBatchAsync failed" + where + ": " + describe(d, rc);
+      }
+      *used_batch = true;
+    }
+    if (*used_batch) return "";
+  }
+  for (size_t i = 0; i < runs.size(); ++i) {
+    cu::CUresult rc = d.memcpy_async(runs[i].dst, runs[i].src, runs[i].size, stream);
+    if (rc != cu::kSuccess) return "cuMemcpyAsync failed at run " + std::to_string(i) + ": " + describe(d, rc);
+  }
+  return "";
+}
+
+// The whole device copy, run with the GIL released. Returns "" or an error message.
+std::string cuda_copy(const std::vector<Run>& runs, Direction dir, int device, uint64_t user_stream,
+                      bool allow_batch) {
+  const Driver& d = driver();
+  if (!d.error.empty()) return d.error;
+  std::string err;
+  DeviceState* dev = device_state(d, device, &err);
+  if (dev == nullptr) return err;
+  if (runs.empty()) return "";
+  ContextScope scope(d, dev->ctx);
+  if (!scope.ok()) return "cannot make the context of CUDA device " + std::to_string(device) + " current";
+  Lane lane;
+  if (!acquire_lane(d, dev, &lane, &err)) return err;
+  auto stream = user_stream != 0 ? reinterpret_cast<cu::CUstream>(user_stream) : lane.stream;
+  bool used_batch = false;
+  err = enqueue_copies(d, runs, dir, device, stream, allow_batch, &used_batch);
+  // Wait even after an enqueue error: earlier runs may still be in flight on the stream.
+  cu::CUresult rc = d.event_record(lane.event, stream);
+  if (rc == cu::kSuccess) rc = d.event_synchronize(lane.event);
+  if (err.empty() && rc != cu::kSuccess) err = "CUDA copy failed while waiting for it: " + describe(d, rc);
+  release_lane(dev, lane);
+  return err;
+}
+
+std::string host_register(uint64_t addr, uint64_t size, int device, bool reg) {
+  const Driver& d = driver();
+  if (!d.error.empty()) return d.error;
+  std::string err;
+  DeviceState* dev = device_state(d, device, &err);
+  if (dev == nullptr) return err;
+  ContextScope scope(d, dev->ctx);
+  if (!scope.ok()) return "cannot make the context of CUDA device " + std::to_string(device) + " current";
+  void* ptr = reinterpret_cast<void*>(addr);
+  // Portable: the pinning is visible to every context, so one registration serves all GPUs.
+  cu::CUresult rc = reg ? d.mem_host_register(ptr, size, cu::kMemHostRegisterPortable)
+                        : d.mem_host_unregister(ptr);
+  if (rc != cu::kSuccess) return std::string(reg ? "cuMemHostRegister" : "cuMemHostUnregister") + " failed: " + describe(d, rc);
+  return "";
+}
+
+}  // namespace
+
+PyObject* py_cuda_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"src_base", "dst_base", "src_offsets", "dst_offsets", "sizes", "direction",
+                                 "device", "stream", "allow_batch", nullptr};
+  PyObject *src_base_obj, *dst_base_obj, *src_offsets, *dst_offsets, *sizes, *direction_obj;
+  PyObject* stream_obj = nullptr;
+  int device = 0;
+  int allow_batch = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOi|Op:cuda_copy_blocks", const_cast<char**>(kwlist),
+                                   &src_base_obj, &dst_base_obj, &src_offsets, &dst_offsets, &sizes,
+                                   &direction_obj, &device, &stream_obj, &allow_batch)) {
+    return nullptr;
+  }
+  uint64_t src_base, dst_base, stream = 0;
+  Direction dir;
+  if (!parse_u64(src_base_obj, "src_base", &src_base) || !parse_u64(dst_base_obj, "dst_base", &dst_base) ||
+      !parse_direction(direction_obj, &dir) ||
+      (stream_obj != nullptr && stream_obj != Py_None && !parse_u64(stream_obj, "stream", &stream))) {
+    return nullptr;
+  }
+  std::vector<Run> runs;
+  if (!build_runs(src_base, dst_base, src_offsets, dst_offsets, sizes, &runs)) return nullptr;
+  std::string err;
+  Py_BEGIN_ALLOW_THREADS
+  err = cuda_copy(runs, dir, device, stream, allow_batch != 0);
+  Py_END_ALLOW_THREADS
+  if (!err.empty()) {
+    PyErr_SetString(PyExc_RuntimeError, err.c_str());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+static PyObject* host_register_common(PyObject* args, PyObject* kwargs, bool reg) {
+  static const char* reg_kw[] = {"addr", "size", "device", nullptr};
+  static const char* unreg_kw[] = {"addr", "device", nullptr};
+  PyObject *addr_obj, *size_obj = nullptr;
+  int device = 0;
+  bool parsed = reg ? PyArg_ParseTupleAndKeywords(args, kwargs, "OO|i:cuda_host_register", const_cast<char**>(reg_kw),
+                                                  &addr_obj, &size_obj, &device)
+                    : PyArg_ParseTupleAndKeywords(args, kwargs, "O|i:cuda_host_unregister",
+                                                  const_cast<char**>(unreg_kw), &addr_obj, &device);
+  if (!parsed) return nullptr;
+  uint64_t addr, size = 0;
+  if (!parse_u64(addr_obj, "addr", &addr) || (reg && !parse_u64(size_obj, "size", &size))) return nullptr;
+  std::string err;
+  Py_BEGIN_ALLOW_THREADS
+  err = host_register(addr, size, device, reg);
+  Py_END_ALLOW_THREADS
+  if (!err.empty()) {
+    PyErr_SetString(PyExc_RuntimeError, err.c_str());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* py_cuda_host_register(PyObject*, PyObject* args, PyObject* kwargs) {
+  return host_register_common(args, kwargs, true);
+}
+
+PyObject* py_cuda_host_unregister(PyObject*, PyObject* args, PyObject* kwargs) {
+  return host_register_common(args, kwargs, false);
+}
+
+bool add_cuda_features(PyObject* features) {
+  const Driver* d;
+  Py_BEGIN_ALLOW_THREADS
+  d = &driver();
+  Py_END_ALLOW_THREADS
+  bool ok = set_item(features, "cuda_compiled", PyBool_FromLong(1)) &&
+#if defined(KVSTORE_CUDA_ABI_CHECK)
+            set_item(features, "cuda_abi_checked", PyBool_FromLong(1)) &&
+#else
+            set_item(features, "cuda_abi_checked", PyBool_FromLong(0)) &&
+#endif
+            set_item(features, "cuda_available", PyBool_FromLong(d->error.empty())) &&
+            set_item(features, "cuda_driver_version", PyLong_FromLong(d->version)) &&
+            set_item(features, "cuda_batch_memcpy", PyBool_FromLong(d->error.empty() && d->memcpy_batch_async)) &&
+            set_item(features, "cuda_error", PyUnicode_FromString(d->error.c_str()));
+  return ok;
+}
+
+}  // namespace kvstore
+
+// ---- ABI check against the real header ------------------------------------------------------
+#if defined(KVSTORE_CUDA_ABI_CHECK)
+#include <cuda.h>
+
+static_assert(sizeof(kvstore::cu::CUdeviceptr) == sizeof(::CUdeviceptr), "CUdeviceptr");
+static_assert(sizeof(kvstore::cu::CUresult) == sizeof(::CUresult), "CUresult");
+static_assert(sizeof(kvstore::cu::CUdevice) == sizeof(::CUdevice), "CUdevice");
+static_assert(kvstore::cu::kErrorNotSupported == ::CUDA_ERROR_NOT_SUPPORTED, "kErrorNotSupported");
+static_assert(kvstore::cu::kStreamNonBlocking == ::CU_STREAM_NON_BLOCKING, "kStreamNonBlocking");
+static_assert(kvstore::cu::kEventBlockingSync == ::CU_EVENT_BLOCKING_SYNC, "kEventBlockingSync");
+static_assert(kvstore::cu::kEventDisableTiming == ::CU_EVENT_DISABLE_TIMING, "kEventDisableTiming");
+static_assert(kvstore::cu::kMemHostRegisterPortable == CU_MEMHOSTREGISTER_PORTABLE, "PORTABLE");
+static_assert(kvstore::cu::kLocationDevice == ::CU_MEM_LOCATION_TYPE_DEVICE, "LOCATION_DEVICE");
+static_assert(kvstore::cu::kLocationHost == ::CU_MEM_LOCATION_TYPE_HOST, "LOCATION_HOST");
+#if CUDA_VERSION >= 12080
+static_assert(kvstore::cu::kSrcAccessOrderStream == ::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, "ORDER");
+static_assert(kvstore::cu::kFlagPreferOverlapWithCompute == ::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,
+              "FLAG");
+static_assert(sizeof(kvstore::cu::CUmemcpyAttributes) == sizeof(::CUmemcpyAttributes), "CUmemcpyAttributes size");
+static_assert(offsetof(kvstore::cu::CUmemcpyAttributes, srcLocHint) == offsetof(::CUmemcpyAttributes, srcLocHint),
+              "srcLocHint");
+static_assert(offsetof(kvstore::cu::CUmemcpyAttributes, dstLocHint) == offsetof(::CUmemcpyAttributes, dstLocHint),
+              "dstLocHint");
+static_assert(offsetof(kvstore::cu::CUmemcpyAttributes, flags) == offsetof(::CUmemcpyAttributes, flags), "flags");
+static_assert(sizeof(kvstore::cu::CUmemLocation) == sizeof(::CUmemLocation), "CUmemLocation");
+#endif
+#endif

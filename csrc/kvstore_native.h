@@ -1,0 +1,58 @@
+// Shared pieces of the kvstore_service._native extension (plain CPython C API, no torch).
+#pragma once
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace kvstore {
+
+// One contiguous copy: absolute source and destination addresses and a length in bytes.
+struct Run {
+  uint64_t src;
+  uint64_t dst;
+  uint64_t size;
+};
+
+// Parses a Python int (or anything with __index__) as an unsigned 64-bit address/offset.
+// Returns false with a Python exception set.
+bool parse_u64(PyObject* obj, const char* name, uint64_t* out);
+
+// Copies a uint64 buffer (array('Q'), numpy uint64/int64, bytes of native uint64, ...) into `out`.
+// Returns false with a Python exception set (ValueError for a wrong item size or format).
+bool parse_u64_array(PyObject* obj, const char* name, std::vector<uint64_t>* out);
+
+// Validates the offset/size buffers (equal lengths, no address overflow), adds the bases, drops
+// empty entries and merges runs contiguous in both source and destination (after sorting by
+// source address). Bounds are not checked: keeping offsets inside the mappings is the caller's job.
+// Needs the GIL; returns false with a Python exception set.
+bool build_runs(uint64_t src_base, uint64_t dst_base, PyObject* src_offsets, PyObject* dst_offsets,
+                PyObject* sizes, std::vector<Run>* runs);
+
+// Sorts runs by source address and merges neighbours contiguous on both sides. Pure, no GIL needed.
+void coalesce(std::vector<Run>* runs);
+
+// Copy direction of the device paths.
+enum class Direction { kHostToDevice, kDeviceToHost, kDeviceToDevice };
+// Parses "h2d" / "d2h" / "d2d"; returns false with ValueError set.
+bool parse_direction(PyObject* obj, Direction* out);
+
+// Device paths (cuda_copy.cpp, acl_copy.cpp): Python entry points and feature reporting.
+PyObject* py_cuda_copy_blocks(PyObject* self, PyObject* args, PyObject* kwargs);
+PyObject* py_cuda_host_register(PyObject* self, PyObject* args, PyObject* kwargs);
+PyObject* py_cuda_host_unregister(PyObject* self, PyObject* args, PyObject* kwargs);
+// Adds cuda_* keys to `features`; probes the driver (dlopen + cuInit) on first use.
+bool add_cuda_features(PyObject* features);
+
+PyObject* py_acl_copy_blocks(PyObject* self, PyObject* args, PyObject* kwargs);
+PyObject* py_acl_host_register(PyObject* self, PyObject* args, PyObject* kwargs);
+PyObject* py_acl_host_unregister(PyObject* self, PyObject* args, PyObject* kwargs);
+bool add_acl_features(PyObject* features);
+
+// Helper for feature dicts: sets features[key] = value (steals nothing); false on error.
+bool set_item(PyObject* dict, const char* key, PyObject* value);
+
+}  // namespace kvstore

@@ -1,0 +1,101 @@
+{{- define "kvstore.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "kvstore.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvstore.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvstore.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kvstore.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{ include "kvstore.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{/* Socket path, the same on the node, in the daemon and in the engines. */}}
+{{- define "kvstore.socketPath" -}}
+{{- $dir := required "socket.dir is required: the node directory that holds the daemon's unix socket" .Values.socket.dir -}}
+{{- printf "%s/%s" (trimSuffix "/" $dir) .Values.socket.name -}}
+{{- end -}}
+
+{{/* A size value ("4GiB", "1.5GB", or a number of bytes) as text. Helm reads numbers as floats. */}}
+{{- define "kvstore.sizeString" -}}
+{{- if kindIs "string" . -}}{{ . }}{{- else -}}{{ printf "%.0f" (float64 .) }}{{- end -}}
+{{- end -}}
+
+{{/* A size value in bytes, as text (callers convert it with float64). */}}
+{{- define "kvstore.bytes" -}}
+{{- $s := include "kvstore.sizeString" . -}}
+{{- $num := regexFind "^[0-9]+(\\.[0-9]+)?" $s -}}
+{{- $unit := trimPrefix $num $s -}}
+{{- $units := dict "" 1 "B" 1 "KB" 1e3 "MB" 1e6 "GB" 1e9 "TB" 1e12 "KiB" 1024 "MiB" 1048576 "GiB" 1073741824 "TiB" 1099511627776 -}}
+{{- if or (not $num) (not (hasKey $units $unit)) -}}
+{{- fail (printf "%q is not a size: use bytes with an optional unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)" $s) -}}
+{{- end -}}
+{{- mulf $num (get $units $unit) -}}
+{{- end -}}
+
+{{/* Bytes (text) as a Kubernetes quantity in MiB, rounded up. */}}
+{{- define "kvstore.mebibytes" -}}
+{{- printf "%.0fMi" (ceil (divf (float64 .) 1048576)) -}}
+{{- end -}}
+
+{{/* Memory request and limit of the daemon: pool + memoryOverhead. */}}
+{{- define "kvstore.memory" -}}
+{{- $pool := include "kvstore.bytes" .Values.pool.size | float64 -}}
+{{- if lt $pool 1.0 -}}
+{{- fail (printf "pool.size must be greater than zero (got %q)" (include "kvstore.sizeString" .Values.pool.size)) -}}
+{{- end -}}
+{{- $overhead := include "kvstore.bytes" .Values.memoryOverhead | float64 -}}
+{{- include "kvstore.mebibytes" (addf $pool $overhead) -}}
+{{- end -}}
+
+{{/* sizeLimit of the memory-backed pool volume: pool + headroom. */}}
+{{- define "kvstore.poolVolumeSize" -}}
+{{- $pool := include "kvstore.bytes" .Values.pool.size | float64 -}}
+{{- $headroom := include "kvstore.bytes" .Values.pool.headroom | float64 -}}
+{{- include "kvstore.mebibytes" (addf $pool $headroom) -}}
+{{- end -}}
+
+{{/* A daemon setting as an environment variable value. */}}
+{{- define "kvstore.envValue" -}}
+{{- if kindIs "string" . -}}{{ . }}
+{{- else if kindIs "bool" . -}}{{ ternary "true" "false" . }}
+{{- else if or (kindIs "slice" .) (kindIs "map" .) -}}{{ toJson . }}
+{{- else if eq (float64 .) (floor .) -}}{{ printf "%.0f" (float64 .) }}
+{{- else -}}{{ float64 . }}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvstore.metricsServiceEnabled" -}}
+{{- if or .Values.metrics.service.enabled .Values.metrics.serviceMonitor.enabled -}}true{{- end -}}
+{{- end -}}
+
+{{/* Cross-field checks the schema cannot express. */}}
+{{- define "kvstore.validate" -}}
+{{- if and .Values.tcp.enabled (not .Values.tcp.tls.secretName) (not .Values.tcp.insecure) -}}
+{{- fail "tcp.enabled=true needs TLS: set tcp.tls.secretName to a kubernetes.io/tls Secret (tls.crt, tls.key), or set tcp.insecure=true to accept plaintext TCP" -}}
+{{- end -}}
+{{- if and .Values.tcp.tls.clientCA (not .Values.tcp.tls.secretName) -}}
+{{- fail "tcp.tls.clientCA=true needs tcp.tls.secretName: the Secret's ca.crt verifies client certificates" -}}
+{{- end -}}
+{{- if and (include "kvstore.metricsServiceEnabled" .) (eq (int .Values.metrics.port) 0) -}}
+{{- fail "metrics.service.enabled and metrics.serviceMonitor.enabled need metrics.port > 0 (0 turns metrics off)" -}}
+{{- end -}}
+{{- if and .Values.tcp.enabled (eq (int .Values.tcp.port) (int .Values.metrics.port)) -}}
+{{- fail (printf "tcp.port and metrics.port are both %d: use two different ports" (int .Values.tcp.port)) -}}
+{{- end -}}
+{{- if and (eq .Values.accelerator "ascend") (not .Values.ascend.devices) -}}
+{{- fail "accelerator=ascend needs ascend.devices: the NPU indices of the node, e.g. [0, 1, 2, 3]" -}}
+{{- end -}}
+{{- end -}}
