@@ -245,7 +245,6 @@ class _Lookup:
     future: grpc.Future | None
     hits: int = 0
     lease_id: bytes = b""
-    loading: bool = False
 
 
 class _Scheduler:
@@ -262,6 +261,8 @@ class _Scheduler:
         self.loads: list[Transfer] = []
         self.stored_upto: dict[str, int] = {}  # blocks of the request already sent for store
         self.had_stores: set[str] = set()
+        self.load_failed: set[str] = set()  # requests whose load failed: recompute, never offer again
+        self.load_block_ids: dict[str, set[int]] = {}
         self.unavailable_warned = False
         self.lookup_errors = 0
 
@@ -280,7 +281,7 @@ class _Scheduler:
         start = num_computed_tokens // self.block_size
         # Never claim the last prompt token: vLLM must compute at least one token.
         end = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
-        if not self.settings.load or end <= start:
+        if not self.settings.load or end <= start or req_id in self.load_failed:
             return 0, False
         state = self.lookups.get(req_id)
         if state is None or (state.start, state.end) != (start, end):
@@ -315,7 +316,7 @@ class _Scheduler:
         block_ids = blocks.get_block_ids()[0][state.start : state.start + count]
         keys = request.block_hashes[state.start : state.start + count]
         self.loads.append(Transfer(req_id, list(keys), list(block_ids)))
-        state.loading = True
+        self.load_block_ids[req_id] = set(block_ids)
         self.stored_upto[req_id] = max(self.stored_upto.get(req_id, 0), state.start + count)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
@@ -343,10 +344,14 @@ class _Scheduler:
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        invalid = connector_output.invalid_block_ids or set()
         for req_id in connector_output.finished_recving or ():
             state = self.lookups.pop(req_id, None)
             if state is not None:
                 self._release(state)
+            if invalid and req_id in self.load_block_ids and invalid & self.load_block_ids[req_id]:
+                self.load_failed.add(req_id)
+            self.load_block_ids.pop(req_id, None)
 
     def request_finished(self, request: Request) -> bool:
         """True: vLLM keeps the blocks until the worker reports the request's stores done."""
@@ -356,18 +361,24 @@ class _Scheduler:
             self._release(state)
         self.requests.pop(req_id, None)
         self.stored_upto.pop(req_id, None)
+        self.load_failed.discard(req_id)
+        self.load_block_ids.pop(req_id, None)
         if req_id in self.had_stores:
             self.had_stores.discard(req_id)
             return True
         return False
 
     def _release(self, state: _Lookup) -> None:
+        """Give a lookup's lease back, also one whose answer is still on its way."""
         if state.future is not None and not state.future.done():
-            state.future.cancel()  # the daemon drops the lease if the answer already went out? see below
-            # A cancelled lookup may still have taken its lease; it expires by TTL.
-        if state.lease_id and self.session.connected:
+            state.future.add_done_callback(self._release_late)
+        elif state.lease_id and self.session.connected:
             self.session.release_lease(state.lease_id)
-        state.lease_id = b""
+        state.future, state.lease_id = None, b""
+
+    def _release_late(self, future: grpc.Future) -> None:
+        if not future.cancelled() and future.exception() is None and future.result().lease_id:
+            self.session.release_lease(future.result().lease_id)
 
     def close(self) -> None:
         self.session.close()

@@ -440,13 +440,12 @@ class KVStore:
             for i in copied:
                 block = job.blocks[i]
                 assert block is not None
-                self.index.unpin(block)
                 if i in job.corrupt:
                     self.counters.corrupt_blocks += 1
-                    if block.pins == 0 and self.index.present(block):
-                        self.index.drop(block)
+                    self.index.discard(block)
                 elif job.ok[i]:
                     block.namespace.stats.loaded_blocks += 1
+                self.index.unpin(block)
             self._publish(job)
 
     def _checksums(self, job: Job, indexes: list[int]) -> list[int]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from kvstore_service.pool import COMMITTED, WRITING, Pool, SlotHeader, SlotRef
 
+DOOMED = -1  # removed from the index, slot freed at the last unpin
+
 
 def namespace_hash(name: str) -> bytes:
     return hashlib.blake2b(name.encode(), digest_size=16).digest()
@@ -106,6 +108,8 @@ class BlockIndex:
     def unpin(self, block: Block) -> None:
         block.pins -= 1
         assert block.pins >= 0, "unbalanced unpin"
+        if block.pins == 0 and block.state == DOOMED:
+            self._free(block)
 
     # -- stores ----------------------------------------------------------------------------------
 
@@ -161,12 +165,29 @@ class BlockIndex:
     # -- removal ---------------------------------------------------------------------------------
 
     def drop(self, block: Block) -> None:
-        """Remove a block and free its slot. The caller makes sure no copy touches it."""
+        """Remove an unpinned block and free its slot."""
+        self._unlist(block)
+        self._free(block)
+
+    def discard(self, block: Block) -> None:
+        """Remove a bad block at once; its slot is freed when the last pin goes."""
+        if not self.present(block):
+            return
+        if block.pins == 0:
+            self.drop(block)
+            return
+        self._unlist(block)
+        self.pool.invalidate(block.ref)  # a restart must not bring it back
+        block.state = DOOMED
+
+    def _unlist(self, block: Block) -> None:
         del block.namespace.entries[block.key]
         self.count -= 1
         lru = self.lru.get(block.namespace.block_bytes)
         if lru is not None:
             lru.pop(block, None)
+
+    def _free(self, block: Block) -> None:
         del self.by_segment[block.ref.segment][block.ref.slot]
         self.pool.release(block.ref)
 

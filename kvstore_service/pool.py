@@ -47,6 +47,14 @@ def _align(value: int, to: int) -> int:
     return (value + to - 1) // to * to
 
 
+def slots_per_segment(segment_size: int, payload_size: int) -> int:
+    stride = _align(payload_size, PAYLOAD_ALIGN)
+    n = segment_size // (stride + SLOT_HEADER_BYTES)
+    while n and _align(n * SLOT_HEADER_BYTES, PAYLOAD_ALIGN) + n * stride > segment_size:
+        n -= 1
+    return n
+
+
 @dataclass(slots=True)
 class SlotHeader:
     state: int
@@ -55,6 +63,16 @@ class SlotHeader:
     generation: int
     ns_hash: bytes
     key: bytes
+
+
+def parse_slot_header(data: mmap.mmap, offset: int) -> SlotHeader | None:
+    """The header at `offset`, or None if it is not a valid one (never written, torn, invalidated)."""
+    body = data[offset : offset + SLOT_BODY.size]
+    (crc,) = struct.unpack_from("<I", data, offset + SLOT_BODY.size)
+    magic, state, length, checksum, generation, ns_hash, key_len, key = SLOT_BODY.unpack(body)
+    if magic != SLOT_MAGIC or crc != zlib.crc32(body) or key_len > MAX_KEY:
+        return None
+    return SlotHeader(state, length, checksum, generation, ns_hash, key[:key_len])
 
 
 @dataclass(slots=True)
@@ -168,11 +186,7 @@ class Pool:
     # -- segments and slots ----------------------------------------------------------------------
 
     def slots_per_segment(self, payload_size: int) -> int:
-        stride = _align(payload_size, PAYLOAD_ALIGN)
-        n = self.segment_size // (stride + SLOT_HEADER_BYTES)
-        while n and _align(n * SLOT_HEADER_BYTES, PAYLOAD_ALIGN) + n * stride > self.segment_size:
-            n -= 1
-        return n
+        return slots_per_segment(self.segment_size, payload_size)
 
     def _assign(self, seg: Segment, payload_size: int, mm: mmap.mmap | None = None) -> None:
         seg.payload_size = payload_size
@@ -248,13 +262,7 @@ class Pool:
         struct.pack_into("<I", self._mmap, self.segments[ref.segment].header_offset(ref.slot), 0)
 
     def read_header(self, ref: SlotRef) -> SlotHeader | None:
-        offset = self.segments[ref.segment].header_offset(ref.slot)
-        body = bytes(self._mmap[offset : offset + SLOT_BODY.size])
-        (crc,) = struct.unpack_from("<I", self._mmap, offset + SLOT_BODY.size)
-        magic, state, length, checksum, generation, ns_hash, key_len, key = SLOT_BODY.unpack(body)
-        if magic != SLOT_MAGIC or crc != zlib.crc32(body) or key_len > MAX_KEY:
-            return None
-        return SlotHeader(state, length, checksum, generation, ns_hash, key[:key_len])
+        return parse_slot_header(self._mmap, self.segments[ref.segment].header_offset(ref.slot))
 
     def recover(self) -> Iterator[tuple[SlotRef, SlotHeader]]:
         """After re-attaching: yield committed slots; free torn and empty ones."""
@@ -275,3 +283,27 @@ class Pool:
                 self._unassign(seg)
             elif not seg.free_slots:
                 self.partial[seg.payload_size].discard(seg.index)
+
+
+def sealed_blocks(path: str) -> Iterator[tuple[SlotHeader, int]]:
+    """Read a pool file from outside the daemon (tools, tests): each sealed block's header and
+    the file offset of its payload."""
+    with open(path, "rb") as f:
+        data = mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ)
+    try:
+        magic, _, _, _, segment_size, segments, data_offset = POOL_HEADER.unpack_from(data, 0)
+        if magic != POOL_MAGIC:
+            raise ValueError(f"{path} is not a kvstore pool")
+        for index in range(segments):
+            (payload_size,) = struct.unpack_from("<Q", data, POOL_HEADER_BYTES + 8 * index)
+            if not payload_size:
+                continue
+            seg = Segment(index, data_offset + index * segment_size, payload_size,
+                          slots_per_segment(segment_size, payload_size), _align(payload_size, PAYLOAD_ALIGN))
+            seg.payload_base = seg.offset + _align(seg.slots * SLOT_HEADER_BYTES, PAYLOAD_ALIGN)
+            for slot in range(seg.slots):
+                header = parse_slot_header(data, seg.header_offset(slot))
+                if header is not None and header.state == COMMITTED:
+                    yield header, seg.payload_offset(slot)
+    finally:
+        data.close()

@@ -224,3 +224,60 @@ def test_client_reports_unreachable_daemon(tmp_path) -> None:
     with pytest.raises(Unavailable):
         KVStoreClient(str(tmp_path / "nobody.sock"), timeout=1).stats()
     assert not os.path.exists(tmp_path / "nobody.sock")
+
+
+def _sealed(daemon, count: int) -> list:
+    from kvstore_service.pool import sealed_blocks
+
+    wait_for(lambda: len(list(sealed_blocks(daemon.pool_path))) >= count)
+    return list(sealed_blocks(daemon.pool_path))
+
+
+def test_corrupt_block_fails_its_load_and_is_dropped(daemon) -> None:
+    import mmap
+
+    engine = Engine(daemon.socket, "corrupt", 16, KB64)
+    s = engine.session
+    keys = [key_of("c", i) for i in range(4)]
+    engine.fill(keys, [0, 1, 2, 3])
+    s.wait([s.store(keys, [0, 1, 2, 3])])
+    victim = next((h, off) for h, off in _sealed(daemon, 4) if h.key == keys[2])
+    with open(daemon.pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as data:
+        data[victim[1] + 100] ^= 0xFF  # one flipped byte
+    hits, lease = s.lookup(keys, lease=True)  # a lease pins it: dropped from the index all the same
+    assert hits == 4
+    engine.blocks.zero_()
+    job = s.load(keys, [4, 5, 6, 7])
+    done = s.wait([job])[job]
+    assert (done.blocks_ok, done.blocks_failed) == (3, 1)
+    assert engine.verify([keys[0], keys[1], keys[3]], [4, 5, 7]) == 0
+    assert int(engine.blocks[6].count_nonzero()) == 0  # the bad bytes never reached the engine
+    stats = daemon.client().stats()
+    assert stats.corrupt_blocks == 1 and stats.blocks == 3
+    assert s.lookup(keys) == (2, b"")
+    s.release_lease(lease, wait=True)
+    # Stored again, it is good again.
+    engine.fill(keys[2:3], [2])
+    s.wait([s.store(keys[2:3], [2])])
+    assert s.lookup(keys) == (4, b"")
+    engine.close()
+
+
+def test_daemon_restart_keeps_blocks(daemon) -> None:
+    engine = Engine(daemon.socket, "persist", 32, KB64)
+    keys = [key_of("p", i) for i in range(10)]
+    engine.fill(keys, list(range(10)))
+    engine.session.wait([engine.session.store(keys, list(range(10)))])
+    _sealed(daemon, 10)
+    daemon.kill()  # SIGKILL: no chance to clean up
+    daemon.start()
+    # The engine's session re-registers on its own and finds its blocks.
+    wait_for(lambda: engine.session.connected and engine.session.registrations == 2, timeout=20)
+    assert engine.session.lookup(keys) == (10, b"")
+    engine.blocks.zero_()
+    job = engine.session.load(keys, list(range(10, 20)))
+    assert engine.session.wait([job])[job].blocks_ok == 10
+    assert engine.verify(keys, list(range(10, 20))) == 0
+    stats = daemon.client().stats()
+    assert stats.blocks == 10 and stats.namespaces[0].namespace == "persist"
+    engine.close()

