@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from kvstore_client.completion import Completion, CompletionChannel
 from kvstore_client.errors import FailedPrecondition, KVStoreError, Unavailable, from_rpc_error
 from kvstore_client.proto import kvstore_pb2 as pb

@@ -7,7 +7,6 @@ import secrets
 from collections.abc import Sequence
 
 import torch
-
 from kvstore_client.client import MemorySpec
 
 

@@ -22,15 +22,14 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
+from kvstore_client.client import KVStoreClient, MemorySpec, Session
+from kvstore_client.shm import SharedKVMemory, move_to_shared_memory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-
-from kvstore_client.client import KVStoreClient, MemorySpec, Session
-from kvstore_client.shm import SharedKVMemory, move_to_shared_memory
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from kvstore_client import KVStoreClient, Unavailable
 from kvstore_client.client import MemorySpec, Session
 from kvstore_client.shm import SharedKVMemory
+
 from kvstore_service import native
 
 

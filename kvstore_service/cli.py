@@ -10,16 +10,17 @@ from typing import Any
 
 import click
 from google.protobuf.json_format import MessageToDict
-from pydantic import ValidationError
-
 from kvstore_client import KVStoreClient, KVStoreError, Unavailable
 from kvstore_client.client import default_socket
+from pydantic import ValidationError
+
 from kvstore_service.config import Config
 
 EXIT_UNREACHABLE = 3
 
 socket_option = click.option(
-    "--socket", envvar="KVSTORE_SOCKET", default=default_socket, show_default="$KVSTORE_SOCKET or /tmp/kvstore/kvstore.sock",
+    "--socket", envvar="KVSTORE_SOCKET", default=default_socket,
+    show_default="$KVSTORE_SOCKET or /tmp/kvstore/kvstore.sock",
     help="Daemon socket path (or a gRPC target such as dns:host:port).")
 
 
@@ -33,7 +34,8 @@ def _config_options(func: Any) -> Any:
     hints = typing.get_type_hints(Config)
     for name, field in reversed(list(Config.model_fields.items())):
         flag = "--" + name.replace("_", "-")
-        help_text = f"{field.description} [env KVSTORE_{name.upper()}; default {field.get_default(call_default_factory=True)}]"
+        default = field.get_default(call_default_factory=True)
+        help_text = f"{field.description} [env KVSTORE_{name.upper()}; default {default}]"
         hint = hints[name]
         if hint is bool:
             func = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)(func)

@@ -7,7 +7,6 @@ import os
 
 import grpc
 import pytest
-
 from engine import Engine, key_of
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from engine import Engine, content_of, key_of
 from kvstore_client import KVStoreClient
 
@@ -88,13 +87,13 @@ def test_engine_killed_mid_job_releases_session(daemon) -> None:
 def test_lease_released_when_owner_dies(daemon) -> None:
     run_engine(daemon, "--seed", "l", "--count", "8", "store")
     code = (
-        "import sys, time; sys.path.insert(0, %r)\n"
+        f"import sys, time; sys.path.insert(0, {str(Path(ENGINE).parent)!r})\n"
         "from engine import key_of\n"
         "from kvstore_client import KVStoreClient\n"
-        "s = KVStoreClient(%r).session('test-ns')\n"
+        f"s = KVStoreClient({daemon.socket!r}).session('test-ns')\n"
         "print(s.lookup([key_of('l', i) for i in range(8)], lease=True)[0], flush=True)\n"
         "time.sleep(600)\n"
-    ) % (str(Path(ENGINE).parent), daemon.socket)
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "8"
     client = daemon.client()

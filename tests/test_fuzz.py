@@ -27,11 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import fuzz  # noqa: E402
 from fuzz import U64, VICTIM_KEYS, Case, Path_, Session  # noqa: E402
-from soak import ShmEngine, content_of, key_of  # noqa: E402
-
 from kvstore_client.completion import HEADER, HEADER_BYTES, MAGIC, SLOT, VERSION  # noqa: E402
 from kvstore_client.proto import kvstore_pb2 as pb  # noqa: E402
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc  # noqa: E402
+from soak import ShmEngine, content_of, key_of  # noqa: E402
 
 TOTAL = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "240"))
 WEIGHTS = {"Register": 4, "Lookup": 3, "Store": 3, "Load": 3, "raw": 5, "Attach": 1, "Unregister": 1,
@@ -183,6 +182,21 @@ def test_poll_with_huge_wait_returns_when_a_job_finishes(target) -> None:
 # -- the bugs the fuzzing found, one test each ---------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def bugs_daemon(tmp_path_factory) -> Iterator[Daemon]:
+    daemon = Daemon(tmp_path_factory.mktemp("bugs")).start()
+    yield daemon
+    daemon.cleanup()
+
+
+@pytest.fixture
+def daemon(bugs_daemon) -> Daemon:
+    """One daemon for the tests below (this module's own, not conftest's per-test one)."""
+    if bugs_daemon.proc is None or bugs_daemon.proc.poll() is not None:
+        bugs_daemon.start()
+    return bugs_daemon
+
+
 @pytest.fixture
 def stub(daemon) -> Iterator[pb_grpc.KVStoreStub]:
     channel = grpc.insecure_channel(f"unix://{daemon.socket}")
@@ -241,10 +255,10 @@ def test_refused_registration_leaves_no_namespace_behind(daemon, stub) -> None:
     """A Register that fails (here: KV memory outside /dev/shm) still creates its namespace with its
     block size (core.register calls index.namespace() before mapping the memory), so the right
     engine is later refused with "layout mismatch" and stats lists a namespace no one registered."""
-    request = pb.RegisterRequest(protocol_version=1, engine_id="bad", namespace="poisoned",
-                                 completion_path="/dev/shm/none", completion_slots=8,
-                                 layout=pb.KVLayout(num_blocks=1, regions=[pb.Region(block_stride=512, block_bytes=512)]),
-                                 memory=pb.MemoryHandle(backend="cpu", handle=b"/etc/hostname", size=512))
+    request = pb.RegisterRequest(
+        protocol_version=1, engine_id="bad", namespace="poisoned", completion_path="/dev/shm/none",
+        completion_slots=8, layout=pb.KVLayout(num_blocks=1, regions=[pb.Region(block_stride=512, block_bytes=512)]),
+        memory=pb.MemoryHandle(backend="cpu", handle=b"/etc/hostname", size=512))
     assert _code(stub.Register, request) == grpc.StatusCode.INVALID_ARGUMENT
     assert "poisoned" not in {ns.namespace for ns in daemon.client().stats().namespaces}
     engine = ShmEngine.contiguous(daemon.socket, "poisoned", 4, 4096)  # raises FailedPrecondition today

@@ -11,8 +11,9 @@ import time
 import urllib.request
 
 import pytest
-
 from engine import Engine, key_of
+from kvstore_client import InvalidArgument
+
 from kvstore_service.config import Config
 
 KB64 = 64 * 1024
@@ -95,7 +96,7 @@ def test_prometheus_metrics(daemon_factory) -> None:
     store_some(daemon, "metrics-ns", 4)
     client = daemon.client()
     assert client.lookup("metrics-ns", [key_of("metrics-ns", 0), key_of("x", 1)]) == 1
-    with pytest.raises(Exception):
+    with pytest.raises(InvalidArgument):
         client.lookup("metrics-ns", [b"short"])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     expected = [
