@@ -14,6 +14,7 @@ import logging
 import os
 import queue
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvstore_client.completion import Completion, CompletionChannel
-from kvstore_client.errors import FailedPrecondition, KVStoreError, Unavailable, from_rpc_error
+from kvstore_client.errors import FailedPrecondition, KVStoreError, PermissionDenied, Unavailable, from_rpc_error
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 
@@ -43,6 +44,25 @@ def target_for(socket: str | None) -> str:
     if socket.startswith(("unix:", "dns:", "ipv4:", "ipv6:")):
         return socket
     return f"unix://{os.path.abspath(socket)}"
+
+
+def peer_handshake(target: str, timeout: float = 5.0) -> bytes:
+    """Tell the daemon who we are (it reads SO_PEERCRED on `<socket>.cred`); returns the token to
+    name in Register/Clear, or b"" for a daemon without the handshake socket (TCP)."""
+    if not target.startswith("unix://"):
+        return b""
+    token = secrets.token_bytes(16)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(target.removeprefix("unix://") + ".cred")
+            sock.sendall(token)
+            reply = sock.recv(1)
+        except OSError:
+            return b""
+    if reply == b"\x01":
+        raise PermissionDenied(f"PERMISSION_DENIED: the daemon does not allow uid {os.getuid()}")
+    return token
 
 
 def pack_keys(keys: Sequence[bytes]) -> tuple[bytes, int]:
@@ -100,7 +120,8 @@ class KVStoreClient:
         return self.call(self.stub.Stats, pb.StatsRequest())
 
     def clear(self, namespace: str = "") -> int:
-        return self.call(self.stub.Clear, pb.ClearRequest(namespace=namespace)).cleared_blocks
+        request = pb.ClearRequest(namespace=namespace, peer_token=peer_handshake(self.target))
+        return self.call(self.stub.Clear, request).cleared_blocks
 
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> int:
         packed, size = pack_keys(keys)
@@ -168,7 +189,7 @@ class Session:
 
     def _register(self) -> None:
         request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, engine_id=self.engine_id,
-                                     namespace=self.namespace)
+                                     namespace=self.namespace, peer_token=peer_handshake(self.client.target))
         channel = None
         if self.memory is not None:
             path = os.path.join(self.shm_dir, f"kvstore-done-{os.getpid()}-{secrets.token_hex(6)}")

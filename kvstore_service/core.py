@@ -26,6 +26,7 @@ from kvstore_service.backends import Backend, Mapping, TransferPlan, make_backen
 from kvstore_service.config import Config
 from kvstore_service.index import Block, BlockIndex, Namespace
 from kvstore_service.metrics import Metrics
+from kvstore_service.peercred import PeerCred
 from kvstore_service.pool import Pool
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,7 @@ class Session:
     finished: deque = field(default_factory=lambda: deque(maxlen=FINISHED_KEPT))
     finished_event: asyncio.Event = field(default_factory=asyncio.Event)
     namespace: Namespace | None = None
+    peer: PeerCred | None = None  # pid/uid from SO_PEERCRED when the client did the handshake
 
 
 @dataclass
@@ -175,6 +177,7 @@ class KVStore:
         device: int,
         completion_path: str,
         completion_slots: int,
+        peer: PeerCred | None = None,
     ) -> Session:
         if protocol_version != PROTOCOL_VERSION:
             raise KVError("FAILED_PRECONDITION",
@@ -184,7 +187,7 @@ class KVStore:
             raise _invalid("namespace is empty")
         if len(self.sessions) >= self.config.max_sessions:
             raise KVError("RESOURCE_EXHAUSTED", f"the daemon already has {len(self.sessions)} sessions (max)")
-        session = Session(secrets.token_bytes(16), engine_id, namespace, layout, None, None, None, [])
+        session = Session(secrets.token_bytes(16), engine_id, namespace, layout, None, None, None, [], peer=peer)
         try:
             if layout is not None:
                 layout.check(memory_size)
@@ -215,7 +218,8 @@ class KVStore:
             self._release_resources(session)
             raise
         self.sessions[session.session_id] = session
-        log.info("session %s registered: engine %r namespace %r", session.session_id.hex()[:8], engine_id, namespace)
+        log.info("session %s registered: engine %r (pid %s, uid %s) namespace %r", session.session_id.hex()[:8],
+                 engine_id, peer.pid if peer else "?", peer.uid if peer else "?", namespace)
         return session
 
     def _open_channel(self, path: str, slots: int) -> CompletionChannel:

@@ -17,6 +17,7 @@ from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore_service import __version__
 from kvstore_service.config import Config
 from kvstore_service.core import MAX_KEY, MIN_KEY, KVError, KVStore, Layout, Region
+from kvstore_service.peercred import PeerCred, PeerCredServer
 
 log = logging.getLogger(__name__)
 SERVICE = "kvstore.v1.KVStore"
@@ -31,9 +32,10 @@ def split_keys(keys: bytes, key_size: int) -> list[bytes]:
 
 
 class Servicer(pb_grpc.KVStoreServicer):
-    def __init__(self, stopping: asyncio.Event) -> None:
+    def __init__(self, stopping: asyncio.Event, creds: PeerCredServer) -> None:
         self._core: KVStore | None = None  # None while the pool is set up
         self.stopping = stopping
+        self.creds = creds
         self._cleanups: set[asyncio.Task] = set()
 
     @property
@@ -42,7 +44,17 @@ class Servicer(pb_grpc.KVStoreServicer):
             raise KVError("UNAVAILABLE", "the daemon is starting (setting up the pool); retry shortly")
         return self._core
 
+    def _authorize(self, token: bytes, context: grpc.aio.ServicerContext) -> PeerCred | None:
+        """Unix-socket callers of Register/Clear are known by SO_PEERCRED; with --allowed-uids they must
+        be. TCP callers are authenticated by TLS instead."""
+        peer = self.creds.take(token) if token else None
+        if peer is None and self.creds.allowed_uids and context.peer().startswith("unix:"):
+            raise KVError("PERMISSION_DENIED", "this daemon serves only --allowed-uids, and the caller's "
+                          "credentials were not verified (missing or expired peer_token)")
+        return peer
+
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+        peer = self._authorize(request.peer_token, context)
         layout = None
         if request.HasField("layout"):
             regions = tuple(Region(r.offset, r.block_stride, r.block_bytes) for r in request.layout.regions)
@@ -52,6 +64,7 @@ class Servicer(pb_grpc.KVStoreServicer):
             protocol_version=request.protocol_version, engine_id=request.engine_id, namespace=request.namespace,
             layout=layout, backend=mem.backend or "cpu", handle=mem.handle, memory_size=mem.size,
             device=mem.device, completion_path=request.completion_path, completion_slots=request.completion_slots,
+            peer=peer,
         )
         block_bytes = layout.block_bytes if layout else 0
         return pb.RegisterResponse(session_id=session.session_id, block_bytes=block_bytes,
@@ -109,6 +122,7 @@ class Servicer(pb_grpc.KVStoreServicer):
         return pb.StatsResponse(namespaces=namespaces, daemon_version=__version__, **stats)
 
     async def Clear(self, request: pb.ClearRequest, context) -> pb.ClearResponse:
+        self._authorize(request.peer_token, context)
         return pb.ClearResponse(cleared_blocks=self.core.clear(request.namespace))
 
 
@@ -177,11 +191,14 @@ def _prepare_socket(path: str) -> None:
             probe.close()
 
 
-def _secure_socket(path: str, config: Config) -> None:
+def _secure_socket(path: str, config: Config) -> int | None:
+    """Socket file mode and group: who may talk to the daemon at all."""
     os.chmod(path, int(config.socket_mode, 8))
-    if config.socket_group:
-        gid = int(config.socket_group) if config.socket_group.isdigit() else grp.getgrnam(config.socket_group).gr_gid
-        os.chown(path, -1, gid)
+    if not config.socket_group:
+        return None
+    gid = int(config.socket_group) if config.socket_group.isdigit() else grp.getgrnam(config.socket_group).gr_gid
+    os.chown(path, -1, gid)
+    return gid
 
 
 def _tcp_credentials(config: Config) -> grpc.ServerCredentials | None:
@@ -213,7 +230,8 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
 
-    servicer = Servicer(stopping)
+    peer_creds = PeerCredServer(config.socket + ".cred", config.allowed_uids)
+    servicer = Servicer(stopping, peer_creds)
     StreamErrors.wrap(servicer)
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)
     _prepare_socket(config.socket)
@@ -226,7 +244,8 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
             server.add_secure_port(config.tcp, creds)
 
     await server.start()
-    _secure_socket(config.socket, config)
+    gid = _secure_socket(config.socket, config)
+    await peer_creds.start(int(config.socket_mode, 8), gid)
     # The pool is set up (and recovered) while health says NOT_SERVING.
     core = await asyncio.to_thread(KVStore, config)
     servicer._core = errors.core = core
@@ -256,6 +275,7 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     await health_servicer.enter_graceful_shutdown()
     chores.cancel()
     await server.stop(grace=2.0)
+    await peer_creds.close()
     await core.shutdown()
     core.pool.close()
     try:

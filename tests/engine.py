@@ -70,7 +70,7 @@ def main() -> None:
         engine.fill(keys, ids)
         job = engine.session.store(keys, ids)
         if a.hang:
-            print(json.dumps({"submitted": job}), flush=True)
+            print(json.dumps({"submitted": job, "pid": os.getpid()}), flush=True)
             time.sleep(600)
         out["completion"] = engine.session.wait([job])[job].blocks_ok
     elif a.mode == "load":

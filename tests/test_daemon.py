@@ -66,10 +66,10 @@ def test_restarted_engine_finds_its_blocks(daemon) -> None:
 
 def test_engine_killed_mid_job_releases_session(daemon) -> None:
     client = daemon.client()
-    before = set(glob.glob("/dev/shm/kvstore-*"))
     proc = subprocess.Popen([sys.executable, ENGINE, "--socket", daemon.socket, "--seed", "k", "--count", "100",
                              "--num-blocks", "128", "--hang", "store"], stdout=subprocess.PIPE, text=True)
-    assert "submitted" in proc.stdout.readline()
+    pid = json.loads(proc.stdout.readline())["pid"]
+    assert glob.glob(f"/dev/shm/kvstore-*-{pid}-*")  # its KV memory and completion channel
     stats = client.stats()
     assert stats.engines == 1
     proc.send_signal(signal.SIGKILL)
@@ -78,7 +78,7 @@ def test_engine_killed_mid_job_releases_session(daemon) -> None:
     stats = client.stats()
     assert stats.jobs_in_flight == 0 and stats.leases == 0
     # Its shared-memory files are unlinked by the daemon; nothing else leaked.
-    wait_for(lambda: set(glob.glob("/dev/shm/kvstore-*")) <= before)
+    wait_for(lambda: not glob.glob(f"/dev/shm/kvstore-*-{pid}-*"))
     # The daemon keeps serving: another engine stores and loads.
     assert run_engine(daemon, "--seed", "after", "--count", "10", "store")["completion"] == 10
     assert run_engine(daemon, "--seed", "after", "--count", "10", "load")["corrupt"] == 0

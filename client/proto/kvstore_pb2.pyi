@@ -45,7 +45,7 @@ class MemoryHandle(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., handle: _Optional[bytes] = ..., size: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol_version", "engine_id", "namespace", "layout", "memory", "completion_path", "completion_slots")
+    __slots__ = ("protocol_version", "engine_id", "namespace", "layout", "memory", "completion_path", "completion_slots", "peer_token")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
@@ -53,6 +53,7 @@ class RegisterRequest(_message.Message):
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_PATH_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     engine_id: str
     namespace: str
@@ -60,7 +61,8 @@ class RegisterRequest(_message.Message):
     memory: MemoryHandle
     completion_path: str
     completion_slots: int
-    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., completion_path: _Optional[str] = ..., completion_slots: _Optional[int] = ...) -> None: ...
+    peer_token: bytes
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., completion_path: _Optional[str] = ..., completion_slots: _Optional[int] = ..., peer_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "block_bytes", "max_inflight_jobs", "daemon_version", "daemon_boot_id")
@@ -263,10 +265,12 @@ class StatsResponse(_message.Message):
     def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., leases: _Optional[int] = ..., jobs_in_flight: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., store_failures_pool_full: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., uptime_s: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., daemon_version: _Optional[str] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
-    __slots__ = ("namespace",)
+    __slots__ = ("namespace", "peer_token")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     namespace: str
-    def __init__(self, namespace: _Optional[str] = ...) -> None: ...
+    peer_token: bytes
+    def __init__(self, namespace: _Optional[str] = ..., peer_token: _Optional[bytes] = ...) -> None: ...
 
 class ClearResponse(_message.Message):
     __slots__ = ("cleared_blocks",)

@@ -1,0 +1,129 @@
+"""CUDA backend: the engine's KV cache stays in GPU memory; the daemon opens it through CUDA IPC and
+moves blocks between it and the pinned pool with the native copy engine (copy engines, batched).
+
+NOT YET RUN ON A GPU: written against torch's and CUDA's documented behaviour; the host-side logic
+(handle parsing, device mapping, bounds) is tested without a GPU, tests/test_device_backends.py has
+the end-to-end GPU test. See docs/devices.md.
+
+* map: the handle (kvstore_client.device format, JSON, never pickle) carries `_share_cuda_()`'s
+  fields and the GPU UUID. The local device is found by UUID (engine and daemon may see different
+  CUDA_VISIBLE_DEVICES); `torch.UntypedStorage._new_shared_cuda` opens the IPC handle
+  (cudaIpcOpenMemHandle, cached per process by torch) and returns a storage whose data pointer is
+  already segment base + storage_offset: that pointer is the mapping's base.
+* unmap: dropping the storage runs torch's deleter: it syncs the daemon's current stream, gives the
+  engine's reference counter back and, on the last reference, cudaIpcCloseMemHandle; this happens
+  when the session ends, i.e. before an engine that closes its session frees the memory.
+* copy: `native.cuda_copy_blocks` on the device's primary context (the one torch's runtime uses,
+  so the IPC pointer is valid there), returning once every byte landed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from types import ModuleType
+
+from kvstore_client.device import check_inside_allocation, local_cuda_uuids, resolve_handle
+
+from kvstore_service import native
+from kvstore_service.backends.base import Backend, Mapping, TransferPlan
+
+log = logging.getLogger(__name__)
+
+
+def require_cuda() -> ModuleType:
+    """torch, once the daemon can drive a GPU; RuntimeError naming what is missing otherwise."""
+    feats = native.features()
+    if not feats.get("native"):
+        raise RuntimeError(f"no CUDA device: the native copy engine is missing ({feats.get('native_missing_reason')})")
+    if not feats.get("cuda_available"):
+        raise RuntimeError(f"no CUDA device: {feats.get('cuda_error') or 'the native engine has no CUDA support'}")
+    try:
+        import torch
+    except ImportError as e:
+        raise RuntimeError(f"no CUDA device: torch is not importable in the daemon ({e})") from None
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"no CUDA device visible to torch {torch.__version__} in the daemon "
+                           f"(CUDA build: {torch.version.cuda or 'none'}); the daemon needs a CUDA build of torch")
+    return torch
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def __init__(self, copy_threads: int) -> None:
+        self.copy_threads = copy_threads  # the device copy is one batched call; kept for symmetry
+        self.torch = require_cuda()
+        self.uuids = local_cuda_uuids()
+        self.pinned: int | None = None
+        self._cuda: ctypes.CDLL | None = None
+
+    def register_pool(self, base: int, size: int) -> None:
+        # cudaHostRegister (portable: one registration serves every GPU), not pin_memory, which would
+        # round the size up to a power of two. Failing to pin is not fatal: pageable copies still work.
+        try:
+            native.cuda_host_register(base, size, 0)
+            self.pinned = base
+        except RuntimeError as e:
+            log.warning("could not pin the %d-byte pool for GPU copies (%s); copies will be slower", size, e)
+
+    def unregister_pool(self, base: int) -> None:
+        if self.pinned == base:
+            try:
+                native.cuda_host_unregister(base, 0)
+            except RuntimeError as e:
+                log.warning("cuMemHostUnregister of the pool failed: %s", e)
+            self.pinned = None
+
+    def map(self, handle: bytes, size: int, device: int) -> Mapping:
+        local, h = resolve_handle(handle, size, "cuda", self.uuids, device)
+        torch = self.torch
+        with torch.cuda.device(local):
+            try:
+                storage = torch.UntypedStorage._new_shared_cuda(*h.share_args(local))
+            except (RuntimeError, TypeError) as e:
+                raise ValueError(f"cannot open the engine's CUDA IPC handle on GPU {local} ({h.device_uuid}): {e}; "
+                                 "the daemon must run on the same node, and expandable_segments needs "
+                                 "pidfd_getfd (ptrace) permission") from None
+            try:
+                base = storage.data_ptr()
+                if storage.nbytes() < size:
+                    raise ValueError(f"the shared storage has {storage.nbytes()} bytes, the layout needs {size}")
+                bounds = self._allocation_range(base)
+                if bounds is not None:
+                    check_inside_allocation(base, size, *bounds)
+            except BaseException:
+                del storage  # close the IPC mapping now, not when the traceback goes
+                raise
+        return Mapping(base, size, device=local, handle=storage)
+
+    def _allocation_range(self, ptr: int) -> tuple[int, int] | None:
+        """The driver's (base, size) of the allocation holding ptr, on the current context; None when
+        the query is unavailable (the check is skipped, with a warning)."""
+        try:
+            if self._cuda is None:
+                self._cuda = ctypes.CDLL("libcuda.so.1")
+            fn = self._cuda.cuMemGetAddressRange_v2
+        except (OSError, AttributeError) as e:
+            log.warning("cannot check CUDA IPC bounds: %s", e)
+            return None
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        fn.restype = ctypes.c_int
+        alloc_base, alloc_size = ctypes.c_uint64(), ctypes.c_size_t()
+        rc = fn(ctypes.byref(alloc_base), ctypes.byref(alloc_size), ctypes.c_uint64(ptr))
+        if rc != 0:
+            log.warning("cuMemGetAddressRange failed (%d); CUDA IPC bounds not checked", rc)
+            return None
+        return alloc_base.value, alloc_size.value
+
+    def unmap(self, mapping: Mapping) -> None:
+        storage, mapping.handle = mapping.handle, None
+        del storage  # torch's deleter: stream sync, ref counter release, cudaIpcCloseMemHandle
+
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+        if to_engine:
+            native.cuda_copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes,
+                                    "h2d", mapping.device)
+        else:
+            native.cuda_copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes,
+                                    "d2h", mapping.device)
