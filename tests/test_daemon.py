@@ -232,8 +232,10 @@ def _sealed(daemon, count: int) -> list:
     return list(sealed_blocks(daemon.pool_path))
 
 
-def test_corrupt_block_fails_its_load_and_is_dropped(daemon) -> None:
+def test_corrupt_block_fails_its_load_and_is_dropped(daemon_factory) -> None:
     import mmap
+
+    daemon = daemon_factory("--verify-loads", "1").start()
 
     engine = Engine(daemon.socket, "corrupt", 16, KB64)
     s = engine.session

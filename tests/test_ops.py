@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 from engine import Engine, key_of
@@ -65,6 +66,12 @@ def test_serve_help_documents_every_setting() -> None:
     for name in Config.model_fields:
         assert "--" + name.replace("_", "-") in out.stdout
         assert f"KVSTORE_{name.upper()}" in out.stdout.replace("\n", "").replace(" ", "")
+
+
+def test_readme_documents_every_setting() -> None:
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    for name in Config.model_fields:
+        assert "--" + name.replace("_", "-") in readme, name
 
 
 def test_config_precedence(tmp_path, monkeypatch) -> None:

@@ -123,9 +123,10 @@ def test_loaded_kv_is_really_used(model, prompts, reference, daemon_factory, tmp
     assert outputs(b) != outputs(reference)
 
 
-def test_corrupt_block_is_detected_and_recomputed(model, prompts, reference, daemon, tmp_path) -> None:
-    # With checksums on (the default), the same damage is caught: the load fails, vLLM recomputes,
+def test_corrupt_block_is_detected_and_recomputed(model, prompts, reference, daemon_factory, tmp_path) -> None:
+    # With every load verified, the same damage is caught: the load fails, vLLM recomputes,
     # outputs stay right and the bad blocks are dropped.
+    daemon = daemon_factory("--verify-loads", "1").start()
     run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon))
     assert _corrupt_pool(daemon.pool_path) == 3
     b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon))
