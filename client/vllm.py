@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
-from kvstore_client.client import KVStoreClient, MemorySpec, Session
+from kvstore_client.client import KVStoreClient, Session
+from kvstore_client.device import export_kv_memory, kv_regions, synchronize_before_store
 from kvstore_client.shm import SharedKVMemory, move_to_shared_memory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -395,6 +396,7 @@ class _Worker:
         self.namespace = namespace_for(vllm_config, get_tensor_model_parallel_rank(), settings.tenant_salt)
         self.client = KVStoreClient(settings.socket, timeout=settings.timeout_s)
         self.session: Session | None = None
+        self.device: torch.device | None = None
         self.memory: SharedKVMemory | None = None
         self.load_jobs: dict[int, tuple[str, list[int], float]] = {}  # job -> request, block ids, submit time
         self.store_jobs: dict[int, str] = {}  # job -> request
@@ -407,21 +409,17 @@ class _Worker:
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = sorted(kv_caches.values(), key=lambda t: t.data_ptr())
-        if tensors[0].device.type != "cpu":
-            raise NotImplementedError(f"kvstore connector: {tensors[0].device.type} KV caches are not supported "
-                                      "by this build (CPU only)")
-        self.memory = move_to_shared_memory(tensors, self.settings.shm_dir)
-        base = self.memory.tensor.data_ptr()
-        regions = []
-        for t in tensors:
-            if not t[0].is_contiguous():
-                raise ValueError(f"kvstore connector: a KV block of shape {tuple(t.shape)} is not contiguous")
-            regions.append((t.data_ptr() - base, t.stride(0) * t.element_size(), t[0].numel() * t.element_size()))
-        spec = MemorySpec("cpu", self.memory.path.encode(), self.memory.nbytes, tensors[0].shape[0], regions)
+        self.device = tensors[0].device
+        if self.device.type == "cpu":
+            # The daemon maps a shared-memory file: move the (single) KV allocation there, in place.
+            self.memory = move_to_shared_memory(tensors, self.settings.shm_dir)
+            spec = self.memory.memory_spec(*kv_regions(tensors))
+        else:
+            spec = export_kv_memory(tensors)  # cuda/npu: the daemon opens the allocation by IPC
         self.session = self.client.session(self.namespace, spec, engine_id="vllm-worker",
                                            shm_dir=self.settings.shm_dir, wait=False)
-        log.info("kvstore: registered %d KV layers (%d blocks) in namespace %s", len(regions), spec.num_blocks,
-                 self.namespace)
+        log.info("kvstore: registered %d KV regions (%d blocks, %s) in namespace %s", len(spec.regions),
+                 spec.num_blocks, spec.backend, self.namespace)
 
     def start_loads(self, loads: list[Transfer]) -> None:
         assert self.session is not None
@@ -432,6 +430,8 @@ class _Worker:
 
     def start_stores(self, stores: list[Transfer]) -> None:
         assert self.session is not None
+        if stores and self.device is not None:
+            synchronize_before_store(self.device)  # the daemon may read the blocks as soon as a job arrives
         for t in stores:
             job = self.session.store(t.keys, t.block_ids)
             self.store_jobs[job] = t.req_id

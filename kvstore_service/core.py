@@ -291,7 +291,7 @@ class KVStore:
             if not namespace:
                 raise _invalid("lookup needs a session or a namespace")
             session, ns = None, self.index.find_namespace(namespace)
-        found = self.index.prefix(ns, list(keys)) if ns is not None else []
+        found = self.index.prefix(ns, keys) if ns is not None else []
         if ns is not None:
             ns.stats.hits += len(found)
             ns.stats.misses += len(keys) - len(found)
@@ -503,7 +503,7 @@ class KVStore:
             session.finished_event.clear()
             try:
                 await asyncio.wait_for(session.finished_event.wait(), wait_ms / 1000)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         jobs = list(session.finished)
         session.finished.clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvstore_service.pool import COMMITTED, WRITING, Pool, SlotHeader, SlotRef
@@ -86,7 +87,7 @@ class BlockIndex:
         block = ns.entries.get(key)
         return block if block is not None and block.state == COMMITTED else None
 
-    def prefix(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
+    def prefix(self, ns: Namespace, keys: Sequence[bytes]) -> list[Block]:
         """The committed blocks of the leading keys that are all present."""
         found = []
         entries = ns.entries

@@ -67,7 +67,7 @@ class PeerCredServer:
                 self._tokens[token] = (cred, time.monotonic() + TOKEN_TTL_S)
                 writer.write(b"\x00")
             await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, asyncio.IncompleteReadError, OSError):
             pass
         finally:
             writer.close()

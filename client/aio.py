@@ -1,0 +1,180 @@
+"""asyncio client: the same calls as `KVStoreClient`, for programs that run an event loop.
+
+    async with AsyncKVStoreClient(socket) as client:
+        print((await client.stats()).blocks)
+        session = await client.session("ns", memory_spec)
+        job = await session.store(keys, block_ids)
+        done = await session.wait([job])
+        await session.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import secrets
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kvstore_client.client import MAX_MESSAGE, PROTOCOL_VERSION, MemorySpec, pack_keys, peer_handshake, target_for
+from kvstore_client.completion import Completion, CompletionChannel
+from kvstore_client.errors import from_rpc_error
+from kvstore_client.proto import kvstore_pb2 as pb
+from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+
+
+class AsyncKVStoreClient:
+    def __init__(self, socket: str | None = None, timeout: float = 10.0) -> None:
+        self.target = target_for(socket)
+        self.timeout = timeout
+        options = [("grpc.max_receive_message_length", MAX_MESSAGE), ("grpc.max_send_message_length", MAX_MESSAGE)]
+        self.channel = grpc.aio.insecure_channel(self.target, options=options)
+        self.stub = pb_grpc.KVStoreStub(self.channel)
+        self._health = health_pb2_grpc.HealthStub(self.channel)
+
+    async def call(self, method, request, timeout: float | None = None):
+        try:
+            return await method(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    async def health(self, service: str = "") -> str:
+        reply = await self.call(self._health.Check, health_pb2.HealthCheckRequest(service=service))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def stats(self) -> pb.StatsResponse:
+        return await self.call(self.stub.Stats, pb.StatsRequest())
+
+    async def clear(self, namespace: str = "") -> int:
+        token = await asyncio.to_thread(peer_handshake, self.target)
+        return (await self.call(self.stub.Clear, pb.ClearRequest(namespace=namespace, peer_token=token))).cleared_blocks
+
+    async def lookup(self, namespace: str, keys: Sequence[bytes]) -> int:
+        packed, size = pack_keys(keys)
+        return (await self.call(self.stub.Lookup, pb.LookupRequest(namespace=namespace, keys=packed,
+                                                                   key_size=size))).hits
+
+    async def session(self, namespace: str, memory: MemorySpec | None = None, engine_id: str = "",
+                      completion_slots: int = 1024, shm_dir: str = "/dev/shm") -> AsyncSession:
+        session = AsyncSession(self, namespace, memory, engine_id or f"engine-{os.getpid()}", completion_slots,
+                               shm_dir)
+        await session.open()
+        return session
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncKVStoreClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+class AsyncSession:
+    """A registered engine on an event loop. Unlike `Session`, it does not re-register by itself:
+    when `closed_by_daemon` is set, open a new one."""
+
+    def __init__(self, client: AsyncKVStoreClient, namespace: str, memory: MemorySpec | None, engine_id: str,
+                 slots: int, shm_dir: str) -> None:
+        self.client, self.namespace, self.memory, self.engine_id = client, namespace, memory, engine_id
+        self.slots, self.shm_dir = slots, shm_dir
+        self.session_id = b""
+        self.channel: CompletionChannel | None = None
+        self.closed_by_daemon = asyncio.Event()
+        self._job_ids = itertools.count(1)
+        self._pending: set[int] = set()
+        self._attach: asyncio.Task | None = None
+
+    async def open(self) -> None:
+        token = await asyncio.to_thread(peer_handshake, self.client.target)
+        request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, engine_id=self.engine_id,
+                                     namespace=self.namespace, peer_token=token)
+        if self.memory is not None:
+            path = os.path.join(self.shm_dir, f"kvstore-done-{os.getpid()}-{secrets.token_hex(6)}")
+            self.channel = CompletionChannel(path, self.slots, create=True)
+            request.layout.CopyFrom(self.memory.layout())
+            request.memory.CopyFrom(pb.MemoryHandle(backend=self.memory.backend, handle=self.memory.handle,
+                                                    size=self.memory.size, device=self.memory.device))
+            request.completion_path, request.completion_slots = path, self.slots
+        try:
+            reply = await self.client.call(self.client.stub.Register, request)
+        except BaseException:
+            self._drop_channel()
+            raise
+        self.session_id = reply.session_id
+        stream = self.client.stub.Attach(pb.AttachRequest(session_id=self.session_id))
+        await stream.read()  # the Attached event: the session is live
+        self._attach = asyncio.get_running_loop().create_task(self._hold(stream))
+
+    async def _hold(self, stream) -> None:
+        try:
+            async for _ in stream:
+                pass
+        except grpc.RpcError:
+            pass
+        self.closed_by_daemon.set()
+
+    async def store(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        return await self._submit(self.client.stub.Store, keys, block_ids)
+
+    async def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        return await self._submit(self.client.stub.Load, keys, block_ids)
+
+    async def _submit(self, method, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        job_id = next(self._job_ids)
+        packed, size = pack_keys(keys)
+        await self.client.call(method, pb.TransferRequest(session_id=self.session_id, job_id=job_id, keys=packed,
+                                                          key_size=size, block_ids=block_ids))
+        self._pending.add(job_id)
+        return job_id
+
+    def poll(self) -> list[Completion]:
+        """Finished jobs, from shared memory (no RPC, no await)."""
+        if self.channel is None:
+            return []
+        done = [c for c in (self.channel.check(j) for j in self._pending) if c is not None]
+        self._pending.difference_update(c.job_id for c in done)
+        return done
+
+    async def wait(self, job_ids: Sequence[int], timeout: float = 30.0) -> dict[int, Completion]:
+        """Every job of `job_ids` finished. Completions of other jobs stay pending for poll()."""
+        wanted = set(job_ids)
+        found: dict[int, Completion] = {}
+        async with asyncio.timeout(timeout):
+            while wanted - found.keys():
+                for job_id in wanted - found.keys():
+                    c = self.channel.check(job_id) if self.channel is not None else None
+                    if c is not None:
+                        found[job_id] = c
+                        self._pending.discard(job_id)
+                await asyncio.sleep(0.0005)
+        return found
+
+    async def lookup(self, keys: Sequence[bytes], lease: bool = False) -> tuple[int, bytes]:
+        packed, size = pack_keys(keys)
+        reply = await self.client.call(self.client.stub.Lookup, pb.LookupRequest(
+            session_id=self.session_id, keys=packed, key_size=size, lease=lease))
+        return reply.hits, reply.lease_id
+
+    async def release_lease(self, lease_id: bytes) -> None:
+        await self.client.call(self.client.stub.ReleaseLease,
+                               pb.ReleaseLeaseRequest(session_id=self.session_id, lease_id=lease_id))
+
+    async def close(self) -> None:
+        if self.session_id and not self.closed_by_daemon.is_set():
+            await self.client.call(self.client.stub.Unregister, pb.UnregisterRequest(session_id=self.session_id))
+        if self._attach is not None:
+            self._attach.cancel()
+        self._drop_channel()
+
+    def _drop_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            try:
+                os.unlink(self.channel.path)
+            except OSError:
+                pass
+            self.channel = None

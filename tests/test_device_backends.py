@@ -1,0 +1,424 @@
+"""Device (CUDA / NPU) backends: everything that does not need the device runs here for real (the
+handle codec, device mapping by UUID, the KV region math, the refusal of a daemon without the
+device); the end-to-end CUDA test at the bottom runs only where torch sees a GPU."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+from dataclasses import replace
+
+import grpc
+import pytest
+import torch
+from engine import key_of
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvstore_client.device import (
+    MAX_HANDLE_BYTES,
+    NPU_IPC_ALIGNMENT,
+    DeviceHandle,
+    check_inside_allocation,
+    check_npu_alignment,
+    decode_handle,
+    device_index_for_uuid,
+    encode_handle,
+    export_kv_memory,
+    handle_from_share,
+    kv_regions,
+    parse_npu_smi_board,
+    resolve_handle,
+    synchronize_before_store,
+)
+from kvstore_client.proto import kvstore_pb2 as pb
+from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+
+from kvstore_service import native
+from kvstore_service.backends import make_backend
+
+UUID_A = "0b7e1c2a-5d3f-4e6a-9b8c-1d2e3f4a5b6c"
+UUID_B = "f00dcafe-0000-4111-8222-333344445555"
+
+
+def sample(**changes) -> DeviceHandle:
+    handle = DeviceHandle(kind="cuda", device=1, device_uuid=UUID_A, ipc_handle=bytes(range(66)),
+                          storage_bytes=3 << 30, storage_offset=2 << 20, ref_counter="/torch_4242_123456789_7",
+                          ref_counter_offset=17, event_handle=b"\x07" * 64, event_sync=True)
+    return replace(handle, **changes)
+
+
+def doc_of(handle: DeviceHandle) -> dict:
+    return json.loads(encode_handle(handle))
+
+
+def raw(doc: dict) -> bytes:
+    return json.dumps(doc).encode()
+
+
+# -- handle codec ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("handle", [sample(), sample(kind="npu", device_uuid="", event_sync=False, event_handle=b""),
+                                    sample(kind="npu", device_uuid="vdie-0a1b2c")])
+def test_handle_round_trip(handle: DeviceHandle) -> None:
+    data = encode_handle(handle)
+    assert len(data) <= MAX_HANDLE_BYTES
+    assert decode_handle(data) == handle
+    assert decode_handle(data, handle.kind) == handle
+    assert b"pickle" not in data and data.startswith(b"{")  # JSON, readable
+
+
+def test_handle_from_share_gives_back_the_exact_torch_arguments() -> None:
+    """What `_share_cuda_()` returns comes back, field for field and type for type, as the
+    arguments of `_new_shared_cuda` with only the device replaced by the daemon's index."""
+    share = (1, b"\x01c" + bytes(range(64)), 1 << 30, 4 << 20, b"/torch_99_1234_0", 5, bytes(64), True)
+    handle = handle_from_share("cuda", share, "GPU-" + UUID_A.upper())
+    assert handle.device_uuid == UUID_A  # nvidia-smi style normalised
+    decoded = decode_handle(encode_handle(handle), "cuda")
+    args = decoded.share_args(3)
+    assert args == (3, *share[1:])
+    assert [type(a) for a in args] == [type(a) for a in share]
+    with pytest.raises(ValueError, match="no IPC handle"):
+        handle_from_share("cuda", (0, None, 0, 0, None, 0, None, None), UUID_A)
+    with pytest.raises(ValueError, match="7 fields"):
+        handle_from_share("cuda", share[:7], UUID_A)
+
+
+def _cases() -> list[tuple[str, bytes, str]]:
+    good = doc_of(sample())
+    cases: list[tuple[str, bytes, str]] = [
+        ("empty", b"", "empty"),
+        ("not utf-8", b"\xff\xfe{", "not JSON"),
+        ("not json", b"/tmp/kvstore-kv-1", "not JSON"),
+        ("json array", b"[1, 2]", "not a kvstore device handle"),
+        ("json null", b"null", "not a kvstore device handle"),
+        ("no format", raw({k: v for k, v in good.items() if k != "format"}), "not a kvstore device handle"),
+        ("other format", raw({**good, "format": "pickle"}), "not a kvstore device handle"),
+        ("deep nesting", b"[" * 4000, "nested too deeply|not JSON"),
+        ("oversized", encode_handle(sample()) + b" " * MAX_HANDLE_BYTES, "more than the 4096 allowed"),
+        ("NaN", raw(good).replace(b'"storage_offset": 2097152', b'"storage_offset": NaN'), "NaN is not allowed"),
+        ("duplicate field", raw(good)[:-1] + b', "device": 0}', "'device' appears twice"),
+        ("unknown field", raw({**good, "extra": 1}), "unknown field"),
+        ("kind", raw({**good, "kind": "tpu"}), "kind 'tpu'"),
+        ("device range", raw({**good, "device": 128}), "device 128 is outside"),
+        ("negative", raw({**good, "storage_offset": -1}), "storage_offset -1 is out of range"),
+        ("too big", raw({**good, "storage_bytes": 1 << 63}), "out of range"),
+        ("sum too big", raw({**good, "storage_bytes": (1 << 62), "storage_offset": (1 << 62)}), "out of range"),
+        ("zero bytes", raw({**good, "storage_bytes": 0}), "out of range"),
+        ("bool as int", raw({**good, "device": True}), "device must be an integer"),
+        ("float as int", raw({**good, "ref_counter_offset": 1.0}), "must be an integer"),
+        ("str as int", raw({**good, "storage_bytes": "1024"}), "must be an integer"),
+        ("int as bool", raw({**good, "event_sync": 1}), "event_sync must be true or false"),
+        ("int as str", raw({**good, "device_uuid": 5}), "device_uuid must be a string"),
+        ("bad base64", raw({**good, "ipc_handle": "!!notbase64!!"}), "ipc_handle is not valid base64"),
+        ("unpadded base64", raw({**good, "ipc_handle": "AAA"}), "not valid base64"),
+        ("empty ipc handle", raw({**good, "ipc_handle": ""}), "ipc_handle has 0 bytes"),
+        ("long ipc handle", raw({**good, "ipc_handle": base64.b64encode(bytes(1025)).decode()}), "too long|1025"),
+        ("long event", raw({**good, "event_handle": base64.b64encode(bytes(300)).decode()}), "event_handle has 300"),
+        ("ref counter path", raw({**good, "ref_counter": "/etc/passwd"}), "not a torch IPC reference counter"),
+        ("ref counter pool", raw({**good, "ref_counter": "/kvstore-pool"}), "not a torch IPC reference counter"),
+        ("ref counter dots", raw({**good, "ref_counter": "/torch_1_2_3/../x"}), "not a torch IPC reference counter"),
+        ("ref counter slot", raw({**good, "ref_counter_offset": 10000}), "ref_counter_offset 10000 is outside"),
+        ("uuid chars", raw({**good, "device_uuid": "a b"}), "device_uuid must be"),
+        ("uuid length", raw({**good, "device_uuid": "a" * 129}), "device_uuid must be"),
+        ("cuda without uuid", raw({**good, "device_uuid": ""}), "needs the GPU's device_uuid"),
+    ]
+    for version in (0, 2, "1", True, 1.0, None):
+        cases.append((f"version {version!r}", raw({**good, "version": version}), "is not supported"))
+    for name in sorted(good):
+        if name not in ("format", "version"):
+            cases.append((f"missing {name}", raw({k: v for k, v in good.items() if k != name}), f"missing .*{name}"))
+    return cases
+
+
+@pytest.mark.parametrize("name,data,words", _cases(), ids=[c[0] for c in _cases()])
+def test_malformed_handles_are_refused_clearly(name: str, data: bytes, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        decode_handle(data, "cuda")
+
+
+def test_newer_version_is_reported_as_a_version_problem() -> None:
+    """A v2 handle with other fields must say 'version', not complain about its fields."""
+    with pytest.raises(ValueError, match="version 2 is not supported.*upgrade"):
+        decode_handle(raw({"format": "kvstore-device-handle", "version": 2, "new_field": "x"}))
+
+
+def test_every_truncation_is_refused() -> None:
+    data = encode_handle(sample())
+    for n in range(len(data)):
+        with pytest.raises(ValueError):
+            decode_handle(data[:n])
+
+
+def test_wrong_kind_for_the_backend() -> None:
+    with pytest.raises(ValueError, match="a npu handle was sent for the cuda backend"):
+        decode_handle(encode_handle(sample(kind="npu")), "cuda")
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_mutated_handles_never_escape_as_other_errors(data: st.DataObject) -> None:
+    """Random byte edits: either a ValueError or a handle that passes every check, nothing else."""
+    buf = bytearray(encode_handle(sample()))
+    for _ in range(data.draw(st.integers(1, 8))):
+        i = data.draw(st.integers(0, len(buf) - 1))
+        buf[i] = data.draw(st.integers(0, 255))
+    try:
+        handle = decode_handle(bytes(buf))
+    except ValueError:
+        return
+    assert decode_handle(encode_handle(handle)) == handle
+
+
+# -- devices by UUID, bounds ----------------------------------------------------------------------
+
+
+def test_device_found_by_uuid_whatever_the_visible_order() -> None:
+    # The engine saw UUID_A as its device 0; the daemon sees the GPUs in the other order.
+    assert device_index_for_uuid(UUID_A, [UUID_B, UUID_A]) == 1
+    assert device_index_for_uuid(UUID_A, [UUID_A, UUID_B]) == 0
+    assert device_index_for_uuid("GPU-" + UUID_A.upper(), [UUID_B, UUID_A]) == 1  # nvidia-smi spelling
+    with pytest.raises(ValueError, match=f"device {UUID_A} is not visible to the daemon.*1 device"):
+        device_index_for_uuid(UUID_A, [UUID_B])
+    with pytest.raises(ValueError, match="sees 0 device"):
+        device_index_for_uuid(UUID_A, [])
+    with pytest.raises(ValueError, match="matches several"):
+        device_index_for_uuid(UUID_A, [UUID_A, "gpu-" + UUID_A])
+    with pytest.raises(ValueError, match="no device UUID"):
+        device_index_for_uuid(" ", [UUID_A])
+
+
+def test_resolve_handle_checks_size_device_and_kind() -> None:
+    data = encode_handle(sample(storage_bytes=1 << 20))
+    assert resolve_handle(data, 1 << 20, "cuda", [UUID_B, UUID_A], device=1)[0] == 1
+    with pytest.raises(ValueError, match="needs 1048577 bytes but the exported cuda storage has 1048576"):
+        resolve_handle(data, (1 << 20) + 1, "cuda", [UUID_A])
+    with pytest.raises(ValueError, match="memory.device 0 does not match device 1"):
+        resolve_handle(data, 4096, "cuda", [UUID_A], device=0)
+    with pytest.raises(ValueError, match="not visible"):
+        resolve_handle(data, 4096, "cuda", [UUID_B])
+    with pytest.raises(ValueError, match="a cuda handle was sent for the npu backend"):
+        resolve_handle(data, 4096, "npu", [UUID_A])
+    # NPU without an identity falls back to the index, which must exist.
+    npu = encode_handle(sample(kind="npu", device_uuid="", device=1))
+    assert resolve_handle(npu, 4096, "npu", ["", ""])[0] == 1
+    with pytest.raises(ValueError, match="npu device 1 does not exist here"):
+        resolve_handle(npu, 4096, "npu", [""])
+
+
+def test_inside_allocation() -> None:
+    check_inside_allocation(0x1000_2000, 4096, 0x1000_0000, 0x10_0000)
+    check_inside_allocation(0x1000_0000, 0x10_0000, 0x1000_0000, 0x10_0000)
+    with pytest.raises(ValueError, match="not inside the shared allocation"):
+        check_inside_allocation(0x1000_0000, 0x10_0001, 0x1000_0000, 0x10_0000)
+    with pytest.raises(ValueError, match="not inside"):
+        check_inside_allocation(0x0FFF_F000, 4096, 0x1000_0000, 0x10_0000)
+
+
+def test_npu_alignment() -> None:
+    check_npu_alignment(0)
+    check_npu_alignment(7 * NPU_IPC_ALIGNMENT)
+    with pytest.raises(ValueError, match="4096 bytes past a 2 MiB boundary.*2 MiB-aligned"):
+        check_npu_alignment(3 * NPU_IPC_ALIGNMENT + 4096)
+    with pytest.raises(ValueError, match="2 MiB"):
+        check_npu_alignment(NPU_IPC_ALIGNMENT // 2)
+
+
+def test_npu_smi_identity() -> None:
+    board = ("NPU ID : 0\nChip ID : 0\nPCIe Bus Info : 0000:C1:00.0\nVDie ID : 1A2B3C4D 00000000 DEADBEEF\n")
+    assert parse_npu_smi_board(board) == "vdie-1a2b3c4d00000000deadbeef"
+    assert parse_npu_smi_board(board.replace("1A2B3C4D 00000000 DEADBEEF", "00000000 00000000")) == "pci-0000:c1:00.0"
+    assert parse_npu_smi_board("npu-smi: device not found") == ""
+
+
+# -- engine side: regions of vLLM-shaped KV caches --------------------------------------------------
+
+
+def vllm_like(layers: int, num_blocks: int, block_shape: tuple[int, ...], interleaved: bool,
+              dtype: torch.dtype = torch.bfloat16, pad: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One int8 buffer and one view per layer, as vLLM allocates: per-layer chunks one after another
+    (`interleaved=False`), or the cross-layer layout where block b of every layer is contiguous."""
+    elems = 1
+    for n in block_shape:
+        elems *= n
+    block_bytes = elems * torch.tensor([], dtype=dtype).element_size()
+    buf = torch.randint(-128, 128, (pad + layers * num_blocks * block_bytes,), dtype=torch.int8)
+    body = buf[pad:]
+    if interleaved:
+        grid = body.view(num_blocks, layers, block_bytes)
+        views = [grid[:, layer].view(dtype).view(num_blocks, *block_shape) for layer in range(layers)]
+    else:
+        grid = body.view(layers, num_blocks, block_bytes)
+        views = [grid[layer].view(dtype).view(num_blocks, *block_shape) for layer in range(layers)]
+    return buf, views
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("pad", [0, 4096])
+def test_kv_regions_address_every_block_of_every_layer(interleaved: bool, pad: int) -> None:
+    layers, num_blocks, block_shape = 3, 10, (16, 2, 4)  # 16 tokens x 2 heads x 4 dims of bf16 = 256 B
+    buf, views = vllm_like(layers, num_blocks, block_shape, interleaved, pad=pad)
+    n, regions = kv_regions(views)
+    assert n == num_blocks and len(regions) == layers
+    block_bytes = 16 * 2 * 4 * 2
+    for _, stride, size in regions:
+        assert size == block_bytes
+        assert stride == (layers * block_bytes if interleaved else block_bytes)
+    raw_bytes = buf.numpy().tobytes()
+    for layer, (t, (offset, stride, size)) in enumerate(zip(views, regions, strict=True)):
+        for b in range(num_blocks):
+            expected = t[b].contiguous().view(torch.int8).numpy().tobytes()
+            assert raw_bytes[offset + b * stride:offset + b * stride + size] == expected, (layer, b)
+
+
+def test_kv_regions_refuses_what_cannot_be_mapped() -> None:
+    _, views = vllm_like(2, 4, (8, 8), interleaved=False)
+    with pytest.raises(ValueError, match="no KV tensors"):
+        kv_regions([])
+    with pytest.raises(ValueError, match="2 allocations"):
+        kv_regions([views[0], torch.zeros(4, 8, 8, dtype=torch.bfloat16)])
+    with pytest.raises(ValueError, match="every tensor needs 4 blocks"):
+        kv_regions([views[0], views[1][:3]])
+    with pytest.raises(ValueError, match="is not contiguous"):
+        kv_regions([views[0].transpose(1, 2)])
+    with pytest.raises(ValueError, match="leading block dimension"):
+        kv_regions([views[0][:0]])
+
+
+def test_export_of_cpu_tensors_points_to_shared_memory() -> None:
+    _, views = vllm_like(2, 4, (8, 8), interleaved=False)
+    with pytest.raises(ValueError, match="move_to_shared_memory"):
+        export_kv_memory(views)
+
+
+def test_synchronize_before_store_on_cpu_is_a_no_op() -> None:
+    synchronize_before_store("cpu")
+    synchronize_before_store(torch.device("cpu"))
+    with pytest.raises(ValueError, match="no store ordering rule for meta"):
+        synchronize_before_store("meta")
+
+
+# -- the daemon without the device ------------------------------------------------------------------
+
+
+@pytest.mark.skipif(native.features().get("cuda_available", False), reason="this machine has a usable GPU")
+def test_make_cuda_backend_fails_clearly_without_a_gpu() -> None:
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        make_backend("cuda", 2, "/dev/shm")
+
+
+@pytest.mark.skipif(native.features().get("acl_available", False), reason="this machine has a usable NPU")
+def test_make_npu_backend_fails_clearly_without_an_npu() -> None:
+    with pytest.raises(RuntimeError, match=r"no NPU \(Ascend\) device"):
+        make_backend("npu", 2, "/dev/shm")
+
+
+def device_register(backend: str, handle: bytes, size: int, namespace: str) -> pb.RegisterRequest:
+    request = pb.RegisterRequest(protocol_version=1, engine_id="device-test", namespace=namespace,
+                                 completion_path="/dev/shm/kvstore-done-none", completion_slots=8)
+    request.layout.CopyFrom(pb.KVLayout(num_blocks=4, regions=[pb.Region(offset=0, block_stride=4096,
+                                                                         block_bytes=4096)]))
+    request.memory.CopyFrom(pb.MemoryHandle(backend=backend, handle=handle, size=size, device=1))
+    return request
+
+
+@pytest.mark.parametrize("backend,feature,words", [("cuda", "cuda_available", "no CUDA device"),
+                                                   ("npu", "acl_available", r"no NPU \(Ascend\) device")])
+def test_daemon_refuses_a_device_session_without_the_device(daemon, backend: str, feature: str, words: str) -> None:
+    if native.features().get(feature, False):
+        pytest.skip(f"this machine has a usable {backend} device")
+    handle = encode_handle(sample(kind=backend, storage_bytes=1 << 20))
+    with grpc.insecure_channel(f"unix://{daemon.socket}") as channel:
+        stub = pb_grpc.KVStoreStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Register(device_register(backend, handle, 4 * 4096, f"dev-{backend}"), timeout=30)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
+        assert f"backend '{backend}' is not usable here" in info.value.details()
+        assert re.search(words, info.value.details()), info.value.details()
+        assert stub.Stats(pb.StatsRequest(), timeout=10).engines == 0
+    assert daemon.proc.poll() is None
+    client = daemon.client()
+    assert client.health() == "SERVING"
+    client.close()
+
+
+# -- on a GPU machine -------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run on a GPU machine (docs/devices.md)")
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_cuda_store_and_load_byte_exact(daemon, interleaved: bool) -> None:
+    """An engine (this process) with a vLLM-shaped CUDA KV cache stores random blocks through the
+    daemon (another process, CUDA IPC + DMA) and loads them back into other block ids."""
+    from kvstore_client.shm import block_cache
+
+    layers, num_blocks, block_shape = 4, 64, (16, 4, 64)  # 8 KiB of bf16 per layer and block
+    layer_bytes = 16 * 4 * 64 * 2
+
+    def layer_views(flat: torch.Tensor) -> list[torch.Tensor]:
+        grid = flat.view(num_blocks, layers, layer_bytes) if interleaved else flat.view(layers, num_blocks, layer_bytes)
+        return [(grid[:, i] if interleaved else grid[i]).view(torch.bfloat16).view(num_blocks, *block_shape)
+                for i in range(layers)]
+
+    def bits(t: torch.Tensor) -> torch.Tensor:  # compare bit patterns: random bytes include bf16 NaNs
+        return t.view(torch.int16)
+
+    torch.manual_seed(0)
+    buf = torch.randint(-128, 128, (layers * num_blocks * layer_bytes,), dtype=torch.int8, device="cuda")
+    views = layer_views(buf)
+    original = buf.clone()
+    spec = export_kv_memory(views)
+    assert spec.backend == "cuda" and spec.num_blocks == num_blocks and spec.size == buf.numel()
+
+    client = daemon.client()
+    namespace = f"gpu-{interleaved}"
+    session = client.session(namespace, spec)
+    keys = [key_of("gpu", i) for i in range(16)]
+    src, dst = list(range(16)), list(range(40, 56))
+    try:
+        synchronize_before_store(buf.device)
+        job = session.store(keys, src)
+        done = session.wait([job])[job]
+        assert done.ok and done.blocks_ok == 16, done
+        expected = [v[src].clone() for v in views]
+        for v in views:
+            v[dst] = 0
+        torch.cuda.synchronize()
+        job = session.load(keys, dst)
+        done = session.wait([job])[job]
+        assert done.ok and done.blocks_ok == 16, done
+        for layer, v in enumerate(views):
+            assert torch.equal(bits(v[dst]), bits(expected[layer])), f"layer {layer} differs after the round trip"
+        untouched = [b for b in range(num_blocks) if b not in dst]
+        for v, before in zip(views, layer_views(original), strict=True):
+            assert torch.equal(bits(v[untouched]), bits(before[untouched])), "a load wrote outside its blocks"
+
+        # The pool slot is the concatenation of the layers: a CPU engine of the same namespace reads it.
+        memory, cpu_spec = block_cache(16, layers * layer_bytes)
+        cpu = client.session(namespace, cpu_spec)
+        try:
+            job = cpu.load(keys, list(range(16)))
+            assert cpu.wait([job])[job].blocks_ok == 16
+            slots = memory.tensor.view(16, layers * layer_bytes)
+            for i, b in enumerate(src):
+                want = torch.cat([e[i].reshape(-1).view(torch.int8).cpu() for e in expected])
+                assert torch.equal(slots[i].view(torch.int8), want), f"pool slot {i} (block {b}) differs"
+        finally:
+            cpu.close()
+            memory.close()
+
+        # A handle naming a GPU the daemon does not have is refused with the reason.
+        bad = json.loads(spec.handle)
+        bad["device_uuid"] = "00000000-0000-0000-0000-000000000000"
+        with grpc.insecure_channel(f"unix://{daemon.socket}") as channel:
+            request = device_register("cuda", json.dumps(bad).encode(), spec.size, namespace)
+            request.layout.CopyFrom(spec.layout())
+            request.memory.device = spec.device
+            with pytest.raises(grpc.RpcError) as info:
+                pb_grpc.KVStoreStub(channel).Register(request, timeout=30)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "is not visible to the daemon" in info.value.details()
+    finally:
+        session.close()
+        client.close()
