@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-import secrets
 from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvstore_client.client import MAX_MESSAGE, PROTOCOL_VERSION, MemorySpec, pack_keys, peer_handshake, target_for
+
+from kvstore_client.client import MAX_MESSAGE, MemorySpec, pack_keys, peer_handshake, registration, target_for
 from kvstore_client.completion import Completion, CompletionChannel
 from kvstore_client.errors import from_rpc_error
 from kvstore_client.proto import kvstore_pb2 as pb
@@ -57,9 +57,8 @@ class AsyncKVStoreClient:
                                                                    key_size=size))).hits
 
     async def session(self, namespace: str, memory: MemorySpec | None = None, engine_id: str = "",
-                      completion_slots: int = 1024, shm_dir: str = "/dev/shm") -> AsyncSession:
-        session = AsyncSession(self, namespace, memory, engine_id or f"engine-{os.getpid()}", completion_slots,
-                               shm_dir)
+                      completion_slots: int = 1024) -> AsyncSession:
+        session = AsyncSession(self, namespace, memory, engine_id or f"engine-{os.getpid()}", completion_slots)
         await session.open()
         return session
 
@@ -78,9 +77,9 @@ class AsyncSession:
     when `closed_by_daemon` is set, open a new one."""
 
     def __init__(self, client: AsyncKVStoreClient, namespace: str, memory: MemorySpec | None, engine_id: str,
-                 slots: int, shm_dir: str) -> None:
+                 slots: int) -> None:
         self.client, self.namespace, self.memory, self.engine_id = client, namespace, memory, engine_id
-        self.slots, self.shm_dir = slots, shm_dir
+        self.slots = slots
         self.session_id = b""
         self.channel: CompletionChannel | None = None
         self.closed_by_daemon = asyncio.Event()
@@ -89,17 +88,11 @@ class AsyncSession:
         self._attach: asyncio.Task | None = None
 
     async def open(self) -> None:
-        token = await asyncio.to_thread(peer_handshake, self.client.target)
-        request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, engine_id=self.engine_id,
-                                     namespace=self.namespace, peer_token=token)
         if self.memory is not None:
-            path = os.path.join(self.shm_dir, f"kvstore-done-{os.getpid()}-{secrets.token_hex(6)}")
-            self.channel = CompletionChannel(path, self.slots, create=True)
-            request.layout.CopyFrom(self.memory.layout())
-            request.memory.CopyFrom(pb.MemoryHandle(backend=self.memory.backend, handle=self.memory.handle,
-                                                    size=self.memory.size, device=self.memory.device))
-            request.completion_path, request.completion_slots = path, self.slots
+            self.channel = CompletionChannel.create(self.slots)
         try:
+            request = await asyncio.to_thread(registration, self.client.target, self.engine_id, self.namespace,
+                                              self.memory, self.channel)
             reply = await self.client.call(self.client.stub.Register, request)
         except BaseException:
             self._drop_channel()
@@ -173,8 +166,4 @@ class AsyncSession:
     def _drop_channel(self) -> None:
         if self.channel is not None:
             self.channel.close()
-            try:
-                os.unlink(self.channel.path)
-            except OSError:
-                pass
             self.channel = None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from kvstore_client.completion import Completion, CompletionChannel
 from kvstore_client.errors import FailedPrecondition, KVStoreError, PermissionDenied, Unavailable, from_rpc_error
 from kvstore_client.proto import kvstore_pb2 as pb
@@ -46,9 +47,10 @@ def target_for(socket: str | None) -> str:
     return f"unix://{os.path.abspath(socket)}"
 
 
-def peer_handshake(target: str, timeout: float = 5.0) -> bytes:
-    """Tell the daemon who we are (it reads SO_PEERCRED on `<socket>.cred`); returns the token to
-    name in Register/Clear, or b"" for a daemon without the handshake socket (TCP)."""
+def peer_handshake(target: str, fds: Sequence[int] = (), timeout: float = 5.0) -> bytes:
+    """Tell the daemon who we are (it reads SO_PEERCRED on `<socket>.cred`) and hand it our shared
+    memory (`fds`, by SCM_RIGHTS); returns the token to name in Register/Clear, or b"" for a daemon
+    reached over TCP."""
     if not target.startswith("unix://"):
         return b""
     token = secrets.token_bytes(16)
@@ -56,13 +58,34 @@ def peer_handshake(target: str, timeout: float = 5.0) -> bytes:
         sock.settimeout(timeout)
         try:
             sock.connect(target.removeprefix("unix://") + ".cred")
-            sock.sendall(token)
+            socket.send_fds(sock, [token], list(fds))
             reply = sock.recv(1)
         except OSError:
             return b""
     if reply == b"\x01":
         raise PermissionDenied(f"PERMISSION_DENIED: the daemon does not allow uid {os.getuid()}")
     return token
+
+
+def registration(target: str, engine_id: str, namespace: str, memory: MemorySpec | None,
+                 channel: CompletionChannel | None) -> pb.RegisterRequest:
+    """A RegisterRequest, after the handshake that hands the daemon our shared memory."""
+    fds = []
+    if memory is not None:
+        assert channel is not None
+        fds = [channel.fd] + ([memory.fd] if memory.fd is not None else [])
+    token = peer_handshake(target, fds)
+    request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, engine_id=engine_id, namespace=namespace,
+                                 peer_token=token)
+    if memory is not None and channel is not None:
+        if not token:
+            raise FailedPrecondition("FAILED_PRECONDITION: KV memory can only be registered over the daemon's "
+                                     "unix socket (on the same host)")
+        request.layout.CopyFrom(memory.layout())
+        request.memory.CopyFrom(pb.MemoryHandle(backend=memory.backend, handle=memory.handle, size=memory.size,
+                                                device=memory.device))
+        request.completion_slots = channel.slots
+    return request
 
 
 def pack_keys(keys: Sequence[bytes]) -> tuple[bytes, int]:
@@ -85,6 +108,7 @@ class MemorySpec:
     num_blocks: int
     regions: Sequence[tuple[int, int, int]]  # (offset, block_stride, block_bytes)
     device: int = 0
+    fd: int | None = None  # cpu: the sealed memfd holding the KV memory
 
     def layout(self) -> pb.KVLayout:
         return pb.KVLayout(num_blocks=self.num_blocks,
@@ -128,11 +152,10 @@ class KVStoreClient:
         return self.call(self.stub.Lookup, pb.LookupRequest(namespace=namespace, keys=packed, key_size=size)).hits
 
     def session(self, namespace: str, memory: MemorySpec | None = None, engine_id: str = "",
-                completion_slots: int = 1024, shm_dir: str = "/dev/shm", wait: bool = True) -> Session:
+                completion_slots: int = 1024, wait: bool = True) -> Session:
         """Register (and keep registered) an engine. With wait=False a daemon that is not up yet
         is not an error: the session connects in the background and jobs fail until it does."""
-        return Session(self, namespace, memory, engine_id or f"engine-{os.getpid()}", completion_slots, shm_dir,
-                       wait)
+        return Session(self, namespace, memory, engine_id or f"engine-{os.getpid()}", completion_slots, wait)
 
     def close(self) -> None:
         self.channel.close()
@@ -151,13 +174,12 @@ class Session:
     """One registered engine (or a lookup-only scheduler when `memory` is None)."""
 
     def __init__(self, client: KVStoreClient, namespace: str, memory: MemorySpec | None, engine_id: str,
-                 completion_slots: int, shm_dir: str, wait: bool = True) -> None:
+                 completion_slots: int, wait: bool = True) -> None:
         self.client = client
         self.namespace = namespace
         self.memory = memory
         self.engine_id = engine_id
         self.slots = completion_slots
-        self.shm_dir = shm_dir
         self.session_id = b""
         self.block_bytes = 0
         self.boot_id = b""
@@ -188,23 +210,13 @@ class Session:
     # -- registration and liveness ---------------------------------------------------------------
 
     def _register(self) -> None:
-        request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, engine_id=self.engine_id,
-                                     namespace=self.namespace, peer_token=peer_handshake(self.client.target))
-        channel = None
-        if self.memory is not None:
-            path = os.path.join(self.shm_dir, f"kvstore-done-{os.getpid()}-{secrets.token_hex(6)}")
-            channel = CompletionChannel(path, self.slots, create=True)
-            request.layout.CopyFrom(self.memory.layout())
-            request.memory.CopyFrom(pb.MemoryHandle(backend=self.memory.backend, handle=self.memory.handle,
-                                                    size=self.memory.size, device=self.memory.device))
-            request.completion_path = path
-            request.completion_slots = self.slots
+        channel = CompletionChannel.create(self.slots) if self.memory is not None else None
         try:
+            request = registration(self.client.target, self.engine_id, self.namespace, self.memory, channel)
             reply = self.client.call(self.client.stub.Register, request)
         except BaseException:
             if channel is not None:
                 channel.close()
-                _unlink(channel.path)
             raise
         old = self.channel
         self.channel, self.session_id = channel, reply.session_id
@@ -212,7 +224,6 @@ class Session:
         self.registrations += 1
         if old is not None:
             old.close()
-            _unlink(old.path)
 
     def _attach_loop(self) -> None:
         backoff = 0.2
@@ -387,7 +398,6 @@ class Session:
                 pass
         if self.channel is not None:
             self.channel.close()
-            _unlink(self.channel.path)
             self.channel = None
 
     def __enter__(self) -> Session:
@@ -395,10 +405,3 @@ class Session:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -1,6 +1,6 @@
 """The session's shared-memory completion channel: how a client learns that jobs finished, with no RPC.
 
-The client creates the file and names it at registration; the daemon maps it and, when job `j`
+The client creates it (a sealed memfd, passed at registration); the daemon maps it and, when job `j`
 finishes, writes into slot `j % slots`: first the block counts, then `seq = j + 1`. A reader that
 sees `seq == j + 1` knows job `j` is done (x86-64 keeps stores in order; the daemon writes each
 slot from one thread). A client never has more than `slots` unfinished jobs, so a slot is reused
@@ -16,6 +16,8 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
+
+from kvstore_client import memfd
 
 MAGIC = b"KVSDONE1"
 VERSION = 1
@@ -40,27 +42,33 @@ def channel_bytes(slots: int) -> int:
 
 
 class CompletionChannel:
-    def __init__(self, path: str, slots: int, create: bool) -> None:
-        self.path = path
+    """Created by the client (`create`), mapped by the daemon from the descriptor (`attach`)."""
+
+    def __init__(self, fd: int, slots: int, mm: mmap.mmap) -> None:
+        self.fd = fd
         self.slots = slots
-        size = channel_bytes(slots)
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(path, flags, 0o600)
+        self._mm = mm
+
+    @classmethod
+    def create(cls, slots: int) -> CompletionChannel:
+        fd = memfd.create("kvstore-done", channel_bytes(slots))
+        mm = mmap.mmap(fd, channel_bytes(slots), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        HEADER.pack_into(mm, 0, MAGIC, VERSION, slots)
+        return cls(fd, slots, mm)
+
+    @classmethod
+    def attach(cls, fd: int, slots: int) -> CompletionChannel:
+        """Daemon side: map a client's channel; it must be sealed (see memfd.py). Takes the fd."""
         try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size < size:
-                raise ValueError(f"completion file {path} is smaller than {slots} slots")
-            self._mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            memfd.check_sealed(fd, channel_bytes(slots), "the completion channel")
+            mm = mmap.mmap(fd, channel_bytes(slots), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        if create:
-            HEADER.pack_into(self._mm, 0, MAGIC, VERSION, slots)
-        else:
-            magic, version, file_slots = HEADER.unpack_from(self._mm, 0)
-            if magic != MAGIC or version != VERSION or file_slots != slots:
-                self._mm.close()
-                raise ValueError(f"{path} is not a version-{VERSION} completion channel of {slots} slots")
+        magic, version, file_slots = HEADER.unpack_from(mm, 0)
+        if magic != MAGIC or version != VERSION or file_slots != slots:
+            mm.close()
+            raise ValueError(f"not a version-{VERSION} completion channel of {slots} slots")
+        return cls(-1, slots, mm)
 
     def _offset(self, job_id: int) -> int:
         return HEADER_BYTES + SLOT.size * (job_id % self.slots)
@@ -80,3 +88,6 @@ class CompletionChannel:
 
     def close(self) -> None:
         self._mm.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

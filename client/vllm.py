@@ -22,15 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import torch
-from kvstore_client.client import KVStoreClient, Session
-from kvstore_client.device import export_kv_memory, kv_regions, synchronize_before_store
-from kvstore_client.shm import SharedKVMemory, move_to_shared_memory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvstore_client.client import KVStoreClient, Session
+from kvstore_client.device import export_kv_memory, kv_regions, synchronize_before_store
+from kvstore_client.shm import SharedKVMemory, move_to_shared_memory
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -57,7 +58,6 @@ class ConnectorSettings:
     lease_ttl_ms: int = 120_000
     store: bool = True  # offload newly computed full blocks (eagerly, each step)
     load: bool = True
-    shm_dir: str = "/dev/shm"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -412,12 +412,11 @@ class _Worker:
         self.device = tensors[0].device
         if self.device.type == "cpu":
             # The daemon maps a shared-memory file: move the (single) KV allocation there, in place.
-            self.memory = move_to_shared_memory(tensors, self.settings.shm_dir)
+            self.memory = move_to_shared_memory(tensors)
             spec = self.memory.memory_spec(*kv_regions(tensors))
         else:
             spec = export_kv_memory(tensors)  # cuda/npu: the daemon opens the allocation by IPC
-        self.session = self.client.session(self.namespace, spec, engine_id="vllm-worker",
-                                           shm_dir=self.settings.shm_dir, wait=False)
+        self.session = self.client.session(self.namespace, spec, engine_id="vllm-worker", wait=False)
         log.info("kvstore: registered %d KV regions (%d blocks, %s) in namespace %s", len(spec.regions),
                  spec.num_blocks, spec.backend, self.namespace)
 
@@ -493,6 +492,5 @@ class _Worker:
         if self.session is not None:
             self.session.close()
         self.client.close()
-        # The engine's KV tensors still use the shared memory: only the file name goes.
         if self.memory is not None:
-            self.memory.close()
+            self.memory.close()  # the engine's KV tensors keep their own mapping

@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+
 from kvstore_client import KVStoreClient, Unavailable
 from kvstore_client.client import MemorySpec, Session
 from kvstore_client.device import export_kv_memory, synchronize_before_store
 from kvstore_client.shm import SharedKVMemory
-
 from kvstore_service import native
 
 

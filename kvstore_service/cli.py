@@ -10,10 +10,10 @@ from typing import Any
 
 import click
 from google.protobuf.json_format import MessageToDict
-from kvstore_client import KVStoreClient, KVStoreError, Unavailable
-from kvstore_client.client import default_socket
 from pydantic import ValidationError
 
+from kvstore_client import KVStoreClient, KVStoreError, Unavailable
+from kvstore_client.client import default_socket
 from kvstore_service.config import Config
 
 EXIT_UNREACHABLE = 3

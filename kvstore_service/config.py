@@ -39,7 +39,6 @@ class Config(BaseSettings):
     pool_path: str = Field(
         "/dev/shm/kvstore-pool", description="Shared-memory file holding the pool; re-attached on restart."
     )
-    shm_dir: str = Field("/dev/shm", description="Directory of the engines' shared-memory files (CPU backend).")
     fresh: bool = Field(False, description="Discard the blocks of an existing pool file and start empty.")
     segment_size: ByteSize = Field(
         ByteSize(64 << 20), description="Pool unit handed to one block size at a time (largest block allowed)."

@@ -20,13 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvstore_client.completion import CompletionChannel
-
 from kvstore_service import native
 from kvstore_service.backends import Backend, Mapping, TransferPlan, make_backend
 from kvstore_service.config import Config
 from kvstore_service.index import Block, BlockIndex, Namespace
 from kvstore_service.metrics import Metrics
-from kvstore_service.peercred import PeerCred
+from kvstore_service.peercred import PeerCred, close_fds
 from kvstore_service.pool import Pool
 
 log = logging.getLogger(__name__)
@@ -112,7 +111,6 @@ class Session:
     backend: Backend | None
     mapping: Mapping | None
     channel: CompletionChannel | None
-    files: list[str]
     attached: bool = False
     closed: bool = False
     created: float = field(default_factory=time.monotonic)
@@ -155,7 +153,7 @@ class KVStore:
         backend = self._backends.get(name)
         if backend is None:
             try:
-                backend = make_backend(name, self.config.copy_threads, self.config.shm_dir)
+                backend = make_backend(name, self.config.copy_threads)
             except ValueError as e:
                 raise _invalid(str(e)) from None
             except (ImportError, RuntimeError) as e:
@@ -175,10 +173,22 @@ class KVStore:
         handle: bytes,
         memory_size: int,
         device: int,
-        completion_path: str,
         completion_slots: int,
         peer: PeerCred | None = None,
+        fds: list[int] | None = None,
     ) -> Session:
+        """`fds` come from the handshake: the completion channel, then (cpu) the KV memory. They are
+        closed here, whatever happens; the mappings keep what they need."""
+        fds = list(fds or [])
+        try:
+            return self._register(protocol_version, engine_id, namespace, layout, backend, handle, memory_size,
+                                  device, completion_slots, peer, fds)
+        finally:
+            close_fds(fds)
+
+    def _register(self, protocol_version: int, engine_id: str, namespace: str, layout: Layout | None, backend: str,
+                  handle: bytes, memory_size: int, device: int, completion_slots: int, peer: PeerCred | None,
+                  fds: list[int]) -> Session:
         if protocol_version != PROTOCOL_VERSION:
             raise KVError("FAILED_PRECONDITION",
                           f"client speaks protocol {protocol_version}, this daemon speaks {PROTOCOL_VERSION}; "
@@ -187,12 +197,17 @@ class KVStore:
             raise _invalid("namespace is empty")
         if len(self.sessions) >= self.config.max_sessions:
             raise KVError("RESOURCE_EXHAUSTED", f"the daemon already has {len(self.sessions)} sessions (max)")
-        session = Session(secrets.token_bytes(16), engine_id, namespace, layout, None, None, None, [], peer=peer)
+        session = Session(secrets.token_bytes(16), engine_id, namespace, layout, None, None, None, peer=peer)
         try:
             if layout is not None:
                 layout.check(memory_size)
                 if not 0 < completion_slots <= MAX_COMPLETION_SLOTS:
                     raise _invalid(f"completion_slots must be 1..{MAX_COMPLETION_SLOTS}")
+                session.backend = self.backend(backend)
+                wanted = 2 if backend == "cpu" else 1
+                if len(fds) != wanted:
+                    raise _invalid(f"registering {backend} KV memory needs {wanted} shared-memory descriptor(s) "
+                                   f"from the <socket>.cred handshake, got {len(fds)}")
                 try:
                     session.namespace = self.index.namespace(namespace, layout.block_bytes)
                 except ValueError as e:
@@ -201,17 +216,14 @@ class KVStore:
                     raise KVError("FAILED_PRECONDITION",
                                   f"a {layout.block_bytes}-byte block is larger than a pool segment "
                                   f"({self.pool.segment_size} bytes); raise --segment-size")
-                session.backend = self.backend(backend)
                 try:
-                    session.mapping = session.backend.map(handle, memory_size, device)
+                    session.channel = CompletionChannel.attach(os.dup(fds[0]), completion_slots)
+                except (ValueError, OSError) as e:
+                    raise _invalid(f"cannot map the completion channel: {e}") from None
+                try:
+                    session.mapping = session.backend.map(handle, memory_size, device, fds[1] if wanted == 2 else None)
                 except (ValueError, OSError) as e:
                     raise _invalid(str(e)) from None
-                try:
-                    session.channel = self._open_channel(completion_path, completion_slots)
-                except (ValueError, OSError) as e:
-                    raise _invalid(f"cannot open the completion channel {completion_path!r}: {e}") from None
-                if backend == "cpu":
-                    session.files = [handle.decode(), completion_path]
             else:
                 session.namespace = self.index.find_namespace(namespace)
         except BaseException:
@@ -221,10 +233,6 @@ class KVStore:
         log.info("session %s registered: engine %r (pid %s, uid %s) namespace %r", session.session_id.hex()[:8],
                  engine_id, peer.pid if peer else "?", peer.uid if peer else "?", namespace)
         return session
-
-    def _open_channel(self, path: str, slots: int) -> CompletionChannel:
-        cpu = self.backend("cpu")
-        return CompletionChannel(cpu.check_path(path), slots, create=False)  # type: ignore[attr-defined]
 
     def session(self, session_id: bytes) -> Session:
         session = self.sessions.get(session_id)
@@ -239,7 +247,7 @@ class KVStore:
         session.attached = True
         return session
 
-    async def end_session(self, session: Session, *, unlink_files: bool = True) -> None:
+    async def end_session(self, session: Session) -> None:
         """Drop a session: its leases, queued jobs and mapping. Blocks it stored stay in the pool."""
         if session.closed:
             return
@@ -249,12 +257,6 @@ class KVStore:
         if session.tasks:  # copies in flight still use the mapping: let them finish first
             await asyncio.gather(*session.tasks, return_exceptions=True)
         self._release_resources(session)
-        if unlink_files:
-            for path in session.files:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
         self.sessions.pop(session.session_id, None)
         log.info("session %s ended", session.session_id.hex()[:8])
 
@@ -549,9 +551,9 @@ class KVStore:
         }
 
     async def shutdown(self) -> None:
-        """Daemon exit: let copies finish, drop mappings; keep engine files (engines re-register)."""
+        """Daemon exit: let copies finish, drop mappings (engines register again with the next daemon)."""
         for session in list(self.sessions.values()):
-            await self.end_session(session, unlink_files=False)
+            await self.end_session(session)
         for backend in self._backends.values():
             backend.unregister_pool(self.pool.base)
         self.executor.shutdown(wait=True)

@@ -1,9 +1,10 @@
-"""Who is on the other end of the unix socket: SO_PEERCRED through a one-shot handshake.
+"""The handshake on `<socket>.cred`, a plain unix socket next to the gRPC one.
 
-gRPC hides its sockets, so a client first connects to `<socket>.cred`, a plain unix socket, and
-sends a random token; the daemon reads the kernel's record of the peer (pid, uid, gid), answers,
-and remembers token -> credentials for a short while. The client then names the token in
-Register (or Clear), and the daemon knows the engine's real pid and uid — not a self-reported one.
+gRPC hides its sockets, so a client first connects here and sends a random token and, by
+SCM_RIGHTS, the sealed memfds of its completion channel and (CPU) KV memory. The daemon reads the
+kernel's record of the peer (SO_PEERCRED: pid, uid, gid), answers, and keeps token -> (credentials,
+descriptors) for a short while; the client names the token in Register (or Clear). So the daemon
+knows the engine's real pid and uid, and gets its memory without any file name to trust.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import os
 import socket
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 16
+MAX_FDS = 2
 TOKEN_TTL_S = 30.0
 _UCRED = struct.Struct("3i")
 
@@ -30,57 +32,91 @@ class PeerCred:
     gid: int
 
 
+@dataclass
+class Handshake:
+    cred: PeerCred
+    fds: list[int] = field(default_factory=list)
+    expires: float = 0.0
+
+
 class PeerCredServer:
     def __init__(self, path: str, allowed_uids: list[int]) -> None:
         self.path = path
         self.allowed_uids = set(allowed_uids)
-        self._tokens: dict[bytes, tuple[PeerCred, float]] = {}
-        self._server: asyncio.AbstractServer | None = None
+        self._pending: dict[bytes, Handshake] = {}
+        self._listener: socket.socket | None = None
+        self._task: asyncio.Task | None = None
 
     async def start(self, mode: int, gid: int | None) -> None:
         if os.path.exists(self.path):
             os.unlink(self.path)
-        self._server = await asyncio.start_unix_server(self._handle, path=self.path)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
         os.chmod(self.path, mode)
         if gid is not None:
             os.chown(self.path, -1, gid)
+        self._listener.listen(64)
+        self._listener.setblocking(False)
+        self._task = asyncio.get_running_loop().create_task(self._serve())
 
     async def close(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        if self._task is not None:
+            self._task.cancel()
+        if self._listener is not None:
+            self._listener.close()
+        for handshake in self._pending.values():
+            close_fds(handshake.fds)
+        self._pending.clear()
         try:
             os.unlink(self.path)
         except OSError:
             pass
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._listener is not None
+        while True:
+            conn, _ = await loop.sock_accept(self._listener)
+            loop.create_task(self._handle(conn))
+
+    async def _handle(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
         try:
-            token = await asyncio.wait_for(reader.readexactly(TOKEN_BYTES), 5.0)
-            sock: socket.socket = writer.get_extra_info("socket")
-            cred = PeerCred(*_UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)))
-            if self.allowed_uids and cred.uid not in self.allowed_uids:
+            conn.settimeout(5.0)  # a blocking receive, in a thread: asyncio has no recvmsg with fds
+            token, fds, _, _ = await loop.run_in_executor(None, socket.recv_fds, conn, TOKEN_BYTES, MAX_FDS)
+            cred = PeerCred(*_UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)))
+            if len(token) != TOKEN_BYTES:
+                close_fds(fds)
+            elif self.allowed_uids and cred.uid not in self.allowed_uids:
                 log.warning("refusing uid %d (pid %d): not in --allowed-uids", cred.uid, cred.pid)
-                writer.write(b"\x01")
+                close_fds(fds)
+                await loop.sock_sendall(conn, b"\x01")
             else:
                 self._expire()
-                self._tokens[token] = (cred, time.monotonic() + TOKEN_TTL_S)
-                writer.write(b"\x00")
-            await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, OSError):
+                self._pending[token] = Handshake(cred, list(fds), time.monotonic() + TOKEN_TTL_S)
+                await loop.sock_sendall(conn, b"\x00")
+        except OSError:
             pass
         finally:
-            writer.close()
+            conn.close()
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for token in [t for t, (_, expires) in self._tokens.items() if expires < now]:
-            del self._tokens[token]
+        for token in [t for t, h in self._pending.items() if h.expires < now]:
+            close_fds(self._pending.pop(token).fds)
 
-    def take(self, token: bytes) -> PeerCred | None:
-        """The credentials behind a token, once."""
-        entry = self._tokens.pop(token, None)
-        if entry is None or entry[1] < time.monotonic():
+    def take(self, token: bytes) -> Handshake | None:
+        """The credentials and descriptors behind a token, once; the caller owns the descriptors."""
+        handshake = self._pending.pop(token, None)
+        if handshake is not None and handshake.expires < time.monotonic():
+            close_fds(handshake.fds)
             return None
-        return entry[0]
+        return handshake
 
+
+def close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass

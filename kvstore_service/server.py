@@ -11,13 +11,13 @@ import socket
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
-
 from kvstore_service import __version__
 from kvstore_service.config import Config
 from kvstore_service.core import MAX_KEY, MIN_KEY, KVError, KVStore, Layout, Region
-from kvstore_service.peercred import PeerCred, PeerCredServer
+from kvstore_service.peercred import Handshake, PeerCredServer, close_fds
 
 log = logging.getLogger(__name__)
 SERVICE = "kvstore.v1.KVStore"
@@ -44,17 +44,17 @@ class Servicer(pb_grpc.KVStoreServicer):
             raise KVError("UNAVAILABLE", "the daemon is starting (setting up the pool); retry shortly")
         return self._core
 
-    def _authorize(self, token: bytes, context: grpc.aio.ServicerContext) -> PeerCred | None:
+    def _authorize(self, token: bytes, context: grpc.aio.ServicerContext) -> Handshake | None:
         """Unix-socket callers of Register/Clear are known by SO_PEERCRED; with --allowed-uids they must
         be. TCP callers are authenticated by TLS instead."""
-        peer = self.creds.take(token) if token else None
-        if peer is None and self.creds.allowed_uids and context.peer().startswith("unix:"):
+        handshake = self.creds.take(token) if token else None
+        if handshake is None and self.creds.allowed_uids and context.peer().startswith("unix:"):
             raise KVError("PERMISSION_DENIED", "this daemon serves only --allowed-uids, and the caller's "
                           "credentials were not verified (missing or expired peer_token)")
-        return peer
+        return handshake
 
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
-        peer = self._authorize(request.peer_token, context)
+        handshake = self._authorize(request.peer_token, context)
         layout = None
         if request.HasField("layout"):
             regions = tuple(Region(r.offset, r.block_stride, r.block_bytes) for r in request.layout.regions)
@@ -63,8 +63,8 @@ class Servicer(pb_grpc.KVStoreServicer):
         session = self.core.register(
             protocol_version=request.protocol_version, engine_id=request.engine_id, namespace=request.namespace,
             layout=layout, backend=mem.backend or "cpu", handle=mem.handle, memory_size=mem.size,
-            device=mem.device, completion_path=request.completion_path, completion_slots=request.completion_slots,
-            peer=peer,
+            device=mem.device, completion_slots=request.completion_slots,
+            peer=handshake.cred if handshake else None, fds=handshake.fds if handshake else [],
         )
         block_bytes = layout.block_bytes if layout else 0
         return pb.RegisterResponse(session_id=session.session_id, block_bytes=block_bytes,
@@ -86,8 +86,7 @@ class Servicer(pb_grpc.KVStoreServicer):
                 task.add_done_callback(self._cleanups.discard)
 
     async def Unregister(self, request: pb.UnregisterRequest, context) -> pb.UnregisterResponse:
-        # The client asked: it owns its shared-memory files and may register them again.
-        await self.core.end_session(self.core.session(request.session_id), unlink_files=False)
+        await self.core.end_session(self.core.session(request.session_id))
         return pb.UnregisterResponse()
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
@@ -122,7 +121,9 @@ class Servicer(pb_grpc.KVStoreServicer):
         return pb.StatsResponse(namespaces=namespaces, daemon_version=__version__, **stats)
 
     async def Clear(self, request: pb.ClearRequest, context) -> pb.ClearResponse:
-        self._authorize(request.peer_token, context)
+        handshake = self._authorize(request.peer_token, context)
+        if handshake is not None:
+            close_fds(handshake.fds)
         return pb.ClearResponse(cleared_blocks=self.core.clear(request.namespace))
 
 

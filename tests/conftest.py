@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kvstore_client import KVStoreClient, Unavailable
 
 REPO = Path(__file__).resolve().parent.parent

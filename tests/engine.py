@@ -15,6 +15,7 @@ import sys
 import time
 
 import torch
+
 from kvstore_client import KVStoreClient
 from kvstore_client.shm import block_cache
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from engine import content_of, key_of
+
 from kvstore_client import InvalidArgument, NotFound, Unavailable
 from kvstore_client.aio import AsyncKVStoreClient
 from kvstore_client.shm import block_cache

@@ -8,6 +8,10 @@ import os
 import grpc
 import pytest
 from engine import Engine, key_of
+
+from kvstore_client import memfd
+from kvstore_client.client import peer_handshake
+from kvstore_client.completion import CompletionChannel
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.shm import block_cache
@@ -100,33 +104,50 @@ def test_oversized_request(daemon_factory) -> None:
 
 def test_register_errors(setup, tmp_path) -> None:
     daemon, engine, _, stub = setup
-    memory, spec = block_cache(4, KB64 * 2)  # another block size in the same namespace
+    target = f"unix://{daemon.socket}"
+    memory, spec = block_cache(4, KB64 * 2)  # another block size than the namespace's
+    channel = CompletionChannel.create(8)
     try:
-        def register(**fields) -> pb.RegisterRequest:
-            request = pb.RegisterRequest(protocol_version=1, engine_id="e", namespace="bad-input",
-                                         completion_path="/dev/shm/kvstore-done-none", completion_slots=8)
+        def register(fds: list[int] | None = None, **fields) -> pb.RegisterRequest:
+            token = peer_handshake(target, [channel.fd, memory.fd] if fds is None else fds)
+            request = pb.RegisterRequest(protocol_version=1, engine_id="e", namespace="other", completion_slots=8,
+                                         peer_token=token)
             request.layout.CopyFrom(spec.layout())
-            request.memory.CopyFrom(pb.MemoryHandle(backend="cpu", handle=spec.handle, size=spec.size))
+            request.memory.CopyFrom(pb.MemoryHandle(backend="cpu", size=spec.size))
             for name, value in fields.items():
                 setattr(request, name, value)
             return request
 
         expect(grpc.StatusCode.FAILED_PRECONDITION, "protocol 7, this daemon speaks 1", stub.Register,
                register(protocol_version=7))
-        expect(grpc.StatusCode.FAILED_PRECONDITION, "layout mismatch", stub.Register, register())
-        bad = register(namespace="other")
+        expect(grpc.StatusCode.FAILED_PRECONDITION, "layout mismatch", stub.Register, register(namespace="bad-input"))
+        bad = register()
         bad.layout.regions[0].block_stride = KB64 * 4  # runs past the end of the memory
         expect(grpc.StatusCode.INVALID_ARGUMENT, "beyond the", stub.Register, bad)
-        bad = register(namespace="other")
-        bad.memory.handle = b"/etc/passwd"
-        expect(grpc.StatusCode.INVALID_ARGUMENT, "must be a file directly in /dev/shm", stub.Register, bad)
-        bad = register(namespace="other")
+        bad = register()
         bad.memory.backend = "tpu"
         expect(grpc.StatusCode.INVALID_ARGUMENT, "unknown backend 'tpu'", stub.Register, bad)
         expect(grpc.StatusCode.INVALID_ARGUMENT, "namespace is empty", stub.Register, register(namespace=""))
-        expect(grpc.StatusCode.INVALID_ARGUMENT, "cannot open the completion channel", stub.Register,
-               register(namespace="other"))  # the completion file does not exist
+        expect(grpc.StatusCode.INVALID_ARGUMENT, "needs 2 shared-memory descriptor(s)", stub.Register,
+               register(peer_token=b""))
+        # Memory that could shrink under the daemon's mapping is refused.
+        plain = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT)
+        os.ftruncate(plain, spec.size)
+        unsealed = os.memfd_create("unsealed")
+        os.ftruncate(unsealed, spec.size)
+        small = memfd.create("small", 4096)
+        try:
+            expect(grpc.StatusCode.INVALID_ARGUMENT, "not a memfd", stub.Register, register([channel.fd, plain]))
+            expect(grpc.StatusCode.INVALID_ARGUMENT, "not sealed against shrinking", stub.Register,
+                   register([channel.fd, unsealed]))
+            expect(grpc.StatusCode.INVALID_ARGUMENT, "has 4096 bytes", stub.Register, register([channel.fd, small]))
+            expect(grpc.StatusCode.INVALID_ARGUMENT, "completion channel", stub.Register,
+                   register([unsealed, memory.fd]))
+        finally:
+            for fd in (plain, unsealed, small):
+                os.close(fd)
     finally:
+        channel.close()
         memory.close()
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine import Engine, content_of, key_of
+
 from kvstore_client import KVStoreClient
 
 ENGINE = str(Path(__file__).parent / "engine.py")
@@ -69,7 +70,8 @@ def test_engine_killed_mid_job_releases_session(daemon) -> None:
     proc = subprocess.Popen([sys.executable, ENGINE, "--socket", daemon.socket, "--seed", "k", "--count", "100",
                              "--num-blocks", "128", "--hang", "store"], stdout=subprocess.PIPE, text=True)
     pid = json.loads(proc.stdout.readline())["pid"]
-    assert glob.glob(f"/dev/shm/kvstore-*-{pid}-*")  # its KV memory and completion channel
+    maps = f"/proc/{daemon.proc.pid}/maps"
+    assert "memfd:kvstore-kv" in open(maps).read()  # the daemon maps the engine's KV memory
     stats = client.stats()
     assert stats.engines == 1
     proc.send_signal(signal.SIGKILL)
@@ -77,8 +79,9 @@ def test_engine_killed_mid_job_releases_session(daemon) -> None:
     wait_for(lambda: client.stats().engines == 0)
     stats = client.stats()
     assert stats.jobs_in_flight == 0 and stats.leases == 0
-    # Its shared-memory files are unlinked by the daemon; nothing else leaked.
-    wait_for(lambda: not glob.glob(f"/dev/shm/kvstore-*-{pid}-*"))
+    # The daemon let go of its memory (and nothing is left in /dev/shm: memfds die with their users).
+    wait_for(lambda: "memfd:kvstore" not in open(maps).read())
+    assert not glob.glob(f"/dev/shm/kvstore-*{pid}*")
     # The daemon keeps serving: another engine stores and loads.
     assert run_engine(daemon, "--seed", "after", "--count", "10", "store")["completion"] == 10
     assert run_engine(daemon, "--seed", "after", "--count", "10", "load")["corrupt"] == 0

@@ -15,6 +15,7 @@ import torch
 from engine import key_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvstore_client.device import (
     MAX_HANDLE_BYTES,
     NPU_IPC_ALIGNMENT,
@@ -33,7 +34,6 @@ from kvstore_client.device import (
 )
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
-
 from kvstore_service import native
 from kvstore_service.backends import make_backend
 
@@ -305,18 +305,18 @@ def test_synchronize_before_store_on_cpu_is_a_no_op() -> None:
 @pytest.mark.skipif(native.features().get("cuda_available", False), reason="this machine has a usable GPU")
 def test_make_cuda_backend_fails_clearly_without_a_gpu() -> None:
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        make_backend("cuda", 2, "/dev/shm")
+        make_backend("cuda", 2)
 
 
 @pytest.mark.skipif(native.features().get("acl_available", False), reason="this machine has a usable NPU")
 def test_make_npu_backend_fails_clearly_without_an_npu() -> None:
     with pytest.raises(RuntimeError, match=r"no NPU \(Ascend\) device"):
-        make_backend("npu", 2, "/dev/shm")
+        make_backend("npu", 2)
 
 
 def device_register(backend: str, handle: bytes, size: int, namespace: str) -> pb.RegisterRequest:
     request = pb.RegisterRequest(protocol_version=1, engine_id="device-test", namespace=namespace,
-                                 completion_path="/dev/shm/kvstore-done-none", completion_slots=8)
+                                 completion_slots=8)
     request.layout.CopyFrom(pb.KVLayout(num_blocks=4, regions=[pb.Region(offset=0, block_stride=4096,
                                                                          block_bytes=4096)]))
     request.memory.CopyFrom(pb.MemoryHandle(backend=backend, handle=handle, size=size, device=1))

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from engine import Engine, key_of
-from kvstore_client import InvalidArgument
 
+from kvstore_client import InvalidArgument
 from kvstore_service.config import Config
 
 KB64 = 64 * 1024

@@ -45,13 +45,12 @@ class MemoryHandle(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., handle: _Optional[bytes] = ..., size: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol_version", "engine_id", "namespace", "layout", "memory", "completion_path", "completion_slots", "peer_token")
+    __slots__ = ("protocol_version", "engine_id", "namespace", "layout", "memory", "completion_slots", "peer_token")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
-    COMPLETION_PATH_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
@@ -59,10 +58,9 @@ class RegisterRequest(_message.Message):
     namespace: str
     layout: KVLayout
     memory: MemoryHandle
-    completion_path: str
     completion_slots: int
     peer_token: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., completion_path: _Optional[str] = ..., completion_slots: _Optional[int] = ..., peer_token: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., completion_slots: _Optional[int] = ..., peer_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "block_bytes", "max_inflight_jobs", "daemon_version", "daemon_boot_id")

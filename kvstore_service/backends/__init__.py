@@ -10,12 +10,12 @@ from kvstore_service.backends.base import Backend, Mapping, TransferPlan
 __all__ = ["Backend", "Mapping", "TransferPlan", "make_backend"]
 
 
-def make_backend(name: str, copy_threads: int, shm_dir: str) -> Backend:
+def make_backend(name: str, copy_threads: int) -> Backend:
     """The backend for a registration's `memory.backend`; ValueError for an unknown one."""
     if name == "cpu":
         from kvstore_service.backends.cpu import CpuBackend
 
-        return CpuBackend(copy_threads, shm_dir)
+        return CpuBackend(copy_threads)
     if name == "cuda":
         from kvstore_service.backends.cuda import CudaBackend
 

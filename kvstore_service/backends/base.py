@@ -41,8 +41,9 @@ class Backend(ABC):
         """Undo register_pool."""
 
     @abstractmethod
-    def map(self, handle: bytes, size: int, device: int) -> Mapping:
-        """Map the engine memory named by `handle`; ValueError with a clear message if impossible."""
+    def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
+        """Map the engine memory named by `handle` (or passed as the descriptor `fd`, which the caller
+        closes); ValueError with a clear message if impossible."""
 
     @abstractmethod
     def unmap(self, mapping: Mapping) -> None:

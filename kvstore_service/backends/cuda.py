@@ -24,7 +24,6 @@ import logging
 from types import ModuleType
 
 from kvstore_client.device import check_inside_allocation, local_cuda_uuids, resolve_handle
-
 from kvstore_service import native
 from kvstore_service.backends.base import Backend, Mapping, TransferPlan
 
@@ -75,7 +74,7 @@ class CudaBackend(Backend):
                 log.warning("cuMemHostUnregister of the pool failed: %s", e)
             self.pinned = None
 
-    def map(self, handle: bytes, size: int, device: int) -> Mapping:
+    def map(self, handle: bytes, size: int, device: int, fd: int | None = None) -> Mapping:
         local, h = resolve_handle(handle, size, "cuda", self.uuids, device)
         torch = self.torch
         with torch.cuda.device(local):

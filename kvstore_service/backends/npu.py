@@ -21,7 +21,6 @@ import logging
 from types import ModuleType
 
 from kvstore_client.device import local_npu_uuids, resolve_handle
-
 from kvstore_service import native
 from kvstore_service.backends.base import Backend, Mapping, TransferPlan
 
@@ -79,7 +78,7 @@ class NpuBackend(Backend):
                 log.warning("aclrtHostUnregister of the pool failed: %s", e)
             self.registered_on = None
 
-    def map(self, handle: bytes, size: int, device: int) -> Mapping:
+    def map(self, handle: bytes, size: int, device: int, fd: int | None = None) -> Mapping:
         local, h = resolve_handle(handle, size, "npu", self.uuids, device)
         torch = self.torch
         with torch.npu.device(local):  # type: ignore[attr-defined]
