@@ -60,8 +60,8 @@ def peer_handshake(target: str, fds: Sequence[int] = (), timeout: float = 5.0) -
             sock.connect(target.removeprefix("unix://") + ".cred")
             socket.send_fds(sock, [token], list(fds))
             reply = sock.recv(1)
-        except OSError:
-            return b""
+        except OSError as e:
+            raise Unavailable(f"UNAVAILABLE: cannot reach the daemon's handshake socket: {e}") from None
     if reply == b"\x01":
         raise PermissionDenied(f"PERMISSION_DENIED: the daemon does not allow uid {os.getuid()}")
     return token
