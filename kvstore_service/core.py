@@ -344,8 +344,7 @@ class KVStore:
                 raise _invalid(f"block id {b} is outside the registered cache (0..{num_blocks - 1})")
         if len(set(keys)) != len(keys):
             raise _invalid("duplicate keys in one request")
-        if is_store and len(set(block_ids)) != len(block_ids):
-            pass  # storing one engine block under two keys is odd but harmless
+        # (A store may read one engine block under two keys; a load must not write one twice.)
         if not is_store and len(set(block_ids)) != len(block_ids):
             raise _invalid("duplicate block ids in one load: two blocks would land in the same place")
         assert session.channel is not None

@@ -92,6 +92,15 @@ def volume_at(spec, container, path):
     return volumes(spec)[mounts(container)[path]["name"]]
 
 
+def host_paths(spec, container):
+    """Node path of each hostPath volume mounted in `container`, by mount path."""
+    return {
+        path: volumes(spec)[mount["name"]]["hostPath"]["path"]
+        for path, mount in mounts(container).items()
+        if "hostPath" in volumes(spec)[mount["name"]]
+    }
+
+
 def test_default_values(chart):
     docs, _ = render(chart)
     assert kinds(docs) == ["DaemonSet"]
@@ -106,8 +115,10 @@ def test_default_values(chart):
     }
     assert variables["KVSTORE_SOCKET"] == SOCKET
     assert variables["KVSTORE_SOCKET_MODE"] == "0660"
-    # The node's /dev/shm, where engines create the files they hand the daemon.
-    assert volume_at(spec, container, "/dev/shm")["hostPath"]["path"] == "/dev/shm"
+    # Engines pass their memory as memfds over <socket>.cred, next to the socket: the node's /dev/shm
+    # is not mounted, and the socket directory is the only node path the daemon sees.
+    assert "/dev/shm" not in mounts(container)
+    assert host_paths(spec, container) == {SOCKET_DIR: SOCKET_DIR}
 
     # The pool: 4GiB in a memory-backed emptyDir; memory = pool + 1GiB overhead, request = limit.
     assert variables["KVSTORE_POOL_SIZE"] == "4GiB"
@@ -178,7 +189,9 @@ def test_pool_on_node_shm(chart):
     spec = pod_spec(docs)
     container = daemon(docs)
     assert env(container)["KVSTORE_POOL_PATH"] == "/dev/shm/kvstore-pool"
-    assert volume_at(spec, container, "/dev/shm")["hostPath"]["path"] == "/dev/shm"
+    # The pool dir is the node's /dev/shm: the one /dev/shm mount, for the pool only.
+    assert volume_at(spec, container, "/dev/shm")["hostPath"] == {"path": "/dev/shm", "type": "Directory"}
+    assert host_paths(spec, container) == {SOCKET_DIR: SOCKET_DIR, "/dev/shm": "/dev/shm"}
     assert not any("emptyDir" in volume and volume["emptyDir"].get("medium") for volume in spec["volumes"])
     assert container["resources"]["limits"]["memory"] == "9216Mi"
 
@@ -197,6 +210,8 @@ def test_nvidia(chart):
     assert set(container["resources"]["requests"]) == {"cpu", "memory"}
     assert "privileged" not in container["securityContext"]
     assert "hostIPC: true" in notes
+    # hostIPC is for device IPC only; engine memory still comes as memfds, not through /dev/shm.
+    assert "/dev/shm" not in mounts(container)
 
 
 def test_ascend(chart):
@@ -419,6 +434,9 @@ def test_notes_show_the_vllm_config(chart):
         "kv_connector_extra_config": {"socket": SOCKET, "tenant_salt": "team-a"},
     }
     assert "kubectl -n kvstore exec ds/kvstore -- kvstore stats" in notes
+    # vLLM pods mount the socket directory, which holds the handshake socket too; not /dev/shm.
+    assert f"{SOCKET}.cred" in notes
+    assert "/dev/shm" not in notes
     _, notes = render(chart)
     assert "tenant_salt" not in kv_transfer_config(notes)["kv_connector_extra_config"]
 
@@ -449,7 +467,9 @@ def test_vllm_example_uses_the_daemon_socket(chart):
     assert config["kv_connector_extra_config"]["socket"] == daemon_socket
     socket_dir = daemon_socket.rsplit("/", 1)[0]
     assert volume_at(spec, container, socket_dir)["hostPath"]["path"] == socket_dir
-    assert volume_at(spec, container, "/dev/shm")["hostPath"]["path"] == "/dev/shm"
+    # Its memory goes to the daemon as memfds over <socket>.cred in that directory: no /dev/shm mount.
+    assert host_paths(spec, container) == {socket_dir: socket_dir}
+    assert not any(volume.get("hostPath", {}).get("path") == "/dev/shm" for volume in spec["volumes"])
     # CUDA IPC between the engine and the daemon needs one IPC namespace on both sides.
     assert spec["hostIPC"] is pod_spec(chart_docs)["hostIPC"] is True
     daemon_gid = pod_spec(chart_docs)["securityContext"]["runAsGroup"]
