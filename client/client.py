@@ -24,7 +24,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore_client.completion import Completion, CompletionChannel
-from kvstore_client.errors import FailedPrecondition, KVStoreError, PermissionDenied, Unavailable, from_rpc_error
+from kvstore_client.errors import (
+    FailedPrecondition,
+    KVStoreError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unavailable,
+    from_rpc_error,
+)
 from kvstore_client.proto import kvstore_pb2 as pb
 from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 
@@ -64,6 +71,8 @@ def peer_handshake(target: str, fds: Sequence[int] = (), timeout: float = 5.0) -
             raise Unavailable(f"UNAVAILABLE: cannot reach the daemon's handshake socket: {e}") from None
     if reply == b"\x01":
         raise PermissionDenied(f"PERMISSION_DENIED: the daemon does not allow uid {os.getuid()}")
+    if reply != b"\x00":
+        raise ResourceExhausted("RESOURCE_EXHAUSTED: the daemon refused the handshake (more than 2 descriptors?)")
     return token
 
 
@@ -193,6 +202,7 @@ class Session:
         self._connected = threading.Event()
         self._closed = threading.Event()
         self._submits: queue.SimpleQueue[_Submit | None] = queue.SimpleQueue()
+        self._stream: grpc.Call | None = None
         try:
             self._register()
         except Unavailable:
@@ -232,7 +242,7 @@ class Session:
                 if not self.session_id:
                     self._register()
                     log.warning("kvstore: re-registered with the daemon (session %s)", self.session_id.hex()[:8])
-                stream = self.client.stub.Attach(pb.AttachRequest(session_id=self.session_id))
+                stream = self._stream = self.client.stub.Attach(pb.AttachRequest(session_id=self.session_id))
                 for event in stream:
                     if event.HasField("attached"):
                         self._connected.set()
@@ -396,6 +406,8 @@ class Session:
                 self.client.call(self.client.stub.Unregister, pb.UnregisterRequest(session_id=self.session_id))
             except KVStoreError:
                 pass
+        if self._stream is not None:
+            self._stream.cancel()
         if self.channel is not None:
             self.channel.close()
             self.channel = None

@@ -240,11 +240,11 @@ class KVStoreConnector(KVConnectorBase_V1):
 
 @dataclass
 class _Lookup:
-    start: int  # first block looked up
-    end: int  # one past the last
+    end: int  # blocks [0, end) were looked up
     future: grpc.Future | None
-    hits: int = 0
+    hits: int = 0  # leading blocks present
     lease_id: bytes = b""
+    start: int = 0  # vLLM's local hit (blocks) when we last answered: the load starts there
 
 
 class _Scheduler:
@@ -283,15 +283,18 @@ class _Scheduler:
         end = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
         if not self.settings.load or end <= start or req_id in self.load_failed:
             return 0, False
+        # The lookup covers the whole prefix [0, end) and is asked once per request: vLLM's local
+        # hit (`start`) can move between calls while blocks churn, and a lookup keyed on it would
+        # be asked afresh forever.
         state = self.lookups.get(req_id)
-        if state is None or (state.start, state.end) != (start, end):
+        if state is None or state.end != end:
             if state is not None:
-                self._release(state)  # the request changed under the lookup: ask afresh
+                self._release(state)
             if not self._available():
                 return 0, False
-            future = self.session.lookup_future(request.block_hashes[start:end], lease=True,
+            future = self.session.lookup_future(request.block_hashes[:end], lease=True,
                                                 lease_ttl_ms=self.settings.lease_ttl_ms)
-            self.lookups[req_id] = _Lookup(start, end, future)
+            self.lookups[req_id] = _Lookup(end, future)
             return None, False
         if state.future is not None:
             if not state.future.done():
@@ -303,9 +306,10 @@ class _Scheduler:
                 self.lookup_errors += 1
                 log.warning("kvstore lookup failed (%s); recomputing", e.code())
             state.future = None
-        if state.hits == 0:
+        state.start = start
+        if state.hits <= start:
             return 0, False
-        return state.hits * self.block_size, True
+        return (state.hits - start) * self.block_size, True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -322,6 +326,10 @@ class _Scheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(loads=self.loads, preempted=set(scheduler_output.preempted_req_ids or ()))
         self.loads = []
+        for req_id in meta.preempted:  # it starts over: look it up afresh when it is back
+            state = self.lookups.pop(req_id, None)
+            if state is not None:
+                self._release(state)
         block_state = scheduler_output.kv_connector_block_state
         if self.settings.store and block_state is not None:
             for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():

@@ -26,13 +26,14 @@ from kvstore_service.config import Config
 from kvstore_service.index import Block, BlockIndex, Namespace
 from kvstore_service.metrics import Metrics
 from kvstore_service.peercred import PeerCred, close_fds
-from kvstore_service.pool import Pool
+from kvstore_service.pool import WRITING, Pool
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
 MIN_KEY, MAX_KEY = 16, 64
 MAX_COMPLETION_SLOTS = 1 << 16
+MAX_JOB_ID = (1 << 64) - 1  # the completion word holds job_id + 1
 FINISHED_KEPT = 4096  # per session, for the Poll RPC; the shared-memory channel is the main path
 
 
@@ -97,6 +98,8 @@ class Job:
     ok: list[bool]
     plan: TransferPlan | None = None
     corrupt: set[int] = field(default_factory=set)  # load: indexes of blocks that failed their checksum
+    # store: keys another job is writing; this job is done when those are (dedupe without lying)
+    waits: list[tuple[int, asyncio.Future]] = field(default_factory=list)
     error: str = ""
     submitted: float = field(default_factory=time.monotonic)
     copy_seconds: float = 0.0
@@ -119,6 +122,7 @@ class Session:
     leases: dict[bytes, Lease] = field(default_factory=dict)
     finished: deque = field(default_factory=lambda: deque(maxlen=FINISHED_KEPT))
     finished_event: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when the session is over
     namespace: Namespace | None = None
     peer: PeerCred | None = None  # pid/uid from SO_PEERCRED when the client did the handshake
 
@@ -144,6 +148,7 @@ class KVStore:
         self.metrics = Metrics()
         self.executor = ThreadPoolExecutor(max_workers=config.copy_threads, thread_name_prefix="kvstore-copy")
         self._backends: dict[str, Backend] = {}
+        self._store_waiters: dict[Block, list[asyncio.Future]] = {}
         if self.recovered:
             log.info("re-attached pool %s: %d blocks recovered", config.pool_path, self.recovered)
 
@@ -208,10 +213,11 @@ class KVStore:
                 if len(fds) != wanted:
                     raise _invalid(f"registering {backend} KV memory needs {wanted} shared-memory descriptor(s) "
                                    f"from the <socket>.cred handshake, got {len(fds)}")
-                try:
-                    session.namespace = self.index.namespace(namespace, layout.block_bytes)
-                except ValueError as e:
-                    raise KVError("FAILED_PRECONDITION", f"layout mismatch: {e}") from None
+                existing = self.index.find_namespace(namespace)
+                if existing is not None and existing.block_bytes != layout.block_bytes:
+                    raise KVError("FAILED_PRECONDITION",
+                                  f"layout mismatch: namespace {namespace!r} holds {existing.block_bytes}-byte "
+                                  f"blocks, this layout has {layout.block_bytes}-byte blocks")
                 if self.pool.slots_per_segment(layout.block_bytes) < 1:
                     raise KVError("FAILED_PRECONDITION",
                                   f"a {layout.block_bytes}-byte block is larger than a pool segment "
@@ -224,6 +230,8 @@ class KVStore:
                     session.mapping = session.backend.map(handle, memory_size, device, fds[1] if wanted == 2 else None)
                 except (ValueError, OSError) as e:
                     raise _invalid(str(e)) from None
+                # Only a registration that got this far creates the namespace.
+                session.namespace = self.index.namespace(namespace, layout.block_bytes)
             else:
                 session.namespace = self.index.find_namespace(namespace)
         except BaseException:
@@ -252,6 +260,7 @@ class KVStore:
         if session.closed:
             return
         session.closed = True
+        session.ended.set()
         for lease in list(session.leases.values()):
             self._drop_lease(lease)
         if session.tasks:  # copies in flight still use the mapping: let them finish first
@@ -347,6 +356,8 @@ class KVStore:
         # (A store may read one engine block under two keys; a load must not write one twice.)
         if not is_store and len(set(block_ids)) != len(block_ids):
             raise _invalid("duplicate block ids in one load: two blocks would land in the same place")
+        if job_id >= MAX_JOB_ID:
+            raise _invalid(f"job id {job_id} is too large (max {MAX_JOB_ID - 1})")
         assert session.channel is not None
         slot = job_id % session.channel.slots
         if slot in session.jobs:
@@ -360,8 +371,12 @@ class KVStore:
         job = Job(job_id, is_store, session, [None] * len(keys), [False] * len(keys))
         if is_store:
             for i, key in enumerate(keys):
-                if self.index.contains(ns, key):
-                    job.ok[i] = True  # dedupe: present or being written already
+                existing = self.index.entry(ns, key)
+                if existing is not None:  # dedupe: no copy
+                    if existing.state == WRITING:
+                        job.waits.append((i, self._when_stored(existing)))
+                    else:
+                        job.ok[i] = True
                     continue
                 block = self.index.begin_store(ns, key)
                 if block is None:
@@ -416,19 +431,24 @@ class KVStore:
             for i in copied:
                 job.ok[i] = False
         if job.is_store:
-            # The bytes are in the pool: the blocks are visible now and the engine may reuse its
-            # memory. The checksum is taken from the pool copy afterwards (blocks pinned
-            # meanwhile) and sealed into the slot header, which is what survives a restart.
-            stored = [i for i in copied if job.ok[i]]
+            # Every byte is in the pool: the blocks become visible, their slot headers make them
+            # survive a crash, and the engine may reuse its memory. The checksum is taken from the
+            # pool copy afterwards (blocks pinned meanwhile) and sealed into the header.
+            stored = []
             for i in copied:
                 block = job.blocks[i]
                 assert block is not None
-                if job.ok[i]:
-                    self.index.commit(block)
+                if job.ok[i] and self.index.commit(block):
                     self.index.pin(block)
                     block.namespace.stats.stored_blocks += 1
+                    stored.append(i)
                 else:
+                    job.ok[i] = False
                     self.index.abort(block)
+                for waiter in self._store_waiters.pop(block, ()):
+                    waiter.set_result(job.ok[i])
+            for i, waiter in job.waits:
+                job.ok[i] = await waiter
             self._publish(job)
             checksums: list[int] = []
             if stored:
@@ -453,6 +473,12 @@ class KVStore:
                     block.namespace.stats.loaded_blocks += 1
                 self.index.unpin(block)
             self._publish(job)
+
+    def _when_stored(self, block: Block) -> asyncio.Future:
+        """A future that tells whether a block being written got all its bytes."""
+        future = asyncio.get_running_loop().create_future()
+        self._store_waiters.setdefault(block, []).append(future)
+        return future
 
     def _checksums(self, job: Job, indexes: list[int]) -> list[int]:
         size = job.session.layout.block_bytes  # type: ignore[union-attr]
@@ -548,6 +574,25 @@ class KVStore:
             "uptime_s": int(time.monotonic() - self.started),
             "namespaces": namespaces,
         }
+
+    async def seal_recovered(self, batch: int = 1024) -> None:
+        """Blocks recovered without a checksum (the daemon died before taking it): take it now."""
+        loop = asyncio.get_running_loop()
+        unchecked = [b for ns in self.index.namespaces.values() for b in ns.entries.values() if b.checksum is None]
+        size_of = lambda b: b.namespace.block_bytes  # noqa: E731
+        for start in range(0, len(unchecked), batch):
+            blocks = [b for b in unchecked[start:start + batch] if self.index.present(b)]
+            for block in blocks:
+                self.index.pin(block)
+            try:
+                sums = await loop.run_in_executor(self.executor, lambda bs=blocks: [
+                    native.checksum_blocks(self.pool.base, array("Q", [self.pool.payload_offset(b.ref)]), size_of(b))[0]
+                    for b in bs])
+                for block, value in zip(blocks, sums, strict=True):
+                    self.index.seal(block, value)
+            finally:
+                for block in blocks:
+                    self.index.unpin(block)
 
     async def shutdown(self) -> None:
         """Daemon exit: let copies finish, drop mappings (engines register again with the next daemon)."""

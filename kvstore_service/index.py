@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstore_service.pool import COMMITTED, WRITING, Pool, SlotHeader, SlotRef
+from kvstore_service.pool import COMMITTED, SEALED, STORED, WRITING, Pool, SlotHeader, SlotRef
 
 DOOMED = -1  # removed from the index, slot freed at the last unpin
 
@@ -114,9 +114,9 @@ class BlockIndex:
 
     # -- stores ----------------------------------------------------------------------------------
 
-    def contains(self, ns: Namespace, key: bytes) -> bool:
-        """Present or being written: a store of it is a no-op."""
-        return key in ns.entries
+    def entry(self, ns: Namespace, key: bytes) -> Block | None:
+        """The block of a key, committed or still being written."""
+        return ns.entries.get(key)
 
     def begin_store(self, ns: Namespace, key: bytes) -> Block | None:
         """Reserve a slot for a new block (WRITING), evicting if needed; None when the pool is full."""
@@ -127,12 +127,17 @@ class BlockIndex:
         self._insert(block)
         return block  # its slot header stays invalid until commit(): a crash mid-copy drops it
 
-    def commit(self, block: Block) -> None:
-        """Every byte is in the pool: lookups and loads see the block from now on."""
+    def commit(self, block: Block) -> bool:
+        """Every byte is in the pool: lookups and loads see the block from now on, and its slot
+        header (without a checksum yet) makes it survive a daemon crash."""
         if not self.present(block):
-            return  # cleared while it was written; its slot is already free
+            return False  # cleared while it was written; its slot is already free
         block.state = COMMITTED
+        ns = block.namespace
+        self.pool.write_header(block.ref, SlotHeader(STORED, ns.block_bytes, 0, self.pool.next_generation(),
+                                                     ns.ns_hash, block.key))
         self.lru.setdefault(block.namespace.block_bytes, OrderedDict())[block] = None
+        return True
 
     def seal(self, block: Block, checksum: int) -> None:
         """Record the checksum in the slot header: from now on the block survives a restart."""
@@ -140,7 +145,7 @@ class BlockIndex:
             return
         ns = block.namespace
         block.checksum = checksum
-        self.pool.write_header(block.ref, SlotHeader(COMMITTED, ns.block_bytes, checksum,
+        self.pool.write_header(block.ref, SlotHeader(SEALED, ns.block_bytes, checksum,
                                                      self.pool.next_generation(), ns.ns_hash, block.key))
 
     def abort(self, block: Block) -> None:
@@ -158,7 +163,8 @@ class BlockIndex:
             ns = self.namespaces.get(header.ns_hash)
             if ns is None:
                 ns = self.namespaces[header.ns_hash] = Namespace("", header.ns_hash, header.payload_len)
-            block = Block(header.key, ns, ref, COMMITTED, 0, header.checksum)
+            checksum = header.checksum if header.state == SEALED else None
+            block = Block(header.key, ns, ref, COMMITTED, 0, checksum)
             self._insert(block)
             self.lru.setdefault(ns.block_bytes, OrderedDict())[block] = None
         return len(found)

@@ -21,7 +21,12 @@ log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 16
 MAX_FDS = 2
-TOKEN_TTL_S = 30.0
+TOKEN_TTL_S = 10.0
+# Handshakes waiting for their Register hold descriptors: bound them (oldest out first), so no
+# client can fill the daemon's descriptor table and lock other engines out.
+MAX_PENDING = 256
+MAX_PENDING_PER_UID = 32
+ACCEPTED, NOT_ALLOWED, REFUSED = b"\x00", b"\x01", b"\x02"
 _UCRED = struct.Struct("3i")
 
 
@@ -83,24 +88,35 @@ class PeerCredServer:
         loop = asyncio.get_running_loop()
         try:
             conn.settimeout(5.0)  # a blocking receive, in a thread: asyncio has no recvmsg with fds
-            token, fds, _, _ = await loop.run_in_executor(None, socket.recv_fds, conn, TOKEN_BYTES, MAX_FDS)
+            token, fds, flags, _ = await loop.run_in_executor(None, socket.recv_fds, conn, TOKEN_BYTES, MAX_FDS)
             cred = PeerCred(*_UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)))
-            if len(token) != TOKEN_BYTES:
-                close_fds(fds)
+            self.expire()
+            if len(token) != TOKEN_BYTES or flags & socket.MSG_CTRUNC:
+                close_fds(fds)  # a short token, or descriptors lost in transit: refuse, never half-accept
+                await loop.sock_sendall(conn, REFUSED)
             elif self.allowed_uids and cred.uid not in self.allowed_uids:
                 log.warning("refusing uid %d (pid %d): not in --allowed-uids", cred.uid, cred.pid)
                 close_fds(fds)
-                await loop.sock_sendall(conn, b"\x01")
+                await loop.sock_sendall(conn, NOT_ALLOWED)
             else:
-                self._expire()
+                self._make_room(cred.uid)
                 self._pending[token] = Handshake(cred, list(fds), time.monotonic() + TOKEN_TTL_S)
-                await loop.sock_sendall(conn, b"\x00")
+                await loop.sock_sendall(conn, ACCEPTED)
         except OSError:
             pass
         finally:
             conn.close()
 
-    def _expire(self) -> None:
+    def _make_room(self, uid: int) -> None:
+        """Over a limit, the oldest parked handshake (of this uid, else of anyone) goes: a flood only
+        pushes out the flooder's own, and an engine registers right after its handshake."""
+        mine = [t for t, h in self._pending.items() if h.cred.uid == uid]
+        if len(mine) >= MAX_PENDING_PER_UID:
+            close_fds(self._pending.pop(mine[0]).fds)
+        if len(self._pending) >= MAX_PENDING:
+            close_fds(self._pending.pop(next(iter(self._pending))).fds)
+
+    def expire(self) -> None:
         now = time.monotonic()
         for token in [t for t, h in self._pending.items() if h.expires < now]:
             close_fds(self._pending.pop(token).fds)

@@ -36,7 +36,10 @@ PAYLOAD_ALIGN = 256
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 SLOT_MAGIC = 0x4B565342  # "KVSB"
-WRITING, COMMITTED = 1, 2
+# Slot header states. The in-memory index also uses WRITING for a block whose copy runs (its
+# header is invalid then). STORED: every byte is in, checksum not taken yet; SEALED: with checksum.
+WRITING, STORED, SEALED = 1, 3, 2
+COMMITTED = SEALED  # index state of a block lookups and loads may see
 # magic, state, payload_len, checksum, generation, ns_hash, key_len, key; then crc32 of those bytes
 SLOT_BODY = struct.Struct("<IIQQQ16sI64s")
 SLOT_HEADER_BYTES = 128
@@ -273,7 +276,7 @@ class Pool:
             for slot in range(seg.slots - 1, -1, -1):
                 ref = SlotRef(seg.index, slot)
                 header = self.read_header(ref)
-                if header is not None and header.state == COMMITTED and header.payload_len == seg.payload_size:
+                if header is not None and header.state in (STORED, SEALED) and header.payload_len == seg.payload_size:
                     self._generation = max(self._generation, header.generation)
                     yield ref, header
                 else:
@@ -303,7 +306,7 @@ def sealed_blocks(path: str) -> Iterator[tuple[SlotHeader, int]]:
             seg.payload_base = seg.offset + _align(seg.slots * SLOT_HEADER_BYTES, PAYLOAD_ALIGN)
             for slot in range(seg.slots):
                 header = parse_slot_header(data, seg.header_offset(slot))
-                if header is not None and header.state == COMMITTED:
+                if header is not None and header.state == SEALED:
                     yield header, seg.payload_offset(slot)
     finally:
         data.close()

@@ -10,6 +10,7 @@ import signal
 import socket
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from kvstore_client.proto import kvstore_pb2 as pb
@@ -75,8 +76,13 @@ class Servicer(pb_grpc.KVStoreServicer):
         session = self.core.attach(request.session_id)
         try:
             yield pb.SessionEvent(attached=pb.Attached(daemon_boot_id=self.core.boot_id))
-            await self.stopping.wait()
-            yield pb.SessionEvent(shutdown=pb.Shutdown(reason="daemon shutting down"))
+            stopping = asyncio.ensure_future(self.stopping.wait())
+            ended = asyncio.ensure_future(session.ended.wait())
+            await asyncio.wait([stopping, ended], return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            ended.cancel()
+            reason = "session ended" if session.ended.is_set() else "daemon shutting down"
+            yield pb.SessionEvent(shutdown=pb.Shutdown(reason=reason))
         finally:
             # The stream closed: the client went away (or unregistered). Clean up off this task,
             # which may be cancelled.
@@ -128,8 +134,8 @@ class Servicer(pb_grpc.KVStoreServicer):
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns KVError into its status code, and any other exception into INTERNAL (logged):
-    a bad request never takes the daemon down."""
+    """Every failure gets a clear status and the daemon keeps serving: undecodable bytes are
+    INVALID_ARGUMENT, a KVError its own code, anything else INTERNAL (logged)."""
 
     def __init__(self) -> None:
         self.core: KVStore | None = None  # set once the pool is up; counts errors in its metrics
@@ -138,45 +144,51 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if self.core is not None:
             self.core.metrics.errors.labels(code).inc()
 
+    async def _fail(self, context, method: str, error: Exception) -> None:
+        if isinstance(error, DecodeError):
+            code, message = "INVALID_ARGUMENT", f"the request is not a valid {method.rsplit('/', 1)[-1]} message"
+        elif isinstance(error, KVError):
+            code, message = error.code, error.message
+        else:
+            log.error("internal error in %s", method, exc_info=error)
+            code, message = "INTERNAL", f"internal error: {error}"
+        self.count(code)
+        await context.abort(getattr(grpc.StatusCode, code), message)
+
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
+        if handler is None:
             return handler
-        inner = handler.unary_unary
+        method = handler_call_details.method
+        # Decode the request here, not in gRPC, so that bad bytes get a status of ours.
+        decode = handler.request_deserializer
 
-        async def guarded(request, context):
-            try:
-                return await inner(request, context)
-            except KVError as e:
-                self.count(e.code)
-                await context.abort(getattr(grpc.StatusCode, e.code), e.message)
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as e:
-                log.exception("internal error in %s", handler_call_details.method)
-                self.count("INTERNAL")
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {e}")
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
 
-        return grpc.unary_unary_rpc_method_handler(
-            guarded, request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer)
+            async def unary(raw: bytes, context):
+                try:
+                    return await inner(decode(raw), context)
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as e:
+                    await self._fail(context, method, e)
 
+            return grpc.unary_unary_rpc_method_handler(unary, response_serializer=handler.response_serializer)
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
 
-class StreamErrors:
-    """Attach is a stream: map KVError raised before the first message the same way."""
+            async def stream(raw: bytes, context):
+                try:
+                    async for event in inner_stream(decode(raw), context):
+                        yield event
+                except (grpc.aio.AbortError, asyncio.CancelledError):
+                    raise
+                except Exception as e:
+                    await self._fail(context, method, e)
 
-    @staticmethod
-    def wrap(servicer: Servicer) -> None:
-        original = servicer.Attach
-
-        async def attach(request, context):
-            try:
-                async for event in original(request, context):
-                    yield event
-            except KVError as e:
-                await context.abort(getattr(grpc.StatusCode, e.code), e.message)
-
-        servicer.Attach = attach  # type: ignore[method-assign]
+            return grpc.unary_stream_rpc_method_handler(stream, response_serializer=handler.response_serializer)
+        return handler
 
 
 def _prepare_socket(path: str) -> None:
@@ -233,7 +245,6 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
 
     peer_creds = PeerCredServer(config.socket + ".cred", config.allowed_uids)
     servicer = Servicer(stopping, peer_creds)
-    StreamErrors.wrap(servicer)
     pb_grpc.add_KVStoreServicer_to_server(servicer, server)
     _prepare_socket(config.socket)
     server.add_insecure_port(f"unix://{config.socket}")
@@ -261,9 +272,11 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
         while True:
             await asyncio.sleep(1.0)
             core.expire_leases()
+            peer_creds.expire()
             await core.reap_unattached()
 
     chores = loop.create_task(housekeeping())
+    sealing = loop.create_task(core.seal_recovered())
     for name in ("", SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("kvstore %s serving on %s (pool %s, %d bytes, %d blocks recovered)", __version__, config.socket,
@@ -275,6 +288,7 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     log.info("shutting down")
     await health_servicer.enter_graceful_shutdown()
     chores.cancel()
+    sealing.cancel()
     await server.stop(grace=2.0)
     await peer_creds.close()
     await core.shutdown()

@@ -1,17 +1,20 @@
 """Property-based fuzzing of every RPC against one real daemon process (strategies, oracles and the
 victim engine live in benchmarks/fuzz.py, which also runs the long version).
 
-Each example is one RPC with malformed or adversarial fields, or raw bytes as the serialized
-request. Every call must end OK or with a well-defined status that the contract implies, the daemon
-must stay alive, and a victim engine's blocks must still load byte-exact at the end. The sample is
-small for CI: KVSTORE_FUZZ_EXAMPLES (default 240) is the total across the tests.
+Each example is one RPC with malformed or adversarial fields (a Register first hands over
+adversarial descriptors on the <socket>.cred handshake), raw bytes as the serialized request, or
+junk on the handshake socket. Every call must end OK or with a well-defined status that the contract
+implies, the daemon must stay alive, and a victim engine's blocks must still load byte-exact at the
+end. The sample is small for CI: KVSTORE_FUZZ_EXAMPLES (default 240) is the total across the tests.
 
 The tests after the fuzzing ones pin down, one by one, the daemon bugs the fuzzing found.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import socket
 import sys
 import threading
 import time
@@ -26,15 +29,17 @@ from hypothesis import HealthCheck, example, given, settings
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import fuzz  # noqa: E402
-from fuzz import U64, VICTIM_KEYS, Case, Path_, Session  # noqa: E402
-from kvstore_client.completion import HEADER, HEADER_BYTES, MAGIC, SLOT, VERSION  # noqa: E402
-from kvstore_client.proto import kvstore_pb2 as pb  # noqa: E402
-from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc  # noqa: E402
+from fuzz import U64, VICTIM_KEYS, Case, Session  # noqa: E402
 from soak import ShmEngine, content_of, key_of  # noqa: E402
 
+from kvstore_client import memfd  # noqa: E402
+from kvstore_client.completion import HEADER, MAGIC, VERSION, channel_bytes  # noqa: E402
+from kvstore_client.proto import kvstore_pb2 as pb  # noqa: E402
+from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc  # noqa: E402
+
 TOTAL = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "240"))
-WEIGHTS = {"Register": 4, "Lookup": 3, "Store": 3, "Load": 3, "raw": 5, "Attach": 1, "Unregister": 1,
-           "ReleaseLease": 1, "Poll": 1, "Stats": 1, "Clear": 1}
+WEIGHTS = {"Register": 4, "Lookup": 3, "Store": 3, "Load": 3, "raw": 5, "Handshake": 2, "Attach": 1,
+           "Unregister": 1, "ReleaseLease": 1, "Poll": 1, "Stats": 1, "Clear": 1}
 
 
 def examples(name: str) -> int:
@@ -64,9 +69,9 @@ def _check(t: fuzz.Target, case: Case) -> None:
 
 def _register(**changes) -> Case:
     fields = {"protocol_version": 1, "engine_id": "fuzz", "namespace": "fuzz-a",
-              "layout": {"num_blocks": 8, "regions": [(0, 1024, 1024)]}, "backend": "cpu", "handle": Path_("kv"),
-              "size": fuzz.KV_FILE_BYTES, "device": 0, "memory": True, "completion_path": Path_("done8"),
-              "completion_slots": 8}
+              "layout": {"num_blocks": 8, "regions": [(0, 1024, 1024)]}, "backend": "cpu", "handle": b"",
+              "size": fuzz.KV_FILE_BYTES, "device": 0, "memory": True, "completion_slots": 8, "token": "fresh",
+              "fds": ["channel", "kv"]}
     return Case("Register", {**fields, **changes})
 
 
@@ -79,18 +84,33 @@ def _transfer(method: str, **changes) -> Case:
 @fuzz_settings("Register")
 @given(case=fuzz.CASES["Register"])
 @example(case=_register())
-@example(case=_register(handle=Path_("link-out")))  # a symlink in /dev/shm to a file elsewhere
-@example(case=_register(handle=Path_("dir")))
-@example(case=_register(handle=Path_("outside")))
-@example(case=_register(size=fuzz.KV_FILE_BYTES + 1))  # more memory than the file has
+@example(case=_register(fds=["channel", "pool"]))  # the daemon's own pool file as KV memory
+@example(case=_register(fds=["channel", "shm-file"]))  # a /dev/shm file: its owner may shrink it
+@example(case=_register(fds=["channel", "kv-unsealed"]))
+@example(case=_register(fds=["channel", "kv-write-sealed"]))
+@example(case=_register(fds=["channel-bad-header", "kv"]))
+@example(case=_register(fds=["channel", "dir"]))
+@example(case=_register(fds=["kv", "channel"]))  # swapped
+@example(case=_register(fds=["channel", "kv", "kv"]))  # one too many
+@example(case=_register(token="reused"))
+@example(case=_register(token="none"))
+@example(case=_register(namespace="fuzz-refused", fds=["channel", "kv-small"]))  # must leave no namespace
+@example(case=_register(size=fuzz.KV_FILE_BYTES + 1))  # more memory than the memfd has
 @example(case=_register(layout={"num_blocks": 2, "regions": [(U64 - 4095, 4096, 4096)]}))  # offset near 2^64
 @example(case=_register(layout={"num_blocks": U64, "regions": [(0, 2**63, 4096)]}))  # stride * blocks > 2^64
 @example(case=_register(completion_slots=0))
 @example(case=_register(completion_slots=2**32 - 1))
 @example(case=_register(protocol_version=2))
-@example(case=_register(handle=Path_("replacement")))  # not UTF-8
-@example(case=_register(handle=Path_("pool")))  # the daemon's own pool file
 def test_register(target, case: Case) -> None:
+    _check(target, case)
+
+
+@fuzz_settings("Handshake")
+@given(case=fuzz.CASES["Handshake"])
+@example(case=Case("Handshake", {"data": b"", "fds": [], "close_early": False}))
+@example(case=Case("Handshake", {"data": b"t" * 16, "fds": ["kv", "kv", "kv", "kv"], "close_early": False}))
+@example(case=Case("Handshake", {"data": b"t" * 40, "fds": ["channel"], "close_early": True}))
+def test_handshake(target, case: Case) -> None:
     _check(target, case)
 
 
@@ -162,7 +182,7 @@ def test_raw_bytes(target, case: Case) -> None:
 
 
 def test_victim_intact_after_fuzzing(target) -> None:
-    """Runs last in this module: whatever the fuzzing did, the victim's blocks load byte-exact."""
+    """Runs after the fuzzing tests: whatever they did, the victim's blocks load byte-exact."""
     problems = fuzz.final_check(target)
     assert not problems, "\n".join(problems)
 
@@ -251,70 +271,71 @@ def test_job_id_u64_max_completes_or_is_refused(daemon, stub) -> None:
         engine.close()
 
 
+def _handshake(daemon: Daemon, fds: list[int]) -> bytes:
+    token = os.urandom(16)
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(daemon.socket + ".cred")
+        socket.send_fds(sock, [token], fds)
+        assert sock.recv(1) == b"\x00"
+    return token
+
+
+def _memfd(size: int, seals: int = memfd.SEALS, header: bytes = b"") -> int:
+    fd = os.memfd_create("kvstore-test", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    os.pwrite(fd, header, 0)
+    if seals:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def _register_with(daemon: Daemon, stub, namespace: str, kv_fd: int, block: int = 4096) -> grpc.StatusCode:
+    channel = _memfd(channel_bytes(8), header=HEADER.pack(MAGIC, VERSION, 8))
+    try:
+        token = _handshake(daemon, [channel, kv_fd])
+    finally:
+        os.close(channel)
+    return _code(stub.Register, pb.RegisterRequest(
+        protocol_version=1, engine_id="e", namespace=namespace, completion_slots=8, peer_token=token,
+        layout=pb.KVLayout(num_blocks=1, regions=[pb.Region(block_stride=block, block_bytes=block)]),
+        memory=pb.MemoryHandle(backend="cpu", size=block)))
+
+
 def test_refused_registration_leaves_no_namespace_behind(daemon, stub) -> None:
-    """A Register that fails (here: KV memory outside /dev/shm) still creates its namespace with its
-    block size (core.register calls index.namespace() before mapping the memory), so the right
-    engine is later refused with "layout mismatch" and stats lists a namespace no one registered."""
-    request = pb.RegisterRequest(
-        protocol_version=1, engine_id="bad", namespace="poisoned", completion_path="/dev/shm/none",
-        completion_slots=8, layout=pb.KVLayout(num_blocks=1, regions=[pb.Region(block_stride=512, block_bytes=512)]),
-        memory=pb.MemoryHandle(backend="cpu", handle=b"/etc/hostname", size=512))
-    assert _code(stub.Register, request) == grpc.StatusCode.INVALID_ARGUMENT
+    """A Register that fails (here: its KV memory is not sealed) still creates its namespace with its
+    block size: core.register calls index.namespace() before it maps the completion channel and
+    the memory. The right engine is then refused with "layout mismatch", and every refused
+    registration with a new name leaves a namespace in the index (and in stats) for good."""
+    unsealed = _memfd(4096, seals=0)
+    try:
+        assert _register_with(daemon, stub, "poisoned", unsealed, block=512) == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        os.close(unsealed)
     assert "poisoned" not in {ns.namespace for ns in daemon.client().stats().namespaces}
     engine = ShmEngine.contiguous(daemon.socket, "poisoned", 4, 4096)  # raises FailedPrecondition today
     engine.close()
 
 
-def test_non_utf8_handle_is_invalid_argument(daemon, stub, tmp_path) -> None:
-    """CpuBackend.map decodes the handle with errors="replace" (so b"...\\xff" opens the file named
-    "...\\ufffd", another file than the one named), then core.register decodes it strictly for
-    session.files: UnicodeDecodeError, INTERNAL."""
-    base = f"/dev/shm/kvstore-fuzz-{os.getpid()}-"
-    replaced, done = base + "\ufffd", base + "done"
-    with open(replaced, "wb") as f:
-        f.truncate(4096)
-    with open(done, "wb") as f:
-        f.truncate(HEADER_BYTES + SLOT.size * 8)
-        f.write(HEADER.pack(MAGIC, VERSION, 8))
+@pytest.mark.parametrize("kind", ["pool", "shm-file", "unsealed"])
+def test_memory_its_owner_could_shrink_is_refused(daemon, stub, kind: str) -> None:
+    """KV memory the daemon maps must be a memfd sealed against shrinking: a file (the daemon's own
+    pool included) or an unsealed memfd could be truncated under the mapping, and the next copy
+    would kill the daemon with SIGBUS."""
+    if kind == "pool":
+        fd = os.open(daemon.pool_path, os.O_RDWR)
+    elif kind == "shm-file":
+        path = f"/dev/shm/kvstore-fuzz-{os.getpid()}-file"
+        with open(path, "wb") as f:
+            f.truncate(4096)
+        fd = os.open(path, os.O_RDWR)
+        os.unlink(path)
+    else:
+        fd = _memfd(4096, seals=0)
     try:
-        request = pb.RegisterRequest(
-            protocol_version=1, engine_id="e", namespace="utf8", completion_path=done, completion_slots=8,
-            layout=pb.KVLayout(num_blocks=1, regions=[pb.Region(block_stride=4096, block_bytes=4096)]),
-            memory=pb.MemoryHandle(backend="cpu", handle=base.encode() + b"\xff", size=4096))
-        assert _code(stub.Register, request) == grpc.StatusCode.INVALID_ARGUMENT
+        assert _register_with(daemon, stub, f"shrinkable-{kind}", fd) == grpc.StatusCode.INVALID_ARGUMENT
     finally:
-        for path in (replaced, done):
-            if os.path.exists(path):
-                os.unlink(path)
-
-
-def test_pool_file_cannot_be_registered_as_kv_memory(daemon, stub) -> None:
-    """The pool file is in /dev/shm, so check_path accepts it as an engine's KV memory: the engine
-    can then Load pool bytes over the pool's own headers, and when its session ends the daemon
-    unlinks session.files, i.e. its own pool (every block is lost on the next restart)."""
-    done = f"/dev/shm/kvstore-fuzz-{os.getpid()}-pooldone"
-    with open(done, "wb") as f:
-        f.truncate(HEADER_BYTES + SLOT.size * 8)
-        f.write(HEADER.pack(MAGIC, VERSION, 8))
-    try:
-        request = pb.RegisterRequest(
-            protocol_version=1, engine_id="e", namespace="pool", completion_path=done, completion_slots=8,
-            layout=pb.KVLayout(num_blocks=1, regions=[pb.Region(block_stride=4096, block_bytes=4096)]),
-            memory=pb.MemoryHandle(backend="cpu", handle=daemon.pool_path.encode(), size=4096))
-        try:
-            reply = stub.Register(request, timeout=10)
-        except grpc.RpcError as e:
-            assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
-            return
-        attach = stub.Attach(pb.AttachRequest(session_id=reply.session_id), timeout=10)
-        next(attach)
-        attach.cancel()  # the session's stream closes: the daemon ends it and unlinks its files
-        time.sleep(1.0)
-        assert os.path.exists(daemon.pool_path), "the daemon unlinked its own pool file"
-        pytest.fail("the daemon's pool file was accepted as an engine's KV memory")
-    finally:
-        if os.path.exists(done):
-            os.unlink(done)
+        os.close(fd)
+    assert os.path.exists(daemon.pool_path)
 
 
 def test_content_matches_engine_helper() -> None:

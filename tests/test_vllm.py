@@ -191,3 +191,16 @@ def test_unknown_setting_is_refused(model, prompts, daemon, tmp_path) -> None:
     proc.wait(300)
     assert proc.returncode != 0
     assert "unknown kvstore connector settings ['sockett']" in (tmp_path / "x.log").read_text()
+
+
+def test_preemption_keeps_outputs_right(model, daemon, tmp_path) -> None:
+    # A KV cache of 10 blocks for 6 requests that each grow to 4 blocks: vLLM preempts and resumes
+    # requests while their stores are in flight and their blocks get reused.
+    prompts = make_prompts(seed=5, count=6, prefix_tokens=BLOCK, suffix_tokens=250)
+    small = ("--kv-cache-bytes", str(10 * 128 * 1024), "--max-tokens", "120")
+    ref = run_engine(model, prompts, tmp_path / "ref.json", None, *small)
+    result = run_engine(model, prompts, tmp_path / "run.json", connector_config(daemon), *small)
+    assert result["metrics"].get("vllm:num_preemptions", 0) > 0
+    assert outputs(result) == outputs(ref)
+    stats = daemon.client().stats()
+    assert stats.stored_blocks > 0 and stats.leases == 0 and stats.jobs_in_flight == 0

@@ -1,0 +1,620 @@
+"""End-to-end benchmark of the kvstore vLLM connector on a real vLLM 0.32 (CPU) engine.
+
+    python benchmarks/bench_vllm.py [--json FILE] [--prompts 8] [--prompt-tokens 2048] [--repeats 3]
+                                    [--tput-prompts 16] [--tput-tokens 1024] [--tput-output 64]
+                                    [--dtype float32] [--block-size 128] [--kv-cache-bytes 512MiB]
+                                    [--model-dir DIR] [--workdir DIR] [--skip ttft|tput]
+
+Starts its own daemon (fresh pool file in /dev/shm) and a ~100M-parameter random Llama built offline
+(tests/vllm_support/tiny_model.py, size "bench"), then runs one engine at a time, each in its own process
+(`bench_vllm.py engine SPEC OUT`, VLLM_ENABLE_V1_MULTIPROCESSING=0), and measures:
+
+1. TTFT after an engine restart. Engine A (connector on) serves N distinct prompts one at a time and
+   exits; engine B, a fresh process on the same daemon, serves the same prompts one at a time: its
+   prefixes come from the sidecar (B's local prefix cache is empty; each prompt is served once). Engine C
+   (no connector) serves them cold. TTFT = `RequestOutput.metrics.first_token_latency` (arrival to first
+   token, max_tokens=1). Reports p50 hit (B), p50 cold (C, and A: a miss with the connector on) and the
+   speedup C/B. Every engine first serves a warm-up prompt W twice (B finds W in the pool: its warm-up
+   runs the load path too).
+2. The connector's time on the engine's critical path per step. Connector-on engines load
+   `timed_connector.TimedKVStoreConnector`, which times every scheduler- and worker-side method and sums
+   them per engine step (see timed_connector.py); samples are dumped to `<workdir>/*.steps.json`.
+   Reports p50/p99 connector µs per step against the step time, for forward steps and for empty steps
+   (the engine spins while a request waits for its lookup or load), and a per-method breakdown.
+3. Throughput with 0% reuse: a batch of distinct random prompts (16 x 1024 tokens, 64 output tokens),
+   without (off) and with (on, every full block is stored) the connector, alternating off/on engines
+   `--repeats` times, each pair on fresh prompts. Reports median/mean/spread of tokens/s and the cost
+   (1 - median on / median off). The "on" engines run the timed connector, so the cost includes the timing
+   wrapper (conservative).
+
+Prints a table; `--json FILE` writes every number (and per-request samples). Takes ~6-10 min here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import secrets
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+SUPPORT = REPO / "tests" / "vllm_support"
+VOCAB = range(3, 2000)  # the bench tokenizer has 2048 ids; 0-2 are special
+
+
+# -- small statistics ---------------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    """Percentile q (0..100) with linear interpolation; nan for no values."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": pct(values, 50), "mean": statistics.fmean(values) if values else float("nan"),
+            "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values, default=float("nan")), "max": max(values, default=float("nan")), "n": len(values)}
+
+
+def parse_bytes(text: str) -> int:
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "B": 1}
+    t = text.strip().upper()
+    for unit, factor in units.items():
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * factor)
+    return int(t)
+
+
+def random_prompts(seed: int, count: int, tokens: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [rng.choices(VOCAB, k=tokens) for _ in range(count)]
+
+
+def proc_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# -- engine process -------------------------------------------------------------------------------
+
+
+def _counters(llm: Any) -> dict[str, float]:
+    from vllm.v1.metrics.reader import Counter
+
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter):
+            out[metric.name] = out.get(metric.name, 0.0) + metric.value
+    return out
+
+
+def _hits(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    names = ("vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits", "vllm:prompt_tokens")
+    return {n.removeprefix("vllm:"): after.get(n, 0.0) - before.get(n, 0.0) for n in names}
+
+
+def engine_main(spec_path: str, out_path: str) -> int:
+    """Runs inside the engine process: one LLM, warm-up, then the measured prompts."""
+    spec = json.loads(Path(spec_path).read_text())
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+
+    recorder = None
+    if spec["connector"] is not None:
+        import timed_connector
+
+        recorder = timed_connector.RECORDER
+        recorder.set_phase("start")
+    t_import = time.perf_counter()
+    kwargs: dict[str, Any] = dict(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"],
+                                  block_size=spec["block_size"], kv_cache_memory_bytes=spec["kv_cache_bytes"],
+                                  enforce_eager=True, enable_prefix_caching=True, seed=0,
+                                  disable_log_stats=False)  # log stats: RequestOutput.metrics, get_metrics()
+    if spec["connector"] is not None:
+        kwargs["kv_transfer_config"] = spec["connector"]
+    llm = LLM(**kwargs)
+    t_engine = time.perf_counter()
+
+    def params(max_tokens: int) -> Any:
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    if recorder is not None:
+        recorder.set_phase("warmup")
+    for batch in spec["warmup"]:
+        llm.generate([{"prompt_token_ids": p} for p in batch], params(spec["warmup_tokens"]), use_tqdm=False)
+    if recorder is not None:
+        recorder.set_phase("measure")
+    prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
+    result: dict[str, Any] = {"requests": []}
+    before = _counters(llm)
+    if spec["mode"] == "sequential":
+        for prompt in prompts:
+            req_before = _counters(llm)
+            t = time.perf_counter()
+            (out,) = llm.generate([prompt], params(spec["max_tokens"]), use_tqdm=False)
+            generate_s = time.perf_counter() - t
+            m = out.metrics
+            ttft = m.first_token_latency if m is not None and m.first_token_latency else generate_s
+            # Engine-core timestamps: queued -> first scheduled (lookup; the load is waited for after) -> token.
+            phases = {"queued_to_scheduled_s": m.scheduled_ts - m.queued_ts,
+                      "scheduled_to_token_s": m.first_token_ts - m.scheduled_ts} if m is not None else {}
+            result["requests"].append({"ttft_s": ttft, "generate_s": generate_s, **phases,
+                                       "num_cached_tokens": out.num_cached_tokens,
+                                       "prompt_tokens": len(out.prompt_token_ids or []),
+                                       "output_tokens": len(out.outputs[0].token_ids),
+                                       **_hits(req_before, _counters(llm))})
+    elif spec["mode"] == "ab":
+        # One connector engine, rounds alternating the connector's lookups+stores on and off (fresh prompts).
+        assert recorder is not None
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+        full = sched.settings
+        result["rounds"] = []
+        for rnd in spec["rounds"]:
+            sched.settings = full if rnd["active"] else dataclasses.replace(full, store=False, load=False)
+            recorder.set_phase("measure" if rnd["active"] else "measure_inactive")
+            round_prompts = [{"prompt_token_ids": p} for p in rnd["prompts"]]
+            t, cpu, daemon_cpu = time.perf_counter(), time.process_time(), proc_cpu_s(spec["daemon_pid"])
+            outs = llm.generate(round_prompts, params(spec["max_tokens"]), use_tqdm=False)
+            generate_s = time.perf_counter() - t
+            tokens = sum(len(o.prompt_token_ids or []) + len(o.outputs[0].token_ids) for o in outs)
+            result["rounds"].append({"active": rnd["active"], "generate_s": generate_s, "tokens": tokens,
+                                     "cpu_s": time.process_time() - cpu,
+                                     "daemon_cpu_s": proc_cpu_s(spec["daemon_pid"]) - daemon_cpu,
+                                     "num_cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)})
+        sched.settings = full
+    else:
+        t, cpu = time.perf_counter(), time.process_time()
+        outs = llm.generate(prompts, params(spec["max_tokens"]), use_tqdm=False)
+        generate_s = time.perf_counter() - t
+        result["batch"] = {"generate_s": generate_s, "cpu_s": time.process_time() - cpu,
+                           "prompt_tokens": sum(len(o.prompt_token_ids or []) for o in outs),
+                           "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                           "num_cached_tokens": sum(o.num_cached_tokens or 0 for o in outs)}
+    result["hits"] = _hits(before, _counters(llm))
+    if recorder is not None:
+        recorder.set_phase("end")
+    t_done = time.perf_counter()
+    llm.llm_engine.engine_core.shutdown()  # connectors shut down (the timed one dumps its samples)
+    result["timing"] = {"import_s": t_import - t0, "engine_start_s": t_engine - t_import,
+                        "run_s": t_done - t_engine, "shutdown_s": time.perf_counter() - t_done}
+    Path(out_path).write_text(json.dumps(result))
+    return 0
+
+
+# -- orchestration ------------------------------------------------------------------------------
+
+
+class Daemon:
+    def __init__(self, workdir: Path, pool_size: str) -> None:
+        self.socket = str(workdir / "kvstore.sock")
+        self.pool_path = f"/dev/shm/kvstore-bench-{secrets.token_hex(4)}"
+        self.log = workdir / "daemon.log"
+        self.args = ["--socket", self.socket, "--pool-path", self.pool_path, "--pool-size", pool_size, "--fresh"]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Daemon:
+        from kvstore_client import KVStoreClient, Unavailable
+
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore_service", "serve", *self.args],
+                                         stdout=log, stderr=subprocess.STDOUT, cwd=self.log.parent)
+        client = KVStoreClient(self.socket, timeout=1.0)
+        deadline = time.monotonic() + 60
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log.read_text()}")
+                try:
+                    if client.health() == "SERVING":
+                        return self
+                except Unavailable:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"daemon did not become healthy:\n{self.log.read_text()}")
+                time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stats(self) -> dict[str, int]:
+        from kvstore_client import KVStoreClient
+
+        client = KVStoreClient(self.socket, timeout=10.0)
+        try:
+            s = client.stats()
+        finally:
+            client.close()
+        names = ("blocks", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "failed_blocks",
+                 "store_failures_pool_full", "engines", "leases", "jobs_in_flight")
+        return {n: int(getattr(s, n)) for n in names}
+
+    def cpu_s(self) -> float:
+        assert self.proc is not None
+        return proc_cpu_s(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if os.path.exists(self.pool_path):
+            os.unlink(self.pool_path)
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, model: Path, daemon: Daemon, workdir: Path) -> None:
+        self.args = args
+        self.model = model
+        self.daemon = daemon
+        self.workdir = workdir
+
+    def connector(self) -> dict[str, Any]:
+        name = "TimedProposedKVStoreConnector" if self.args.proposed else "TimedKVStoreConnector"
+        return {"kv_connector": name, "kv_connector_module_path": "timed_connector",
+                "kv_role": "kv_both", "kv_connector_extra_config": {"socket": self.daemon.socket}}
+
+    def engine(self, name: str, connector: bool, prompts: list[list[int]], mode: str, max_tokens: int,
+               warmup: list[list[list[int]]], warmup_tokens: int, **extra: Any) -> dict[str, Any]:
+        """Runs one engine process; returns its result, with its step samples under "steps" (connector on)."""
+        a = self.args
+        spec = {"model": str(self.model), "dtype": a.dtype, "block_size": a.block_size,
+                "max_model_len": a.max_model_len, "kv_cache_bytes": parse_bytes(a.kv_cache_bytes),
+                "connector": self.connector() if connector else None, "prompts": prompts, "mode": mode,
+                "max_tokens": max_tokens, "warmup": warmup, "warmup_tokens": warmup_tokens,
+                "daemon_pid": self.daemon.proc.pid if self.daemon.proc else 0, **extra}
+        spec_path, out_path = self.workdir / f"{name}.spec.json", self.workdir / f"{name}.json"
+        steps_path, log_path = self.workdir / f"{name}.steps.json", self.workdir / f"{name}.log"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH_DIR), os.environ.get("PYTHONPATH")])))
+        env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        env["KVSTORE_BENCH_STEPS"] = str(steps_path)
+        print(f"  engine {name} ({'connector' if connector else 'no connector'}, {len(prompts)} prompts, {mode})",
+              flush=True)
+        t = time.perf_counter()
+        with open(log_path, "wb") as log:
+            rc = subprocess.call([sys.executable, str(Path(__file__).resolve()), "engine", str(spec_path),
+                                  str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
+        if rc != 0:
+            raise RuntimeError(f"engine {name} failed ({rc}); log {log_path}:\n{log_path.read_text()[-4000:]}")
+        result: dict[str, Any] = json.loads(out_path.read_text())
+        result["wall_s"] = time.perf_counter() - t
+        if connector:
+            result["steps"] = json.loads(steps_path.read_text())
+        return result
+
+    def ttft(self) -> dict[str, Any]:
+        a = self.args
+        prompts = random_prompts(1000, a.prompts, a.prompt_tokens)
+        w = random_prompts(999, 1, a.prompt_tokens)
+        warmup = [w, w]  # cold (or a pool hit in B), then a local prefix hit: warms every path measured
+        run = dict(prompts=prompts, mode="sequential", max_tokens=1, warmup=warmup, warmup_tokens=1)
+        engine_a = self.engine("ttft_a_store", True, **run)
+        after_a = self.daemon.stats()
+        engine_b = self.engine("ttft_b_restart_hit", True, **run)
+        after_b = self.daemon.stats()
+        engine_c = self.engine("ttft_c_cold", False, **run)
+        hit = [r["ttft_s"] for r in engine_b["requests"]]
+        cold = [r["ttft_s"] for r in engine_c["requests"]]
+        cold_on = [r["ttft_s"] for r in engine_a["requests"]]
+        full_blocks = (a.prompt_tokens - 1) // a.block_size
+        return {
+            "prompt_tokens": a.prompt_tokens, "prompts": a.prompts,
+            "hit_p50_ms": 1000 * pct(hit, 50), "cold_p50_ms": 1000 * pct(cold, 50),
+            "cold_connector_p50_ms": 1000 * pct(cold_on, 50),
+            "speedup_p50": pct(cold, 50) / pct(hit, 50),
+            "speedup_vs_cold_connector_p50": pct(cold_on, 50) / pct(hit, 50),
+            "hit_ms": [1000 * x for x in hit], "cold_ms": [1000 * x for x in cold],
+            "cold_connector_ms": [1000 * x for x in cold_on],
+            "hit_generate_ms": [1000 * r["generate_s"] for r in engine_b["requests"]],
+            "cold_generate_ms": [1000 * r["generate_s"] for r in engine_c["requests"]],
+            "expected_hit_tokens": full_blocks * a.block_size,
+            "b_external_hit_tokens": [r["external_prefix_cache_hits"] for r in engine_b["requests"]],
+            "b_local_hit_tokens": [r["prefix_cache_hits"] for r in engine_b["requests"]],
+            "c_cached_tokens": [r["num_cached_tokens"] for r in engine_c["requests"]],
+            "daemon_after_a": after_a, "daemon_after_b": after_b,
+            "engines": {"a": engine_a, "b": engine_b, "c": engine_c},
+        }
+
+    def throughput(self) -> dict[str, Any]:
+        a = self.args
+        runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+        for r in range(a.repeats):
+            prompts = random_prompts(2000 + r, a.tput_prompts, a.tput_tokens)
+            for mode in ("off", "on"):
+                warmup = [random_prompts(3000 + 2 * r + (mode == "on"), 2, a.tput_tokens)]
+                before, cpu = self.daemon.stats(), self.daemon.cpu_s()
+                res = self.engine(f"tput_{r}_{mode}", mode == "on", prompts=prompts, mode="batch",
+                                  max_tokens=a.tput_output, warmup=warmup, warmup_tokens=4)
+                after = self.daemon.stats()
+                res["daemon_cpu_s"] = self.daemon.cpu_s() - cpu  # the whole engine run, start to exit
+                b = res["batch"]
+                res["tokens_per_s"] = (b["prompt_tokens"] + b["output_tokens"]) / b["generate_s"]
+                res["tokens_per_cpu_s"] = (b["prompt_tokens"] + b["output_tokens"]) / b["cpu_s"]
+                res["output_tokens_per_s"] = b["output_tokens"] / b["generate_s"]
+                res["daemon_stored_blocks"] = after["stored_blocks"] - before["stored_blocks"]
+                runs[mode].append(res)
+        off = [x["tokens_per_s"] for x in runs["off"]]
+        on = [x["tokens_per_s"] for x in runs["on"]]
+        off_cpu = [x["tokens_per_cpu_s"] for x in runs["off"]]
+        on_cpu = [x["tokens_per_cpu_s"] for x in runs["on"]]
+        pair_ratios = [y / x for x, y in zip(off, on, strict=True)]
+        return {
+            "workload": f"{a.tput_prompts} x {a.tput_tokens} prompt tokens + {a.tput_output} output tokens, batch",
+            "tokens_per_s_off": spread(off), "tokens_per_s_on": spread(on),
+            "cost_pct_median": 100 * (1 - pct(on, 50) / pct(off, 50)),
+            "cost_pct_pairwise_median": 100 * (1 - pct(pair_ratios, 50)),
+            "cost_pct_mean": 100 * (1 - statistics.fmean(on) / statistics.fmean(off)),
+            "pair_ratios_on_over_off": pair_ratios,
+            "tokens_per_engine_cpu_s_off": spread(off_cpu), "tokens_per_engine_cpu_s_on": spread(on_cpu),
+            "engine_cpu_cost_pct_median": 100 * (1 - pct(on_cpu, 50) / pct(off_cpu, 50)),
+            "daemon_cpu_s_on": [x["daemon_cpu_s"] for x in runs["on"]],
+            "daemon_cpu_s_off": [x["daemon_cpu_s"] for x in runs["off"]],
+            "external_hit_tokens_on": [x["hits"]["external_prefix_cache_hits"] for x in runs["on"]],
+            "local_hit_tokens": [x["hits"]["prefix_cache_hits"] for x in runs["off"] + runs["on"]],
+            "stored_blocks_on": [x["daemon_stored_blocks"] for x in runs["on"]],
+            "runs": runs,
+        }
+
+
+    def ab(self) -> dict[str, Any]:
+        """Inside one connector engine: rounds with the connector's lookups+stores off / on, alternating."""
+        a = self.args
+        rounds = [{"active": active, "prompts": random_prompts(4000 + 2 * r + active, a.ab_prompts, a.tput_tokens)}
+                  for r in range(a.ab_repeats) for active in (False, True)]
+        warmup = [random_prompts(3999, 2, a.tput_tokens)]
+        res = self.engine("ab", True, prompts=[], mode="ab", max_tokens=a.tput_output, warmup=warmup,
+                          warmup_tokens=4, rounds=rounds)
+        by = {flag: [r for r in res["rounds"] if r["active"] == flag] for flag in (False, True)}
+        tps = {flag: [r["tokens"] / r["generate_s"] for r in rs] for flag, rs in by.items()}
+        cpu = {flag: [r["tokens"] / r["cpu_s"] for r in rs] for flag, rs in by.items()}
+        pairs = [on["tokens"] / on["generate_s"] / (off["tokens"] / off["generate_s"])
+                 for off, on in zip(by[False], by[True], strict=True)]
+        return {
+            "workload": f"{a.ab_prompts} x {a.tput_tokens} prompt tokens + {a.tput_output} output tokens, batch; "
+                        f"{a.ab_repeats} x (inactive, active) rounds in one engine",
+            "tokens_per_s_inactive": spread(tps[False]), "tokens_per_s_active": spread(tps[True]),
+            "cost_pct_median": 100 * (1 - pct(tps[True], 50) / pct(tps[False], 50)),
+            "cost_pct_pairwise_median": 100 * (1 - pct(pairs, 50)),
+            "pair_ratios_active_over_inactive": pairs,
+            "tokens_per_engine_cpu_s_inactive": spread(cpu[False]), "tokens_per_engine_cpu_s_active": spread(cpu[True]),
+            "engine_cpu_cost_pct_median": 100 * (1 - pct(cpu[True], 50) / pct(cpu[False], 50)),
+            "daemon_cpu_s_active": [r["daemon_cpu_s"] for r in by[True]],
+            "engine": res,
+        }
+
+
+def step_summary(steps_files: list[dict[str, Any]]) -> dict[str, Any]:
+    """Connector µs per step vs step ms, over the "measure" phase of one or more engines."""
+    rows: dict[str, dict[str, list[float]]] = {k: {"conn_us": [], "sched_us": [], "worker_us": [], "step_ms": [],
+                                                   "calls": []} for k in ("forward", "empty", "all")}
+    per_method: dict[str, list[dict[str, int]]] = {k: [] for k in rows}
+    overhead_ns = 0
+    for data in steps_files:
+        s = data["steps"]
+        overhead_ns = max(overhead_ns, data["timer_overhead_ns"])
+        for i in range(1, len(s["t_ns"])):
+            if s["phase"][i] != "measure" or s["phase"][i - 1] != "measure":
+                continue
+            # Sample i: the worker cycle of step i-1, its output handling, and build_connector_meta of step i,
+            # all between the starts of build_connector_meta i-1 and i.
+            kind = "forward" if s["tokens"][i - 1] > 0 else "empty"
+            for k in (kind, "all"):
+                rows[k]["conn_us"].append((s["sched_ns"][i] + s["worker_ns"][i]) / 1000)
+                rows[k]["sched_us"].append(s["sched_ns"][i] / 1000)
+                rows[k]["worker_us"].append(s["worker_ns"][i] / 1000)
+                rows[k]["step_ms"].append((s["t_ns"][i] - s["t_ns"][i - 1]) / 1e6)
+                rows[k]["calls"].append(s["calls"][i])
+                per_method[k].append(s["by_method"][i])
+    out: dict[str, Any] = {"timer_overhead_ns_per_call": overhead_ns}
+    for k, r in rows.items():
+        n = len(r["conn_us"])
+        names = sorted({name for step in per_method[k] for name in step})
+        methods = {}
+        for name in names:
+            us = [step.get(name, 0) / 1000 for step in per_method[k]]
+            methods[name] = {"mean_us": statistics.fmean(us), "p50_us": pct(us, 50), "p99_us": pct(us, 99),
+                             "max_us": max(us)}
+        out[k] = {"steps": n,
+                  "conn_p50_us": pct(r["conn_us"], 50), "conn_p99_us": pct(r["conn_us"], 99),
+                  "conn_max_us": max(r["conn_us"], default=float("nan")),
+                  "sched_p50_us": pct(r["sched_us"], 50), "worker_p50_us": pct(r["worker_us"], 50),
+                  "step_p50_ms": pct(r["step_ms"], 50), "step_p99_ms": pct(r["step_ms"], 99),
+                  "calls_p50": pct(r["calls"], 50),
+                  "conn_share_pct": 100 * sum(r["conn_us"]) / (1000 * sum(r["step_ms"])) if n else 0.0,
+                  "total_step_ms": sum(r["step_ms"]),
+                  "methods_per_step": dict(sorted(methods.items(), key=lambda kv: -kv[1]["mean_us"]))}
+    return out
+
+
+# -- report -------------------------------------------------------------------------------------
+
+
+def print_report(report: dict[str, Any]) -> None:
+    def line(label: str, value: str, target: str = "") -> None:
+        print(f"  {label:<52} {value:>22}  {target}")
+
+    print("\n=== kvstore vLLM connector benchmark ===")
+    cfg = report["config"]
+    print(f"  model bench (~100M), {cfg['dtype']}, block {cfg['block_size']}, kv cache {cfg['kv_cache_bytes']}, "
+          f"max_model_len {cfg['max_model_len']}")
+    t = report.get("ttft")
+    if t:
+        print(f"\n1. TTFT, {t['prompts']} x {t['prompt_tokens']}-token prompts, one at a time")
+        line("p50 TTFT, sidecar hit after restart (B)", f"{t['hit_p50_ms']:.1f} ms")
+        line("p50 TTFT, cold, no connector (C)", f"{t['cold_p50_ms']:.1f} ms")
+        line("p50 TTFT, cold, connector on, miss + store (A)", f"{t['cold_connector_p50_ms']:.1f} ms")
+        ok = "met" if t["speedup_p50"] >= 5 else "NOT met"
+        line("speedup p50 cold (C) / hit (B)", f"{t['speedup_p50']:.1f}x", f"target >= 5x: {ok}")
+        line("external hit tokens per request in B (expected)",
+             f"{min(t['b_external_hit_tokens']):.0f}-{max(t['b_external_hit_tokens']):.0f} "
+             f"({t['expected_hit_tokens']})")
+        line("local prefix-cache hit tokens in B", f"{sum(t['b_local_hit_tokens']):.0f}")
+        b = t["engines"]["b"]["requests"]
+        if b and "scheduled_to_token_s" in b[0]:
+            line("B p50: queued->scheduled / scheduled->1st token",
+                 f"{1000 * pct([r['queued_to_scheduled_s'] for r in b], 50):.1f} / "
+                 f"{1000 * pct([r['scheduled_to_token_s'] for r in b], 50):.1f} ms")
+        wait = report.get("steps", {}).get("workloads", {}).get("restart hit (B)", {}).get("empty")
+        if wait:
+            line("B: engine steps spent waiting (lookup, load) per request",
+                 f"{wait['total_step_ms'] / t['prompts']:.1f} ms")
+    s = report.get("steps")
+    if s:
+        print("\n2. Connector time per engine step (sum of all connector calls; timer cost "
+              f"~{s['timer_overhead_ns_per_call']} ns/call included)")
+        print(f"  {'workload / steps':<34}{'n':>6}{'p50 µs':>9}{'p99 µs':>9}{'sched':>8}{'worker':>8}"
+              f"{'calls':>7}{'step p50':>11}{'share':>8}")
+        for workload, summary in s["workloads"].items():
+            for kind in ("forward", "empty"):
+                r = summary[kind]
+                if not r["steps"]:
+                    continue
+                print(f"  {workload + ' / ' + kind:<34}{r['steps']:>6}{r['conn_p50_us']:>9.1f}{r['conn_p99_us']:>9.1f}"
+                      f"{r['sched_p50_us']:>8.1f}{r['worker_p50_us']:>8.1f}{r['calls_p50']:>7.0f}"
+                      f"{r['step_p50_ms']:>8.2f} ms{r['conn_share_pct']:>7.2f}%")
+        main = s["workloads"].get("throughput (on)", {}).get("forward")
+        if main:
+            ok = "met" if main["conn_p50_us"] <= 50 else "NOT met"
+            line("p50 per forward step, throughput workload", f"{main['conn_p50_us']:.1f} µs", f"target <= 50: {ok}")
+        for workload, summary in s["workloads"].items():
+            for kind in ("forward", "empty"):
+                r = summary[kind]
+                if not r["steps"] or workload == "cold + store (A)":
+                    continue
+                print(f"  per step, {workload} / {kind}: method  mean / p50 / p99 / max µs")
+                for name, m in list(r["methods_per_step"].items())[:8]:
+                    print(f"    {name:<34}{m['mean_us']:>9.1f}{m['p50_us']:>9.1f}{m['p99_us']:>9.1f}"
+                          f"{m['max_us']:>10.1f}")
+    p = report.get("throughput")
+    if p:
+        print(f"\n3. Throughput, 0% reuse: {p['workload']}")
+        for mode in ("off", "on"):
+            d = p[f"tokens_per_s_{mode}"]
+            line(f"tokens/s connector {mode} (median, mean ± sd, n={d['n']})",
+                 f"{d['median']:.0f} ({d['mean']:.0f} ± {d['stdev']:.0f})", f"min {d['min']:.0f} max {d['max']:.0f}")
+        ok = "met" if p["cost_pct_median"] < 3 else "NOT met"
+        line("connector cost, 1 - median(on)/median(off)", f"{p['cost_pct_median']:+.1f} %", f"target < 3%: {ok}")
+        line("connector cost, median of per-pair ratios", f"{p['cost_pct_pairwise_median']:+.1f} %")
+        line("pairs on/off", " ".join(f"{x:.3f}" for x in p["pair_ratios_on_over_off"]))
+        for mode in ("off", "on"):
+            d = p[f"tokens_per_engine_cpu_s_{mode}"]
+            line(f"tokens per engine CPU-second, connector {mode} (median)", f"{d['median']:.0f}",
+                 f"min {d['min']:.0f} max {d['max']:.0f}")
+        line("engine CPU cost, 1 - median(on)/median(off)", f"{p['engine_cpu_cost_pct_median']:+.1f} %")
+        line("daemon CPU s per run, on (off)", " ".join(f"{x:.1f}" for x in p["daemon_cpu_s_on"])
+             + " (" + " ".join(f"{x:.1f}" for x in p["daemon_cpu_s_off"]) + ")")
+        line("blocks stored per on-run; external hits", f"{p['stored_blocks_on']}; {p['external_hit_tokens_on']}")
+    ab = report.get("ab")
+    if ab:
+        print(f"\n3b. Same engine, connector lookups+stores inactive / active: {ab['workload']}")
+        for flag in ("inactive", "active"):
+            d = ab[f"tokens_per_s_{flag}"]
+            line(f"tokens/s {flag} (median, mean ± sd, n={d['n']})",
+                 f"{d['median']:.0f} ({d['mean']:.0f} ± {d['stdev']:.0f})", f"min {d['min']:.0f} max {d['max']:.0f}")
+        line("cost, 1 - median(active)/median(inactive)", f"{ab['cost_pct_median']:+.1f} %")
+        line("cost, median of per-pair ratios", f"{ab['cost_pct_pairwise_median']:+.1f} %")
+        line("pairs active/inactive", " ".join(f"{x:.3f}" for x in ab["pair_ratios_active_over_inactive"]))
+        line("engine CPU cost, 1 - median(active)/median(inactive)", f"{ab['engine_cpu_cost_pct_median']:+.1f} %")
+        line("daemon CPU s per active round", " ".join(f"{x:.2f}" for x in ab["daemon_cpu_s_active"]))
+    print(f"\n  wall time of the whole benchmark: {report['wall_s']:.0f} s (files in {report['workdir']})")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", help="write all results to this JSON file")
+    p.add_argument("--prompts", type=int, default=8, help="TTFT: distinct prompts")
+    p.add_argument("--prompt-tokens", type=int, default=2048, help="TTFT: tokens per prompt")
+    p.add_argument("--repeats", type=int, default=3, help="throughput: off/on engine pairs")
+    p.add_argument("--tput-prompts", type=int, default=16)
+    p.add_argument("--tput-tokens", type=int, default=1024)
+    p.add_argument("--tput-output", type=int, default=64)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--block-size", type=int, default=128, help="a multiple of 32 (CPU attention)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--kv-cache-bytes", default="512MiB", help="engine KV cache (512MiB fp32: 170 blocks of 128)")
+    p.add_argument("--pool-size", default="2GiB")
+    p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "kvstore-bench-model"))
+    p.add_argument("--workdir", help="engine specs, results, logs and step samples (default: a new temp dir)")
+    p.add_argument("--ab-prompts", type=int, default=8, help="in-engine A/B: prompts per round")
+    p.add_argument("--ab-repeats", type=int, default=3, help="in-engine A/B: (inactive, active) round pairs")
+    p.add_argument("--proposed", action="store_true",
+                   help="connector-on engines run benchmarks/proposed_connector.py (proposed per-step changes)")
+    p.add_argument("--skip", action="append", choices=("ttft", "tput", "ab"), default=[])
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "engine":
+        return engine_main(argv[1], argv[2])
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    sys.path.insert(0, str(SUPPORT))
+    from tiny_model import build_tiny_model
+
+    model = build_tiny_model(args.model_dir, size="bench")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-bench-vllm-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"model {model}; workdir {workdir}", flush=True)
+    daemon = Daemon(workdir, args.pool_size).start()
+    report: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "skip"}, "workdir": str(workdir)}
+    try:
+        bench = Bench(args, model, daemon, workdir)
+        workloads: dict[str, list[dict[str, Any]]] = {}
+        if "ttft" not in args.skip:
+            print("1. TTFT after restart", flush=True)
+            report["ttft"] = bench.ttft()
+            workloads["restart hit (B)"] = [report["ttft"]["engines"]["b"]["steps"]]
+            workloads["cold + store (A)"] = [report["ttft"]["engines"]["a"]["steps"]]
+        if "tput" not in args.skip:
+            print("3. Throughput, off/on alternating", flush=True)
+            report["throughput"] = bench.throughput()
+            workloads["throughput (on)"] = [r["steps"] for r in report["throughput"]["runs"]["on"]]
+        if "ab" not in args.skip:
+            print("3b. Throughput inside one engine, connector lookups+stores off/on alternating", flush=True)
+            report["ab"] = bench.ab()
+            workloads["in-engine A/B (active)"] = [report["ab"]["engine"]["steps"]]
+        summaries = {name: step_summary(files) for name, files in workloads.items()}
+        report["steps"] = {"workloads": summaries, "timer_overhead_ns_per_call": max(
+            (x["timer_overhead_ns_per_call"] for x in summaries.values()), default=0)}
+        report["daemon_final"] = daemon.stats()
+    finally:
+        daemon.stop()
+    report["wall_s"] = time.perf_counter() - t0
+    # The raw step samples stay in the workdir's *.steps.json files.
+    engines = [*report.get("ttft", {}).get("engines", {}).values(),
+               *(r for rs in report.get("throughput", {}).get("runs", {}).values() for r in rs)]
+    if "ab" in report:
+        engines.append(report["ab"]["engine"])
+    for res in engines:
+        res.pop("steps", None)
+    print_report(report)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
