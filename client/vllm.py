@@ -30,6 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstore_client.client import KVStoreClient, Session
+from kvstore_client.completion import Completion
 from kvstore_client.device import export_kv_memory, kv_regions, synchronize_before_store
 from kvstore_client.shm import SharedKVMemory, move_to_shared_memory
 
@@ -450,7 +451,8 @@ class _Worker:
         jobs = [j for j, r in self.store_jobs.items() if r in preempted]
         if jobs and self.session is not None:
             try:
-                self.session.wait(jobs, timeout=PREEMPTION_WAIT_S)
+                for completion in self.session.wait(jobs, timeout=PREEMPTION_WAIT_S).values():
+                    self._completed(completion)
             except TimeoutError:
                 log.error("kvstore: stores of preempted requests did not finish in %ss", PREEMPTION_WAIT_S)
 
@@ -459,32 +461,39 @@ class _Worker:
         if self.session is not None:
             if not self.session.connected:
                 self.stats.data["sidecar_unavailable"] = 1
-            for c in self.session.poll():
-                if c.job_id in self.load_jobs:
-                    req_id, block_ids, submitted = self.load_jobs.pop(c.job_id)
-                    self.stats.data["load_seconds"].append(time.monotonic() - submitted)
-                    if c.ok:
-                        self.stats.data["loaded_blocks"] += c.blocks_ok
-                    else:
-                        # Which blocks failed is not in the completion word: recompute them all.
-                        self.load_errors.update(block_ids)
-                        self.stats.data["load_failed_blocks"] += len(block_ids)
-                    self.loads_left[req_id] -= 1
-                    if self.loads_left[req_id] == 0:
-                        del self.loads_left[req_id]
-                        recving.add(req_id)
-                elif c.job_id in self.store_jobs:
-                    req_id = self.store_jobs.pop(c.job_id)
-                    self.stats.data["stored_blocks"] += c.blocks_ok
-                    self.stats.data["store_failed_blocks"] += c.blocks_failed
-                    self.stores_left[req_id] -= 1
-                    if self.stores_left[req_id] == 0:
-                        del self.stores_left[req_id]
+            for completion in self.session.poll():
+                loaded = self._completed(completion)
+                if loaded is not None:
+                    recving.add(loaded)
         self.finished_waiting.update(r for r in finished_req_ids if r in self.had_stores)
         sending = {r for r in self.finished_waiting if r not in self.stores_left}
         self.finished_waiting -= sending
         self.had_stores -= sending
         return sending, recving
+
+    def _completed(self, c: Completion) -> str | None:
+        """Account for a finished job; returns the request whose loads are now all done, if any."""
+        if c.job_id in self.load_jobs:
+            req_id, block_ids, submitted = self.load_jobs.pop(c.job_id)
+            self.stats.data["load_seconds"].append(time.monotonic() - submitted)
+            if c.ok:
+                self.stats.data["loaded_blocks"] += c.blocks_ok
+            else:
+                # Which blocks failed is not in the completion word: recompute them all.
+                self.load_errors.update(block_ids)
+                self.stats.data["load_failed_blocks"] += len(block_ids)
+            self.loads_left[req_id] -= 1
+            if self.loads_left[req_id] == 0:
+                del self.loads_left[req_id]
+                return req_id
+        elif c.job_id in self.store_jobs:
+            req_id = self.store_jobs.pop(c.job_id)
+            self.stats.data["stored_blocks"] += c.blocks_ok
+            self.stats.data["store_failed_blocks"] += c.blocks_failed
+            self.stores_left[req_id] -= 1
+            if self.stores_left[req_id] == 0:
+                del self.stores_left[req_id]
+        return None
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()
