@@ -24,7 +24,6 @@ import json
 import mmap
 import os
 import random
-import resource
 import secrets
 import signal
 import subprocess
@@ -36,8 +35,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstore_client import KVStoreClient, KVStoreError, MemorySpec, Unavailable, memfd
+from kvstore_client import KVStoreClient, KVStoreError, MemorySpec, memfd
 from kvstore_client.completion import Completion
+from kvstore_service import process
 
 REPO = Path(__file__).resolve().parent.parent
 Regions = Sequence[tuple[int, int, int]]
@@ -55,81 +55,8 @@ def content_of(key: bytes, size: int) -> bytes:
 # -- daemon --------------------------------------------------------------------------------------
 
 
-class DaemonProcess:
-    """A `kvstore serve` process on a private socket; restartable on the same pool file."""
-
-    def __init__(self, workdir: str, pool_size: str = "256MiB", segment_size: str = "4MiB",
-                 *extra: str, max_open_files: int | None = None) -> None:
-        self.workdir = workdir
-        self.max_open_files = max_open_files  # RLIMIT_NOFILE of the daemon, None: inherited
-        self.socket = os.path.join(workdir, "kvstore.sock")
-        self.pool_path = f"/dev/shm/kvstore-soak-{secrets.token_hex(4)}"
-        self.log_path = os.path.join(workdir, "daemon.log")
-        self.args = ["--socket", self.socket, "--pool-path", self.pool_path, "--pool-size", pool_size,
-                     "--segment-size", segment_size, "--attach-timeout-s", "3", *extra]
-        self.proc: subprocess.Popen | None = None
-        self.starts = 0
-
-    def _limits(self) -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (self.max_open_files, self.max_open_files))
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def start(self, timeout: float = 60.0) -> DaemonProcess:
-        with open(self.log_path, "a") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore_service", "serve", *self.args],
-                                         stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                         preexec_fn=self._limits if self.max_open_files else None)
-        client = KVStoreClient(self.socket, timeout=1.0)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
-                try:
-                    if client.health() == "SERVING":
-                        break
-                except Unavailable:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"daemon did not become healthy:\n{self.log_tail()}")
-                time.sleep(0.05)
-        finally:
-            client.close()
-        self.starts += 1
-        return self
-
-    def kill(self) -> None:
-        self.stop(signal.SIGKILL)
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-
-    def cleanup(self) -> None:
-        self.stop()
-        try:
-            os.unlink(self.pool_path)
-        except OSError:
-            pass
-
-    def log_tail(self, lines: int = 40) -> str:
-        try:
-            return "\n".join(Path(self.log_path).read_text().splitlines()[-lines:])
-        except OSError:
-            return ""
+class DaemonProcess(process.DaemonProcess):
+    """The daemon process, plus what the soak reads of it."""
 
     def memory_kib(self) -> dict[str, int]:
         """VmRSS and its parts (anonymous, shared memory) in KiB; the pool is mapped, so RssShmem grows

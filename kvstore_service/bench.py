@@ -4,55 +4,34 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import os
 import random
 import secrets
+import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 
-from kvstore_client import KVStoreClient, Unavailable
+from kvstore_client import KVStoreClient
 from kvstore_client.client import MemorySpec, Session
 from kvstore_client.device import export_kv_memory, synchronize_before_store
 from kvstore_client.shm import SharedKVMemory
 from kvstore_service import native
+from kvstore_service.process import DaemonProcess
 
 
 @contextlib.contextmanager
 def private_daemon(pool_bytes: int, copy_threads: int) -> Iterator[str]:
     """A daemon of our own on a temp socket and pool file, stopped afterwards."""
-    tmp = tempfile.mkdtemp(prefix="kvstore-bench-")
-    socket = os.path.join(tmp, "kvstore.sock")
-    pool = f"/dev/shm/kvstore-bench-{secrets.token_hex(4)}"
-    proc = subprocess.Popen([sys.executable, "-m", "kvstore_service", "serve", "--socket", socket,
-                             "--pool-path", pool, "--pool-size", str(pool_bytes), "--fresh",
-                             "--copy-threads", str(copy_threads), "--log-level", "WARNING"])
+    daemon = DaemonProcess(tempfile.mkdtemp(prefix="kvstore-bench-"), str(pool_bytes), "64MiB", "--fresh",
+                           "--copy-threads", str(copy_threads), "--log-level", "WARNING")
     try:
-        client = KVStoreClient(socket, timeout=1)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if client.health() == "SERVING":
-                    break
-            except Unavailable:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the benchmark daemon did not start")
-            time.sleep(0.05)
-        yield socket
+        yield daemon.start().socket
     finally:
-        proc.terminate()
-        proc.wait(30)
-        for path in (pool, socket):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        with contextlib.suppress(OSError):
-            os.rmdir(tmp)
+        daemon.cleanup()
+        shutil.rmtree(daemon.workdir, ignore_errors=True)
 
 
 def percentile(samples: list[float], q: float) -> float:

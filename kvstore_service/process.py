@@ -1,0 +1,95 @@
+"""A `kvstore serve` child process for tests, benchmarks and soak runs: start it, wait until it is
+healthy, stop or kill it, start it again on the same pool file."""
+
+from __future__ import annotations
+
+import os
+import resource
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kvstore_client import KVStoreClient, Unavailable
+
+
+class DaemonProcess:
+    def __init__(self, workdir: str | Path, pool_size: str = "64MiB", segment_size: str = "4MiB", *extra: str,
+                 max_open_files: int | None = None) -> None:
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.socket = str(self.workdir / "kvstore.sock")
+        self.pool_path = f"/dev/shm/kvstore-run-{secrets.token_hex(4)}"
+        self.log = self.workdir / "daemon.log"
+        self.max_open_files = max_open_files  # the daemon's RLIMIT_NOFILE; None: inherited
+        self.args = ["--socket", self.socket, "--pool-path", self.pool_path, "--pool-size", pool_size,
+                     "--segment-size", segment_size, "--attach-timeout-s", "3", *extra]
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _limits(self) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.max_open_files, self.max_open_files))
+
+    def start(self, *extra: str, timeout: float = 60.0) -> DaemonProcess:
+        """Start (again, on the same pool) and return once the health service says SERVING."""
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore_service", "serve", *self.args, *extra],
+                                         stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                         preexec_fn=self._limits if self.max_open_files else None)
+        client = KVStoreClient(self.socket, timeout=1.0)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    if client.health() == "SERVING":
+                        break
+                except Unavailable:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"daemon did not become healthy:\n{self.log_tail()}")
+                time.sleep(0.05)
+        finally:
+            client.close()
+        self.starts += 1
+        return self
+
+    def client(self, timeout: float = 10.0) -> KVStoreClient:
+        return KVStoreClient(self.socket, timeout=timeout)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def cleanup(self) -> None:
+        self.stop()
+        try:
+            os.unlink(self.pool_path)
+        except OSError:
+            pass
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text().splitlines()[-lines:])
+        except OSError:
+            return ""
