@@ -117,12 +117,11 @@ class Pool:
             raise ValueError("segment size must be at least 1 MiB")
         self.path = path
         self.segment_size = _align(segment_size, PAYLOAD_ALIGN)
-        num_segments = (size - DATA_ALIGN) // self.segment_size
+        # Capacity is `size` rounded down to whole segments; the headers come on top of it.
+        num_segments = size // self.segment_size
         if num_segments < 1:
             raise ValueError(f"pool size {size} is too small for one {segment_size}-byte segment")
-        table_end = POOL_HEADER_BYTES + 8 * num_segments
-        self.data_offset = _align(table_end, DATA_ALIGN)
-        num_segments = (size - self.data_offset) // self.segment_size
+        self.data_offset = _align(POOL_HEADER_BYTES + 8 * num_segments, DATA_ALIGN)
         self.size = self.data_offset + num_segments * self.segment_size
         self.capacity = num_segments * self.segment_size
         self.segments = [Segment(i, self.data_offset + i * self.segment_size) for i in range(num_segments)]

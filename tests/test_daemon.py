@@ -108,7 +108,7 @@ def test_lease_released_when_owner_dies(daemon) -> None:
 
 def _small_pool(daemon_factory):
     # 4 segments of 1 MiB, 15 slots of 64 KiB each: 60 blocks.
-    return daemon_factory(pool_size="6MiB", segment_size="1MiB").start()
+    return daemon_factory(pool_size="4MiB", segment_size="1MiB").start()
 
 
 def test_lru_eviction_skips_leased_blocks(daemon_factory) -> None:
