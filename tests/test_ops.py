@@ -140,3 +140,15 @@ def test_sigterm_is_graceful(daemon) -> None:
     job = engine.session.load(keys, list(range(8)))
     assert engine.session.wait([job], timeout=5)[job].blocks_failed == 8
     engine.close()
+
+
+def test_bench_reports_every_figure(tmp_path) -> None:
+    # A tiny run: the benchmark works end to end and reports what it promises (no timing asserted).
+    out = kvstore("bench", "--blocks", "32", "--block-size", "64KiB", "--rounds", "1",
+                  "--json", str(tmp_path / "b.json"))
+    assert out.returncode == 0, out.stderr
+    results = json.loads((tmp_path / "b.json").read_text())
+    for key in ("store_gbps", "store_sustained_gbps", "load_gbps", "memcpy_gbps", "grpc_empty_p50_us",
+                "lookup_1k_p50_us", "poll_p50_us", "poll_p99_us", "submit_p50_us", "blocks", "block_bytes"):
+        assert results[key] > 0, key
+    assert results["blocks"] == 32 and results["block_bytes"] == 64 * 1024
