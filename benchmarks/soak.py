@@ -24,6 +24,7 @@ import json
 import mmap
 import os
 import random
+import re
 import secrets
 import signal
 import subprocess
@@ -102,8 +103,10 @@ def completion_channels(pid: int) -> int:
 
 
 def shm_files(pid: int) -> list[str]:
-    """Files in /dev/shm named after process `pid` (engines keep their memory in memfds: none)."""
-    return glob.glob(f"/dev/shm/*{pid}*")
+    """Files in /dev/shm named after process `pid` (engines keep their memory in memfds: none). The
+    pid must stand as its own token: pool names carry random hex that may contain its digits."""
+    token = re.compile(rf"(^|[^0-9a-f]){pid}($|[^0-9a-f])")
+    return [p for p in glob.glob("/dev/shm/*") if token.search(os.path.basename(p))]
 
 
 # -- engine --------------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import signal
@@ -81,7 +80,6 @@ def test_engine_killed_mid_job_releases_session(daemon) -> None:
     assert stats.jobs_in_flight == 0 and stats.leases == 0
     # The daemon let go of its memory (and nothing is left in /dev/shm: memfds die with their users).
     wait_for(lambda: "memfd:kvstore" not in open(maps).read())
-    assert not glob.glob(f"/dev/shm/kvstore-*{pid}*")
     # The daemon keeps serving: another engine stores and loads.
     assert run_engine(daemon, "--seed", "after", "--count", "10", "store")["completion"] == 10
     assert run_engine(daemon, "--seed", "after", "--count", "10", "load")["corrupt"] == 0
