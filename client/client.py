@@ -213,7 +213,9 @@ class Session:
         self._attach_thread.start()
         self._sender = threading.Thread(target=self._send_loop, name="kvstore-submit", daemon=True)
         self._sender.start()
-        if wait and not self._connected.wait(client.timeout):
+        # Registered: the session is usable once its stream is open (milliseconds), also with
+        # wait=False, so that the first requests do not find it "unavailable".
+        if self.session_id and not self._connected.wait(client.timeout) and wait:
             self.close()
             raise Unavailable("the daemon accepted the registration but the session stream did not open")
 
