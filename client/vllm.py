@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from kvstore_client.client import KVStoreClient, Session
 from kvstore_client.completion import Completion
 from kvstore_client.device import export_kv_memory, kv_regions, synchronize_before_store
+from kvstore_client.errors import KVStoreError
 from kvstore_client.shm import SharedKVMemory, move_to_shared_memory
 
 if TYPE_CHECKING:
@@ -242,7 +243,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 @dataclass
 class _Lookup:
     end: int  # blocks [0, end) were looked up
-    future: grpc.Future | None
+    future: Future[tuple[int, bytes]] | None
     hits: int = 0  # leading blocks present
     lease_id: bytes = b""
     start: int = 0  # vLLM's local hit (blocks) when we last answered: the load starts there
@@ -301,11 +302,10 @@ class _Scheduler:
             if not state.future.done():
                 return None, False
             try:
-                reply = state.future.result()
-                state.hits, state.lease_id = reply.hits, reply.lease_id
-            except grpc.RpcError as e:
+                state.hits, state.lease_id = state.future.result()
+            except KVStoreError as e:
                 self.lookup_errors += 1
-                log.warning("kvstore lookup failed (%s); recomputing", e.code())
+                log.warning("kvstore lookup failed (%s); recomputing", e)
             state.future = None
         state.start = start
         if state.hits <= start:
@@ -385,9 +385,9 @@ class _Scheduler:
             self.session.release_lease(state.lease_id)
         state.future, state.lease_id = None, b""
 
-    def _release_late(self, future: grpc.Future) -> None:
-        if not future.cancelled() and future.exception() is None and future.result().lease_id:
-            self.session.release_lease(future.result().lease_id)
+    def _release_late(self, future: Future[tuple[int, bytes]]) -> None:
+        if not future.cancelled() and future.exception() is None and future.result()[1]:
+            self.session.release_lease(future.result()[1])
 
     def close(self) -> None:
         self.session.close()
