@@ -1,21 +1,22 @@
 """End-to-end benchmark of the kvstore vLLM connector on a real vLLM 0.32 (CPU) engine.
 
     python benchmarks/bench_vllm.py [--json FILE] [--prompts 8] [--prompt-tokens 2048] [--repeats 3]
-                                    [--tput-prompts 16] [--tput-tokens 1024] [--tput-output 64]
-                                    [--dtype float32] [--block-size 128] [--kv-cache-bytes 512MiB]
-                                    [--model-dir DIR] [--workdir DIR] [--skip ttft|tput]
+        [--tput-prompts 16] [--tput-tokens 1024] [--tput-output 64] [--ab-prompts 8] [--ab-repeats 3]
+        [--dtype float32] [--block-size 128] [--kv-cache-bytes 512MiB] [--engine-threads 1]
+        [--proposed] [--model-dir DIR] [--workdir DIR] [--skip ttft|tput|ab ...]
 
 Starts its own daemon (fresh pool file in /dev/shm) and a ~100M-parameter random Llama built offline
 (tests/vllm_support/tiny_model.py, size "bench"), then runs one engine at a time, each in its own process
-(`bench_vllm.py engine SPEC OUT`, VLLM_ENABLE_V1_MULTIPROCESSING=0), and measures:
+(`bench_vllm.py engine SPEC OUT`, VLLM_ENABLE_V1_MULTIPROCESSING=0, OMP_NUM_THREADS=--engine-threads), and
+measures:
 
 1. TTFT after an engine restart. Engine A (connector on) serves N distinct prompts one at a time and
    exits; engine B, a fresh process on the same daemon, serves the same prompts one at a time: its
    prefixes come from the sidecar (B's local prefix cache is empty; each prompt is served once). Engine C
    (no connector) serves them cold. TTFT = `RequestOutput.metrics.first_token_latency` (arrival to first
-   token, max_tokens=1). Reports p50 hit (B), p50 cold (C, and A: a miss with the connector on) and the
-   speedup C/B. Every engine first serves a warm-up prompt W twice (B finds W in the pool: its warm-up
-   runs the load path too).
+   token, max_tokens=1). Reports p50 hit (B), p50 cold (C, and A: a miss with the connector on), the
+   speedup C/B, and checks that A, B and C produce the same first tokens. Every engine first serves a
+   warm-up prompt W twice (B finds W in the pool: its warm-up runs the load path too).
 2. The connector's time on the engine's critical path per step. Connector-on engines load
    `timed_connector.TimedKVStoreConnector`, which times every scheduler- and worker-side method and sums
    them per engine step (see timed_connector.py); samples are dumped to `<workdir>/*.steps.json`.
@@ -23,11 +24,16 @@ Starts its own daemon (fresh pool file in /dev/shm) and a ~100M-parameter random
    (the engine spins while a request waits for its lookup or load), and a per-method breakdown.
 3. Throughput with 0% reuse: a batch of distinct random prompts (16 x 1024 tokens, 64 output tokens),
    without (off) and with (on, every full block is stored) the connector, alternating off/on engines
-   `--repeats` times, each pair on fresh prompts. Reports median/mean/spread of tokens/s and the cost
-   (1 - median on / median off). The "on" engines run the timed connector, so the cost includes the timing
-   wrapper (conservative).
+   `--repeats` times, each pair on fresh prompts. Reports median/mean/spread of tokens/s, the cost
+   (1 - median on / median off), tokens per engine CPU-second and the daemon's CPU time. The "on" engines
+   run the timed connector, so the cost includes the timing wrapper (conservative).
+3b. The same inside ONE connector engine (no engine-to-engine variance): rounds of fresh prompts with the
+   connector's lookups and stores switched off / on, alternating (the per-step calls stay in both).
 
-Prints a table; `--json FILE` writes every number (and per-request samples). Takes ~6-10 min here.
+`--proposed` runs the connector-on engines with benchmarks/proposed_connector.py (changes proposed for the
+per-step path) instead of the shipped connector. `--engine-threads 1` (default) because on a 2-core box
+shared with other work a 2-thread OpenMP engine swings by 3x from run to run. Prints a table; `--json FILE`
+writes every number (and per-request samples). Takes ~10-15 min on this 2-core machine.
 """
 
 from __future__ import annotations
@@ -153,18 +159,18 @@ def engine_main(spec_path: str, out_path: str) -> int:
             generate_s = time.perf_counter() - t
             m = out.metrics
             ttft = m.first_token_latency if m is not None and m.first_token_latency else generate_s
-            # Engine-core timestamps: queued -> first scheduled (lookup; the load is waited for after) -> token.
+            # Engine-core timestamps: queued -> scheduled (includes the sidecar lookup and load) -> first token.
             phases = {"queued_to_scheduled_s": m.scheduled_ts - m.queued_ts,
                       "scheduled_to_token_s": m.first_token_ts - m.scheduled_ts} if m is not None else {}
             result["requests"].append({"ttft_s": ttft, "generate_s": generate_s, **phases,
                                        "num_cached_tokens": out.num_cached_tokens,
                                        "prompt_tokens": len(out.prompt_token_ids or []),
-                                       "output_tokens": len(out.outputs[0].token_ids),
+                                       "output_token_ids": list(out.outputs[0].token_ids),
                                        **_hits(req_before, _counters(llm))})
     elif spec["mode"] == "ab":
         # One connector engine, rounds alternating the connector's lookups+stores on and off (fresh prompts).
         assert recorder is not None
-        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler  # uniproc: the _Scheduler
         full = sched.settings
         result["rounds"] = []
         for rnd in spec["rounds"]:
@@ -200,6 +206,10 @@ def engine_main(spec_path: str, out_path: str) -> int:
 
 
 # -- orchestration ------------------------------------------------------------------------------
+
+
+def outputs(result: dict[str, Any]) -> list[list[int]]:
+    return [r["output_token_ids"] for r in result["requests"]]
 
 
 class Daemon:
@@ -289,9 +299,10 @@ class Bench:
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH_DIR), os.environ.get("PYTHONPATH")])))
         env.setdefault("VLLM_HOST_IP", "127.0.0.1")
+        env["OMP_NUM_THREADS"] = str(a.engine_threads)
         env["KVSTORE_BENCH_STEPS"] = str(steps_path)
-        print(f"  engine {name} ({'connector' if connector else 'no connector'}, {len(prompts)} prompts, {mode})",
-              flush=True)
+        work = f"{len(extra['rounds'])} rounds" if "rounds" in extra else f"{len(prompts)} prompts"
+        print(f"  engine {name} ({'connector' if connector else 'no connector'}, {work}, {mode})", flush=True)
         t = time.perf_counter()
         with open(log_path, "wb") as log:
             rc = subprocess.call([sys.executable, str(Path(__file__).resolve()), "engine", str(spec_path),
@@ -332,6 +343,8 @@ class Bench:
             "expected_hit_tokens": full_blocks * a.block_size,
             "b_external_hit_tokens": [r["external_prefix_cache_hits"] for r in engine_b["requests"]],
             "b_local_hit_tokens": [r["prefix_cache_hits"] for r in engine_b["requests"]],
+            "outputs_identical": (outputs(engine_a) == outputs(engine_b) == outputs(engine_c)),
+            "hit_min_ms": 1000 * min(hit), "cold_min_ms": 1000 * min(cold),
             "c_cached_tokens": [r["num_cached_tokens"] for r in engine_c["requests"]],
             "daemon_after_a": after_a, "daemon_after_b": after_b,
             "engines": {"a": engine_a, "b": engine_b, "c": engine_c},
@@ -458,12 +471,13 @@ def print_report(report: dict[str, Any]) -> None:
     print("\n=== kvstore vLLM connector benchmark ===")
     cfg = report["config"]
     print(f"  model bench (~100M), {cfg['dtype']}, block {cfg['block_size']}, kv cache {cfg['kv_cache_bytes']}, "
-          f"max_model_len {cfg['max_model_len']}")
+          f"max_model_len {cfg['max_model_len']}, engine threads {cfg['engine_threads']}, "
+          f"connector {'PROPOSED (benchmarks/proposed_connector.py)' if cfg['proposed'] else 'as shipped'}")
     t = report.get("ttft")
     if t:
         print(f"\n1. TTFT, {t['prompts']} x {t['prompt_tokens']}-token prompts, one at a time")
-        line("p50 TTFT, sidecar hit after restart (B)", f"{t['hit_p50_ms']:.1f} ms")
-        line("p50 TTFT, cold, no connector (C)", f"{t['cold_p50_ms']:.1f} ms")
+        line("p50 TTFT, sidecar hit after restart (B)", f"{t['hit_p50_ms']:.1f} ms", f"min {t['hit_min_ms']:.1f}")
+        line("p50 TTFT, cold, no connector (C)", f"{t['cold_p50_ms']:.1f} ms", f"min {t['cold_min_ms']:.1f}")
         line("p50 TTFT, cold, connector on, miss + store (A)", f"{t['cold_connector_p50_ms']:.1f} ms")
         ok = "met" if t["speedup_p50"] >= 5 else "NOT met"
         line("speedup p50 cold (C) / hit (B)", f"{t['speedup_p50']:.1f}x", f"target >= 5x: {ok}")
@@ -471,6 +485,7 @@ def print_report(report: dict[str, Any]) -> None:
              f"{min(t['b_external_hit_tokens']):.0f}-{max(t['b_external_hit_tokens']):.0f} "
              f"({t['expected_hit_tokens']})")
         line("local prefix-cache hit tokens in B", f"{sum(t['b_local_hit_tokens']):.0f}")
+        line("first tokens identical in A, B and C", str(t["outputs_identical"]))
         b = t["engines"]["b"]["requests"]
         if b and "scheduled_to_token_s" in b[0]:
             line("B p50: queued->scheduled / scheduled->1st token",
@@ -561,6 +576,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ab-repeats", type=int, default=3, help="in-engine A/B: (inactive, active) round pairs")
     p.add_argument("--proposed", action="store_true",
                    help="connector-on engines run benchmarks/proposed_connector.py (proposed per-step changes)")
+    p.add_argument("--engine-threads", type=int, default=1,
+                   help="OMP_NUM_THREADS of the engines (1: the engine keeps one core, the daemon has the other)")
     p.add_argument("--skip", action="append", choices=("ttft", "tput", "ab"), default=[])
     return p.parse_args(argv)
 
