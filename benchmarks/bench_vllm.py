@@ -43,8 +43,6 @@ import dataclasses
 import json
 import os
 import random
-import secrets
-import signal
 import statistics
 import subprocess
 import sys
@@ -52,6 +50,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from kvstore_service.process import DaemonProcess
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
@@ -212,41 +212,14 @@ def outputs(result: dict[str, Any]) -> list[list[int]]:
     return [r["output_token_ids"] for r in result["requests"]]
 
 
-class Daemon:
+class Daemon(DaemonProcess):
+    """The benchmark's daemon, plus what the report reads of it."""
+
     def __init__(self, workdir: Path, pool_size: str) -> None:
-        self.socket = str(workdir / "kvstore.sock")
-        self.pool_path = f"/dev/shm/kvstore-bench-{secrets.token_hex(4)}"
-        self.log = workdir / "daemon.log"
-        self.args = ["--socket", self.socket, "--pool-path", self.pool_path, "--pool-size", pool_size, "--fresh"]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Daemon:
-        from kvstore_client import KVStoreClient, Unavailable
-
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore_service", "serve", *self.args],
-                                         stdout=log, stderr=subprocess.STDOUT, cwd=self.log.parent)
-        client = KVStoreClient(self.socket, timeout=1.0)
-        deadline = time.monotonic() + 60
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log.read_text()}")
-                try:
-                    if client.health() == "SERVING":
-                        return self
-                except Unavailable:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"daemon did not become healthy:\n{self.log.read_text()}")
-                time.sleep(0.05)
-        finally:
-            client.close()
+        super().__init__(workdir, pool_size, "64MiB", "--fresh")
 
     def stats(self) -> dict[str, int]:
-        from kvstore_client import KVStoreClient
-
-        client = KVStoreClient(self.socket, timeout=10.0)
+        client = self.client()
         try:
             s = client.stats()
         finally:
@@ -256,20 +229,7 @@ class Daemon:
         return {n: int(getattr(s, n)) for n in names}
 
     def cpu_s(self) -> float:
-        assert self.proc is not None
-        return proc_cpu_s(self.proc.pid)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-        if os.path.exists(self.pool_path):
-            os.unlink(self.pool_path)
+        return proc_cpu_s(self.pid)
 
 
 class Bench:
@@ -618,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
             (x["timer_overhead_ns_per_call"] for x in summaries.values()), default=0)}
         report["daemon_final"] = daemon.stats()
     finally:
-        daemon.stop()
+        daemon.cleanup()
     report["wall_s"] = time.perf_counter() - t0
     # The raw step samples stay in the workdir's *.steps.json files.
     engines = [*report.get("ttft", {}).get("engines", {}).values(),
