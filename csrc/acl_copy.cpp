@@ -273,30 +273,12 @@ const char kNotBuilt[] =
 #endif
 
 PyObject* py_acl_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* kwlist[] = {"src_base", "dst_base", "src_offsets", "dst_offsets", "sizes", "direction",
-                                 "device", "stream", "allow_batch", nullptr};
-  PyObject *src_base_obj, *dst_base_obj, *src_offsets, *dst_offsets, *sizes, *direction_obj;
-  PyObject* stream_obj = nullptr;
-  int device = 0;
-  int allow_batch = 1;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOOi|Op:acl_copy_blocks", const_cast<char**>(kwlist),
-                                   &src_base_obj, &dst_base_obj, &src_offsets, &dst_offsets, &sizes,
-                                   &direction_obj, &device, &stream_obj, &allow_batch)) {
-    return nullptr;
-  }
-  uint64_t src_base, dst_base, stream = 0;
-  Direction dir;
-  if (!parse_u64(src_base_obj, "src_base", &src_base) || !parse_u64(dst_base_obj, "dst_base", &dst_base) ||
-      !parse_direction(direction_obj, &dir) ||
-      (stream_obj != nullptr && stream_obj != Py_None && !parse_u64(stream_obj, "stream", &stream))) {
-    return nullptr;
-  }
-  std::vector<Run> runs;
-  if (!build_runs(src_base, dst_base, src_offsets, dst_offsets, sizes, &runs)) return nullptr;
+  DeviceCopyArgs a;
+  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|Op:acl_copy_blocks", &a)) return nullptr;
 #if defined(KVSTORE_WITH_ACL)
   std::string err;
   Py_BEGIN_ALLOW_THREADS
-  err = acl_copy(runs, dir, device, stream, allow_batch != 0);
+  err = acl_copy(a.runs, a.dir, a.device, a.stream, a.allow_batch);
   Py_END_ALLOW_THREADS
   if (!err.empty()) {
     PyErr_SetString(PyExc_RuntimeError, err.c_str());
@@ -304,7 +286,6 @@ PyObject* py_acl_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
   }
   Py_RETURN_NONE;
 #else
-  (void)allow_batch;
   PyErr_SetString(PyExc_RuntimeError, kNotBuilt);
   return nullptr;
 #endif

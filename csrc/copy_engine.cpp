@@ -514,6 +514,27 @@ bool parse_direction(PyObject* obj, Direction* out) {
   return true;
 }
 
+bool parse_device_copy_args(PyObject* args, PyObject* kwargs, const char* format, DeviceCopyArgs* out) {
+  static const char* kwlist[] = {"src_base", "dst_base", "src_offsets", "dst_offsets", "sizes", "direction",
+                                 "device", "stream", "allow_batch", nullptr};
+  PyObject *src_base_obj, *dst_base_obj, *src_offsets, *dst_offsets, *sizes, *direction_obj;
+  PyObject* stream_obj = nullptr;
+  int allow_batch = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, format, const_cast<char**>(kwlist), &src_base_obj,
+                                   &dst_base_obj, &src_offsets, &dst_offsets, &sizes, &direction_obj,
+                                   &out->device, &stream_obj, &allow_batch)) {
+    return false;
+  }
+  uint64_t src_base, dst_base;
+  if (!parse_u64(src_base_obj, "src_base", &src_base) || !parse_u64(dst_base_obj, "dst_base", &dst_base) ||
+      !parse_direction(direction_obj, &out->dir) ||
+      (stream_obj != nullptr && stream_obj != Py_None && !parse_u64(stream_obj, "stream", &out->stream))) {
+    return false;
+  }
+  out->allow_batch = allow_batch != 0;
+  return build_runs(src_base, dst_base, src_offsets, dst_offsets, sizes, &out->runs);
+}
+
 }  // namespace kvstore
 
 PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&kvstore::kModule); }

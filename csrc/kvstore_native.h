@@ -40,6 +40,18 @@ enum class Direction { kHostToDevice, kDeviceToHost, kDeviceToDevice };
 // Parses "h2d" / "d2h" / "d2d"; returns false with ValueError set.
 bool parse_direction(PyObject* obj, Direction* out);
 
+// The arguments of cuda_copy_blocks / acl_copy_blocks: (src_base, dst_base, src_offsets,
+// dst_offsets, sizes, direction, device, stream=None, allow_batch=True), runs already built.
+struct DeviceCopyArgs {
+  std::vector<Run> runs;
+  Direction dir = Direction::kHostToDevice;
+  int device = 0;
+  uint64_t stream = 0;
+  bool allow_batch = true;
+};
+// `format` is "OOOOOOi|Op:<function name>". Returns false with a Python exception set.
+bool parse_device_copy_args(PyObject* args, PyObject* kwargs, const char* format, DeviceCopyArgs* out);
+
 // Device paths (cuda_copy.cpp, acl_copy.cpp): Python entry points and feature reporting.
 PyObject* py_cuda_copy_blocks(PyObject* self, PyObject* args, PyObject* kwargs);
 PyObject* py_cuda_host_register(PyObject* self, PyObject* args, PyObject* kwargs);
