@@ -576,23 +576,24 @@ class KVStore:
         }
 
     async def seal_recovered(self, batch: int = 1024) -> None:
-        """Blocks recovered without a checksum (the daemon died before taking it): take it now."""
+        """Blocks recovered without a checksum (the daemon died before taking it): take it now, a
+        batch of one namespace's blocks per native call."""
         loop = asyncio.get_running_loop()
-        unchecked = [b for ns in self.index.namespaces.values() for b in ns.entries.values() if b.checksum is None]
-        size_of = lambda b: b.namespace.block_bytes  # noqa: E731
-        for start in range(0, len(unchecked), batch):
-            blocks = [b for b in unchecked[start:start + batch] if self.index.present(b)]
-            for block in blocks:
-                self.index.pin(block)
-            try:
-                sums = await loop.run_in_executor(self.executor, lambda bs=blocks: [
-                    native.checksum_blocks(self.pool.base, array("Q", [self.pool.payload_offset(b.ref)]), size_of(b))[0]
-                    for b in bs])
-                for block, value in zip(blocks, sums, strict=True):
-                    self.index.seal(block, value)
-            finally:
+        for ns in list(self.index.namespaces.values()):
+            unchecked = [b for b in ns.entries.values() if b.checksum is None]
+            for start in range(0, len(unchecked), batch):
+                blocks = [b for b in unchecked[start:start + batch] if self.index.present(b)]
+                offsets = array("Q", (self.pool.payload_offset(b.ref) for b in blocks))
                 for block in blocks:
-                    self.index.unpin(block)
+                    self.index.pin(block)
+                try:
+                    sums = await loop.run_in_executor(self.executor, native.checksum_blocks, self.pool.base, offsets,
+                                                      ns.block_bytes, self.config.copy_threads)
+                    for block, value in zip(blocks, sums, strict=True):
+                        self.index.seal(block, value)
+                finally:
+                    for block in blocks:
+                        self.index.unpin(block)
 
     async def shutdown(self) -> None:
         """Daemon exit: let copies finish, drop mappings (engines register again with the next daemon)."""
