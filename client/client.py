@@ -102,10 +102,10 @@ def pack_keys(keys: Sequence[bytes]) -> tuple[bytes, int]:
     """Keys travel packed back to back; they must all have one length."""
     if not keys:
         return b"", 32
-    size = len(keys[0])
-    if any(len(k) != size for k in keys):
+    lengths = set(map(len, keys))
+    if len(lengths) != 1:
         raise ValueError("all keys of one request must have the same length")
-    return b"".join(keys), size
+    return b"".join(keys), lengths.pop()
 
 
 @dataclass(frozen=True)

@@ -297,6 +297,73 @@ PyObject* py_crc32c_portable(PyObject*, PyObject* args, PyObject* kwargs) {
   return crc32c_common(args, kwargs, "y*|I:crc32c_portable", true);
 }
 
+// Slot headers of the pool (layout owned by kvstore_service/pool.py, SLOT_BODY): magic u32, state u32,
+// payload_len u64, checksum u64, generation u64, ns_hash[16], key_len u32, key[64], then the CRC32C of
+// those 116 bytes. Little-endian, packed. Written after a block's bytes, so a crash never leaves a
+// valid header over torn bytes.
+constexpr uint32_t kSlotMagic = 0x4B565342;  // "KVSB"
+constexpr size_t kSlotBody = 116;
+constexpr size_t kMaxKey = 64;
+
+PyObject* py_write_slot_headers(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"base",    "offsets", "state",     "payload_len", "generation",
+                                 "ns_hash", "keys",    "key_size",  "checksums",   nullptr};
+  PyObject *base_obj, *offsets_obj, *payload_obj, *generation_obj, *checksums_obj = Py_None;
+  unsigned int state;
+  Py_buffer ns_hash, keys;
+  Py_ssize_t key_size;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOIOOy*y*n|O:write_slot_headers", const_cast<char**>(kwlist),
+                                   &base_obj, &offsets_obj, &state, &payload_obj, &generation_obj, &ns_hash,
+                                   &keys, &key_size, &checksums_obj)) {
+    return nullptr;
+  }
+  uint64_t base, payload_len, generation;
+  std::vector<uint64_t> offsets, checksums;
+  bool ok = parse_u64(base_obj, "base", &base) && parse_u64(payload_obj, "payload_len", &payload_len) &&
+            parse_u64(generation_obj, "generation", &generation) &&
+            parse_u64_array(offsets_obj, "offsets", &offsets) &&
+            (checksums_obj == Py_None || parse_u64_array(checksums_obj, "checksums", &checksums));
+  const size_t n = offsets.size();
+  if (ok && ns_hash.len != 16) {
+    PyErr_Format(PyExc_ValueError, "ns_hash must be 16 bytes (got %zd)", ns_hash.len);
+    ok = false;
+  } else if (ok && (key_size < 1 || static_cast<size_t>(key_size) > kMaxKey ||
+                    static_cast<size_t>(keys.len) != n * static_cast<size_t>(key_size))) {
+    PyErr_Format(PyExc_ValueError, "keys must be %zu keys of 1..64 bytes (got %zd bytes, key_size %zd)", n,
+                 keys.len, key_size);
+    ok = false;
+  } else if (ok && checksums_obj != Py_None && checksums.size() != n) {
+    PyErr_Format(PyExc_ValueError, "%zu offsets but %zu checksums", n, checksums.size());
+    ok = false;
+  }
+  if (ok) {
+    const auto* hash = static_cast<const uint8_t*>(ns_hash.buf);
+    const auto* key_bytes = static_cast<const uint8_t*>(keys.buf);
+    const uint32_t key_len = static_cast<uint32_t>(key_size);
+    Py_BEGIN_ALLOW_THREADS
+    for (size_t i = 0; i < n; ++i) {
+      uint8_t h[kSlotBody + 4] = {};
+      const uint64_t checksum = checksums.empty() ? 0 : checksums[i];
+      std::memcpy(h, &kSlotMagic, 4);
+      std::memcpy(h + 4, &state, 4);
+      std::memcpy(h + 8, &payload_len, 8);
+      std::memcpy(h + 16, &checksum, 8);
+      std::memcpy(h + 24, &generation, 8);
+      std::memcpy(h + 32, hash, 16);
+      std::memcpy(h + 48, &key_len, 4);
+      std::memcpy(h + 52, key_bytes + i * key_len, key_len);
+      const uint32_t crc = crc32c(0, h, kSlotBody);
+      std::memcpy(h + kSlotBody, &crc, 4);
+      std::memcpy(reinterpret_cast<void*>(base + offsets[i]), h, sizeof(h));
+    }
+    Py_END_ALLOW_THREADS
+  }
+  PyBuffer_Release(&ns_hash);
+  PyBuffer_Release(&keys);
+  if (!ok) return nullptr;
+  Py_RETURN_NONE;
+}
+
 // coalesce_runs(src_offsets, dst_offsets, sizes) -> [(src, dst, size), ...]: the run list the copy
 // functions (CPU and device) would execute, for tests and diagnostics.
 PyObject* py_coalesce_runs(PyObject*, PyObject* args, PyObject* kwargs) {
@@ -355,6 +422,10 @@ PyMethodDef kMethods[] = {
     {"crc32c", KV_KW(py_crc32c), "crc32c(data, crc=0) -> int\n\nCRC32C of a bytes-like object, continuing from crc."},
     {"crc32c_portable", KV_KW(py_crc32c_portable),
      "crc32c_portable(data, crc=0) -> int\n\nSame as crc32c, always with the table-driven implementation."},
+    {"write_slot_headers", KV_KW(py_write_slot_headers),
+     "write_slot_headers(base, offsets, state, payload_len, generation, ns_hash, keys, key_size, checksums=None)\n\n"
+     "Write the pool slot header of block i at base+offsets[i] (layout: kvstore_service/pool.py), GIL released.\n"
+     "keys: the blocks' keys packed, key_size bytes each; checksums: uint64 buffer, or None for 0."},
     {"coalesce_runs", KV_KW(py_coalesce_runs),
      "coalesce_runs(src_offsets, dst_offsets, sizes) -> list[tuple[int, int, int]]\n\n"
      "The merged (src, dst, size) runs the copy functions would execute."},

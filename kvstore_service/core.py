@@ -26,7 +26,7 @@ from kvstore_service.config import Config
 from kvstore_service.index import Block, BlockIndex, Namespace
 from kvstore_service.metrics import Metrics
 from kvstore_service.peercred import PeerCred, close_fds
-from kvstore_service.pool import WRITING, Pool
+from kvstore_service.pool import SEALED, STORED, WRITING, Pool
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ MIN_KEY, MAX_KEY = 16, 64
 MAX_COMPLETION_SLOTS = 1 << 16
 MAX_JOB_ID = (1 << 64) - 1  # the completion word holds job_id + 1
 FINISHED_KEPT = 4096  # per session, for the Poll RPC; the shared-memory channel is the main path
+CHUNK_BYTES = 16 << 20  # a job is copied in chunks of about this size (see KVStore._run)
 
 
 class KVError(Exception):
@@ -94,15 +95,16 @@ class Job:
     job_id: int
     is_store: bool
     session: Session
+    keys: list[bytes]
+    block_ids: list[int]
     blocks: list[Block | None]  # per key: the block copied, or None (failed or deduplicated)
     ok: list[bool]
-    plan: TransferPlan | None = None
-    corrupt: set[int] = field(default_factory=set)  # load: indexes of blocks that failed their checksum
     # store: keys another job is writing; this job is done when those are (dedupe without lying)
     waits: list[tuple[int, asyncio.Future]] = field(default_factory=list)
     error: str = ""
     submitted: float = field(default_factory=time.monotonic)
     copy_seconds: float = 0.0
+    copied_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -158,7 +160,7 @@ class KVStore:
         backend = self._backends.get(name)
         if backend is None:
             try:
-                backend = make_backend(name, self.config.copy_threads)
+                backend = make_backend(name)
             except ValueError as e:
                 raise _invalid(str(e)) from None
             except (ImportError, RuntimeError) as e:
@@ -287,8 +289,10 @@ class KVStore:
 
     # -- lookups and leases ----------------------------------------------------------------------
 
-    def lookup(self, session_id: bytes, namespace: str, keys: Sequence[bytes], lease: bool,
+    def lookup(self, session_id: bytes, namespace: str, keys: bytes, key_size: int, lease: bool,
                ttl_ms: int) -> tuple[int, bytes]:
+        """How many of the leading keys (packed, `key_size` bytes each) are in the pool; with `lease`,
+        those blocks are pinned until the lease is released or expires."""
         if session_id:
             session = self.session(session_id)
             if namespace and namespace != session.namespace_name:
@@ -302,10 +306,10 @@ class KVStore:
             if not namespace:
                 raise _invalid("lookup needs a session or a namespace")
             session, ns = None, self.index.find_namespace(namespace)
-        found = self.index.prefix(ns, keys) if ns is not None else []
+        found = self.index.prefix(ns, keys, key_size) if ns is not None else []
         if ns is not None:
             ns.stats.hits += len(found)
-            ns.stats.misses += len(keys) - len(found)
+            ns.stats.misses += len(keys) // key_size - len(found)
         lease_id = b""
         if lease and found and session is not None:
             ttl = ttl_ms / 1000 if ttl_ms else self.config.lease_ttl_s
@@ -367,112 +371,176 @@ class KVStore:
         if len(session.jobs) >= self.config.max_inflight_jobs:
             raise KVError("RESOURCE_EXHAUSTED", f"{len(session.jobs)} jobs in flight (max)")
 
-        ns = session.namespace
-        job = Job(job_id, is_store, session, [None] * len(keys), [False] * len(keys))
-        if is_store:
-            for i, key in enumerate(keys):
-                existing = self.index.entry(ns, key)
-                if existing is not None:  # dedupe: no copy
-                    if existing.state == WRITING:
-                        job.waits.append((i, self._when_stored(existing)))
-                    else:
-                        job.ok[i] = True
-                    continue
-                block = self.index.begin_store(ns, key)
-                if block is None:
-                    self.counters.store_failures_pool_full += 1
-                    job.error = "pool full: every block is pinned or being copied"
-                    continue
-                job.blocks[i] = block
-        else:
-            for i, key in enumerate(keys):
-                block = self.index.get(ns, key)
-                if block is None:
-                    job.error = "block not in the pool"
-                    continue
-                self.index.pin(block)
-                self.index.touch(block)
-                job.blocks[i] = block
-        job.plan = self._plan(session.layout, [(b, bid) for b, bid in zip(job.blocks, block_ids, strict=True)])
+        job = Job(job_id, is_store, session, list(keys), list(block_ids), [None] * len(keys), [False] * len(keys))
         session.jobs[slot] = job
         task = asyncio.get_running_loop().create_task(self._run(job))
         session.tasks.add(task)
         task.add_done_callback(session.tasks.discard)
         return job
 
-    def _plan(self, layout: Layout, pairs: list[tuple[Block | None, int]]) -> TransferPlan:
-        pool_offsets, engine_offsets, sizes = array("Q"), array("Q"), array("Q")
-        prefix = []
-        total = 0
-        for r in layout.regions:
-            prefix.append(total)
-            total += r.block_bytes
-        for block, block_id in pairs:
-            if block is None:
-                continue
-            base = self.pool.payload_offset(block.ref)
-            for r, before in zip(layout.regions, prefix, strict=True):
-                pool_offsets.append(base + before)
-                engine_offsets.append(r.offset + block_id * r.block_stride)
-                sizes.append(r.block_bytes)
-        return TransferPlan(pool_offsets, engine_offsets, sizes)
+    def _chunks(self, job: Job) -> list[range]:
+        """A job's blocks in chunks of about CHUNK_BYTES, at least one per copy thread."""
+        n = len(job.keys)
+        block_bytes = job.session.layout.block_bytes  # type: ignore[union-attr]
+        per_chunk = max(1, min(CHUNK_BYTES // block_bytes, -(-n // self.config.copy_threads)))
+        return [range(start, min(n, start + per_chunk)) for start in range(0, n, per_chunk)]
 
     async def _run(self, job: Job) -> None:
-        loop = asyncio.get_running_loop()
-        copied = [i for i, b in enumerate(job.blocks) if b is not None]
         try:
+            await self._transfer(job)
+        except Exception as e:  # a bug: still tell the engine, never leave the job pending forever
+            log.exception("job %d failed", job.job_id)
+            if job.session.channel is not None and job.session.jobs.get(job.job_id % job.session.channel.slots) is job:
+                job.error = f"internal error: {e}"
+                job.ok = [False] * len(job.ok)
+                self._publish(job)
+
+    async def _transfer(self, job: Job) -> None:
+        """Plan and copy chunk by chunk: the copy threads move one chunk while this loop prepares
+        the next one and finishes the previous one, so the per-block bookkeeping hides behind the
+        copies instead of adding to them."""
+        loop = asyncio.get_running_loop()
+        copies = []
+        for chunk in self._chunks(job):
+            indexes = self._reserve(job, chunk) if job.is_store else self._pin(job, chunk)
+            if indexes:
+                plan = self._plan(job, indexes)
+                generation = self.pool.next_generation()
+                copying = loop.run_in_executor(self.executor, self._copy, job, indexes, plan, generation)
+                copies.append((indexes, plan, copying))
+        stored: list[Block] = []
+        for indexes, plan, copying in copies:
             started = time.monotonic()
-            if copied:
-                await loop.run_in_executor(self.executor, self._copy, job, copied)
-            job.copy_seconds = time.monotonic() - started
-        except Exception as e:  # every block of the copy failed; never report it as success
-            log.exception("job %d copy failed", job.job_id)
-            job.error = f"copy failed: {e}"
-            for i in copied:
-                job.ok[i] = False
+            try:
+                corrupt = await copying
+            except Exception as e:  # every block of the chunk failed; never report it as success
+                log.exception("job %d copy failed", job.job_id)
+                job.error = f"copy failed: {e}"
+                corrupt = None
+            job.copy_seconds += time.monotonic() - started
+            if corrupt is not None:
+                job.copied_bytes += sum(plan.sizes)
+            if job.is_store:
+                stored += self._commit(job, indexes, ok=corrupt is not None)
+            else:
+                self._unpin(job, indexes, corrupt)
         if job.is_store:
-            # Every byte is in the pool: the blocks become visible, their slot headers make them
-            # survive a crash, and the engine may reuse its memory. The checksum is taken from the
-            # pool copy afterwards (blocks pinned meanwhile) and sealed into the header.
-            stored = []
-            for i in copied:
-                block = job.blocks[i]
-                assert block is not None
-                if job.ok[i] and self.index.commit(block):
-                    self.index.pin(block)
-                    block.namespace.stats.stored_blocks += 1
-                    stored.append(i)
-                else:
-                    job.ok[i] = False
-                    self.index.abort(block)
-                for waiter in self._store_waiters.pop(block, ()):
-                    waiter.set_result(job.ok[i])
             for i, waiter in job.waits:
                 job.ok[i] = await waiter
-            self._publish(job)
-            checksums: list[int] = []
-            if stored:
-                try:
-                    checksums = await loop.run_in_executor(self.executor, self._checksums, job, stored)
-                except Exception:
-                    log.exception("job %d checksum failed; its blocks will not survive a restart", job.job_id)
-            for n, i in enumerate(stored):
-                block = job.blocks[i]
-                assert block is not None
-                self.index.unpin(block)
-                if checksums:
-                    self.index.seal(block, checksums[n])
-        else:
-            for i in copied:
-                block = job.blocks[i]
-                assert block is not None
-                if i in job.corrupt:
-                    self.counters.corrupt_blocks += 1
-                    self.index.discard(block)
-                elif job.ok[i]:
-                    block.namespace.stats.loaded_blocks += 1
-                self.index.unpin(block)
-            self._publish(job)
+        self._publish(job)
+        if stored:
+            await self._seal(stored)
+
+    def _reserve(self, job: Job, chunk: range) -> list[int]:
+        """Store: a WRITING slot for each new key of the chunk; the indexes to copy."""
+        ns = job.session.namespace
+        assert ns is not None
+        indexes = []
+        for i in chunk:
+            key = job.keys[i]
+            existing = self.index.entry(ns, key)
+            if existing is not None:  # dedupe: no copy
+                if existing.state == WRITING:
+                    job.waits.append((i, self._when_stored(existing)))
+                else:
+                    job.ok[i] = True
+                continue
+            block = self.index.begin_store(ns, key)
+            if block is None:
+                self.counters.store_failures_pool_full += 1
+                job.error = "pool full: every block is pinned or being copied"
+                continue
+            job.blocks[i] = block
+            indexes.append(i)
+        return indexes
+
+    def _pin(self, job: Job, chunk: range) -> list[int]:
+        """Load: pin each present block of the chunk; the indexes to copy."""
+        ns = job.session.namespace
+        assert ns is not None
+        indexes = []
+        for i in chunk:
+            block = self.index.get(ns, job.keys[i])
+            if block is None:
+                job.error = "block not in the pool"
+                continue
+            self.index.pin(block)
+            self.index.touch(block)
+            job.blocks[i] = block
+            indexes.append(i)
+        return indexes
+
+    def _plan(self, job: Job, indexes: list[int]) -> TransferPlan:
+        regions = job.session.layout.regions  # type: ignore[union-attr]
+        pool_offsets, engine_offsets, sizes = array("Q"), array("Q"), array("Q")
+        before = 0
+        for r in regions:  # region by region: the native copy coalesces adjacent runs itself
+            for i in indexes:
+                pool_offsets.append(job.blocks[i].offset + before)  # type: ignore[union-attr]
+                engine_offsets.append(r.offset + job.block_ids[i] * r.block_stride)
+            sizes.extend([r.block_bytes] * len(indexes))
+            before += r.block_bytes
+        return TransferPlan(pool_offsets, engine_offsets, sizes)
+
+    def _commit(self, job: Job, indexes: list[int], ok: bool) -> list[Block]:
+        """Store: every byte of these blocks is in the pool and their STORED headers make them
+        survive a daemon crash (if ok). They become visible and the engine may reuse its memory.
+        Returns the blocks committed."""
+        committed = []
+        for i in indexes:
+            block = job.blocks[i]
+            assert block is not None
+            if ok and self.index.commit(block):
+                self.index.pin(block)  # until its checksum is sealed (_seal)
+                block.namespace.stats.stored_blocks += 1
+                job.ok[i] = True
+                committed.append(block)
+            else:
+                self.index.abort(block)
+            for waiter in self._store_waiters.pop(block, ()):
+                waiter.set_result(job.ok[i])
+        return committed
+
+    def _unpin(self, job: Job, indexes: list[int], corrupt: set[int] | None) -> None:
+        """Load: the chunk landed (corrupt is None: its copy failed)."""
+        for i in indexes:
+            block = job.blocks[i]
+            assert block is not None
+            if corrupt is not None and i in corrupt:
+                self.counters.corrupt_blocks += 1
+                self.index.discard(block)
+            elif corrupt is not None:
+                job.ok[i] = True
+                block.namespace.stats.loaded_blocks += 1
+            self.index.unpin(block)
+
+    async def _seal(self, blocks: list[Block]) -> None:
+        """Checksum committed blocks in the pool and seal the checksum into their slot headers: from
+        then on a restarted daemon can verify them. The caller pinned the blocks (a slot must not be
+        reused while its header is written); they are unpinned here."""
+        ns = blocks[0].namespace
+        offsets = array("Q", (b.offset for b in blocks))
+        headers = array("Q", (b.header for b in blocks))
+        keys = b"".join(b.key for b in blocks)
+        generation = self.pool.next_generation()
+
+        def checksum_and_seal() -> list[int]:
+            sums = native.checksum_blocks(self.pool.base, offsets, ns.block_bytes, self.config.copy_threads)
+            self.pool.write_headers(headers, SEALED, ns.block_bytes, generation, ns.ns_hash, keys, len(blocks[0].key),
+                                    sums)
+            return sums
+
+        checksums: list[int] = []
+        try:
+            checksums = await asyncio.get_running_loop().run_in_executor(self.executor, checksum_and_seal)
+        except Exception:
+            log.exception("checksum failed; %d blocks will not survive a restart", len(blocks))
+        for n, block in enumerate(blocks):
+            if not self.index.present(block):
+                self.pool.invalidate(block.ref)  # dropped meanwhile: its slot is still ours (pinned)
+            elif checksums:
+                block.checksum = checksums[n]
+            self.index.unpin(block)
 
     def _when_stored(self, block: Block) -> asyncio.Future:
         """A future that tells whether a block being written got all its bytes."""
@@ -480,45 +548,45 @@ class KVStore:
         self._store_waiters.setdefault(block, []).append(future)
         return future
 
-    def _checksums(self, job: Job, indexes: list[int]) -> list[int]:
-        size = job.session.layout.block_bytes  # type: ignore[union-attr]
-        offsets = array("Q", (self.pool.payload_offset(job.blocks[i].ref) for i in indexes))  # type: ignore[union-attr]
-        return native.checksum_blocks(self.pool.base, offsets, size, self.config.copy_threads)
-
-    def _copy(self, job: Job, copied: list[int]) -> None:
-        """Worker thread: move the bytes; a load first verifies (a sample of) the pool's checksums."""
-        session, plan = job.session, job.plan
-        assert session.mapping is not None and session.backend is not None and plan is not None
-        if job.is_store:
-            session.backend.copy(session.mapping, self.pool.base, plan, to_engine=False)
-            for i in copied:
-                job.ok[i] = True
-            return
+    def _copy(self, job: Job, indexes: list[int], plan: TransferPlan, generation: int) -> set[int]:
+        """Worker thread: move one chunk's bytes. A store then writes the blocks' slot headers; a
+        load first verifies (a sample of) the pool's checksums and skips blocks that fail: it
+        returns their indexes."""
+        session = job.session
+        assert session.mapping is not None and session.backend is not None
+        corrupt: set[int] = set()
         verify = self.config.verify_loads
-        checked = [i for i in copied if verify >= 1 or random.random() < verify]
+        checked = [i for i in indexes if verify >= 1 or random.random() < verify] if not job.is_store else []
         if checked:
-            sums = self._checksums(job, checked)
+            offsets = array("Q", (job.blocks[i].offset for i in checked))  # type: ignore[union-attr]
+            sums = native.checksum_blocks(self.pool.base, offsets, session.layout.block_bytes)  # type: ignore[union-attr]
             # A block stored a moment ago may not have its checksum yet (None): nothing to check.
-            job.corrupt = {i for i, value in zip(checked, sums, strict=True)
-                           if job.blocks[i].checksum not in (None, value)}  # type: ignore[union-attr]
-        if job.corrupt:
+            corrupt = {i for i, value in zip(checked, sums, strict=True)
+                       if job.blocks[i].checksum not in (None, value)}  # type: ignore[union-attr]
+        if corrupt:
             regions = len(session.layout.regions)  # type: ignore[union-attr]
-            keep = [k for k, i in enumerate(copied) if i not in job.corrupt]
-            plan = TransferPlan(*(array("Q", (a[k * regions + r] for k in keep for r in range(regions)))
+            n = len(indexes)
+            keep = [k for k, i in enumerate(indexes) if i not in corrupt]
+            plan = TransferPlan(*(array("Q", (a[r * n + k] for r in range(regions) for k in keep))
                                   for a in (plan.pool_offsets, plan.engine_offsets, plan.sizes)))
-            job.error = f"{len(job.corrupt)} block(s) failed their checksum and were dropped"
-        session.backend.copy(session.mapping, self.pool.base, plan, to_engine=True)
-        for i in copied:
-            job.ok[i] = i not in job.corrupt
+            job.error = f"{len(corrupt)} block(s) failed their checksum and were dropped"
+        session.backend.copy(session.mapping, self.pool.base, plan, to_engine=not job.is_store)
+        if job.is_store:
+            blocks = [job.blocks[i] for i in indexes]
+            ns = session.namespace
+            assert ns is not None
+            self.pool.write_headers(array("Q", (b.header for b in blocks)), STORED, ns.block_bytes,  # type: ignore[union-attr]
+                                    generation, ns.ns_hash, b"".join(job.keys[i] for i in indexes), len(job.keys[0]))
+        return corrupt
 
     def _publish(self, job: Job) -> None:
         """Event loop: the job is done for the engine; write its completion."""
         session = job.session
         failed = job.ok.count(False)
         self.counters.failed_blocks += failed
-        assert job.plan is not None and session.channel is not None
+        assert session.channel is not None
         self.metrics.observe_job(job.is_store, time.monotonic() - job.submitted, job.copy_seconds,
-                                 sum(job.plan.sizes) if failed == 0 else 0)
+                                 job.copied_bytes)
         session.jobs.pop(job.job_id % session.channel.slots, None)
         session.channel.post(job.job_id, len(job.ok) - failed, failed)
         session.finished.append(job)
@@ -577,23 +645,15 @@ class KVStore:
 
     async def seal_recovered(self, batch: int = 1024) -> None:
         """Blocks recovered without a checksum (the daemon died before taking it): take it now, a
-        batch of one namespace's blocks per native call."""
-        loop = asyncio.get_running_loop()
+        batch of one namespace's blocks at a time."""
         for ns in list(self.index.namespaces.values()):
             unchecked = [b for b in ns.entries.values() if b.checksum is None]
             for start in range(0, len(unchecked), batch):
                 blocks = [b for b in unchecked[start:start + batch] if self.index.present(b)]
-                offsets = array("Q", (self.pool.payload_offset(b.ref) for b in blocks))
                 for block in blocks:
                     self.index.pin(block)
-                try:
-                    sums = await loop.run_in_executor(self.executor, native.checksum_blocks, self.pool.base, offsets,
-                                                      ns.block_bytes, self.config.copy_threads)
-                    for block, value in zip(blocks, sums, strict=True):
-                        self.index.seal(block, value)
-                finally:
-                    for block in blocks:
-                        self.index.unpin(block)
+                if blocks:
+                    await self._seal(blocks)
 
     async def shutdown(self) -> None:
         """Daemon exit: let copies finish, drop mappings (engines register again with the next daemon)."""

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvstore_service.pool import COMMITTED, SEALED, STORED, WRITING, Pool, SlotHeader, SlotRef
+from kvstore_service.pool import COMMITTED, SEALED, WRITING, Pool, SlotRef
 
 DOOMED = -1  # removed from the index, slot freed at the last unpin
 
@@ -48,6 +47,8 @@ class Block:
     key: bytes
     namespace: Namespace
     ref: SlotRef
+    offset: int  # of the payload in the pool file
+    header: int  # of the slot header in the pool file
     state: int = WRITING
     pins: int = 0
     checksum: int | None = None  # None until computed after the store
@@ -87,12 +88,12 @@ class BlockIndex:
         block = ns.entries.get(key)
         return block if block is not None and block.state == COMMITTED else None
 
-    def prefix(self, ns: Namespace, keys: Sequence[bytes]) -> list[Block]:
-        """The committed blocks of the leading keys that are all present."""
+    def prefix(self, ns: Namespace, keys: bytes, key_size: int) -> list[Block]:
+        """The committed blocks of the leading keys (packed, `key_size` bytes each) that are all present."""
         found = []
-        entries = ns.entries
-        for key in keys:
-            block = entries.get(key)
+        get = ns.entries.get
+        for start in range(0, len(keys), key_size):
+            block = get(keys[start : start + key_size])
             if block is None or block.state != COMMITTED:
                 break
             found.append(block)
@@ -123,30 +124,18 @@ class BlockIndex:
         ref = self.pool.allocate(ns.block_bytes) or self._evict_for(ns.block_bytes)
         if ref is None:
             return None
-        block = Block(key, ns, ref)
+        block = Block(key, ns, ref, self.pool.payload_offset(ref), self.pool.header_offset(ref))
         self._insert(block)
-        return block  # its slot header stays invalid until commit(): a crash mid-copy drops it
+        return block  # its slot header stays invalid until its bytes are in: a crash mid-copy drops it
 
     def commit(self, block: Block) -> bool:
-        """Every byte is in the pool: lookups and loads see the block from now on, and its slot
-        header (without a checksum yet) makes it survive a daemon crash."""
+        """Every byte is in the pool (and its STORED slot header written): lookups and loads see the
+        block from now on."""
         if not self.present(block):
             return False  # cleared while it was written; its slot is already free
         block.state = COMMITTED
-        ns = block.namespace
-        self.pool.write_header(block.ref, SlotHeader(STORED, ns.block_bytes, 0, self.pool.next_generation(),
-                                                     ns.ns_hash, block.key))
         self.lru.setdefault(block.namespace.block_bytes, OrderedDict())[block] = None
         return True
-
-    def seal(self, block: Block, checksum: int) -> None:
-        """Record the checksum in the slot header: from now on the block survives a restart."""
-        if not self.present(block):
-            return
-        ns = block.namespace
-        block.checksum = checksum
-        self.pool.write_header(block.ref, SlotHeader(SEALED, ns.block_bytes, checksum,
-                                                     self.pool.next_generation(), ns.ns_hash, block.key))
 
     def abort(self, block: Block) -> None:
         """A store that did not copy every byte: forget the block."""
@@ -164,7 +153,8 @@ class BlockIndex:
             if ns is None:
                 ns = self.namespaces[header.ns_hash] = Namespace("", header.ns_hash, header.payload_len)
             checksum = header.checksum if header.state == SEALED else None
-            block = Block(header.key, ns, ref, COMMITTED, 0, checksum)
+            block = Block(header.key, ns, ref, self.pool.payload_offset(ref), self.pool.header_offset(ref), COMMITTED,
+                          0, checksum)
             self._insert(block)
             self.lru.setdefault(ns.block_bytes, OrderedDict())[block] = None
         return len(found)

@@ -100,6 +100,30 @@ def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
     return _crc32c_fallback()(data, crc)
 
 
+def write_slot_headers(base: int, offsets: U64Array, state: int, payload_len: int, generation: int, ns_hash: bytes,
+                       keys: bytes, key_size: int, checksums: U64Array | None = None) -> None:
+    """Write the pool slot header (layout: ``pool.SLOT_BODY`` + its CRC32C) of block i at
+    ``base + offsets[i]``; ``keys`` holds the blocks' keys packed, ``key_size`` bytes each."""
+    if _native is not None:
+        _native.write_slot_headers(base, _as_u64(offsets), state, payload_len, generation, ns_hash, keys, key_size,
+                                   None if checksums is None else _as_u64(checksums))
+        return
+    from kvstore_service.pool import slot_header_bytes
+
+    where = _u64_values(offsets, "offsets")
+    if len(ns_hash) != 16:
+        raise ValueError(f"ns_hash must be 16 bytes (got {len(ns_hash)})")
+    if not 1 <= key_size <= 64 or len(keys) != len(where) * key_size:
+        raise ValueError(f"keys must be {len(where)} keys of 1..64 bytes (got {len(keys)} bytes, key_size {key_size})")
+    sums = [0] * len(where) if checksums is None else _u64_values(checksums, "checksums")
+    if len(sums) != len(where):
+        raise ValueError(f"{len(where)} offsets but {len(sums)} checksums")
+    for i, offset in enumerate(where):
+        header = slot_header_bytes(state, payload_len, sums[i], generation, ns_hash,
+                                   keys[i * key_size:(i + 1) * key_size])
+        ctypes.memmove(base + offset, header, len(header))
+
+
 def coalesce_runs(src_offsets: U64Array, dst_offsets: U64Array,
                   sizes: U64Array) -> list[tuple[int, int, int]]:
     """The merged ``(src_offset, dst_offset, size)`` runs a copy of these blocks executes."""

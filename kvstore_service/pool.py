@@ -21,14 +21,16 @@ import logging
 import mmap
 import os
 import struct
-import zlib
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from kvstore_service import native
 
 log = logging.getLogger(__name__)
 
 POOL_MAGIC = b"KVSTPOOL"
-POOL_VERSION = 1
+POOL_VERSION = 2  # 2: slot headers checked with CRC32C (1: zlib crc32)
 POOL_HEADER = struct.Struct("<8sIIQQQQ")  # magic, version, pad, size, segment_size, segments, data_offset
 POOL_HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20  # segments start 2 MiB aligned: hugepage and NPU host-register friendly
@@ -40,7 +42,8 @@ SLOT_MAGIC = 0x4B565342  # "KVSB"
 # header is invalid then). STORED: every byte is in, checksum not taken yet; SEALED: with checksum.
 WRITING, STORED, SEALED = 1, 3, 2
 COMMITTED = SEALED  # index state of a block lookups and loads may see
-# magic, state, payload_len, checksum, generation, ns_hash, key_len, key; then crc32 of those bytes
+# magic, state, payload_len, checksum, generation, ns_hash, key_len, key; then the CRC32C of those
+# bytes. csrc/copy_engine.cpp (write_slot_headers) writes the same layout.
 SLOT_BODY = struct.Struct("<IIQQQ16sI64s")
 SLOT_HEADER_BYTES = 128
 MAX_KEY = 64
@@ -68,12 +71,18 @@ class SlotHeader:
     key: bytes
 
 
+def slot_header_bytes(state: int, payload_len: int, checksum: int, generation: int, ns_hash: bytes,
+                      key: bytes) -> bytes:
+    body = SLOT_BODY.pack(SLOT_MAGIC, state, payload_len, checksum, generation, ns_hash, len(key), key)
+    return body + struct.pack("<I", native.crc32c(body))
+
+
 def parse_slot_header(data: mmap.mmap, offset: int) -> SlotHeader | None:
     """The header at `offset`, or None if it is not a valid one (never written, torn, invalidated)."""
     body = data[offset : offset + SLOT_BODY.size]
     (crc,) = struct.unpack_from("<I", data, offset + SLOT_BODY.size)
     magic, state, length, checksum, generation, ns_hash, key_len, key = SLOT_BODY.unpack(body)
-    if magic != SLOT_MAGIC or crc != zlib.crc32(body) or key_len > MAX_KEY:
+    if magic != SLOT_MAGIC or key_len > MAX_KEY or crc != native.crc32c(body):
         return None
     return SlotHeader(state, length, checksum, generation, ns_hash, key[:key_len])
 
@@ -251,12 +260,14 @@ class Pool:
         self._generation += 1
         return self._generation
 
-    def write_header(self, ref: SlotRef, header: SlotHeader) -> None:
-        body = SLOT_BODY.pack(SLOT_MAGIC, header.state, header.payload_len, header.checksum,
-                              header.generation, header.ns_hash, len(header.key), header.key)
-        offset = self.segments[ref.segment].header_offset(ref.slot)
-        self._mmap[offset : offset + SLOT_BODY.size] = body
-        struct.pack_into("<I", self._mmap, offset + SLOT_BODY.size, zlib.crc32(body))
+    def header_offset(self, ref: SlotRef) -> int:
+        return self.segments[ref.segment].header_offset(ref.slot)
+
+    def write_headers(self, offsets: array, state: int, payload_len: int, generation: int, ns_hash: bytes,
+                      keys: bytes, key_size: int, checksums: list[int] | None = None) -> None:
+        """Write the headers of blocks whose bytes are all in (any thread; natively, GIL released)."""
+        native.write_slot_headers(self.base, offsets, state, payload_len, generation, ns_hash, keys, key_size,
+                                  checksums)
 
     def invalidate(self, ref: SlotRef) -> None:
         """Mark a slot's header invalid before its payload is rewritten: a crash mid-copy then

@@ -24,11 +24,15 @@ log = logging.getLogger(__name__)
 SERVICE = "kvstore.v1.KVStore"
 
 
-def split_keys(keys: bytes, key_size: int) -> list[bytes]:
+def check_keys(keys: bytes, key_size: int) -> None:
     if not MIN_KEY <= key_size <= MAX_KEY:
         raise KVError("INVALID_ARGUMENT", f"key_size {key_size} is outside {MIN_KEY}..{MAX_KEY} bytes")
     if len(keys) % key_size:
         raise KVError("INVALID_ARGUMENT", f"{len(keys)} key bytes are not a multiple of key_size {key_size}")
+
+
+def split_keys(keys: bytes, key_size: int) -> list[bytes]:
+    check_keys(keys, key_size)
     return [keys[i : i + key_size] for i in range(0, len(keys), key_size)]
 
 
@@ -96,9 +100,9 @@ class Servicer(pb_grpc.KVStoreServicer):
         return pb.UnregisterResponse()
 
     async def Lookup(self, request: pb.LookupRequest, context) -> pb.LookupResponse:
-        keys = split_keys(request.keys, request.key_size)
-        hits, lease_id = self.core.lookup(request.session_id, request.namespace, keys, request.lease,
-                                          request.lease_ttl_ms)
+        check_keys(request.keys, request.key_size)  # kept packed: the lookup slices only what it walks
+        hits, lease_id = self.core.lookup(request.session_id, request.namespace, request.keys, request.key_size,
+                                          request.lease, request.lease_ttl_ms)
         return pb.LookupResponse(hits=hits, lease_id=lease_id)
 
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context) -> pb.ReleaseLeaseResponse:

@@ -305,13 +305,13 @@ def test_synchronize_before_store_on_cpu_is_a_no_op() -> None:
 @pytest.mark.skipif(native.features().get("cuda_available", False), reason="this machine has a usable GPU")
 def test_make_cuda_backend_fails_clearly_without_a_gpu() -> None:
     with pytest.raises(RuntimeError, match="no CUDA device"):
-        make_backend("cuda", 2)
+        make_backend("cuda")
 
 
 @pytest.mark.skipif(native.features().get("acl_available", False), reason="this machine has a usable NPU")
 def test_make_npu_backend_fails_clearly_without_an_npu() -> None:
     with pytest.raises(RuntimeError, match=r"no NPU \(Ascend\) device"):
-        make_backend("npu", 2)
+        make_backend("npu")
 
 
 def device_register(backend: str, handle: bytes, size: int, namespace: str) -> pb.RegisterRequest:

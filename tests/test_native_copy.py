@@ -287,6 +287,41 @@ def test_copy_and_checksum(use_native: bool, monkeypatch: pytest.MonkeyPatch) ->
         native.copy_and_checksum(src.addr, dst.addr, so, do[:-1], size, 1)
 
 
+@pytest.mark.parametrize("use_native", [True, False])
+def test_write_slot_headers(use_native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slot headers written in one batch parse back (pool.parse_slot_header) field by field, and a
+    flipped byte invalidates only its own header."""
+    if use_native and NATIVE is None:
+        pytest.skip("native extension not built")
+    if not use_native:
+        monkeypatch.setattr(native, "_native", None)
+    import mmap
+
+    from kvstore_service.pool import SLOT_HEADER_BYTES, parse_slot_header
+
+    n, key_size = 5, 32
+    keys = random.Random(3).randbytes(n * key_size)
+    ns_hash = bytes(range(16))
+    offsets = [SLOT_HEADER_BYTES * (2 * i + 1) for i in range(n)]
+    data = mmap.mmap(-1, SLOT_HEADER_BYTES * 2 * n)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(data))
+    native.write_slot_headers(base, offsets, 2, 4096, 77, ns_hash, keys, key_size, [10 + i for i in range(n)])
+    for i, offset in enumerate(offsets):
+        header = parse_slot_header(data, offset)
+        assert header is not None
+        assert (header.state, header.payload_len, header.checksum, header.generation, header.ns_hash, header.key) == (
+            2, 4096, 10 + i, 77, ns_hash, keys[i * key_size:(i + 1) * key_size])
+        assert parse_slot_header(data, offset - SLOT_HEADER_BYTES) is None  # untouched bytes in between
+    data[offsets[2] + 60] ^= 1
+    assert parse_slot_header(data, offsets[2]) is None
+    assert parse_slot_header(data, offsets[3]) is not None
+    native.write_slot_headers(base, offsets[:1], 3, 4096, 78, ns_hash, keys[:key_size], key_size)  # no checksums
+    header = parse_slot_header(data, offsets[0])
+    assert header is not None and header.state == 3 and header.checksum == 0
+    with pytest.raises(ValueError, match="keys must be"):
+        native.write_slot_headers(base, offsets, 2, 4096, 1, ns_hash, keys[:-1], key_size)
+
+
 def test_fallback_selected_by_environment() -> None:
     """A process with KVSTORE_DISABLE_NATIVE=1 runs the Python path end to end and says so once."""
     code = """

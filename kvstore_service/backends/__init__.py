@@ -10,18 +10,18 @@ from kvstore_service.backends.base import Backend, Mapping, TransferPlan
 __all__ = ["Backend", "Mapping", "TransferPlan", "make_backend"]
 
 
-def make_backend(name: str, copy_threads: int) -> Backend:
+def make_backend(name: str) -> Backend:
     """The backend for a registration's `memory.backend`; ValueError for an unknown one."""
     if name == "cpu":
         from kvstore_service.backends.cpu import CpuBackend
 
-        return CpuBackend(copy_threads)
+        return CpuBackend()
     if name == "cuda":
         from kvstore_service.backends.cuda import CudaBackend
 
-        return CudaBackend(copy_threads)
+        return CudaBackend()
     if name == "npu":
         from kvstore_service.backends.npu import NpuBackend
 
-        return NpuBackend(copy_threads)
+        return NpuBackend()
     raise ValueError(f"unknown backend {name!r}: expected cpu, cuda or npu")

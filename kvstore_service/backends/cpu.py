@@ -4,17 +4,27 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 
 from kvstore_client import memfd
 from kvstore_service import native
 from kvstore_service.backends.base import Backend, Mapping, TransferPlan
+from kvstore_service.pool import MADV_POPULATE_WRITE
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def _populate(addr: int, size: int) -> None:
+    """Map every page of the engine's memory into our page table now. Otherwise the first copies
+    of each page fault (one per 4 KiB written, one per 64 KiB read), which halves the first
+    stores' and loads' speed. ctypes releases the GIL: the daemon serves meanwhile. Kernels
+    before 5.14 lack the advice (EINVAL): the pages then fault in on first use."""
+    _libc.madvise(addr, size, MADV_POPULATE_WRITE)
 
 
 class CpuBackend(Backend):
     name = "cpu"
-
-    def __init__(self, copy_threads: int) -> None:
-        self.copy_threads = copy_threads
 
     def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
         if fd is None:
@@ -23,10 +33,14 @@ class CpuBackend(Backend):
         memfd.check_sealed(fd, size, "the KV memory")
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         anchor = ctypes.c_char.from_buffer(mm)
-        return Mapping(ctypes.addressof(anchor), size, handle=(mm, anchor))
+        base = ctypes.addressof(anchor)
+        populating = threading.Thread(target=_populate, args=(base, size), name="kvstore-populate", daemon=True)
+        populating.start()
+        return Mapping(base, size, handle=(mm, anchor, populating))
 
     def unmap(self, mapping: Mapping) -> None:
-        mm, anchor = mapping.handle  # type: ignore[misc]
+        mm, anchor, populating = mapping.handle  # type: ignore[misc]
+        populating.join()  # it must not touch the range once unmapped (and maybe reused)
         del anchor
         mapping.handle = None
         try:
@@ -35,9 +49,8 @@ class CpuBackend(Backend):
             pass
 
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+        # One thread per call: the daemon core runs a job's chunks on its copy threads side by side.
         if to_engine:
-            native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes,
-                               self.copy_threads)
+            native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes)
         else:
-            native.copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes,
-                               self.copy_threads)
+            native.copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes)

@@ -50,8 +50,7 @@ def require_cuda() -> ModuleType:
 class CudaBackend(Backend):
     name = "cuda"
 
-    def __init__(self, copy_threads: int) -> None:
-        self.copy_threads = copy_threads  # the device copy is one batched call; kept for symmetry
+    def __init__(self) -> None:
         self.torch = require_cuda()
         self.uuids = local_cuda_uuids()
         self.pinned: int | None = None

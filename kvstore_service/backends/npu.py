@@ -49,8 +49,7 @@ def require_npu() -> ModuleType:
 class NpuBackend(Backend):
     name = "npu"
 
-    def __init__(self, copy_threads: int) -> None:
-        self.copy_threads = copy_threads
+    def __init__(self) -> None:
         self.torch = require_npu()
         self.uuids = local_npu_uuids()
         self.pool: tuple[int, int] | None = None
