@@ -204,7 +204,8 @@ class Session:
         self._closed = threading.Event()
         self._submits: queue.SimpleQueue[_Submit | None] = queue.SimpleQueue()
         self._stream: grpc.Call | None = None
-        self._lookups = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-lookup")
+        # Lookups and lease releases run here, in order: starting a gRPC call costs the caller ~1 ms.
+        self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-rpc")
         try:
             self._register()
         except Unavailable:
@@ -387,15 +388,27 @@ class Session:
                       lease_ttl_ms: int = 0) -> concurrent.futures.Future[tuple[int, bytes]]:
         """Non-blocking lookup, made on a background thread (starting a gRPC call on the caller's
         thread costs ~1 ms): `.done()`, then `.result()` gives (hits, lease_id) or raises KVStoreError."""
-        return self._lookups.submit(self.lookup, list(keys), lease, lease_ttl_ms)
+        return self._background.submit(self.lookup, list(keys), lease, lease_ttl_ms)
 
     def release_lease(self, lease_id: bytes, wait: bool = False) -> None:
-        """Release a lease; by default without waiting for the answer."""
-        request = pb.ReleaseLeaseRequest(session_id=self.session_id, lease_id=lease_id)
+        """Release a lease. By default it is queued on the background thread (after the lookups
+        queued before it) and the caller neither waits nor starts an RPC; errors are only logged."""
         if wait:
-            self.client.call(self.client.stub.ReleaseLease, request)
-        else:
-            self.client.stub.ReleaseLease.future(request, timeout=self.client.timeout)
+            self.client.call(self.client.stub.ReleaseLease,
+                             pb.ReleaseLeaseRequest(session_id=self.session_id, lease_id=lease_id))
+            return
+        try:
+            self._background.submit(self._release_quietly, lease_id)
+        except RuntimeError:
+            pass  # closed: the daemon drops a session's leases when the session ends
+
+    def _release_quietly(self, lease_id: bytes) -> None:
+        if not self.connected:
+            return  # the lease ended with the daemon's session
+        try:
+            self.release_lease(lease_id, wait=True)
+        except KVStoreError as e:
+            log.debug("kvstore: lease release failed: %s", e)
 
     # -- end -------------------------------------------------------------------------------------
 
@@ -404,7 +417,7 @@ class Session:
             return
         self._closed.set()
         self._submits.put(None)
-        self._lookups.shutdown(wait=False, cancel_futures=True)
+        self._background.shutdown(wait=False, cancel_futures=True)
         if self.session_id:
             try:
                 self.client.call(self.client.stub.Unregister, pb.UnregisterRequest(session_id=self.session_id))
