@@ -8,9 +8,10 @@ Scheduler side (no tensors): looks a request's block hashes up in the sidecar as
 (`get_num_new_matched_tokens` answers None, "ask again", until the reply is in), pins the hits with a
 lease, pairs keys with the engine blocks vLLM allocates, and plans each step's loads and stores.
 Worker side: moves the KV cache into shared memory (CPU) and registers it, submits the planned jobs
-without waiting, and polls their completions from shared memory once per step. No RPC is ever
-waited on in the engine's step loop; if the sidecar is down, lookups miss, loads fail (vLLM
-recomputes) and stores are dropped, and the connector reconnects on its own.
+without waiting, and polls their completions from shared memory in the steps that have jobs in
+flight. No RPC is ever made on the engine's step loop (lookups and lease releases run on the
+session's background thread); if the sidecar is down, lookups miss, loads fail (vLLM recomputes)
+and stores are dropped, and the connector reconnects on its own.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -47,6 +49,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PREEMPTION_WAIT_S = 30.0
+# A step with nothing to compute while the connector waits on the sidecar sleeps this long: vLLM
+# spins such steps back to back, and the spinning thread holds the GIL and a core that the
+# lookup/submit threads and the daemon's copies need.
+IDLE_WAIT_S = 0.0005
 
 
 # -- settings and identity ----------------------------------------------------------------------
@@ -107,6 +113,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     stores: list[Transfer] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    idle_wait: bool = False  # nothing scheduled while lookups or loads are in flight: sleep IDLE_WAIT_S
 
 
 # -- stats --------------------------------------------------------------------------------------
@@ -200,15 +207,27 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.register(kv_caches)
 
+    def _meta(self) -> KVStoreConnectorMetadata:
+        meta = self._connector_metadata
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        return meta
+
+    def has_connector_metadata(self) -> bool:
+        # Always False: vLLM's attention layers then skip wait_for_layer_load/save_kv_layer, two
+        # calls per layer and step (~50 µs a step) that have nothing to do here. In vLLM 0.32 only
+        # those layer hooks ask; this connector reads its metadata with _meta().
+        return False
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self.worker is not None and isinstance(kv_connector_metadata, KVStoreConnectorMetadata)
-        self.worker.flush(kv_connector_metadata.preempted)
+        if kv_connector_metadata.preempted:
+            self.worker.flush(kv_connector_metadata.preempted)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert self.worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVStoreConnectorMetadata)
-        self.worker.start_loads(meta.loads)
+        loads = self._meta().loads
+        if loads:
+            self.worker.start_loads(loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # loads finish before the request is scheduled (asynchronous loading)
@@ -218,14 +237,19 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         assert self.worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVStoreConnectorMetadata)
-        self.worker.start_stores(meta.stores)  # submits and returns: never waits for the copies
+        stores = self._meta().stores
+        if stores:
+            self.worker.start_stores(stores)  # submits and returns: never waits for the copies
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        if self._meta().idle_wait:
+            time.sleep(IDLE_WAIT_S)
+        return self.worker.transfer_results(finished_req_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        assert self.worker is not None
-        sending, recving = self.worker.get_finished(finished_req_ids)
-        return sending or None, recving or None
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None
@@ -325,42 +349,53 @@ class _Scheduler:
         self.stored_upto[req_id] = max(self.stored_upto.get(req_id, 0), state.start + count)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
-        meta = KVStoreConnectorMetadata(loads=self.loads, preempted=set(scheduler_output.preempted_req_ids or ()))
+        meta = KVStoreConnectorMetadata(loads=self.loads)
         self.loads = []
-        for req_id in meta.preempted:  # it starts over: look it up afresh when it is back
-            state = self.lookups.pop(req_id, None)
-            if state is not None:
-                self._release(state)
+        if scheduler_output.preempted_req_ids:
+            meta.preempted = set(scheduler_output.preempted_req_ids)
+            for req_id in meta.preempted:  # it starts over: look it up afresh when it is back
+                state = self.lookups.pop(req_id, None)
+                if state is not None:
+                    self._release(state)
+        if not scheduler_output.total_num_scheduled_tokens:
+            meta.idle_wait = bool(self.load_block_ids) or any(
+                s.future is not None and not s.future.done() for s in self.lookups.values())
+            return meta
         block_state = scheduler_output.kv_connector_block_state
         if self.settings.store and block_state is not None:
+            size, requests, stored_upto = self.block_size, self.requests, self.stored_upto
             for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
-                request = self.requests.get(req_id)
+                request = requests.get(req_id)
                 if request is None:
                     continue
-                # Full blocks computed once this step's forward is done, and hashed.
-                done = min((request.num_computed_tokens + scheduled) // self.block_size, len(request.block_hashes))
-                first = self.stored_upto.get(req_id)
+                computed = request.num_computed_tokens
+                first = stored_upto.get(req_id)
                 if first is None:  # blocks vLLM had cached locally when the request arrived
-                    first = self.stored_upto[req_id] = request.num_computed_tokens // self.block_size
+                    first = stored_upto[req_id] = computed // size
+                # Full blocks computed once this step's forward is done (most steps: none new).
+                done = (computed + scheduled) // size
                 if done <= first:
                     continue
-                ids = block_state.get_block_ids(req_id)
+                done = min(done, len(request.block_hashes))  # ... and hashed
+                ids = block_state.get_block_ids(req_id) if done > first else None
                 if ids is None:
                     continue
                 meta.stores.append(Transfer(req_id, list(request.block_hashes[first:done]), list(ids[0][first:done])))
-                self.stored_upto[req_id] = done
+                stored_upto[req_id] = done
                 self.had_stores.add(req_id)
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        invalid = connector_output.invalid_block_ids or set()
-        for req_id in connector_output.finished_recving or ():
+        if not connector_output.finished_recving:
+            return  # load errors come with the request's finished_recving
+        invalid = connector_output.invalid_block_ids
+        for req_id in connector_output.finished_recving:
             state = self.lookups.pop(req_id, None)
             if state is not None:
                 self._release(state)
-            if invalid and req_id in self.load_block_ids and invalid & self.load_block_ids[req_id]:
+            block_ids = self.load_block_ids.pop(req_id, None)
+            if invalid and block_ids and not invalid.isdisjoint(block_ids):
                 self.load_failed.add(req_id)
-            self.load_block_ids.pop(req_id, None)
 
     def request_finished(self, request: Request) -> bool:
         """True: vLLM keeps the blocks until the worker reports the request's stores done."""
@@ -378,12 +413,14 @@ class _Scheduler:
         return False
 
     def _release(self, state: _Lookup) -> None:
-        """Give a lookup's lease back, also one whose answer is still on its way."""
-        if state.future is not None and not state.future.done():
-            state.future.add_done_callback(self._release_late)
-        elif state.lease_id and self.session.connected:
-            self.session.release_lease(state.lease_id)
+        """Give a lookup's lease back, also one whose answer is unread or still on its way. The
+        release runs on the session's background thread: no RPC on the scheduler's."""
+        future, lease_id = state.future, state.lease_id
         state.future, state.lease_id = None, b""
+        if future is not None:
+            future.add_done_callback(self._release_late)  # at once if the answer is in
+        elif lease_id:
+            self.session.release_lease(lease_id)
 
     def _release_late(self, future: Future[tuple[int, bytes]]) -> None:
         if not future.cancelled() and future.exception() is None and future.result()[1]:
@@ -415,6 +452,7 @@ class _Worker:
         self.had_stores: set[str] = set()
         self.load_errors: set[int] = set()
         self.stats = KVStoreConnectorStats()
+        self.stats_changed = False  # spares the per-step is_empty() scan of the counters
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         tensors = sorted(kv_caches.values(), key=lambda t: t.data_ptr())
@@ -456,23 +494,34 @@ class _Worker:
             except TimeoutError:
                 log.error("kvstore: stores of preempted requests did not finish in %ss", PREEMPTION_WAIT_S)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        recving: set[str] = set()
-        if self.session is not None:
-            if not self.session.connected:
-                self.stats.data["sidecar_unavailable"] = 1
-            for completion in self.session.poll():
-                loaded = self._completed(completion)
-                if loaded is not None:
-                    recving.add(loaded)
-        self.finished_waiting.update(r for r in finished_req_ids if r in self.had_stores)
-        sending = {r for r in self.finished_waiting if r not in self.stores_left}
-        self.finished_waiting -= sending
-        self.had_stores -= sending
-        return sending, recving
+    def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Requests whose loads are all done (recving) and finished requests whose stores are (sending)."""
+        results = KVConnectorTransferResults()
+        if self.session is None:
+            return results
+        if not self.session.connected:
+            self.stats.data["sidecar_unavailable"] = 1
+            self.stats_changed = True
+        # Every job is in load_jobs/store_jobs until its completion is seen: with none, and no
+        # request waiting for its stores, there is nothing to poll (most decode steps).
+        if not (self.load_jobs or self.store_jobs or self.finished_waiting or finished_req_ids):
+            return results
+        for completion in self.session.poll():
+            loaded = self._completed(completion)
+            if loaded is not None:
+                results.finished_recving.add(loaded)
+        if finished_req_ids:
+            self.finished_waiting.update(r for r in finished_req_ids if r in self.had_stores)
+        if self.finished_waiting:
+            sending = results.finished_sending
+            sending.update(r for r in self.finished_waiting if r not in self.stores_left)
+            self.finished_waiting -= sending
+            self.had_stores -= sending
+        return results
 
     def _completed(self, c: Completion) -> str | None:
         """Account for a finished job; returns the request whose loads are now all done, if any."""
+        self.stats_changed = True
         if c.job_id in self.load_jobs:
             req_id, block_ids, submitted = self.load_jobs.pop(c.job_id)
             self.stats.data["load_seconds"].append(time.monotonic() - submitted)
@@ -500,10 +549,11 @@ class _Worker:
         return errors
 
     def take_stats(self) -> KVStoreConnectorStats | None:
-        if self.stats.is_empty():
+        if not self.stats_changed:
             return None
+        self.stats_changed = False
         stats, self.stats = self.stats, KVStoreConnectorStats()
-        return stats
+        return None if stats.is_empty() else stats
 
     def close(self) -> None:
         if self.session is not None:
