@@ -3,7 +3,7 @@
     python benchmarks/bench_vllm.py [--json FILE] [--prompts 8] [--prompt-tokens 2048] [--repeats 3]
         [--tput-prompts 16] [--tput-tokens 1024] [--tput-output 64] [--ab-prompts 8] [--ab-repeats 3]
         [--dtype float32] [--block-size 128] [--kv-cache-bytes 512MiB] [--engine-threads 1]
-        [--proposed] [--model-dir DIR] [--workdir DIR] [--skip ttft|tput|ab ...]
+        [--model-dir DIR] [--workdir DIR] [--skip ttft|tput|ab ...]
 
 Starts its own daemon (fresh pool file in /dev/shm) and a ~100M-parameter random Llama built offline
 (tests/vllm_support/tiny_model.py, size "bench"), then runs one engine at a time, each in its own process
@@ -30,9 +30,8 @@ measures:
 3b. The same inside ONE connector engine (no engine-to-engine variance): rounds of fresh prompts with the
    connector's lookups and stores switched off / on, alternating (the per-step calls stay in both).
 
-`--proposed` runs the connector-on engines with benchmarks/proposed_connector.py (changes proposed for the
-per-step path) instead of the shipped connector. `--engine-threads 1` (default) because on a 2-core box
-shared with other work a 2-thread OpenMP engine swings by 3x from run to run. Prints a table; `--json FILE`
+`--engine-threads 1` (default) because on a 2-core box shared with other work a 2-thread OpenMP engine
+swings by 3x from run to run. Prints a table; `--json FILE`
 writes every number (and per-request samples). Takes ~10-15 min on this 2-core machine.
 """
 
@@ -240,8 +239,7 @@ class Bench:
         self.workdir = workdir
 
     def connector(self) -> dict[str, Any]:
-        name = "TimedProposedKVStoreConnector" if self.args.proposed else "TimedKVStoreConnector"
-        return {"kv_connector": name, "kv_connector_module_path": "timed_connector",
+        return {"kv_connector": "TimedKVStoreConnector", "kv_connector_module_path": "timed_connector",
                 "kv_role": "kv_both", "kv_connector_extra_config": {"socket": self.daemon.socket}}
 
     def engine(self, name: str, connector: bool, prompts: list[list[int]], mode: str, max_tokens: int,
@@ -431,8 +429,7 @@ def print_report(report: dict[str, Any]) -> None:
     print("\n=== kvstore vLLM connector benchmark ===")
     cfg = report["config"]
     print(f"  model bench (~100M), {cfg['dtype']}, block {cfg['block_size']}, kv cache {cfg['kv_cache_bytes']}, "
-          f"max_model_len {cfg['max_model_len']}, engine threads {cfg['engine_threads']}, "
-          f"connector {'PROPOSED (benchmarks/proposed_connector.py)' if cfg['proposed'] else 'as shipped'}")
+          f"max_model_len {cfg['max_model_len']}, engine threads {cfg['engine_threads']}")
     t = report.get("ttft")
     if t:
         print(f"\n1. TTFT, {t['prompts']} x {t['prompt_tokens']}-token prompts, one at a time")
@@ -534,8 +531,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--workdir", help="engine specs, results, logs and step samples (default: a new temp dir)")
     p.add_argument("--ab-prompts", type=int, default=8, help="in-engine A/B: prompts per round")
     p.add_argument("--ab-repeats", type=int, default=3, help="in-engine A/B: (inactive, active) round pairs")
-    p.add_argument("--proposed", action="store_true",
-                   help="connector-on engines run benchmarks/proposed_connector.py (proposed per-step changes)")
     p.add_argument("--engine-threads", type=int, default=1,
                    help="OMP_NUM_THREADS of the engines (1: the engine keeps one core, the daemon has the other)")
     p.add_argument("--skip", action="append", choices=("ttft", "tput", "ab"), default=[])

@@ -10,11 +10,10 @@ and one module-level `RECORDER` sums both roles. A step closes when `build_conne
 sample holds one `build_connector_meta`, the worker cycle of the previous step (handle_preemptions ...
 clear_connector_metadata) and the scheduler's handling of that step's output (update_connector_output,
 request_finished, ...), plus the next step's lookups (get_num_new_matched_tokens, update_state_after_alloc):
-every call is counted in exactly one step. A call made from inside another timed call (the default
-`get_transfer_results` calls `get_finished`) is counted once, by the outer one.
+every call is counted in exactly one step. A call made from inside another timed call (`get_finished`
+calls `get_transfer_results`) is counted once, by the outer one.
 
 The samples go to the JSON file named by `$KVSTORE_BENCH_STEPS` when a connector shuts down (and at exit).
-`TimedProposedKVStoreConnector` is the same around `proposed_connector.ProposedKVStoreConnector`.
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ import os
 import time
 from collections.abc import Callable
 from typing import Any
-
-from proposed_connector import ProposedKVStoreConnector
 
 from kvstore_client.vllm import KVStoreConnector
 
@@ -150,4 +147,3 @@ def make_timed(base: type[KVStoreConnector]) -> type[KVStoreConnector]:
 
 
 TimedKVStoreConnector = make_timed(KVStoreConnector)
-TimedProposedKVStoreConnector = make_timed(ProposedKVStoreConnector)  # benchmarks/proposed_connector.py
