@@ -108,6 +108,19 @@ class Job:
 
 
 @dataclass(eq=False)
+class Chunk:
+    """Part of a job, planned on the event loop: its copy thread only makes native calls."""
+
+    indexes: list[int]  # into the job's keys
+    plan: TransferPlan
+    headers: array = field(default_factory=lambda: array("Q"))  # store: slot header offsets
+    keys: bytes = b""  # store: the blocks' keys, packed
+    generation: int = 0
+    checked: list[int] = field(default_factory=list)  # load: indexes verified before the copy
+    checked_offsets: array = field(default_factory=lambda: array("Q"))
+
+
+@dataclass(eq=False)
 class Session:
     session_id: bytes
     engine_id: str
@@ -401,15 +414,13 @@ class KVStore:
         copies instead of adding to them."""
         loop = asyncio.get_running_loop()
         copies = []
-        for chunk in self._chunks(job):
-            indexes = self._reserve(job, chunk) if job.is_store else self._pin(job, chunk)
+        for part in self._chunks(job):
+            indexes = self._reserve(job, part) if job.is_store else self._pin(job, part)
             if indexes:
-                plan = self._plan(job, indexes)
-                generation = self.pool.next_generation()
-                copying = loop.run_in_executor(self.executor, self._copy, job, indexes, plan, generation)
-                copies.append((indexes, plan, copying))
+                chunk = self._plan(job, indexes)
+                copies.append((chunk, loop.run_in_executor(self.executor, self._copy, job, chunk)))
         stored: list[Block] = []
-        for indexes, plan, copying in copies:
+        for chunk, copying in copies:
             started = time.monotonic()
             try:
                 corrupt = await copying
@@ -419,11 +430,11 @@ class KVStore:
                 corrupt = None
             job.copy_seconds += time.monotonic() - started
             if corrupt is not None:
-                job.copied_bytes += sum(plan.sizes)
+                job.copied_bytes += sum(chunk.plan.sizes)
             if job.is_store:
-                stored += self._commit(job, indexes, ok=corrupt is not None)
+                stored += self._commit(job, chunk.indexes, ok=corrupt is not None)
             else:
-                self._unpin(job, indexes, corrupt)
+                self._unpin(job, chunk.indexes, corrupt)
         if job.is_store:
             for i, waiter in job.waits:
                 job.ok[i] = await waiter
@@ -435,24 +446,22 @@ class KVStore:
         """Store: a WRITING slot for each new key of the chunk; the indexes to copy."""
         ns = job.session.namespace
         assert ns is not None
-        indexes = []
+        new = []
         for i in chunk:
-            key = job.keys[i]
-            existing = self.index.entry(ns, key)
-            if existing is not None:  # dedupe: no copy
-                if existing.state == WRITING:
-                    job.waits.append((i, self._when_stored(existing)))
-                else:
-                    job.ok[i] = True
-                continue
-            block = self.index.begin_store(ns, key)
-            if block is None:
-                self.counters.store_failures_pool_full += 1
-                job.error = "pool full: every block is pinned or being copied"
-                continue
+            existing = ns.entries.get(job.keys[i])
+            if existing is None:
+                new.append(i)
+            elif existing.state == WRITING:  # dedupe: no copy
+                job.waits.append((i, self._when_stored(existing)))
+            else:
+                job.ok[i] = True
+        blocks = self.index.begin_stores(ns, [job.keys[i] for i in new])
+        if len(blocks) < len(new):
+            self.counters.store_failures_pool_full += len(new) - len(blocks)
+            job.error = "pool full: every block is pinned or being copied"
+        for i, block in zip(new, blocks, strict=False):
             job.blocks[i] = block
-            indexes.append(i)
-        return indexes
+        return new[:len(blocks)]
 
     def _pin(self, job: Job, chunk: range) -> list[int]:
         """Load: pin each present block of the chunk; the indexes to copy."""
@@ -470,17 +479,26 @@ class KVStore:
             indexes.append(i)
         return indexes
 
-    def _plan(self, job: Job, indexes: list[int]) -> TransferPlan:
+    def _plan(self, job: Job, indexes: list[int]) -> Chunk:
         regions = job.session.layout.regions  # type: ignore[union-attr]
+        blocks = [job.blocks[i] for i in indexes]
         pool_offsets, engine_offsets, sizes = array("Q"), array("Q"), array("Q")
         before = 0
         for r in regions:  # region by region: the native copy coalesces adjacent runs itself
-            for i in indexes:
-                pool_offsets.append(job.blocks[i].offset + before)  # type: ignore[union-attr]
-                engine_offsets.append(r.offset + job.block_ids[i] * r.block_stride)
+            pool_offsets.extend([b.offset + before for b in blocks])  # type: ignore[union-attr]
+            engine_offsets.extend([r.offset + job.block_ids[i] * r.block_stride for i in indexes])
             sizes.extend([r.block_bytes] * len(indexes))
             before += r.block_bytes
-        return TransferPlan(pool_offsets, engine_offsets, sizes)
+        chunk = Chunk(indexes, TransferPlan(pool_offsets, engine_offsets, sizes))
+        if job.is_store:
+            chunk.headers = array("Q", [b.header for b in blocks])  # type: ignore[union-attr]
+            chunk.keys = b"".join([job.keys[i] for i in indexes])
+            chunk.generation = self.pool.next_generation()
+        elif self.config.verify_loads > 0:
+            verify = self.config.verify_loads
+            chunk.checked = [i for i in indexes if verify >= 1 or random.random() < verify]
+            chunk.checked_offsets = array("Q", [job.blocks[i].offset for i in chunk.checked])  # type: ignore[union-attr]
+        return chunk
 
     def _commit(self, job: Job, indexes: list[int], ok: bool) -> list[Block]:
         """Store: every byte of these blocks is in the pool and their STORED headers make them
@@ -548,35 +566,30 @@ class KVStore:
         self._store_waiters.setdefault(block, []).append(future)
         return future
 
-    def _copy(self, job: Job, indexes: list[int], plan: TransferPlan, generation: int) -> set[int]:
+    def _copy(self, job: Job, chunk: Chunk) -> set[int]:
         """Worker thread: move one chunk's bytes. A store then writes the blocks' slot headers; a
         load first verifies (a sample of) the pool's checksums and skips blocks that fail: it
-        returns their indexes."""
-        session = job.session
-        assert session.mapping is not None and session.backend is not None
+        returns their indexes. Little Python here: the event loop holds the GIL while it plans."""
+        session, plan = job.session, chunk.plan
+        assert session.mapping is not None and session.backend is not None and session.namespace is not None
+        ns = session.namespace
         corrupt: set[int] = set()
-        verify = self.config.verify_loads
-        checked = [i for i in indexes if verify >= 1 or random.random() < verify] if not job.is_store else []
-        if checked:
-            offsets = array("Q", (job.blocks[i].offset for i in checked))  # type: ignore[union-attr]
-            sums = native.checksum_blocks(self.pool.base, offsets, session.layout.block_bytes)  # type: ignore[union-attr]
+        if chunk.checked:
+            sums = native.checksum_blocks(self.pool.base, chunk.checked_offsets, ns.block_bytes)
             # A block stored a moment ago may not have its checksum yet (None): nothing to check.
-            corrupt = {i for i, value in zip(checked, sums, strict=True)
+            corrupt = {i for i, value in zip(chunk.checked, sums, strict=True)
                        if job.blocks[i].checksum not in (None, value)}  # type: ignore[union-attr]
         if corrupt:
             regions = len(session.layout.regions)  # type: ignore[union-attr]
-            n = len(indexes)
-            keep = [k for k, i in enumerate(indexes) if i not in corrupt]
+            n = len(chunk.indexes)
+            keep = [k for k, i in enumerate(chunk.indexes) if i not in corrupt]
             plan = TransferPlan(*(array("Q", (a[r * n + k] for r in range(regions) for k in keep))
                                   for a in (plan.pool_offsets, plan.engine_offsets, plan.sizes)))
             job.error = f"{len(corrupt)} block(s) failed their checksum and were dropped"
         session.backend.copy(session.mapping, self.pool.base, plan, to_engine=not job.is_store)
         if job.is_store:
-            blocks = [job.blocks[i] for i in indexes]
-            ns = session.namespace
-            assert ns is not None
-            self.pool.write_headers(array("Q", (b.header for b in blocks)), STORED, ns.block_bytes,  # type: ignore[union-attr]
-                                    generation, ns.ns_hash, b"".join(job.keys[i] for i in indexes), len(job.keys[0]))
+            self.pool.write_headers(chunk.headers, STORED, ns.block_bytes, chunk.generation, ns.ns_hash, chunk.keys,
+                                    len(job.keys[0]))
         return corrupt
 
     def _publish(self, job: Job) -> None:

@@ -115,18 +115,26 @@ class BlockIndex:
 
     # -- stores ----------------------------------------------------------------------------------
 
-    def entry(self, ns: Namespace, key: bytes) -> Block | None:
-        """The block of a key, committed or still being written."""
-        return ns.entries.get(key)
-
-    def begin_store(self, ns: Namespace, key: bytes) -> Block | None:
-        """Reserve a slot for a new block (WRITING), evicting if needed; None when the pool is full."""
-        ref = self.pool.allocate(ns.block_bytes) or self._evict_for(ns.block_bytes)
-        if ref is None:
-            return None
-        block = Block(key, ns, ref, self.pool.payload_offset(ref), self.pool.header_offset(ref))
-        self._insert(block)
-        return block  # its slot header stays invalid until its bytes are in: a crash mid-copy drops it
+    def begin_stores(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
+        """Reserve a slot for each new key (WRITING), evicting if needed; fewer blocks than keys
+        (the first ones) when the pool is full. A slot's header stays invalid until its bytes are
+        in: a crash mid-copy drops it."""
+        refs, payloads, headers = self.pool.allocate_many(ns.block_bytes, len(keys))
+        while len(refs) < len(keys):
+            ref = self._evict_for(ns.block_bytes)
+            if ref is None:
+                break
+            refs.append(ref)
+            payloads.append(self.pool.payload_offset(ref))
+            headers.append(self.pool.header_offset(ref))
+        blocks = [Block(key, ns, ref, payload, header)
+                  for key, ref, payload, header in zip(keys, refs, payloads, headers, strict=False)]
+        entries = ns.entries
+        for block in blocks:
+            entries[block.key] = block
+            self.by_segment.setdefault(block.ref.segment, {})[block.ref.slot] = block
+        self.count += len(blocks)
+        return blocks
 
     def commit(self, block: Block) -> bool:
         """Every byte is in the pool (and its STORED slot header written): lookups and loads see the

@@ -21,9 +21,9 @@ import logging
 import mmap
 import os
 import struct
-from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvstore_service import native
 
@@ -108,8 +108,7 @@ class Segment:
         return self.payload_base + slot * self.payload_stride
 
 
-@dataclass(frozen=True, slots=True)
-class SlotRef:
+class SlotRef(NamedTuple):  # a tuple: ~5x cheaper to create than a frozen dataclass
     segment: int
     slot: int
 
@@ -234,6 +233,30 @@ class Pool:
             partial.discard(seg.index)
         return SlotRef(seg.index, slot)
 
+    def allocate_many(self, payload_size: int, n: int) -> tuple[list[SlotRef], list[int], list[int]]:
+        """Up to n free slots (fewer when the pool runs out), with their payload and header offsets:
+        a store reserves a whole chunk of blocks at once."""
+        refs: list[SlotRef] = []
+        payloads: list[int] = []
+        headers: list[int] = []
+        while len(refs) < n:
+            first = self.allocate(payload_size)  # picks (or assigns) a segment with a free slot
+            if first is None:
+                break
+            seg = self.segments[first.segment]
+            take = min(n - len(refs) - 1, len(seg.free_slots))
+            slots = [first.slot]
+            if take:
+                slots += seg.free_slots[-take:][::-1]
+                del seg.free_slots[-take:]
+                if not seg.free_slots:
+                    self.partial[payload_size].discard(seg.index)
+            index, base, stride = seg.index, seg.payload_base, seg.payload_stride
+            refs += [SlotRef(index, slot) for slot in slots]
+            payloads += [base + slot * stride for slot in slots]
+            headers += [seg.offset + slot * SLOT_HEADER_BYTES for slot in slots]
+        return refs, payloads, headers
+
     def release(self, ref: SlotRef) -> None:
         seg = self.segments[ref.segment]
         self.invalidate(ref)
@@ -263,7 +286,7 @@ class Pool:
     def header_offset(self, ref: SlotRef) -> int:
         return self.segments[ref.segment].header_offset(ref.slot)
 
-    def write_headers(self, offsets: array, state: int, payload_len: int, generation: int, ns_hash: bytes,
+    def write_headers(self, offsets: native.U64Array, state: int, payload_len: int, generation: int, ns_hash: bytes,
                       keys: bytes, key_size: int, checksums: list[int] | None = None) -> None:
         """Write the headers of blocks whose bytes are all in (any thread; natively, GIL released)."""
         native.write_slot_headers(self.base, offsets, state, payload_len, generation, ns_hash, keys, key_size,

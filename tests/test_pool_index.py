@@ -1,0 +1,86 @@
+"""The pool and the index as plain Python objects (no daemon, no gRPC): slot reservation in bulk,
+prefix lookups over packed keys, headers that survive a re-attach."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvstore_service.index import BlockIndex
+from kvstore_service.pool import SEALED, STORED, Pool, sealed_blocks
+
+MB = 1 << 20
+BLOCK = 256 * 1024
+
+
+@pytest.fixture
+def pool(tmp_path) -> Pool:
+    p = Pool(str(tmp_path / "pool"), 4 * MB, MB, fresh=True)  # 4 segments of 3 slots of 256 KiB
+    yield p
+    p.close()
+
+
+def keys_of(n: int, tag: int = 0) -> list[bytes]:
+    return [bytes([tag, i]) * 16 for i in range(n)]
+
+
+def test_allocate_many_spans_segments_and_stops_when_full(pool: Pool) -> None:
+    per_segment = pool.slots_per_segment(BLOCK)
+    refs, payloads, headers = pool.allocate_many(BLOCK, per_segment + 1)
+    assert len(refs) == per_segment + 1 and len({r.segment for r in refs}) == 2
+    assert len(set(refs)) == len(refs)
+    assert payloads == [pool.payload_offset(r) for r in refs]
+    assert headers == [pool.header_offset(r) for r in refs]
+    more, _, _ = pool.allocate_many(BLOCK, 100)
+    assert len(more) == 4 * per_segment - len(refs)  # what is left, no more
+    assert pool.allocate_many(BLOCK, 1) == ([], [], [])
+    pool.release(refs[0])
+    again, _, _ = pool.allocate_many(BLOCK, 5)
+    assert again == [refs[0]]
+
+
+def test_begin_stores_evicts_then_reports_full(pool: Pool) -> None:
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", BLOCK)
+    capacity = 4 * pool.slots_per_segment(BLOCK)
+    first = index.begin_stores(ns, keys_of(capacity, 1))
+    assert len(first) == capacity
+    assert index.begin_stores(ns, keys_of(2, 2)) == []  # all WRITING: nothing to evict
+    for block in first:
+        index.commit(block)
+    index.pin(first[0])
+    second = index.begin_stores(ns, keys_of(2, 3))
+    assert len(second) == 2 and index.evictions == 2
+    assert index.present(first[0]) and not index.present(first[1])  # pinned skipped, LRU order
+
+
+def test_prefix_over_packed_keys(pool: Pool) -> None:
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", BLOCK)
+    keys = keys_of(5)
+    blocks = index.begin_stores(ns, keys)
+    for block in blocks[:4]:
+        index.commit(block)
+    assert index.prefix(ns, b"".join(keys), 32) == blocks[:4]  # the 5th is still being written
+    assert index.prefix(ns, b"".join([keys[0], keys_of(1, 9)[0], keys[1]]), 32) == blocks[:1]
+    assert index.prefix(ns, b"", 32) == []
+
+
+def test_headers_survive_reattach(tmp_path) -> None:
+    path = str(tmp_path / "pool")
+    pool = Pool(path, 4 * MB, MB, fresh=True)
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", BLOCK)
+    blocks = index.begin_stores(ns, keys_of(3))
+    stored, sealed = blocks[0], blocks[1]  # blocks[2]: bytes never all in, header never written
+    for state, block, checksum in ((STORED, stored, None), (SEALED, sealed, [1234])):
+        pool.write_headers([block.header], state, BLOCK, pool.next_generation(), ns.ns_hash, block.key, 32,
+                           checksum)
+    pool.close()
+    assert [(h.key, h.checksum) for h, _ in sealed_blocks(path)] == [(sealed.key, 1234)]
+    again = Pool(path, 4 * MB, MB)
+    recovered = BlockIndex(again)
+    assert again.reattached and recovered.recover() == 2
+    ns2 = next(iter(recovered.namespaces.values()))
+    got = {b.key: b.checksum for b in ns2.entries.values()}
+    assert got == {stored.key: None, sealed.key: 1234}
+    again.close()
