@@ -26,7 +26,7 @@ from kvstore_service.config import Config
 from kvstore_service.index import Block, BlockIndex, Namespace
 from kvstore_service.metrics import Metrics
 from kvstore_service.peercred import PeerCred, close_fds
-from kvstore_service.pool import SEALED, STORED, WRITING, Pool
+from kvstore_service.pool import SEALED, STORED, Pool
 
 log = logging.getLogger(__name__)
 
@@ -448,13 +448,13 @@ class KVStore:
         assert ns is not None
         new = []
         for i in chunk:
-            existing = ns.entries.get(job.keys[i])
-            if existing is None:
-                new.append(i)
-            elif existing.state == WRITING:  # dedupe: no copy
-                job.waits.append((i, self._when_stored(existing)))
-            else:
+            key = job.keys[i]
+            if key in ns.entries:  # dedupe: no copy
                 job.ok[i] = True
+            elif key in ns.writing:
+                job.waits.append((i, self._when_stored(ns.writing[key])))
+            else:
+                new.append(i)
         blocks = self.index.begin_stores(ns, [job.keys[i] for i in new])
         if len(blocks) < len(new):
             self.counters.store_failures_pool_full += len(new) - len(blocks)

@@ -1,19 +1,25 @@
 """Which key lives in which pool slot: the one owner of that map (no locks; the event loop owns it).
 
-A block is WRITING while its store copy runs and COMMITTED after. Lookups and loads see only
-committed blocks. Pinned blocks (leased, or being loaded) and writing blocks are never evicted; the
+A block is WRITING while its store copy runs (in its namespace's `writing`) and COMMITTED after
+(in `entries`, the only map lookups and loads read). Pinned blocks (leased, or being loaded) and writing blocks are never evicted; the
 rest are evicted least recently used first, per payload size.
 """
 
 from __future__ import annotations
 
 import hashlib
+import operator
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import takewhile
 
 from kvstore_service.pool import COMMITTED, SEALED, WRITING, Pool, SlotRef
 
 DOOMED = -1  # removed from the index, slot freed at the last unpin
+_first = operator.itemgetter(0)
+_is_block = partial(operator.is_not, None)
 
 
 def namespace_hash(name: str) -> bytes:
@@ -34,12 +40,13 @@ class Namespace:
     name: str
     ns_hash: bytes
     block_bytes: int
-    entries: dict[bytes, Block] = field(default_factory=dict)  # key -> block, writing or committed
+    entries: dict[bytes, Block] = field(default_factory=dict)  # key -> committed block
+    writing: dict[bytes, Block] = field(default_factory=dict)  # key -> block whose store copy runs
     stats: NamespaceStats = field(default_factory=NamespaceStats)
 
     @property
     def blocks(self) -> int:
-        return len(self.entries)
+        return len(self.entries) + len(self.writing)
 
 
 @dataclass(slots=True, eq=False)
@@ -85,19 +92,13 @@ class BlockIndex:
     # -- lookups ---------------------------------------------------------------------------------
 
     def get(self, ns: Namespace, key: bytes) -> Block | None:
-        block = ns.entries.get(key)
-        return block if block is not None and block.state == COMMITTED else None
+        return ns.entries.get(key)
 
     def prefix(self, ns: Namespace, keys: bytes, key_size: int) -> list[Block]:
-        """The committed blocks of the leading keys (packed, `key_size` bytes each) that are all present."""
-        found = []
-        get = ns.entries.get
-        for start in range(0, len(keys), key_size):
-            block = get(keys[start : start + key_size])
-            if block is None or block.state != COMMITTED:
-                break
-            found.append(block)
-        return found
+        """The blocks of the leading keys (packed, `key_size` bytes each) that are all present.
+        Iterators chained in C, no Python code per key: a 1000-key lookup is on the RPC's latency."""
+        keys_iter = map(_first, struct.iter_unpack(f"{key_size}s", keys))
+        return list(takewhile(_is_block, map(ns.entries.get, keys_iter)))
 
     def touch(self, block: Block) -> None:
         lru = self.lru.get(block.namespace.block_bytes)
@@ -129,9 +130,9 @@ class BlockIndex:
             headers.append(self.pool.header_offset(ref))
         blocks = [Block(key, ns, ref, payload, header)
                   for key, ref, payload, header in zip(keys, refs, payloads, headers, strict=False)]
-        entries = ns.entries
+        writing = ns.writing
         for block in blocks:
-            entries[block.key] = block
+            writing[block.key] = block
             self.by_segment.setdefault(block.ref.segment, {})[block.ref.slot] = block
         self.count += len(blocks)
         return blocks
@@ -139,9 +140,12 @@ class BlockIndex:
     def commit(self, block: Block) -> bool:
         """Every byte is in the pool (and its STORED slot header written): lookups and loads see the
         block from now on."""
-        if not self.present(block):
-            return False  # cleared while it was written; its slot is already free
+        ns = block.namespace
+        if ns.writing.get(block.key) is not block:
+            return False  # dropped while it was written; its slot is already free
+        del ns.writing[block.key]
         block.state = COMMITTED
+        ns.entries[block.key] = block
         self.lru.setdefault(block.namespace.block_bytes, OrderedDict())[block] = None
         return True
 
@@ -151,7 +155,8 @@ class BlockIndex:
             self.drop(block)
 
     def present(self, block: Block) -> bool:
-        return block.namespace.entries.get(block.key) is block
+        ns = block.namespace
+        return (ns.entries if block.state == COMMITTED else ns.writing).get(block.key) is block
 
     def recover(self) -> int:
         """Rebuild the index from a re-attached pool's slot headers (oldest first, for LRU)."""
@@ -186,7 +191,8 @@ class BlockIndex:
         block.state = DOOMED
 
     def _unlist(self, block: Block) -> None:
-        del block.namespace.entries[block.key]
+        ns = block.namespace
+        del (ns.entries if block.state == COMMITTED else ns.writing)[block.key]
         self.count -= 1
         lru = self.lru.get(block.namespace.block_bytes)
         if lru is not None:
@@ -199,7 +205,7 @@ class BlockIndex:
     def clear(self, ns: Namespace | None = None) -> int:
         """Drop every unpinned committed block (of one namespace). Returns how many."""
         namespaces = [ns] if ns is not None else list(self.namespaces.values())
-        victims = [b for n in namespaces for b in n.entries.values() if b.state == COMMITTED and b.pins == 0]
+        victims = [b for n in namespaces for b in n.entries.values() if b.pins == 0]
         for block in victims:
             self.drop(block)
         return len(victims)
