@@ -1,8 +1,8 @@
 """Which key lives in which pool slot: the one owner of that map (no locks; the event loop owns it).
 
 A block is WRITING while its store copy runs (in its namespace's `writing`) and COMMITTED after
-(in `entries`, the only map lookups and loads read). Pinned blocks (leased, or being loaded) and writing blocks are never evicted; the
-rest are evicted least recently used first, per payload size.
+(in `entries`, the only map lookups and loads read). Pinned blocks (leased, or being loaded) and
+writing blocks are never evicted; the rest are evicted least recently used first, per payload size.
 """
 
 from __future__ import annotations
