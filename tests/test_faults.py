@@ -177,20 +177,20 @@ def test_completed_store_survives_an_immediate_daemon_kill(daemon_factory) -> No
 
 
 def test_deduplicated_store_is_durable(daemon_factory) -> None:
-    """A store of a key that another store is still writing reports the block ok at once
-    (core.submit: `if self.index.contains(ns, key): job.ok[i] = True`), before the bytes are
-    committed. Killing the daemon in that window loses a block whose store completed (and a copy
-    error in the first job would too). Timing-dependent: the first job is made large, and the test
-    skips if it never catches the window."""
-    daemon = daemon_factory(pool_size="128MiB").start()
-    engine = ShmEngine.contiguous(daemon.socket, "dedupe", 100, 512 * KB)
+    """A store of a key that another store is still writing waits for that block's bytes and
+    header (core._reserve: `_when_stored`) before it reports the block ok. Killing the daemon right
+    after the second store completed, while the first one is still copying its later chunks, must
+    not lose the block. The first job is made large and the shared key is in its first chunk; the
+    test skips if the first job still always finished first."""
+    daemon = daemon_factory(pool_size="256MiB").start()
+    engine = ShmEngine.contiguous(daemon.socket, "dedupe", 200, 512 * KB)
     session = engine.session
     try:
         for attempt in range(4):
-            keys = [key_of(f"dedupe{attempt}", i) for i in range(96)]
-            engine.fill(keys, list(range(96)))
-            first = session.store(keys, list(range(96)))  # ~48 MiB to copy and checksum
-            second = session.store(keys[-1:], [99])  # its last key again
+            keys = [key_of(f"dedupe{attempt}", i) for i in range(192)]
+            engine.fill(keys, list(range(192)))
+            first = session.store(keys, list(range(192)))  # ~96 MiB in 6 chunks
+            second = session.store(keys[:1], [199])  # its first key again
             assert session.wait([second])[second].ok
             if session.channel is None or session.channel.check(first) is not None:
                 session.wait([first])
@@ -198,7 +198,7 @@ def test_deduplicated_store_is_durable(daemon_factory) -> None:
             daemon.kill()
             daemon.start()
             assert wait_for(lambda: session.connected, timeout=20)
-            assert session.lookup(keys[-1:])[0] == 1, "a block whose store completed is gone after a restart"
+            assert session.lookup(keys[:1])[0] == 1, "a block whose store completed is gone after a restart"
             return
         pytest.skip("the first store always finished before the second one")
     finally:
