@@ -12,6 +12,7 @@ import logging
 import os
 import random
 import secrets
+import threading
 import time
 from array import array
 from collections import deque
@@ -36,6 +37,15 @@ MAX_COMPLETION_SLOTS = 1 << 16
 MAX_JOB_ID = (1 << 64) - 1  # the completion word holds job_id + 1
 FINISHED_KEPT = 4096  # per session, for the Poll RPC; the shared-memory channel is the main path
 CHUNK_BYTES = 16 << 20  # a job is copied in chunks of about this size (see KVStore._run)
+
+
+def _lower_priority() -> None:
+    """Copy threads run at nice 10: when the event loop has work (planning the next chunk, serving
+    an RPC) it gets a core at once, while the copies, bound by memory bandwidth, lose little."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except OSError:  # not allowed here: run at normal priority
+        pass
 
 
 class KVError(Exception):
@@ -161,7 +171,8 @@ class KVStore:
         self.sessions: dict[bytes, Session] = {}
         self.counters = Counters()
         self.metrics = Metrics()
-        self.executor = ThreadPoolExecutor(max_workers=config.copy_threads, thread_name_prefix="kvstore-copy")
+        self.executor = ThreadPoolExecutor(max_workers=config.copy_threads, thread_name_prefix="kvstore-copy",
+                                           initializer=_lower_priority)
         self._backends: dict[str, Backend] = {}
         self._store_waiters: dict[Block, list[asyncio.Future]] = {}
         if self.recovered:
