@@ -61,6 +61,12 @@ class Block:
     checksum: int | None = None  # None until computed after the store
 
 
+def _home(block: Block) -> dict[bytes, Block]:
+    """The map of its namespace a present block lives in, by its state."""
+    ns = block.namespace
+    return ns.entries if block.state == COMMITTED else ns.writing
+
+
 class BlockIndex:
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
@@ -140,12 +146,11 @@ class BlockIndex:
     def commit(self, block: Block) -> bool:
         """Every byte is in the pool (and its STORED slot header written): lookups and loads see the
         block from now on."""
-        ns = block.namespace
-        if ns.writing.get(block.key) is not block:
+        if not self.present(block):
             return False  # dropped while it was written; its slot is already free
-        del ns.writing[block.key]
+        del block.namespace.writing[block.key]
         block.state = COMMITTED
-        ns.entries[block.key] = block
+        block.namespace.entries[block.key] = block
         self.lru.setdefault(block.namespace.block_bytes, OrderedDict())[block] = None
         return True
 
@@ -155,8 +160,7 @@ class BlockIndex:
             self.drop(block)
 
     def present(self, block: Block) -> bool:
-        ns = block.namespace
-        return (ns.entries if block.state == COMMITTED else ns.writing).get(block.key) is block
+        return _home(block).get(block.key) is block
 
     def recover(self) -> int:
         """Rebuild the index from a re-attached pool's slot headers (oldest first, for LRU)."""
@@ -191,8 +195,7 @@ class BlockIndex:
         block.state = DOOMED
 
     def _unlist(self, block: Block) -> None:
-        ns = block.namespace
-        del (ns.entries if block.state == COMMITTED else ns.writing)[block.key]
+        del _home(block)[block.key]
         self.count -= 1
         lru = self.lru.get(block.namespace.block_bytes)
         if lru is not None:

@@ -251,10 +251,9 @@ class Pool:
                 del seg.free_slots[-take:]
                 if not seg.free_slots:
                     self.partial[payload_size].discard(seg.index)
-            index, base, stride = seg.index, seg.payload_base, seg.payload_stride
-            refs += [SlotRef(index, slot) for slot in slots]
-            payloads += [base + slot * stride for slot in slots]
-            headers += [seg.offset + slot * SLOT_HEADER_BYTES for slot in slots]
+            refs += [SlotRef(seg.index, slot) for slot in slots]
+            payloads += [seg.payload_offset(slot) for slot in slots]
+            headers += [seg.header_offset(slot) for slot in slots]
         return refs, payloads, headers
 
     def release(self, ref: SlotRef) -> None:
@@ -266,16 +265,8 @@ class Pool:
         else:
             self.partial.setdefault(seg.payload_size, set()).add(seg.index)
 
-    def payload_address(self, ref: SlotRef) -> int:
-        return self.base + self.segments[ref.segment].payload_offset(ref.slot)
-
     def payload_offset(self, ref: SlotRef) -> int:
         return self.segments[ref.segment].payload_offset(ref.slot)
-
-    def payload_view(self, ref: SlotRef) -> memoryview:
-        seg = self.segments[ref.segment]
-        start = seg.payload_offset(ref.slot)
-        return memoryview(self._mmap)[start : start + seg.payload_size]
 
     # -- slot headers ----------------------------------------------------------------------------
 
