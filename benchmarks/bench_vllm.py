@@ -426,6 +426,10 @@ def print_report(report: dict[str, Any]) -> None:
     def line(label: str, value: str, target: str = "") -> None:
         print(f"  {label:<52} {value:>22}  {target}")
 
+    def rate_line(label: str, d: dict[str, Any]) -> None:
+        line(f"{label} (median, mean ± sd, n={d['n']})", f"{d['median']:.0f} ({d['mean']:.0f} ± {d['stdev']:.0f})",
+             f"min {d['min']:.0f} max {d['max']:.0f}")
+
     print("\n=== kvstore vLLM connector benchmark ===")
     cfg = report["config"]
     print(f"  model bench (~100M), {cfg['dtype']}, block {cfg['block_size']}, kv cache {cfg['kv_cache_bytes']}, "
@@ -483,9 +487,7 @@ def print_report(report: dict[str, Any]) -> None:
     if p:
         print(f"\n3. Throughput, 0% reuse: {p['workload']}")
         for mode in ("off", "on"):
-            d = p[f"tokens_per_s_{mode}"]
-            line(f"tokens/s connector {mode} (median, mean ± sd, n={d['n']})",
-                 f"{d['median']:.0f} ({d['mean']:.0f} ± {d['stdev']:.0f})", f"min {d['min']:.0f} max {d['max']:.0f}")
+            rate_line(f"tokens/s connector {mode}", p[f"tokens_per_s_{mode}"])
         ok = "met" if p["cost_pct_median"] < 3 else "NOT met"
         line("connector cost, 1 - median(on)/median(off)", f"{p['cost_pct_median']:+.1f} %", f"target < 3%: {ok}")
         line("connector cost, median of per-pair ratios", f"{p['cost_pct_pairwise_median']:+.1f} %")
@@ -502,9 +504,7 @@ def print_report(report: dict[str, Any]) -> None:
     if ab:
         print(f"\n3b. Same engine, connector lookups+stores inactive / active: {ab['workload']}")
         for flag in ("inactive", "active"):
-            d = ab[f"tokens_per_s_{flag}"]
-            line(f"tokens/s {flag} (median, mean ± sd, n={d['n']})",
-                 f"{d['median']:.0f} ({d['mean']:.0f} ± {d['stdev']:.0f})", f"min {d['min']:.0f} max {d['max']:.0f}")
+            rate_line(f"tokens/s {flag}", ab[f"tokens_per_s_{flag}"])
         line("cost, 1 - median(active)/median(inactive)", f"{ab['cost_pct_median']:+.1f} %")
         line("cost, median of per-pair ratios", f"{ab['cost_pct_pairwise_median']:+.1f} %")
         line("pairs active/inactive", " ".join(f"{x:.3f}" for x in ab["pair_ratios_active_over_inactive"]))
