@@ -77,22 +77,6 @@ def checksum_blocks(base: int, offsets: U64Array, size: int, threads: int = 1) -
     return _py_checksum_blocks(base, offsets, size, threads)
 
 
-def copy_and_checksum(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array, size: int,
-                      threads: int = 1) -> list[int]:
-    """Copy equal-size blocks and return the CRC32C of each; natively in one pass over the source."""
-    if _native is not None:
-        raw = _native.copy_and_checksum(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), size,
-                                        threads)
-        return _u64_list(raw)
-    _fallback_notice()
-    src, dst = _u64_values(src_offsets, "src_offsets"), _u64_values(dst_offsets, "dst_offsets")
-    if len(src) != len(dst):
-        raise ValueError(
-            f"src_offsets and dst_offsets must have the same length (got {len(src)} and {len(dst)})")
-    _py_copy_blocks(src_base, dst_base, src, dst, [size] * len(src), threads)
-    return _py_checksum_blocks(dst_base, dst, size, threads)
-
-
 def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
     """CRC32C of a bytes-like object, continuing from ``crc`` (a previous result, 0 to start)."""
     if _native is not None:
