@@ -27,7 +27,7 @@ from kvstore_service.config import Config
 from kvstore_service.index import Block, BlockIndex, Namespace
 from kvstore_service.metrics import Metrics
 from kvstore_service.peercred import PeerCred, close_fds
-from kvstore_service.pool import SEALED, STORED, Pool
+from kvstore_service.pool import COMMITTED, SEALED, STORED, Pool
 
 log = logging.getLogger(__name__)
 
@@ -515,19 +515,23 @@ class KVStore:
         """Store: every byte of these blocks is in the pool and their STORED headers make them
         survive a daemon crash (if ok). They become visible and the engine may reuse its memory.
         Returns the blocks committed."""
-        committed = []
-        for i in indexes:
-            block = job.blocks[i]
-            assert block is not None
-            if ok and self.index.commit(block):
-                self.index.pin(block)  # until its checksum is sealed (_seal)
-                block.namespace.stats.stored_blocks += 1
-                job.ok[i] = True
-                committed.append(block)
-            else:
+        blocks: list[Block] = [job.blocks[i] for i in indexes]  # type: ignore[misc]
+        if ok:
+            committed = self.index.commit(blocks)
+        else:
+            committed = []
+            for block in blocks:
                 self.index.abort(block)
-            for waiter in self._store_waiters.pop(block, ()):
-                waiter.set_result(job.ok[i])
+        for block in committed:
+            self.index.pin(block)  # until its checksum is sealed (_seal)
+        if committed:
+            committed[0].namespace.stats.stored_blocks += len(committed)
+        for i, block in zip(indexes, blocks, strict=True):
+            job.ok[i] = block.state == COMMITTED
+        if self._store_waiters:
+            for i, block in zip(indexes, blocks, strict=True):
+                for waiter in self._store_waiters.pop(block, ()):
+                    waiter.set_result(job.ok[i])
         return committed
 
     def _unpin(self, job: Job, indexes: list[int], corrupt: set[int] | None) -> None:

@@ -13,12 +13,13 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import takewhile
+from itertools import repeat, takewhile
 
 from kvstore_service.pool import COMMITTED, SEALED, WRITING, Pool, SlotRef
 
 DOOMED = -1  # removed from the index, slot freed at the last unpin
 _first = operator.itemgetter(0)
+_key = operator.attrgetter("key")
 _is_block = partial(operator.is_not, None)
 
 
@@ -53,12 +54,17 @@ class Namespace:
 class Block:
     key: bytes
     namespace: Namespace
-    ref: SlotRef
+    segment: int
+    slot: int
     offset: int  # of the payload in the pool file
     header: int  # of the slot header in the pool file
     state: int = WRITING
     pins: int = 0
     checksum: int | None = None  # None until computed after the store
+
+    @property
+    def ref(self) -> SlotRef:
+        return SlotRef(self.segment, self.slot)
 
 
 def _home(block: Block) -> dict[bytes, Block]:
@@ -125,34 +131,40 @@ class BlockIndex:
     def begin_stores(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
         """Reserve a slot for each new key (WRITING), evicting if needed; fewer blocks than keys
         (the first ones) when the pool is full. A slot's header stays invalid until its bytes are
-        in: a crash mid-copy drops it."""
-        refs, payloads, headers = self.pool.allocate_many(ns.block_bytes, len(keys))
-        while len(refs) < len(keys):
+        in: a crash mid-copy drops it. Built with C-level map/zip: this runs for every stored block."""
+        blocks: list[Block] = []
+        for seg, slots in self.pool.allocate_many(ns.block_bytes, len(keys)):
+            new = list(map(Block, keys[len(blocks):len(blocks) + len(slots)], repeat(ns), repeat(seg.index), slots,
+                           map(seg.payload_offset, slots), map(seg.header_offset, slots)))
+            self.by_segment.setdefault(seg.index, {}).update(zip(slots, new, strict=True))
+            blocks += new
+        while len(blocks) < len(keys):
             ref = self._evict_for(ns.block_bytes)
             if ref is None:
                 break
-            refs.append(ref)
-            payloads.append(self.pool.payload_offset(ref))
-            headers.append(self.pool.header_offset(ref))
-        blocks = [Block(key, ns, ref, payload, header)
-                  for key, ref, payload, header in zip(keys, refs, payloads, headers, strict=False)]
-        writing = ns.writing
-        for block in blocks:
-            writing[block.key] = block
-            self.by_segment.setdefault(block.ref.segment, {})[block.ref.slot] = block
+            block = Block(keys[len(blocks)], ns, ref.segment, ref.slot, self.pool.payload_offset(ref),
+                          self.pool.header_offset(ref))
+            self.by_segment.setdefault(ref.segment, {})[ref.slot] = block
+            blocks.append(block)
+        ns.writing.update(zip(keys, blocks, strict=False))  # blocks: the first keys
         self.count += len(blocks)
         return blocks
 
-    def commit(self, block: Block) -> bool:
-        """Every byte is in the pool (and its STORED slot header written): lookups and loads see the
-        block from now on."""
-        if not self.present(block):
-            return False  # dropped while it was written; its slot is already free
-        del block.namespace.writing[block.key]
-        block.state = COMMITTED
-        block.namespace.entries[block.key] = block
-        self.lru.setdefault(block.namespace.block_bytes, OrderedDict())[block] = None
-        return True
+    def commit(self, blocks: list[Block]) -> list[Block]:
+        """Every byte of these blocks (of one namespace) is in the pool and their STORED headers are
+        written: lookups and loads see them from now on. Returns those committed; a block dropped
+        while it was written is not (its slot is free already)."""
+        if not blocks:
+            return []
+        ns = blocks[0].namespace
+        writing = ns.writing
+        done = [b for b in blocks if writing.get(b.key) is b]
+        for block in done:
+            del writing[block.key]
+            block.state = COMMITTED
+        ns.entries.update(zip(map(_key, done), done, strict=True))
+        self.lru.setdefault(ns.block_bytes, OrderedDict()).update(dict.fromkeys(done))
+        return done
 
     def abort(self, block: Block) -> None:
         """A store that did not copy every byte: forget the block."""
@@ -170,8 +182,8 @@ class BlockIndex:
             if ns is None:
                 ns = self.namespaces[header.ns_hash] = Namespace("", header.ns_hash, header.payload_len)
             checksum = header.checksum if header.state == SEALED else None
-            block = Block(header.key, ns, ref, self.pool.payload_offset(ref), self.pool.header_offset(ref), COMMITTED,
-                          0, checksum)
+            block = Block(header.key, ns, ref.segment, ref.slot, self.pool.payload_offset(ref),
+                          self.pool.header_offset(ref), COMMITTED, 0, checksum)
             self._insert(block)
             self.lru.setdefault(ns.block_bytes, OrderedDict())[block] = None
         return len(found)
@@ -202,7 +214,7 @@ class BlockIndex:
             lru.pop(block, None)
 
     def _free(self, block: Block) -> None:
-        del self.by_segment[block.ref.segment][block.ref.slot]
+        del self.by_segment[block.segment][block.slot]
         self.pool.release(block.ref)
 
     def clear(self, ns: Namespace | None = None) -> int:
@@ -216,7 +228,7 @@ class BlockIndex:
     def _insert(self, block: Block) -> None:
         block.namespace.entries[block.key] = block
         self.count += 1
-        self.by_segment.setdefault(block.ref.segment, {})[block.ref.slot] = block
+        self.by_segment.setdefault(block.segment, {})[block.slot] = block
 
     def _evictable(self, block: Block) -> bool:
         return block.state == COMMITTED and block.pins == 0
@@ -239,7 +251,7 @@ class BlockIndex:
             if size == payload_size:
                 continue
             for block in other:
-                segment = self.by_segment.get(block.ref.segment, {})
+                segment = self.by_segment.get(block.segment, {})
                 if all(self._evictable(b) for b in segment.values()):
                     for victim in list(segment.values()):
                         self._evict(victim)

@@ -233,28 +233,26 @@ class Pool:
             partial.discard(seg.index)
         return SlotRef(seg.index, slot)
 
-    def allocate_many(self, payload_size: int, n: int) -> tuple[list[SlotRef], list[int], list[int]]:
-        """Up to n free slots (fewer when the pool runs out), with their payload and header offsets:
-        a store reserves a whole chunk of blocks at once."""
-        refs: list[SlotRef] = []
-        payloads: list[int] = []
-        headers: list[int] = []
-        while len(refs) < n:
+    def allocate_many(self, payload_size: int, n: int) -> list[tuple[Segment, list[int]]]:
+        """Up to n free slots (fewer when the pool runs out), grouped by segment: a store reserves a
+        whole chunk of blocks at once."""
+        taken: list[tuple[Segment, list[int]]] = []
+        count = 0
+        while count < n:
             first = self.allocate(payload_size)  # picks (or assigns) a segment with a free slot
             if first is None:
                 break
             seg = self.segments[first.segment]
-            take = min(n - len(refs) - 1, len(seg.free_slots))
+            take = min(n - count - 1, len(seg.free_slots))
             slots = [first.slot]
             if take:
                 slots += seg.free_slots[-take:][::-1]
                 del seg.free_slots[-take:]
                 if not seg.free_slots:
                     self.partial[payload_size].discard(seg.index)
-            refs += [SlotRef(seg.index, slot) for slot in slots]
-            payloads += [seg.payload_offset(slot) for slot in slots]
-            headers += [seg.header_offset(slot) for slot in slots]
-        return refs, payloads, headers
+            taken.append((seg, slots))
+            count += len(slots)
+        return taken
 
     def release(self, ref: SlotRef) -> None:
         seg = self.segments[ref.segment]

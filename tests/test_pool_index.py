@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvstore_service.index import BlockIndex
-from kvstore_service.pool import SEALED, STORED, Pool, sealed_blocks
+from kvstore_service.pool import SEALED, STORED, Pool, SlotRef, sealed_blocks
 
 MB = 1 << 20
 BLOCK = 256 * 1024
@@ -25,17 +25,30 @@ def keys_of(n: int, tag: int = 0) -> list[bytes]:
 
 def test_allocate_many_spans_segments_and_stops_when_full(pool: Pool) -> None:
     per_segment = pool.slots_per_segment(BLOCK)
-    refs, payloads, headers = pool.allocate_many(BLOCK, per_segment + 1)
-    assert len(refs) == per_segment + 1 and len({r.segment for r in refs}) == 2
-    assert len(set(refs)) == len(refs)
-    assert payloads == [pool.payload_offset(r) for r in refs]
-    assert headers == [pool.header_offset(r) for r in refs]
-    more, _, _ = pool.allocate_many(BLOCK, 100)
-    assert len(more) == 4 * per_segment - len(refs)  # what is left, no more
-    assert pool.allocate_many(BLOCK, 1) == ([], [], [])
-    pool.release(refs[0])
-    again, _, _ = pool.allocate_many(BLOCK, 5)
-    assert again == [refs[0]]
+    taken = pool.allocate_many(BLOCK, per_segment + 1)
+    assert [len(slots) for _, slots in taken] == [per_segment, 1]  # a full segment, then one slot of the next
+    assert taken[0][0] is not taken[1][0]
+    assert len(set(taken[0][1])) == per_segment
+    more = pool.allocate_many(BLOCK, 100)
+    assert sum(len(slots) for _, slots in more) == 4 * per_segment - per_segment - 1  # what is left, no more
+    assert pool.allocate_many(BLOCK, 1) == []
+    seg, slots = taken[0]
+    pool.release(SlotRef(seg.index, slots[0]))
+    assert pool.allocate_many(BLOCK, 5) == [(seg, [slots[0]])]
+
+
+def test_begin_stores_offsets_and_commit(pool: Pool) -> None:
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", BLOCK)
+    blocks = index.begin_stores(ns, keys_of(5))
+    assert [b.key for b in blocks] == keys_of(5) and len({b.ref for b in blocks}) == 5
+    assert [b.offset for b in blocks] == [pool.payload_offset(b.ref) for b in blocks]
+    assert [b.header for b in blocks] == [pool.header_offset(b.ref) for b in blocks]
+    assert all(index.by_segment[b.segment][b.slot] is b for b in blocks)
+    index.drop(blocks[1])  # dropped while it was written: commit leaves it out
+    assert index.commit(blocks) == [blocks[0]] + blocks[2:]
+    assert set(ns.entries) == {b.key for b in blocks} - {blocks[1].key} and not ns.writing
+    assert list(index.lru[BLOCK]) == [blocks[0]] + blocks[2:]  # oldest first
 
 
 def test_begin_stores_evicts_then_reports_full(pool: Pool) -> None:
@@ -45,8 +58,7 @@ def test_begin_stores_evicts_then_reports_full(pool: Pool) -> None:
     first = index.begin_stores(ns, keys_of(capacity, 1))
     assert len(first) == capacity
     assert index.begin_stores(ns, keys_of(2, 2)) == []  # all WRITING: nothing to evict
-    for block in first:
-        index.commit(block)
+    index.commit(first)
     index.pin(first[0])
     second = index.begin_stores(ns, keys_of(2, 3))
     assert len(second) == 2 and index.evictions == 2
@@ -58,8 +70,7 @@ def test_prefix_over_packed_keys(pool: Pool) -> None:
     ns = index.namespace("ns", BLOCK)
     keys = keys_of(5)
     blocks = index.begin_stores(ns, keys)
-    for block in blocks[:4]:
-        index.commit(block)
+    index.commit(blocks[:4])
     assert index.prefix(ns, b"".join(keys), 32) == blocks[:4]  # the 5th is still being written
     assert index.prefix(ns, b"".join([keys[0], keys_of(1, 9)[0], keys[1]]), 32) == blocks[:1]
     assert index.prefix(ns, b"", 32) == []
