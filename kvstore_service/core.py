@@ -371,14 +371,15 @@ class KVStore:
         session = self.session(session_id)
         if session.layout is None or session.mapping is None or session.namespace is None:
             raise KVError("FAILED_PRECONDITION", "this session registered no KV memory (lookup-only)")
+        keys, block_ids = list(keys), list(block_ids)  # (block_ids may be a protobuf container: slow to index)
         if len(keys) != len(block_ids):
             raise _invalid(f"{len(keys)} keys but {len(block_ids)} block ids")
         if not keys:
             raise _invalid("a job needs at least one block")
         num_blocks = session.layout.num_blocks
-        for b in block_ids:
-            if not 0 <= b < num_blocks:
-                raise _invalid(f"block id {b} is outside the registered cache (0..{num_blocks - 1})")
+        if min(block_ids) < 0 or max(block_ids) >= num_blocks:
+            bad = next(b for b in block_ids if not 0 <= b < num_blocks)
+            raise _invalid(f"block id {bad} is outside the registered cache (0..{num_blocks - 1})")
         if len(set(keys)) != len(keys):
             raise _invalid("duplicate keys in one request")
         # (A store may read one engine block under two keys; a load must not write one twice.)
@@ -395,7 +396,7 @@ class KVStore:
         if len(session.jobs) >= self.config.max_inflight_jobs:
             raise KVError("RESOURCE_EXHAUSTED", f"{len(session.jobs)} jobs in flight (max)")
 
-        job = Job(job_id, is_store, session, list(keys), list(block_ids), [None] * len(keys), [False] * len(keys))
+        job = Job(job_id, is_store, session, keys, block_ids, [None] * len(keys), [False] * len(keys))
         session.jobs[slot] = job
         task = asyncio.get_running_loop().create_task(self._run(job))
         session.tasks.add(task)

@@ -9,7 +9,9 @@ import logging
 import os
 import signal
 import socket
+import struct
 import sys
+from operator import itemgetter
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -36,7 +38,7 @@ def check_keys(keys: bytes, key_size: int) -> None:
 
 def split_keys(keys: bytes, key_size: int) -> list[bytes]:
     check_keys(keys, key_size)
-    return [keys[i : i + key_size] for i in range(0, len(keys), key_size)]
+    return list(map(itemgetter(0), struct.iter_unpack(f"{key_size}s", keys)))  # ~2x a list of slices
 
 
 class Servicer(pb_grpc.KVStoreServicer):
