@@ -6,7 +6,7 @@ buffers (anonymous mmap, or /dev/shm files with --shm), and compares:
   * one contiguous memcpy of the same total bytes (ctypes.memmove, best of --repeat),
   * the native copy_blocks with 1 and 2 threads,
   * the pure-Python fallback (ctypes.memmove on a thread pool) with 1 and 2 threads,
-  * CRC32C checksums of the same blocks (native, fused copy+checksum, and the Python fallback).
+  * CRC32C checksums of the same blocks (native and the Python fallback).
 
 Prints a table with time, GB/s and the ratio to memcpy. Run: python benchmarks/bench_copy.py
 """
@@ -109,9 +109,6 @@ def main() -> None:
         for threads in (1, 2):
             run(f"native checksum_blocks, {threads} thread(s)",
                 lambda t=threads: native.checksum_blocks(src.addr, src_offs, size, t))
-        for threads in (1, 2):
-            run(f"native copy_and_checksum, {threads} thread(s)",
-                lambda t=threads: native.copy_and_checksum(src.addr, dst.addr, src_offs, dst_offs, size, t))
         # Pure CRC speed with the data in cache: one block checksummed over and over.
         reps = 64
         one = array("Q", [src_offs[0]] * reps)
