@@ -9,9 +9,7 @@ import logging
 import os
 import signal
 import socket
-import struct
 import sys
-from operator import itemgetter
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -22,6 +20,7 @@ from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore_service import __version__
 from kvstore_service.config import Config
 from kvstore_service.core import MAX_KEY, MIN_KEY, KVError, KVStore, Layout, Region
+from kvstore_service.index import unpack_keys
 from kvstore_service.peercred import Handshake, PeerCredServer, close_fds
 
 log = logging.getLogger(__name__)
@@ -38,7 +37,7 @@ def check_keys(keys: bytes, key_size: int) -> None:
 
 def split_keys(keys: bytes, key_size: int) -> list[bytes]:
     check_keys(keys, key_size)
-    return list(map(itemgetter(0), struct.iter_unpack(f"{key_size}s", keys)))  # ~2x a list of slices
+    return list(unpack_keys(keys, key_size))
 
 
 class Servicer(pb_grpc.KVStoreServicer):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore_service.index import BlockIndex
+from kvstore_service.index import KEYS_PER_UNPACK, BlockIndex, unpack_keys
 from kvstore_service.pool import SEALED, STORED, Pool, SlotRef, sealed_blocks
 
 MB = 1 << 20
@@ -74,6 +74,13 @@ def test_prefix_over_packed_keys(pool: Pool) -> None:
     assert index.prefix(ns, b"".join(keys), 32) == blocks[:4]  # the 5th is still being written
     assert index.prefix(ns, b"".join([keys[0], keys_of(1, 9)[0], keys[1]]), 32) == blocks[:1]
     assert index.prefix(ns, b"", 32) == []
+
+
+@pytest.mark.parametrize("count", [0, 1, KEYS_PER_UNPACK - 1, KEYS_PER_UNPACK, 3 * KEYS_PER_UNPACK + 5])
+@pytest.mark.parametrize("key_size", [16, 32, 64])
+def test_unpack_keys_in_batches_and_tail(count: int, key_size: int) -> None:
+    keys = [bytes([i % 251]) * key_size for i in range(count)]
+    assert list(unpack_keys(b"".join(keys), key_size)) == keys
 
 
 def test_headers_survive_reattach(tmp_path) -> None:
