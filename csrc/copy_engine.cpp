@@ -28,7 +28,7 @@ namespace {
 constexpr uint64_t kMinBytesPerThread = 256 * 1024;
 // Thread counts above this are rejected: they are a configuration mistake, not a speedup.
 constexpr int kMaxThreads = 256;
-// Runs shorter than this are copied with memcpy (see stream_copy).
+// Runs shorter than this are copied with memcpy (see stream_copy_avx2).
 constexpr uint64_t kStreamMin = 4096;
 
 struct Buffer {

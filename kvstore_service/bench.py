@@ -50,6 +50,11 @@ def timed(fn: Callable[[], object], n: int) -> list[float]:
     return out
 
 
+def paired_ratios(gbps: list[float], limits: list[float]) -> list[float]:
+    """Each round's GB/s over the limit measured right before it."""
+    return [rate / limit for rate, limit in zip(gbps, limits, strict=True)]
+
+
 class Memcpy:
     """The limit: one contiguous copy of the same bytes between two shared-memory buffers."""
 
@@ -132,6 +137,12 @@ def run_bench(socket: str | None, blocks: int, block_bytes: int, rounds: int, ba
             rng = random.Random(0)
             limits: list[float] = []
             engine_limits: list[float] = []  # cpu: the copy engine's own contiguous copy, paired likewise
+
+            def measure_limits() -> None:
+                limits.append(limit())
+                if backend == "cpu":
+                    engine_limits.append(memcpy.gbps(3, copy_engine=True))
+
             store, load, all_keys = [], [], []
             # Warm-up, not measured: the daemon maps the cache's pages in the background after
             # registration, and the first jobs run code and touch memory nothing touched before.
@@ -145,9 +156,7 @@ def run_bench(socket: str | None, blocks: int, block_bytes: int, rounds: int, ba
                 # The daemon checksums a store's blocks after reporting it done; let the previous
                 # round's checksums finish so that this measures one store's latency.
                 time.sleep(0.1 + 2 * total / (memcpy.gbps(1) * 1e9))
-                limits.append(limit())
-                if backend == "cpu":
-                    engine_limits.append(memcpy.gbps(3, copy_engine=True))
+                measure_limits()
                 synchronize_before_store(kv.device)
                 store.append(total / run_job(session, lambda k=keys, i=ids: session.store(k, i)) / 1e9)
                 all_keys.append(keys)
@@ -160,22 +169,19 @@ def run_bench(socket: str | None, blocks: int, block_bytes: int, rounds: int, ba
             results["store_sustained_gbps"] = rounds * total / (time.perf_counter() - started) / 1e9
             for r in range(rounds):
                 ids = rng.sample(range(cache_blocks), blocks)
-                limits.append(limit())
-                if backend == "cpu":
-                    engine_limits.append(memcpy.gbps(3, copy_engine=True))
+                measure_limits()
                 load.append(total / run_job(session, lambda k=all_keys[r], i=ids: session.load(k, i)) / 1e9)
             results["memcpy_gbps"] = max(limits) if backend == "cpu" else memcpy.gbps(rounds)
             results["store_gbps"] = max(store)
             results["load_gbps"] = max(load)
-            pairs = zip(store + load, limits, strict=True)
-            ratios = [gbps / lim for gbps, lim in pairs]
+            ratios = paired_ratios(store + load, limits)
             results["store_vs_limit"] = statistics.median(ratios[:rounds])
             results["load_vs_limit"] = statistics.median(ratios[rounds:])
             results["store_vs_limit_rounds"] = [round(r, 3) for r in ratios[:rounds]]
             results["load_vs_limit_rounds"] = [round(r, 3) for r in ratios[rounds:]]
             if engine_limits:
                 results["copy_engine_gbps"] = max(engine_limits)
-                ratios = [gbps / lim for gbps, lim in zip(store + load, engine_limits, strict=True)]
+                ratios = paired_ratios(store + load, engine_limits)
                 results["store_vs_copy_engine"] = statistics.median(ratios[:rounds])
                 results["load_vs_copy_engine"] = statistics.median(ratios[rounds:])
 

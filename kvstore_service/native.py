@@ -92,13 +92,14 @@ def write_slot_headers(base: int, offsets: U64Array, state: int, payload_len: in
         _native.write_slot_headers(base, _as_u64(offsets), state, payload_len, generation, ns_hash, keys, key_size,
                                    None if checksums is None else _as_u64(checksums))
         return
-    from kvstore_service.pool import slot_header_bytes
+    from kvstore_service.pool import MAX_KEY, slot_header_bytes
 
     where = _u64_values(offsets, "offsets")
     if len(ns_hash) != 16:
         raise ValueError(f"ns_hash must be 16 bytes (got {len(ns_hash)})")
-    if not 1 <= key_size <= 64 or len(keys) != len(where) * key_size:
-        raise ValueError(f"keys must be {len(where)} keys of 1..64 bytes (got {len(keys)} bytes, key_size {key_size})")
+    if not 1 <= key_size <= MAX_KEY or len(keys) != len(where) * key_size:
+        raise ValueError(
+            f"keys must be {len(where)} keys of 1..{MAX_KEY} bytes (got {len(keys)} bytes, key_size {key_size})")
     sums = [0] * len(where) if checksums is None else _u64_values(checksums, "checksums")
     if len(sums) != len(where):
         raise ValueError(f"{len(where)} offsets but {len(sums)} checksums")
