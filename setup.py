@@ -24,7 +24,7 @@ import os
 import sys
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).parent.resolve()
@@ -129,7 +129,17 @@ class OptionalBuildExt(build_ext):
         print(f"\n*** kvstore: {message}\n", file=sys.stderr, flush=True)
 
 
+def _packages() -> list[str]:
+    """Every subpackage, found rather than listed: a hand-kept list once shipped a wheel without
+    kvstore_service.backends. The client package lives in client/ and installs as kvstore_client."""
+    service = find_packages(include=["kvstore_service", "kvstore_service.*"])
+    client = ["kvstore_client" + name[len("client"):] for name in find_packages(include=["client", "client.*"])]
+    return service + client
+
+
 setup(
+    packages=_packages(),
+    package_dir={"kvstore_client": "client"},
     ext_modules=[] if _flag("KVSTORE_NO_NATIVE") else [_native_extension()],
     cmdclass={"build_ext": OptionalBuildExt},
 )

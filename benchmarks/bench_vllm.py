@@ -50,7 +50,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore_service.process import DaemonProcess
+from kvstore_client.process import DaemonProcess
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent

@@ -49,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from soak import DaemonProcess, ShmEngine, content_of, key_of  # noqa: E402
 
-from kvstore_client import memfd  # noqa: E402
-from kvstore_client.completion import HEADER, MAGIC, VERSION, channel_bytes  # noqa: E402
-from kvstore_client.proto import kvstore_pb2 as pb  # noqa: E402
-from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc  # noqa: E402
+from kvstore_client.protocol import kvstore_pb2 as pb  # noqa: E402
+from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc  # noqa: E402
+from kvstore_client.protocol import memfd  # noqa: E402
+from kvstore_client.protocol.completion import HEADER, MAGIC, VERSION, channel_bytes  # noqa: E402
 
 SERVICE = "/kvstore.v1.KVStore/"
 METHODS = ("Register", "Attach", "Unregister", "Lookup", "ReleaseLease", "Store", "Load", "Poll", "Stats",

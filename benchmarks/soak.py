@@ -36,9 +36,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvstore_client import KVStoreClient, KVStoreError, MemorySpec, memfd
-from kvstore_client.completion import Completion
-from kvstore_service import process
+from kvstore_client import KVStoreClient, KVStoreError, MemorySpec, memfd, process
+from kvstore_client.protocol.completion import Completion
 
 REPO = Path(__file__).resolve().parent.parent
 Regions = Sequence[tuple[int, int, int]]

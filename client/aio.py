@@ -19,10 +19,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore_client.client import MAX_MESSAGE, MemorySpec, pack_keys, peer_handshake, registration, target_for
-from kvstore_client.completion import Completion, CompletionChannel
 from kvstore_client.errors import from_rpc_error
-from kvstore_client.proto import kvstore_pb2 as pb
-from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.protocol import kvstore_pb2 as pb
+from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.protocol.completion import Completion, CompletionChannel
 
 
 class AsyncKVStoreClient:

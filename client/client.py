@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore_client.completion import Completion, CompletionChannel
 from kvstore_client.errors import (
     FailedPrecondition,
     KVStoreError,
@@ -33,18 +32,14 @@ from kvstore_client.errors import (
     Unavailable,
     from_rpc_error,
 )
-from kvstore_client.proto import kvstore_pb2 as pb
-from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.protocol import PROTOCOL_VERSION, default_socket
+from kvstore_client.protocol import kvstore_pb2 as pb
+from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.protocol.completion import Completion, CompletionChannel
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SOCKET = "/tmp/kvstore/kvstore.sock"
-PROTOCOL_VERSION = pb.PROTOCOL_VERSION_CURRENT
 MAX_MESSAGE = 64 << 20
-
-
-def default_socket() -> str:
-    return os.environ.get("KVSTORE_SOCKET", DEFAULT_SOCKET)
 
 
 def target_for(socket: str | None) -> str:

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvstore_client import memfd
 from kvstore_client.client import MemorySpec
+from kvstore_client.protocol import memfd
 
 
 class SharedKVMemory:

@@ -32,9 +32,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstore_client.client import KVStoreClient, Session
-from kvstore_client.completion import Completion
 from kvstore_client.device import export_kv_memory, kv_regions, synchronize_before_store
 from kvstore_client.errors import KVStoreError
+from kvstore_client.protocol.completion import Completion
 from kvstore_client.shm import SharedKVMemory, move_to_shared_memory
 
 if TYPE_CHECKING:

@@ -216,7 +216,7 @@ def bench(socket: str, blocks: int, block_size: str, rounds: int, backend: str, 
     """Measure store/load GB/s against one contiguous memcpy, RPC floor, lookup, poll and submit costs."""
     from pydantic import ByteSize, TypeAdapter
 
-    from kvstore_service.bench import run_bench
+    from kvstore_client.bench import run_bench
 
     size = int(TypeAdapter(ByteSize).validate_python(block_size))
     results = run_bench(socket=None if spawn else socket, blocks=blocks, block_bytes=size, rounds=rounds,

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvstore_client.completion import CompletionChannel
+from kvstore_client.protocol.completion import CompletionChannel
 from kvstore_service import native
 from kvstore_service.backends import Backend, Mapping, TransferPlan, make_backend
 from kvstore_service.config import Config

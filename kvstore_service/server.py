@@ -15,8 +15,8 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore_client.proto import kvstore_pb2 as pb
-from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.protocol import kvstore_pb2 as pb
+from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_service import __version__
 from kvstore_service.config import Config
 from kvstore_service.core import MAX_KEY, MIN_KEY, KVError, KVStore, Layout, Region

@@ -1,4 +1,4 @@
-"""Generate the Python gRPC code in client/proto/ from proto/kvstore/v1/kvstore.proto.
+"""Generate the Python gRPC code in client/protocol/ from proto/kvstore/v1/kvstore.proto.
 
 Run `python proto/generate.py` after editing the .proto; `--check` (used by CI) fails when the
 committed code differs from a fresh generation.
@@ -14,9 +14,9 @@ from grpc_tools import protoc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTO = "kvstore/v1/kvstore.proto"
-OUT = ROOT / "client" / "proto"
-# grpcio-tools writes absolute imports from the proto path; the code lives in kvstore_client.proto.
-IMPORT_FIX = ("from kvstore.v1 import kvstore_pb2", "from kvstore_client.proto import kvstore_pb2")
+OUT = ROOT / "client" / "protocol"
+# grpcio-tools writes absolute imports from the proto path; the code lives in kvstore_client.protocol.
+IMPORT_FIX = ("from kvstore.v1 import kvstore_pb2", "from kvstore_client.protocol import kvstore_pb2")
 
 
 def generate(out_dir: pathlib.Path) -> dict[str, str]:
@@ -41,7 +41,6 @@ def main() -> int:
         print("generated code is up to date")
         return 0
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "__init__.py").write_text('"""Code generated from proto/kvstore/v1/kvstore.proto; do not edit."""\n')
     for name, text in files.items():
         (OUT / name).write_text(text)
     print(f"wrote {', '.join(files)} to {OUT}")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstore_service.process import DaemonProcess as Daemon
+from kvstore_client.process import DaemonProcess as Daemon
 
 __all__ = ["Daemon"]
 

@@ -9,11 +9,11 @@ import grpc
 import pytest
 from engine import Engine, key_of
 
-from kvstore_client import memfd
 from kvstore_client.client import peer_handshake
-from kvstore_client.completion import CompletionChannel
-from kvstore_client.proto import kvstore_pb2 as pb
-from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.protocol import kvstore_pb2 as pb
+from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.protocol import memfd
+from kvstore_client.protocol.completion import CompletionChannel
 from kvstore_client.shm import block_cache
 
 KB64 = 64 * 1024

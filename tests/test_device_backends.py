@@ -16,7 +16,10 @@ from engine import key_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvstore_client.device import (
+from kvstore_client.device import export_kv_memory, kv_regions, synchronize_before_store
+from kvstore_client.protocol import kvstore_pb2 as pb
+from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.protocol.handle import (
     MAX_HANDLE_BYTES,
     NPU_IPC_ALIGNMENT,
     DeviceHandle,
@@ -25,15 +28,10 @@ from kvstore_client.device import (
     decode_handle,
     device_index_for_uuid,
     encode_handle,
-    export_kv_memory,
     handle_from_share,
-    kv_regions,
     parse_npu_smi_board,
     resolve_handle,
-    synchronize_before_store,
 )
-from kvstore_client.proto import kvstore_pb2 as pb
-from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc
 from kvstore_service import native
 from kvstore_service.backends import make_backend
 

@@ -32,10 +32,10 @@ import fuzz  # noqa: E402
 from fuzz import U64, VICTIM_KEYS, Case, Session  # noqa: E402
 from soak import ShmEngine, content_of, key_of  # noqa: E402
 
-from kvstore_client import memfd  # noqa: E402
-from kvstore_client.completion import HEADER, MAGIC, VERSION, channel_bytes  # noqa: E402
-from kvstore_client.proto import kvstore_pb2 as pb  # noqa: E402
-from kvstore_client.proto import kvstore_pb2_grpc as pb_grpc  # noqa: E402
+from kvstore_client.protocol import kvstore_pb2 as pb  # noqa: E402
+from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc  # noqa: E402
+from kvstore_client.protocol import memfd  # noqa: E402
+from kvstore_client.protocol.completion import HEADER, MAGIC, VERSION, channel_bytes  # noqa: E402
 
 TOTAL = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "240"))
 WEIGHTS = {"Register": 4, "Lookup": 3, "Store": 3, "Load": 3, "raw": 5, "Handshake": 2, "Attach": 1,

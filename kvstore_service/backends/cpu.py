@@ -6,7 +6,7 @@ import ctypes
 import mmap
 import threading
 
-from kvstore_client import memfd
+from kvstore_client.protocol import memfd
 from kvstore_service import native
 from kvstore_service.backends.base import Backend, Mapping, TransferPlan
 from kvstore_service.pool import MADV_POPULATE_WRITE

@@ -23,7 +23,7 @@ import ctypes
 import logging
 from types import ModuleType
 
-from kvstore_client.device import check_inside_allocation, local_cuda_uuids, resolve_handle
+from kvstore_client.protocol.handle import check_inside_allocation, local_cuda_uuids, resolve_handle
 from kvstore_service import native
 from kvstore_service.backends.base import Backend, Mapping, TransferPlan
 

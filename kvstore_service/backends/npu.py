@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 from types import ModuleType
 
-from kvstore_client.device import local_npu_uuids, resolve_handle
+from kvstore_client.protocol.handle import local_npu_uuids, resolve_handle
 from kvstore_service import native
 from kvstore_service.backends.base import Backend, Mapping, TransferPlan
 

@@ -17,7 +17,7 @@ import os
 import struct
 from dataclasses import dataclass
 
-from kvstore_client import memfd
+from kvstore_client.protocol import memfd
 
 MAGIC = b"KVSDONE1"
 VERSION = 1

@@ -1,1 +1,0 @@
-"""Code generated from proto/kvstore/v1/kvstore.proto; do not edit."""
