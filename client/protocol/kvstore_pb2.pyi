@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -24,7 +22,7 @@ class Region(_message.Message):
     offset: int
     block_stride: int
     block_bytes: int
-    def __init__(self, offset: int | None = ..., block_stride: int | None = ..., block_bytes: int | None = ...) -> None: ...
+    def __init__(self, offset: _Optional[int] = ..., block_stride: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
     __slots__ = ("num_blocks", "regions")
@@ -32,7 +30,7 @@ class KVLayout(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     regions: _containers.RepeatedCompositeFieldContainer[Region]
-    def __init__(self, num_blocks: int | None = ..., regions: _Iterable[Region | _Mapping] | None = ...) -> None: ...
+    def __init__(self, num_blocks: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
 
 class MemoryHandle(_message.Message):
     __slots__ = ("backend", "handle", "size", "device")
@@ -44,7 +42,7 @@ class MemoryHandle(_message.Message):
     handle: bytes
     size: int
     device: int
-    def __init__(self, backend: str | None = ..., handle: bytes | None = ..., size: int | None = ..., device: int | None = ...) -> None: ...
+    def __init__(self, backend: _Optional[str] = ..., handle: _Optional[bytes] = ..., size: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("protocol_version", "engine_id", "namespace", "layout", "memory", "completion_slots", "peer_token")
@@ -62,7 +60,7 @@ class RegisterRequest(_message.Message):
     memory: MemoryHandle
     completion_slots: int
     peer_token: bytes
-    def __init__(self, protocol_version: int | None = ..., engine_id: str | None = ..., namespace: str | None = ..., layout: KVLayout | _Mapping | None = ..., memory: MemoryHandle | _Mapping | None = ..., completion_slots: int | None = ..., peer_token: bytes | None = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., completion_slots: _Optional[int] = ..., peer_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "block_bytes", "max_inflight_jobs", "daemon_version", "daemon_boot_id")
@@ -76,13 +74,13 @@ class RegisterResponse(_message.Message):
     max_inflight_jobs: int
     daemon_version: str
     daemon_boot_id: bytes
-    def __init__(self, session_id: bytes | None = ..., block_bytes: int | None = ..., max_inflight_jobs: int | None = ..., daemon_version: str | None = ..., daemon_boot_id: bytes | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., max_inflight_jobs: _Optional[int] = ..., daemon_version: _Optional[str] = ..., daemon_boot_id: _Optional[bytes] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
-    def __init__(self, session_id: bytes | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ...) -> None: ...
 
 class SessionEvent(_message.Message):
     __slots__ = ("attached", "shutdown")
@@ -90,25 +88,25 @@ class SessionEvent(_message.Message):
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
     attached: Attached
     shutdown: Shutdown
-    def __init__(self, attached: Attached | _Mapping | None = ..., shutdown: Shutdown | _Mapping | None = ...) -> None: ...
+    def __init__(self, attached: _Optional[_Union[Attached, _Mapping]] = ..., shutdown: _Optional[_Union[Shutdown, _Mapping]] = ...) -> None: ...
 
 class Attached(_message.Message):
     __slots__ = ("daemon_boot_id",)
     DAEMON_BOOT_ID_FIELD_NUMBER: _ClassVar[int]
     daemon_boot_id: bytes
-    def __init__(self, daemon_boot_id: bytes | None = ...) -> None: ...
+    def __init__(self, daemon_boot_id: _Optional[bytes] = ...) -> None: ...
 
 class Shutdown(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
     reason: str
-    def __init__(self, reason: str | None = ...) -> None: ...
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class UnregisterRequest(_message.Message):
     __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
-    def __init__(self, session_id: bytes | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ...) -> None: ...
 
 class UnregisterResponse(_message.Message):
     __slots__ = ()
@@ -128,7 +126,7 @@ class LookupRequest(_message.Message):
     key_size: int
     lease: bool
     lease_ttl_ms: int
-    def __init__(self, session_id: bytes | None = ..., namespace: str | None = ..., keys: bytes | None = ..., key_size: int | None = ..., lease: bool | None = ..., lease_ttl_ms: int | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hits", "lease_id")
@@ -136,7 +134,7 @@ class LookupResponse(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     hits: int
     lease_id: bytes
-    def __init__(self, hits: int | None = ..., lease_id: bytes | None = ...) -> None: ...
+    def __init__(self, hits: _Optional[int] = ..., lease_id: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseLeaseRequest(_message.Message):
     __slots__ = ("session_id", "lease_id")
@@ -144,7 +142,7 @@ class ReleaseLeaseRequest(_message.Message):
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     lease_id: bytes
-    def __init__(self, session_id: bytes | None = ..., lease_id: bytes | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., lease_id: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseLeaseResponse(_message.Message):
     __slots__ = ()
@@ -162,13 +160,13 @@ class TransferRequest(_message.Message):
     keys: bytes
     key_size: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: bytes | None = ..., job_id: int | None = ..., keys: bytes | None = ..., key_size: int | None = ..., block_ids: _Iterable[int] | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., job_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("job_id",)
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     job_id: int
-    def __init__(self, job_id: int | None = ...) -> None: ...
+    def __init__(self, job_id: _Optional[int] = ...) -> None: ...
 
 class PollRequest(_message.Message):
     __slots__ = ("session_id", "wait_ms")
@@ -176,7 +174,7 @@ class PollRequest(_message.Message):
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     wait_ms: int
-    def __init__(self, session_id: bytes | None = ..., wait_ms: int | None = ...) -> None: ...
+    def __init__(self, session_id: _Optional[bytes] = ..., wait_ms: _Optional[int] = ...) -> None: ...
 
 class JobResult(_message.Message):
     __slots__ = ("job_id", "is_store", "block_ok", "error")
@@ -188,13 +186,13 @@ class JobResult(_message.Message):
     is_store: bool
     block_ok: _containers.RepeatedScalarFieldContainer[bool]
     error: str
-    def __init__(self, job_id: int | None = ..., is_store: bool | None = ..., block_ok: _Iterable[bool] | None = ..., error: str | None = ...) -> None: ...
+    def __init__(self, job_id: _Optional[int] = ..., is_store: _Optional[bool] = ..., block_ok: _Optional[_Iterable[bool]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class PollResponse(_message.Message):
     __slots__ = ("jobs",)
     JOBS_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobResult]
-    def __init__(self, jobs: _Iterable[JobResult | _Mapping] | None = ...) -> None: ...
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobResult, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -222,7 +220,7 @@ class NamespaceStats(_message.Message):
     loaded_blocks: int
     evictions: int
     engines: int
-    def __init__(self, namespace: str | None = ..., blocks: int | None = ..., used_bytes: int | None = ..., block_bytes: int | None = ..., hits: int | None = ..., misses: int | None = ..., stored_blocks: int | None = ..., loaded_blocks: int | None = ..., evictions: int | None = ..., engines: int | None = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines", "leases", "jobs_in_flight", "failed_blocks", "store_failures_pool_full", "lease_expiries", "corrupt_blocks", "uptime_s", "namespaces", "daemon_version")
@@ -262,7 +260,7 @@ class StatsResponse(_message.Message):
     uptime_s: int
     namespaces: _containers.RepeatedCompositeFieldContainer[NamespaceStats]
     daemon_version: str
-    def __init__(self, capacity_bytes: int | None = ..., used_bytes: int | None = ..., blocks: int | None = ..., hits: int | None = ..., misses: int | None = ..., stored_blocks: int | None = ..., loaded_blocks: int | None = ..., evictions: int | None = ..., engines: int | None = ..., leases: int | None = ..., jobs_in_flight: int | None = ..., failed_blocks: int | None = ..., store_failures_pool_full: int | None = ..., lease_expiries: int | None = ..., corrupt_blocks: int | None = ..., uptime_s: int | None = ..., namespaces: _Iterable[NamespaceStats | _Mapping] | None = ..., daemon_version: str | None = ...) -> None: ...
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., leases: _Optional[int] = ..., jobs_in_flight: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., store_failures_pool_full: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., uptime_s: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., daemon_version: _Optional[str] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("namespace", "peer_token")
@@ -270,10 +268,10 @@ class ClearRequest(_message.Message):
     PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     peer_token: bytes
-    def __init__(self, namespace: str | None = ..., peer_token: bytes | None = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., peer_token: _Optional[bytes] = ...) -> None: ...
 
 class ClearResponse(_message.Message):
     __slots__ = ("cleared_blocks",)
     CLEARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     cleared_blocks: int
-    def __init__(self, cleared_blocks: int | None = ...) -> None: ...
+    def __init__(self, cleared_blocks: _Optional[int] = ...) -> None: ...
