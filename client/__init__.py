@@ -30,7 +30,11 @@ _HOMES = {
     "NotFound": "errors", "PermissionDenied": "errors", "ResourceExhausted": "errors", "Unavailable": "errors",
     "DEFAULT_SOCKET": "protocol", "default_socket": "protocol", "Completion": "protocol.completion",
 }
-__all__ = sorted(_HOMES)
+__all__ = [
+    "DEFAULT_SOCKET", "AlreadyExists", "Completion", "FailedPrecondition", "InvalidArgument", "KVStoreClient",
+    "KVStoreError", "MemorySpec", "NotFound", "PermissionDenied", "ResourceExhausted", "Session", "Unavailable",
+    "default_socket",
+]
 
 
 def __getattr__(name: str) -> Any:
