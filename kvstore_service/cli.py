@@ -1,20 +1,31 @@
-"""The `kvstore` command: serve, stats, lookup, health, clear, bench."""
+"""The `kvstore` command: serve, stats, lookup, health, clear, bench.
+
+The daemon process loads this module (`kvstore serve`), so of the client package it imports only
+`kvstore_client.protocol` at module level; the client commands load the client library in `_daemon`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 import typing
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import click
-from google.protobuf.json_format import MessageToDict
 from pydantic import ValidationError
 
-from kvstore_client import KVStoreClient, KVStoreError, Unavailable
-from kvstore_client.client import default_socket
+from kvstore_client.protocol import default_socket
 from kvstore_service.config import Config
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+    from rich.table import Table
+
+    from kvstore_client import KVStoreClient
+    from kvstore_service.stats import NamespaceStats, Stats
 
 EXIT_UNREACHABLE = 3
 
@@ -57,19 +68,28 @@ def serve(config_file: str | None, **flags: Any) -> None:
         config = Config.load(config_file, **overrides)
     except (ValidationError, ValueError) as e:
         raise click.UsageError(f"bad configuration: {e}") from None
-    from kvstore_service.server import run
+    from kvstore_service.daemon import run
 
     run(config)
 
 
-def _client(socket: str) -> KVStoreClient:
-    return KVStoreClient(socket, timeout=5.0)
+@contextlib.contextmanager
+def _daemon(socket: str) -> Iterator[KVStoreClient]:
+    """A client of the daemon at `socket`, for one command. Cannot reach it: say so and exit 3;
+    a request refused: a usage-style error (exit 1) with the daemon's reason."""
+    from kvstore_client import KVStoreClient, KVStoreError, Unavailable
 
-
-def _fail_unreachable(socket: str, error: Exception) -> None:
-    click.echo(f"kvstore: cannot reach the daemon at {socket}: {error}\n"
-               "Is `kvstore serve` running? Set --socket or KVSTORE_SOCKET.", err=True)
-    sys.exit(EXIT_UNREACHABLE)
+    client = KVStoreClient(socket, timeout=5.0)
+    try:
+        yield client
+    except Unavailable as e:
+        click.echo(f"kvstore: cannot reach the daemon at {socket}: {e}\n"
+                   "Is `kvstore serve` running? Set --socket or KVSTORE_SOCKET.", err=True)
+        sys.exit(EXIT_UNREACHABLE)
+    except KVStoreError as e:
+        raise click.ClickException(str(e)) from None
+    finally:
+        client.close()
 
 
 def _human(n: float) -> str:
@@ -80,82 +100,145 @@ def _human(n: float) -> str:
     return str(n)
 
 
-def stats_dict(client: KVStoreClient) -> dict[str, Any]:
-    reply = client.stats()
-    data = MessageToDict(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    for key, value in list(data.items()):  # uint64 fields arrive as strings in proto JSON
-        if isinstance(value, str) and value.isdigit():
-            data[key] = int(value)
-    for ns in data.get("namespaces", []):
-        for key, value in list(ns.items()):
-            if isinstance(value, str) and value.isdigit():
-                ns[key] = int(value)
-    lookups = data["hits"] + data["misses"]
-    data["hit_rate"] = data["hits"] / lookups if lookups else 0.0
-    return data
+def _count(n: int) -> str:
+    """At most 6 characters: 9999, 12.3k, 4.6M, 7.9G, 1.2T."""
+    if n < 10_000:
+        return str(n)
+    value = float(n)
+    for unit in ("k", "M", "G", "T"):
+        value /= 1000
+        if value < 999.95 or unit == "T":
+            return f"{value:.1f}{unit}" if value < 99.95 else f"{value:.0f}{unit}"
+    return str(n)
 
 
-def _render_stats(data: dict[str, Any]) -> Any:
+def _percent(ns: NamespaceStats | Stats) -> str:
+    return f"{ns.hit_rate:.1%}" if ns.hits + ns.misses else "-"
+
+
+def fetch_stats(client: KVStoreClient) -> Stats:
+    from kvstore_service.stats import from_proto
+
+    return from_proto(client.stats())
+
+
+def _compact_namespace(name: str) -> tuple[str, str]:
+    """(what to show for it, tp) of a namespace string, never its salt. The vLLM connector's
+    `model=ORG/NAME;dtype=...;tp=R/N;pp=...[;salt=...]`: (NAME, R/N); other `key=value;...` strings:
+    their parts but the salt; any other string: itself (the table cuts it short with an ellipsis)."""
+    fields: dict[str, str] = {}
+    for part in name.split(";"):
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            return name, "-"
+        fields[key] = value
+    model = fields.get("model", "").rstrip("/")
+    if model:
+        return model.rsplit("/", 1)[-1], fields.get("tp", "-")
+    return ";".join(f"{k}={v}" for k, v in fields.items() if k != "salt"), fields.get("tp", "-")
+
+
+def _namespace_table(stats: Stats, width: int) -> Table:
+    """One row per namespace in `width` columns: short id, model, TP rank and the main figures."""
+    from rich.table import Table
+
+    headers = ("id", "namespace", "tp", "blocks", "used", "hit%", "stored", "loaded")
+    rows = []
+    for ns in stats.namespaces:
+        shown, tp = _compact_namespace(ns.namespace)
+        rows.append((ns.short_id, shown, tp, _count(ns.blocks), _human(ns.used_bytes), _percent(ns),
+                     _count(ns.stored_blocks), _count(ns.loaded_blocks)))
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+    # No box: two spaces between columns; the namespace column gets what the others leave.
+    room = max(len(headers[1]), width - (sum(widths) - widths[1]) - 2 * (len(headers) - 1))
+    table = Table(title="namespaces", caption="full namespace strings: kvstore stats --wide", box=None,
+                  pad_edge=False, title_justify="left", caption_justify="left", header_style="bold underline")
+    for i, header in enumerate(headers):
+        if i == 1:
+            table.add_column(header, no_wrap=True, overflow="ellipsis", max_width=room)
+        else:
+            table.add_column(header, no_wrap=True, justify="left" if i in (0, 2) else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _wide_namespace_table(stats: Stats) -> Table:
+    """Every figure, in full, with the full namespace string (wider than a terminal, as asked)."""
+    from rich.table import Table
+
+    table = Table(title="namespaces")
+    columns = ("id", "namespace", "blocks", "used bytes", "block bytes", "hits", "misses", "hit%", "stored",
+               "loaded", "evictions", "engines")
+    for column in columns:
+        table.add_column(column, no_wrap=True, justify="left" if column in ("id", "namespace") else "right")
+    for ns in stats.namespaces:
+        table.add_row(ns.short_id, ns.namespace, str(ns.blocks), str(ns.used_bytes), str(ns.block_bytes),
+                      str(ns.hits), str(ns.misses), _percent(ns), str(ns.stored_blocks), str(ns.loaded_blocks),
+                      str(ns.evictions), str(ns.engines))
+    return table
+
+
+def _render_stats(stats: Stats, width: int, wide: bool = False) -> RenderableType:
     from rich.console import Group
     from rich.table import Table
 
     summary = Table(title="kvstore", show_header=False)
-    used = data["used_bytes"] / data["capacity_bytes"] if data["capacity_bytes"] else 0
     rows = [
-        ("pool", f"{_human(data['used_bytes'])} / {_human(data['capacity_bytes'])} ({used:.0%})"),
-        ("blocks", str(data["blocks"])),
-        ("hits / misses", f"{data['hits']} / {data['misses']} ({data['hit_rate']:.1%} hit rate)"),
-        ("stored / loaded blocks", f"{data['stored_blocks']} / {data['loaded_blocks']}"),
-        ("evictions", str(data["evictions"])),
-        ("engines / leases / jobs in flight", f"{data['engines']} / {data['leases']} / {data['jobs_in_flight']}"),
-        ("failed blocks / corrupt", f"{data['failed_blocks']} / {data['corrupt_blocks']}"),
-        ("uptime", f"{data['uptime_s']} s (daemon {data['daemon_version']})"),
+        ("pool", f"{_human(stats.used_bytes)} / {_human(stats.capacity_bytes)} ({stats.used_fraction:.0%})"),
+        ("blocks", str(stats.blocks)),
+        ("hits / misses", f"{stats.hits} / {stats.misses} ({stats.hit_rate:.1%} hit rate)"),
+        ("stored / loaded blocks", f"{stats.stored_blocks} / {stats.loaded_blocks}"),
+        ("evictions", str(stats.evictions)),
+        ("engines / leases / jobs in flight", f"{stats.engines} / {stats.leases} / {stats.jobs_in_flight}"),
+        ("failed blocks / corrupt", f"{stats.failed_blocks} / {stats.corrupt_blocks}"),
+        ("uptime", f"{stats.uptime_s} s (daemon {stats.daemon_version})"),
     ]
     for k, v in rows:
         summary.add_row(k, v)
-    per_ns = Table(title="namespaces")
-    for column in ("namespace", "blocks", "used", "block size", "hits", "misses", "stored", "loaded",
-                   "evictions", "engines"):
-        per_ns.add_column(column, justify="left" if column == "namespace" else "right",
-                          no_wrap=column == "namespace")
-    for ns in data.get("namespaces", []):
-        per_ns.add_row(ns["namespace"], str(ns["blocks"]), _human(ns["used_bytes"]), _human(ns["block_bytes"]),
-                       str(ns["hits"]), str(ns["misses"]), str(ns["stored_blocks"]), str(ns["loaded_blocks"]),
-                       str(ns["evictions"]), str(ns["engines"]))
-    return Group(summary, per_ns)
+    if not stats.namespaces:
+        return summary
+    return Group(summary, _wide_namespace_table(stats) if wide else _namespace_table(stats, width))
+
+
+def _console(wide: bool) -> Console:
+    from rich.console import Console
+
+    # --wide: lines as long as the full namespace strings make them, not cut to the terminal.
+    return Console(width=1 << 14) if wide else Console()
 
 
 @main.command()
 @socket_option
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object (one a line with --watch).")
+@click.option("--wide", is_flag=True, help="Full namespace strings and every per-namespace figure.")
 @click.option("--watch", type=float, default=None, metavar="SECONDS", help="Refresh every SECONDS.")
-def stats(socket: str, as_json: bool, watch: float | None) -> None:
-    """Pool use, hits, stores and loads: total and per namespace."""
-    client = _client(socket)
-    try:
-        if watch is None:
-            data = stats_dict(client)
+def stats(socket: str, as_json: bool, wide: bool, watch: float | None) -> None:
+    """Pool use, hits, stores and loads: total and per namespace (namespaces by model, TP rank and a
+    short id; --wide for their full strings)."""
+    from kvstore_service.stats import to_json_dict
+
+    with _daemon(socket) as client:
+        try:
             if as_json:
-                click.echo(json.dumps(data))
-            else:
-                from rich.console import Console
+                while True:
+                    click.echo(json.dumps(to_json_dict(fetch_stats(client))))
+                    if watch is None:
+                        return
+                    time.sleep(watch)
+            console = _console(wide)
+            if watch is None:
+                console.print(_render_stats(fetch_stats(client), console.width, wide))
+                return
+            from rich.live import Live
 
-                Console().print(_render_stats(data))
-            return
-        from rich.live import Live
-
-        with Live(_render_stats(stats_dict(client)), refresh_per_second=4) as live:
-            while True:
-                time.sleep(watch)
-                data = stats_dict(client)
-                if as_json:
-                    click.echo(json.dumps(data))
-                else:
-                    live.update(_render_stats(data))
-    except Unavailable as e:
-        _fail_unreachable(socket, e)
-    except KeyboardInterrupt:
-        pass
+            with Live(_render_stats(fetch_stats(client), console.width, wide), console=console,
+                      refresh_per_second=4) as live:
+                while True:
+                    time.sleep(watch)
+                    live.update(_render_stats(fetch_stats(client), console.width, wide))
+        except KeyboardInterrupt:
+            pass
 
 
 @main.command()
@@ -168,12 +251,8 @@ def lookup(socket: str, namespace: str, keys: tuple[str, ...]) -> None:
         raw = [bytes.fromhex(k) for k in keys]
     except ValueError as e:
         raise click.BadParameter(f"keys must be hex: {e}") from None
-    try:
-        hits = _client(socket).lookup(namespace, raw)
-    except Unavailable as e:
-        _fail_unreachable(socket, e)
-    except KVStoreError as e:
-        raise click.ClickException(str(e)) from None
+    with _daemon(socket) as client:
+        hits = client.lookup(namespace, raw)
     click.echo(f"{hits} of {len(raw)} leading keys present")
 
 
@@ -181,10 +260,8 @@ def lookup(socket: str, namespace: str, keys: tuple[str, ...]) -> None:
 @socket_option
 def health(socket: str) -> None:
     """Exit 0 when the daemon is SERVING (for probes); non-zero otherwise."""
-    try:
-        status = _client(socket).health()
-    except Unavailable as e:
-        _fail_unreachable(socket, e)
+    with _daemon(socket) as client:
+        status = client.health()
     click.echo(status)
     if status != "SERVING":
         sys.exit(1)
@@ -195,10 +272,8 @@ def health(socket: str) -> None:
 @click.option("--namespace", "-n", default="", help="Only this namespace (default: all).")
 def clear(socket: str, namespace: str) -> None:
     """Drop the cached blocks (pinned blocks stay)."""
-    try:
-        n = _client(socket).clear(namespace)
-    except Unavailable as e:
-        _fail_unreachable(socket, e)
+    with _daemon(socket) as client:
+        n = client.clear(namespace)
     click.echo(f"cleared {n} blocks")
 
 

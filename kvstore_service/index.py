@@ -1,8 +1,14 @@
-"""Which key lives in which pool slot: the one owner of that map (no locks; the event loop owns it).
+"""Which key lives in which pool slot: the one owner and only writer of block and namespace state.
 
-A block is WRITING while its store copy runs (in its namespace's `writing`) and COMMITTED after
-(in `entries`, the only map lookups and loads read). Pinned blocks (leased, or being loaded) and
-writing blocks are never evicted; the rest are evicted least recently used first, per payload size.
+The event loop owns the index; nothing else touches its maps, and there are no locks. The rest of
+the daemon keeps books through the verbs below, in the order vLLM's offload manager uses them:
+`lookup`; `prepare_store` -> (copy) -> `complete_store` -> (checksum) -> `seal`; `prepare_load` ->
+(copy) -> `complete_load`; `pin`/`unpin` for leases; `clear`; `recover` after a restart.
+
+A block is WRITING while its store copy runs (invisible to lookups and loads) and COMMITTED after.
+Pinned blocks (leased, being loaded or sealed) and WRITING blocks are never evicted; the rest go
+least recently used first, per payload size. A block removed while pinned is DOOMED: its slot is
+freed at the last unpin.
 """
 
 from __future__ import annotations
@@ -11,18 +17,24 @@ import hashlib
 import operator
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from functools import lru_cache, partial
 from itertools import chain, repeat, takewhile
 
-from kvstore_service.pool import COMMITTED, SEALED, WRITING, Pool, SlotRef
+from kvstore_service.pool import Pool, SlotRef, SlotState
 
-DOOMED = -1  # removed from the index, slot freed at the last unpin
 _first = operator.itemgetter(0)
 _key = operator.attrgetter("key")
 _is_block = partial(operator.is_not, None)
 KEYS_PER_UNPACK = 64
+
+
+class BlockState(Enum):
+    WRITING = "writing"  # its store copy runs; its slot header is invalid
+    COMMITTED = "committed"  # every byte is in; lookups and loads see it
+    DOOMED = "doomed"  # removed while pinned; the slot is freed at the last unpin
 
 
 @lru_cache(maxsize=8)
@@ -45,7 +57,7 @@ def namespace_hash(name: str) -> bytes:
 
 
 @dataclass(slots=True)
-class NamespaceStats:
+class NamespaceCounters:
     hits: int = 0
     misses: int = 0
     stored_blocks: int = 0
@@ -55,16 +67,17 @@ class NamespaceStats:
 
 @dataclass(slots=True, eq=False)
 class Namespace:
-    name: str
+    name: str  # "" when recovered from the pool (headers carry the hash only) until an engine names it
     ns_hash: bytes
     block_bytes: int
-    entries: dict[bytes, Block] = field(default_factory=dict)  # key -> committed block
-    writing: dict[bytes, Block] = field(default_factory=dict)  # key -> block whose store copy runs
-    stats: NamespaceStats = field(default_factory=NamespaceStats)
+    counters: NamespaceCounters = field(default_factory=NamespaceCounters)
+    # Written by BlockIndex only.
+    _committed: dict[bytes, Block] = field(default_factory=dict)
+    _writing: dict[bytes, Block] = field(default_factory=dict)
 
     @property
     def blocks(self) -> int:
-        return len(self.entries) + len(self.writing)
+        return len(self._committed) + len(self._writing)
 
 
 @dataclass(slots=True, eq=False)
@@ -75,7 +88,7 @@ class Block:
     slot: int
     offset: int  # of the payload in the pool file
     header: int  # of the slot header in the pool file
-    state: int = WRITING
+    state: BlockState = BlockState.WRITING
     pins: int = 0
     checksum: int | None = None  # None until computed after the store
 
@@ -87,7 +100,17 @@ class Block:
 def _home(block: Block) -> dict[bytes, Block]:
     """The map of its namespace a present block lives in, by its state."""
     ns = block.namespace
-    return ns.entries if block.state == COMMITTED else ns.writing
+    return ns._committed if block.state is BlockState.COMMITTED else ns._writing
+
+
+@dataclass(slots=True)
+class StorePlan:
+    """What `prepare_store` decided for each key of a chunk (indexes into the keys given)."""
+
+    present: list[int]  # already committed: nothing to copy
+    in_flight: list[tuple[int, Block]]  # being written by another store: wait for it
+    reserved: list[tuple[int, Block]]  # a fresh WRITING slot each: copy these
+    refused: int  # no slot could be freed (every block pinned or being written)
 
 
 class BlockIndex:
@@ -95,9 +118,9 @@ class BlockIndex:
         self.pool = pool
         self.namespaces: dict[bytes, Namespace] = {}
         self.count = 0
-        self.lru: dict[int, OrderedDict[Block, None]] = {}  # payload size -> committed blocks, oldest first
-        self.by_segment: dict[int, dict[int, Block]] = {}
         self.evictions = 0
+        self._lru: dict[int, OrderedDict[Block, None]] = {}  # payload size -> committed blocks, oldest first
+        self._by_segment: dict[int, dict[int, Block]] = {}
 
     # -- namespaces ------------------------------------------------------------------------------
 
@@ -118,41 +141,62 @@ class BlockIndex:
     def find_namespace(self, name: str) -> Namespace | None:
         return self.namespaces.get(namespace_hash(name))
 
-    # -- lookups ---------------------------------------------------------------------------------
+    # -- lookups and pins ------------------------------------------------------------------------
 
-    def get(self, ns: Namespace, key: bytes) -> Block | None:
-        return ns.entries.get(key)
-
-    def prefix(self, ns: Namespace, keys: bytes, key_size: int) -> list[Block]:
-        """The blocks of the leading keys (packed, `key_size` bytes each) that are all present.
+    def lookup(self, ns: Namespace, keys: bytes, key_size: int) -> list[Block]:
+        """The blocks of the leading keys (packed, `key_size` bytes each) that are all committed.
         Iterators chained in C, no Python code per key: a 1000-key lookup is on the RPC's latency."""
-        return list(takewhile(_is_block, map(ns.entries.get, unpack_keys(keys, key_size))))
+        found = list(takewhile(_is_block, map(ns._committed.get, unpack_keys(keys, key_size))))
+        ns.counters.hits += len(found)
+        ns.counters.misses += len(keys) // key_size - len(found)
+        return found
 
-    def touch(self, block: Block) -> None:
-        lru = self.lru.get(block.namespace.block_bytes)
+    def pin(self, blocks: Iterable[Block]) -> None:
+        """Keep blocks from eviction (a lease, a load, a seal), most recently used from now."""
+        for block in blocks:
+            block.pins += 1
+            self._touch(block)
+
+    def unpin(self, blocks: Iterable[Block]) -> None:
+        for block in blocks:
+            block.pins -= 1
+            assert block.pins >= 0, "unbalanced unpin"
+            if block.pins == 0 and block.state is BlockState.DOOMED:
+                self._free(block)
+
+    def _touch(self, block: Block) -> None:
+        lru = self._lru.get(block.namespace.block_bytes)
         if lru is not None and block in lru:
             lru.move_to_end(block)
 
-    def pin(self, block: Block) -> None:
-        block.pins += 1
-
-    def unpin(self, block: Block) -> None:
-        block.pins -= 1
-        assert block.pins >= 0, "unbalanced unpin"
-        if block.pins == 0 and block.state == DOOMED:
-            self._free(block)
-
     # -- stores ----------------------------------------------------------------------------------
 
-    def begin_stores(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
-        """Reserve a slot for each new key (WRITING), evicting if needed; fewer blocks than keys
-        (the first ones) when the pool is full. A slot's header stays invalid until its bytes are
-        in: a crash mid-copy drops it. Built with C-level map/zip: this runs for every stored block."""
+    def prepare_store(self, ns: Namespace, keys: list[bytes]) -> StorePlan:
+        """Sort a chunk's keys: present, being written by another store, or new; reserve a WRITING
+        slot for each new key (evicting if needed) until the pool runs out."""
+        present: list[int] = []
+        in_flight: list[tuple[int, Block]] = []
+        new: list[int] = []
+        committed, writing = ns._committed, ns._writing
+        for i, key in enumerate(keys):
+            if key in committed:
+                present.append(i)
+            elif key in writing:
+                in_flight.append((i, writing[key]))
+            else:
+                new.append(i)
+        blocks = self._reserve(ns, [keys[i] for i in new])
+        return StorePlan(present, in_flight, list(zip(new, blocks, strict=False)), len(new) - len(blocks))
+
+    def _reserve(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
+        """A WRITING slot for each key (the first ones when the pool runs out). A slot's header
+        stays invalid until its bytes are in: a crash mid-copy drops it. Built with C-level map/zip:
+        this runs for every stored block."""
         blocks: list[Block] = []
         for seg, slots in self.pool.allocate_many(ns.block_bytes, len(keys)):
             new = list(map(Block, keys[len(blocks):len(blocks) + len(slots)], repeat(ns), repeat(seg.index), slots,
                            map(seg.payload_offset, slots), map(seg.header_offset, slots)))
-            self.by_segment.setdefault(seg.index, {}).update(zip(slots, new, strict=True))
+            self._by_segment.setdefault(seg.index, {}).update(zip(slots, new, strict=True))
             blocks += new
         while len(blocks) < len(keys):
             ref = self._evict_for(ns.block_bytes)
@@ -160,35 +204,143 @@ class BlockIndex:
                 break
             block = Block(keys[len(blocks)], ns, ref.segment, ref.slot, self.pool.payload_offset(ref),
                           self.pool.header_offset(ref))
-            self.by_segment.setdefault(ref.segment, {})[ref.slot] = block
+            self._by_segment.setdefault(ref.segment, {})[ref.slot] = block
             blocks.append(block)
-        ns.writing.update(zip(keys, blocks, strict=False))  # blocks: the first keys
+        ns._writing.update(zip(keys, blocks, strict=False))  # blocks: the first keys
         self.count += len(blocks)
         return blocks
 
-    def commit(self, blocks: list[Block]) -> list[Block]:
-        """Every byte of these blocks (of one namespace) is in the pool and their STORED headers are
-        written: lookups and loads see them from now on. Returns those committed; a block dropped
-        while it was written is not (its slot is free already)."""
+    def complete_store(self, blocks: list[Block], ok: bool) -> list[Block]:
+        """The copy of these blocks (of one namespace) ended. If `ok`, every byte is in the pool and
+        their STORED headers are written: they are committed (lookups and loads see them) and
+        pinned until `seal`. Returns the committed ones; a block dropped while it was written is
+        not among them (its slot is free already), nor is any block of a failed copy."""
         if not blocks:
             return []
+        if not ok:
+            for block in blocks:
+                if self._present(block):
+                    self._drop(block)
+            return []
         ns = blocks[0].namespace
-        writing = ns.writing
+        writing = ns._writing
         done = [b for b in blocks if writing.get(b.key) is b]
         for block in done:
             del writing[block.key]
-            block.state = COMMITTED
-        ns.entries.update(zip(map(_key, done), done, strict=True))
-        self.lru.setdefault(ns.block_bytes, OrderedDict()).update(dict.fromkeys(done))
+            block.state = BlockState.COMMITTED
+            block.pins += 1
+        ns._committed.update(zip(map(_key, done), done, strict=True))
+        self._lru.setdefault(ns.block_bytes, OrderedDict()).update(dict.fromkeys(done))
+        ns.counters.stored_blocks += len(done)
         return done
 
-    def abort(self, block: Block) -> None:
-        """A store that did not copy every byte: forget the block."""
-        if self.present(block):
-            self.drop(block)
+    def seal(self, blocks: list[Block], checksums: list[int] | None) -> None:
+        """Their checksums are taken and sealed into their slot headers (None: that failed). Unpins
+        them; a block dropped meanwhile gets its header invalidated (its slot was still ours)."""
+        for n, block in enumerate(blocks):
+            if not self._present(block):
+                self.pool.invalidate(block.ref)
+            elif checksums is not None:
+                block.checksum = checksums[n]
+        self.unpin(blocks)
 
-    def present(self, block: Block) -> bool:
+    def unsealed(self, batch: int) -> Iterator[list[Block]]:
+        """Recovered blocks that have no checksum yet (the daemon died before taking it), pinned,
+        a batch of one namespace at a time: `seal` them."""
+        for ns in list(self.namespaces.values()):
+            todo = [b for b in ns._committed.values() if b.checksum is None]
+            for start in range(0, len(todo), batch):
+                blocks = [b for b in todo[start:start + batch] if self._present(b)]
+                if blocks:
+                    for block in blocks:  # (not touched: sealing is no use)
+                        block.pins += 1
+                    yield blocks
+
+    # -- loads -----------------------------------------------------------------------------------
+
+    def prepare_load(self, ns: Namespace, keys: list[bytes]) -> list[Block | None]:
+        """The committed block of each key, pinned until `complete_load`; None where absent."""
+        blocks = list(map(ns._committed.get, keys))
+        self.pin(filter(_is_block, blocks))  # type: ignore[arg-type]
+        return blocks
+
+    def complete_load(self, blocks: list[Block], corrupt: list[Block]) -> None:
+        """The copy of these blocks ended; `corrupt` ones failed their checksum and are removed."""
+        for block in corrupt:
+            self._discard(block)
+        if blocks:
+            blocks[0].namespace.counters.loaded_blocks += len(blocks) - len(corrupt)
+        self.unpin(blocks)
+
+    # -- removal ---------------------------------------------------------------------------------
+
+    def clear(self, ns: Namespace | None = None) -> int:
+        """Drop every unpinned committed block (of one namespace). Returns how many."""
+        namespaces = [ns] if ns is not None else list(self.namespaces.values())
+        victims = [b for n in namespaces for b in n._committed.values() if b.pins == 0]
+        for block in victims:
+            self._drop(block)
+        return len(victims)
+
+    def _present(self, block: Block) -> bool:
         return _home(block).get(block.key) is block
+
+    def _drop(self, block: Block) -> None:
+        """Remove an unpinned block and free its slot."""
+        self._unlist(block)
+        self._free(block)
+
+    def _discard(self, block: Block) -> None:
+        """Remove a bad block at once; its slot is freed when the last pin goes."""
+        if not self._present(block):
+            return
+        if block.pins == 0:
+            self._drop(block)
+            return
+        self._unlist(block)
+        self.pool.invalidate(block.ref)  # a restart must not bring it back
+        block.state = BlockState.DOOMED
+
+    def _unlist(self, block: Block) -> None:
+        del _home(block)[block.key]
+        self.count -= 1
+        lru = self._lru.get(block.namespace.block_bytes)
+        if lru is not None:
+            lru.pop(block, None)
+
+    def _free(self, block: Block) -> None:
+        del self._by_segment[block.segment][block.slot]
+        self.pool.release(block.ref)
+
+    def _evictable(self, block: Block) -> bool:
+        return block.state is BlockState.COMMITTED and block.pins == 0
+
+    def _evict(self, block: Block) -> None:
+        block.namespace.counters.evictions += 1
+        self.evictions += 1
+        self._drop(block)
+
+    def _evict_for(self, payload_size: int) -> SlotRef | None:
+        """Free a slot of this size: evict the LRU unpinned block of the same size, else empty
+        a whole segment of another size whose blocks are all evictable."""
+        lru = self._lru.get(payload_size)
+        if lru:
+            for block in lru:
+                if self._evictable(block):
+                    self._evict(block)
+                    return self.pool.allocate(payload_size)
+        for size, other in self._lru.items():
+            if size == payload_size:
+                continue
+            for block in other:
+                segment = self._by_segment.get(block.segment, {})
+                if all(self._evictable(b) for b in segment.values()):
+                    for victim in list(segment.values()):
+                        self._evict(victim)
+                    return self.pool.allocate(payload_size)
+        return None
+
+    # -- restart ---------------------------------------------------------------------------------
 
     def recover(self) -> int:
         """Rebuild the index from a re-attached pool's slot headers (oldest first, for LRU)."""
@@ -197,79 +349,11 @@ class BlockIndex:
             ns = self.namespaces.get(header.ns_hash)
             if ns is None:
                 ns = self.namespaces[header.ns_hash] = Namespace("", header.ns_hash, header.payload_len)
-            checksum = header.checksum if header.state == SEALED else None
+            checksum = header.checksum if header.state == SlotState.SEALED else None
             block = Block(header.key, ns, ref.segment, ref.slot, self.pool.payload_offset(ref),
-                          self.pool.header_offset(ref), COMMITTED, 0, checksum)
-            self._insert(block)
-            self.lru.setdefault(ns.block_bytes, OrderedDict())[block] = None
+                          self.pool.header_offset(ref), BlockState.COMMITTED, 0, checksum)
+            ns._committed[block.key] = block
+            self.count += 1
+            self._by_segment.setdefault(block.segment, {})[block.slot] = block
+            self._lru.setdefault(ns.block_bytes, OrderedDict())[block] = None
         return len(found)
-
-    # -- removal ---------------------------------------------------------------------------------
-
-    def drop(self, block: Block) -> None:
-        """Remove an unpinned block and free its slot."""
-        self._unlist(block)
-        self._free(block)
-
-    def discard(self, block: Block) -> None:
-        """Remove a bad block at once; its slot is freed when the last pin goes."""
-        if not self.present(block):
-            return
-        if block.pins == 0:
-            self.drop(block)
-            return
-        self._unlist(block)
-        self.pool.invalidate(block.ref)  # a restart must not bring it back
-        block.state = DOOMED
-
-    def _unlist(self, block: Block) -> None:
-        del _home(block)[block.key]
-        self.count -= 1
-        lru = self.lru.get(block.namespace.block_bytes)
-        if lru is not None:
-            lru.pop(block, None)
-
-    def _free(self, block: Block) -> None:
-        del self.by_segment[block.segment][block.slot]
-        self.pool.release(block.ref)
-
-    def clear(self, ns: Namespace | None = None) -> int:
-        """Drop every unpinned committed block (of one namespace). Returns how many."""
-        namespaces = [ns] if ns is not None else list(self.namespaces.values())
-        victims = [b for n in namespaces for b in n.entries.values() if b.pins == 0]
-        for block in victims:
-            self.drop(block)
-        return len(victims)
-
-    def _insert(self, block: Block) -> None:
-        block.namespace.entries[block.key] = block
-        self.count += 1
-        self.by_segment.setdefault(block.segment, {})[block.slot] = block
-
-    def _evictable(self, block: Block) -> bool:
-        return block.state == COMMITTED and block.pins == 0
-
-    def _evict(self, block: Block) -> None:
-        block.namespace.stats.evictions += 1
-        self.evictions += 1
-        self.drop(block)
-
-    def _evict_for(self, payload_size: int) -> SlotRef | None:
-        """Free a slot of this size: evict the LRU unpinned block of the same size, else empty
-        a whole segment of another size whose blocks are all evictable."""
-        lru = self.lru.get(payload_size)
-        if lru:
-            for block in lru:
-                if self._evictable(block):
-                    self._evict(block)
-                    return self.pool.allocate(payload_size)
-        for size, other in self.lru.items():
-            if size == payload_size:
-                continue
-            for block in other:
-                segment = self.by_segment.get(block.segment, {})
-                if all(self._evictable(b) for b in segment.values()):
-                    for victim in list(segment.values()):
-                        self._evict(victim)
-                    return self.pool.allocate(payload_size)
-        return None

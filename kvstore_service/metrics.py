@@ -7,11 +7,13 @@ owns them); only job latencies and gRPC errors are recorded as they happen.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kvstore_service.stats import NamespaceStats, Stats
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -35,50 +37,55 @@ class Metrics:
         self.copy_seconds.labels(kind).inc(copy_seconds)
         self.copied_bytes.labels(kind).inc(nbytes)
 
-    def serve(self, port: int, stats_snapshot, loop: asyncio.AbstractEventLoop) -> None:
-        self.registry.register(_StatsCollector(stats_snapshot, loop))
+    def serve(self, port: int, stats: Callable[[], Stats], loop: asyncio.AbstractEventLoop) -> None:
+        """Serve /metrics on `port`; each scrape calls `stats` on `loop` (which owns the counters)."""
+        self.registry.register(_StatsCollector(stats, loop))
         start_http_server(port, registry=self.registry)
 
 
 class _StatsCollector(Collector):
-    def __init__(self, stats_snapshot, loop: asyncio.AbstractEventLoop) -> None:
-        self.snapshot = stats_snapshot
+    def __init__(self, stats: Callable[[], Stats], loop: asyncio.AbstractEventLoop) -> None:
+        self.stats = stats
         self.loop = loop
 
-    def collect(self) -> Iterator:
-        async def take() -> dict:
-            return self.snapshot()
+    def collect(self) -> Iterator[Metric]:
+        async def take() -> Stats:
+            return self.stats()
 
         s = asyncio.run_coroutine_threadsafe(take(), self.loop).result(timeout=5)
-        yield GaugeMetricFamily("kvstore_pool_capacity_bytes", "Pool capacity.", value=s["capacity_bytes"])
-        yield GaugeMetricFamily("kvstore_pool_used_bytes", "Pool bytes holding blocks.", value=s["used_bytes"])
-        yield GaugeMetricFamily("kvstore_engines", "Engines connected.", value=s["engines"])
-        yield GaugeMetricFamily("kvstore_leases", "Lookup leases held.", value=s["leases"])
-        yield GaugeMetricFamily("kvstore_jobs_in_flight", "Copy jobs not finished.", value=s["jobs_in_flight"])
-        lookups = s["hits"] + s["misses"]
+        yield GaugeMetricFamily("kvstore_pool_capacity_bytes", "Pool capacity.", value=s.capacity_bytes)
+        yield GaugeMetricFamily("kvstore_pool_used_bytes", "Pool bytes holding blocks.", value=s.used_bytes)
+        yield GaugeMetricFamily("kvstore_engines", "Engines connected.", value=s.engines)
+        yield GaugeMetricFamily("kvstore_leases", "Lookup leases held.", value=s.leases)
+        yield GaugeMetricFamily("kvstore_jobs_in_flight", "Copy jobs not finished.", value=s.jobs_in_flight)
         yield GaugeMetricFamily("kvstore_hit_ratio", "Looked-up blocks found / looked up, since start.",
-                                value=s["hits"] / lookups if lookups else 0.0)
-        for name, doc in (("failed_blocks", "Blocks whose job failed."),
-                          ("store_failures_pool_full", "Stores refused because no slot could be freed."),
-                          ("lease_expiries", "Leases that expired before release."),
-                          ("corrupt_blocks", "Blocks dropped after a checksum mismatch.")):
-            yield CounterMetricFamily(f"kvstore_{name}", doc, value=s[name])
-        per_ns = {
-            "blocks": GaugeMetricFamily("kvstore_blocks", "Blocks in the pool.", labels=["namespace"]),
-            "used_bytes": GaugeMetricFamily("kvstore_namespace_used_bytes", "Pool bytes per namespace.",
-                                            labels=["namespace"]),
-            "hits": CounterMetricFamily("kvstore_lookup_hits", "Looked-up blocks found.", labels=["namespace"]),
-            "misses": CounterMetricFamily("kvstore_lookup_misses", "Looked-up blocks missing.",
-                                          labels=["namespace"]),
-            "stored_blocks": CounterMetricFamily("kvstore_stored_blocks", "Blocks stored.", labels=["namespace"]),
-            "loaded_blocks": CounterMetricFamily("kvstore_loaded_blocks", "Blocks loaded.", labels=["namespace"]),
-            "evictions": CounterMetricFamily("kvstore_evictions", "Blocks evicted (LRU).", labels=["namespace"]),
-        }
-        for ns in s["namespaces"]:
-            for key, family in per_ns.items():
-                family.add_metric([ns["namespace"]], ns[key])
-        yield from per_ns.values()
-        yield CounterMetricFamily("kvstore_stored_bytes", "Bytes stored.",
-                                  value=sum(n["stored_blocks"] * n["block_bytes"] for n in s["namespaces"]))
-        yield CounterMetricFamily("kvstore_loaded_bytes", "Bytes loaded.",
-                                  value=sum(n["loaded_blocks"] * n["block_bytes"] for n in s["namespaces"]))
+                                value=s.hit_rate)
+        yield CounterMetricFamily("kvstore_failed_blocks", "Blocks whose job failed.", value=s.failed_blocks)
+        yield CounterMetricFamily("kvstore_store_failures_pool_full", "Stores refused because no slot could be freed.",
+                                  value=s.store_failures_pool_full)
+        yield CounterMetricFamily("kvstore_lease_expiries", "Leases that expired before release.",
+                                  value=s.lease_expiries)
+        yield CounterMetricFamily("kvstore_corrupt_blocks", "Blocks dropped after a checksum mismatch.",
+                                  value=s.corrupt_blocks)
+        per_ns: list[tuple[GaugeMetricFamily | CounterMetricFamily, Callable[[NamespaceStats], int]]] = [
+            (GaugeMetricFamily("kvstore_blocks", "Blocks in the pool.", labels=["namespace"]),
+             lambda ns: ns.blocks),
+            (GaugeMetricFamily("kvstore_namespace_used_bytes", "Pool bytes per namespace.", labels=["namespace"]),
+             lambda ns: ns.used_bytes),
+            (CounterMetricFamily("kvstore_lookup_hits", "Looked-up blocks found.", labels=["namespace"]),
+             lambda ns: ns.hits),
+            (CounterMetricFamily("kvstore_lookup_misses", "Looked-up blocks missing.", labels=["namespace"]),
+             lambda ns: ns.misses),
+            (CounterMetricFamily("kvstore_stored_blocks", "Blocks stored.", labels=["namespace"]),
+             lambda ns: ns.stored_blocks),
+            (CounterMetricFamily("kvstore_loaded_blocks", "Blocks loaded.", labels=["namespace"]),
+             lambda ns: ns.loaded_blocks),
+            (CounterMetricFamily("kvstore_evictions", "Blocks evicted (LRU).", labels=["namespace"]),
+             lambda ns: ns.evictions),
+        ]
+        for ns in s.namespaces:
+            for family, value in per_ns:
+                family.add_metric([ns.namespace], value(ns))
+        yield from (family for family, _ in per_ns)
+        yield CounterMetricFamily("kvstore_stored_bytes", "Bytes stored.", value=s.stored_bytes)
+        yield CounterMetricFamily("kvstore_loaded_bytes", "Bytes loaded.", value=s.loaded_bytes)

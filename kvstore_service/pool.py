@@ -23,6 +23,7 @@ import os
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import NamedTuple
 
 from kvstore_service import native
@@ -37,16 +38,18 @@ DATA_ALIGN = 2 << 20  # segments start 2 MiB aligned: hugepage and NPU host-regi
 PAYLOAD_ALIGN = 256
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
-SLOT_MAGIC = 0x4B565342  # "KVSB"
-# Slot header states. The in-memory index also uses WRITING for a block whose copy runs (its
-# header is invalid then). STORED: every byte is in, checksum not taken yet; SEALED: with checksum.
-WRITING, STORED, SEALED = 1, 3, 2
-COMMITTED = SEALED  # index state of a block lookups and loads may see
-# magic, state, payload_len, checksum, generation, ns_hash, key_len, key; then the CRC32C of those
-# bytes. csrc/copy_engine.cpp (write_slot_headers) writes the same layout.
-SLOT_BODY = struct.Struct("<IIQQQ16sI64s")
-SLOT_HEADER_BYTES = 128
-MAX_KEY = 64
+class SlotState(IntEnum):
+    """A valid slot header's state (a slot whose copy runs has no valid header at all)."""
+
+    STORED = 3  # every byte is in; checksum not taken yet
+    SEALED = 2  # with the checksum taken when it was stored
+
+
+# Slot headers (state, payload length, checksum, generation, namespace hash, key, CRC32C): their
+# layout is defined once, by the native engine (SlotHeader in csrc/copy_engine.cpp), which writes
+# (Pool.write_headers) and parses (parse_slot_header) them. Changing it needs a new POOL_VERSION.
+SLOT_HEADER_BYTES: int = native.SLOT_HEADER_BYTES  # header stride at the start of a segment (128)
+MAX_KEY: int = native.SLOT_MAX_KEY
 
 
 def _align(value: int, to: int) -> int:
@@ -71,20 +74,10 @@ class SlotHeader:
     key: bytes
 
 
-def slot_header_bytes(state: int, payload_len: int, checksum: int, generation: int, ns_hash: bytes,
-                      key: bytes) -> bytes:
-    body = SLOT_BODY.pack(SLOT_MAGIC, state, payload_len, checksum, generation, ns_hash, len(key), key)
-    return body + struct.pack("<I", native.crc32c(body))
-
-
 def parse_slot_header(data: mmap.mmap, offset: int) -> SlotHeader | None:
     """The header at `offset`, or None if it is not a valid one (never written, torn, invalidated)."""
-    body = data[offset : offset + SLOT_BODY.size]
-    (crc,) = struct.unpack_from("<I", data, offset + SLOT_BODY.size)
-    magic, state, length, checksum, generation, ns_hash, key_len, key = SLOT_BODY.unpack(body)
-    if magic != SLOT_MAGIC or key_len > MAX_KEY or crc != native.crc32c(body):
-        return None
-    return SlotHeader(state, length, checksum, generation, ns_hash, key[:key_len])
+    fields = native.parse_slot_header(data, offset)
+    return None if fields is None else SlotHeader(*fields)
 
 
 @dataclass(slots=True)
@@ -298,7 +291,8 @@ class Pool:
             for slot in range(seg.slots - 1, -1, -1):
                 ref = SlotRef(seg.index, slot)
                 header = self.read_header(ref)
-                if header is not None and header.state in (STORED, SEALED) and header.payload_len == seg.payload_size:
+                if (header is not None and header.state in (SlotState.STORED, SlotState.SEALED)
+                        and header.payload_len == seg.payload_size):
                     self._generation = max(self._generation, header.generation)
                     yield ref, header
                 else:
@@ -328,7 +322,7 @@ def sealed_blocks(path: str) -> Iterator[tuple[SlotHeader, int]]:
             seg.payload_base = seg.offset + _align(seg.slots * SLOT_HEADER_BYTES, PAYLOAD_ALIGN)
             for slot in range(seg.slots):
                 header = parse_slot_header(data, seg.header_offset(slot))
-                if header is not None and header.state == SEALED:
+                if header is not None and header.state == SlotState.SEALED:
                     yield header, seg.payload_offset(slot)
     finally:
         data.close()

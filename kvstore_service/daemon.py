@@ -1,0 +1,194 @@
+"""The daemon put together: pool, index, sessions and jobs; the sockets, signals and housekeeping.
+
+    Pool (pool.py)        the shared-memory file, carved into slots; bytes and offsets only
+    BlockIndex (index.py) the only writer of block and namespace state; no locks (the loop owns it)
+    Sessions              who is connected, their mapped memory and their leases (sessions.py)
+    Jobs                  store/load pipelines; the only code that hands work to threads (jobs.py)
+    gRPC handlers         server.py: messages in, calls to the above, messages out
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import grp
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+import time
+
+import grpc
+
+from kvstore_service import __version__
+from kvstore_service.config import Config
+from kvstore_service.index import BlockIndex
+from kvstore_service.jobs import Jobs
+from kvstore_service.metrics import Metrics
+from kvstore_service.peercred import PeerCredServer
+from kvstore_service.pool import Pool, PoolFullError
+from kvstore_service.server import GrpcServer
+from kvstore_service.sessions import EngineSession, Sessions
+from kvstore_service.stats import NamespaceStats, Stats
+
+log = logging.getLogger(__name__)
+# A copy thread needs the GIL briefly between native copies while the event loop plans the next
+# chunk; with the default 5 ms switch interval it would idle that long each time.
+SWITCH_INTERVAL_S = 0.0002
+
+
+class Daemon:
+    """Everything the gRPC handlers serve, owned by the event loop."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.boot_id = secrets.token_bytes(16)
+        self.started = time.monotonic()
+        self.pool = Pool(config.pool_path, int(config.pool_size), int(config.segment_size), fresh=config.fresh)
+        self.index = BlockIndex(self.pool)
+        self.recovered = self.index.recover() if self.pool.reattached else 0
+        self.metrics = Metrics()
+        self.sessions = Sessions(config, self.pool, self.index)
+        self.jobs = Jobs(config, self.pool, self.index, self.metrics)
+        if self.recovered:
+            log.info("re-attached pool %s: %d blocks recovered", config.pool_path, self.recovered)
+
+    def stats(self) -> Stats:
+        engines = [s for s in self.sessions.by_id.values() if isinstance(s, EngineSession)]
+        namespaces = [
+            NamespaceStats(namespace=ns.name or f"(recovered {ns.ns_hash.hex()[:12]})", blocks=ns.blocks,
+                           used_bytes=ns.blocks * ns.block_bytes, block_bytes=ns.block_bytes, hits=c.hits,
+                           misses=c.misses, stored_blocks=c.stored_blocks, loaded_blocks=c.loaded_blocks,
+                           evictions=c.evictions, engines=sum(1 for s in engines if s.namespace is ns))
+            for ns in self.index.namespaces.values() for c in (ns.counters,)
+        ]
+        return Stats(
+            capacity_bytes=self.pool.capacity, used_bytes=sum(n.used_bytes for n in namespaces),
+            blocks=self.index.count, hits=sum(n.hits for n in namespaces), misses=sum(n.misses for n in namespaces),
+            stored_blocks=sum(n.stored_blocks for n in namespaces),
+            loaded_blocks=sum(n.loaded_blocks for n in namespaces), evictions=self.index.evictions,
+            engines=len(engines), leases=sum(len(s.leases) for s in self.sessions.by_id.values()),
+            jobs_in_flight=sum(len(s.jobs) for s in engines), failed_blocks=self.jobs.failed_blocks,
+            store_failures_pool_full=self.jobs.store_failures_pool_full,
+            lease_expiries=self.sessions.lease_expiries, corrupt_blocks=self.jobs.corrupt_blocks,
+            uptime_s=int(time.monotonic() - self.started), namespaces=namespaces, daemon_version=__version__,
+        )
+
+    async def housekeeping(self, creds: PeerCredServer) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            self.sessions.expire_leases()
+            creds.expire()
+            await self.sessions.reap_unattached()
+            # The index holds an object per block (millions in a large pool). A full collection
+            # would walk them all (tens of ms per 10k blocks, stalling every RPC), though they form
+            # no garbage cycles: collect what is young, then move the survivors out of the
+            # collector's sight. Garbage among them is still freed by reference counting.
+            gc.collect()
+            gc.freeze()
+
+    async def shutdown(self) -> None:
+        """Let copies finish, drop mappings (engines register again with the next daemon)."""
+        await self.sessions.end_all()
+        self.jobs.shutdown()
+        self.pool.close()
+
+
+# -- sockets ---------------------------------------------------------------------------------------
+
+
+def _prepare_socket(path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    if os.path.exists(path):
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(path)
+            raise SystemExit(f"another daemon is already listening on {path}")
+        except OSError:
+            os.unlink(path)  # stale socket of a dead daemon
+        finally:
+            probe.close()
+
+
+def _secure_socket(path: str, config: Config) -> int | None:
+    """Socket file mode and group: who may talk to the daemon at all."""
+    os.chmod(path, int(config.socket_mode, 8))
+    if not config.socket_group:
+        return None
+    gid = int(config.socket_group) if config.socket_group.isdigit() else grp.getgrnam(config.socket_group).gr_gid
+    os.chown(path, -1, gid)
+    return gid
+
+
+def _tcp_credentials(config: Config) -> grpc.ServerCredentials | None:
+    if config.tls_cert:
+        with open(config.tls_cert, "rb") as f:
+            cert = f.read()
+        with open(config.tls_key, "rb") as f:
+            key = f.read()
+        ca = None
+        if config.tls_client_ca:
+            with open(config.tls_client_ca, "rb") as f:
+                ca = f.read()
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
+    if not config.insecure:
+        raise SystemExit("--tcp needs --tls-cert/--tls-key, or --insecure for plaintext")
+    log.warning("listening on plaintext TCP %s: anyone who reaches it can read and write the cache", config.tcp)
+    return None
+
+
+# -- the serve loop --------------------------------------------------------------------------------
+
+
+async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
+    stopping = asyncio.Event()
+    creds = PeerCredServer(config.socket + ".cred", config.allowed_uids)
+    server = GrpcServer(config, stopping, creds)
+    _prepare_socket(config.socket)
+    server.listen(f"unix://{config.socket}")
+    if config.tcp:
+        server.listen(config.tcp, _tcp_credentials(config))
+    await server.start()
+    gid = _secure_socket(config.socket, config)
+    await creds.start(int(config.socket_mode, 8), gid)
+    # The pool is set up (and recovered) while health says NOT_SERVING.
+    daemon = await asyncio.to_thread(Daemon, config)
+
+    loop = asyncio.get_running_loop()
+    if config.metrics_port:
+        daemon.metrics.serve(config.metrics_port, daemon.stats, loop)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    chores = loop.create_task(daemon.housekeeping(creds))
+    sealing = loop.create_task(daemon.jobs.seal_recovered())
+    await server.serve(daemon)
+    log.info("kvstore %s serving on %s (pool %s, %d bytes, %d blocks recovered)", __version__, config.socket,
+             config.pool_path, daemon.pool.capacity, daemon.recovered)
+    if ready is not None:
+        ready.set()
+    await stopping.wait()
+
+    log.info("shutting down")
+    chores.cancel()
+    sealing.cancel()
+    await server.stop(grace=2.0)
+    await creds.close()
+    await daemon.shutdown()
+    try:
+        os.unlink(config.socket)
+    except OSError:
+        pass
+
+
+def run(config: Config) -> None:
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvloop
+
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    try:
+        uvloop.run(serve(config))
+    except (PoolFullError, ValueError, OSError) as e:
+        log.error("cannot start: %s", e)
+        raise SystemExit(2) from None

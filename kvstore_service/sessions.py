@@ -1,0 +1,275 @@
+"""Sessions and leases: who is connected, what memory they registered, which blocks they pin.
+
+Two shapes of session. A lookup session (vLLM's scheduler) names a namespace and looks blocks up,
+pinning hits with leases. An engine session (a vLLM worker) also registered its KV memory: it has a
+layout, a mapping of that memory made by a device backend, and a completion channel, and it runs
+store and load jobs (jobs.py). A session lives while its client keeps the Attach stream open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvstore_client.protocol import MAX_COMPLETION_SLOTS, PROTOCOL_VERSION
+from kvstore_client.protocol.completion import CompletionChannel
+from kvstore_service.backends import Backend, Mapping, make_backend
+from kvstore_service.config import Config
+from kvstore_service.errors import KVError, invalid
+from kvstore_service.index import Block, BlockIndex, Namespace
+from kvstore_service.layout import Layout
+from kvstore_service.peercred import PeerCred, close_fds
+from kvstore_service.pool import Pool
+
+if TYPE_CHECKING:
+    from kvstore_service.jobs import Job, JobResult
+
+log = logging.getLogger(__name__)
+# Finished jobs kept per session for the Poll RPC (the shared-memory channel is the main path):
+# the oldest go first when nobody polls.
+RESULTS_KEPT = 1024
+
+
+@dataclass(eq=False)
+class Lease:
+    lease_id: bytes
+    blocks: list[Block]
+    expires: float
+
+
+@dataclass(eq=False, kw_only=True)
+class Session:
+    """A lookup session: a namespace, the leases it holds."""
+
+    session_id: bytes
+    engine_id: str
+    namespace_name: str
+    namespace: Namespace | None  # None until some engine registers memory in it
+    peer: PeerCred | None  # pid/uid from SO_PEERCRED when the client did the handshake
+    attached: bool = False
+    closed: bool = False
+    created: float = field(default_factory=time.monotonic)
+    leases: dict[bytes, Lease] = field(default_factory=dict)
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # set when the session is over
+
+
+@dataclass(eq=False, kw_only=True)
+class EngineSession(Session):
+    """A session with registered KV memory: it runs store and load jobs."""
+
+    namespace: Namespace
+    layout: Layout
+    backend: Backend
+    mapping: Mapping
+    channel: CompletionChannel
+    jobs: dict[int, Job] = field(default_factory=dict)  # completion slot -> unfinished job
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    results: deque[JobResult] = field(default_factory=lambda: deque(maxlen=RESULTS_KEPT))
+    results_ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(frozen=True)
+class Registration:
+    """What a Register request asks for; `layout` None: a lookup session."""
+
+    protocol_version: int
+    engine_id: str
+    namespace: str
+    layout: Layout | None = None
+    backend: str = "cpu"
+    handle: bytes = b""
+    memory_size: int = 0
+    device: int = 0
+    completion_slots: int = 0
+
+
+class Sessions:
+    """The registry of sessions, and the leases they hold on the index's blocks."""
+
+    def __init__(self, config: Config, pool: Pool, index: BlockIndex) -> None:
+        self.config = config
+        self.pool = pool
+        self.index = index
+        self.by_id: dict[bytes, Session] = {}
+        self.lease_expiries = 0
+        self._backends: dict[str, Backend] = {}
+
+    # -- registration ----------------------------------------------------------------------------
+
+    def register(self, request: Registration, peer: PeerCred | None = None, fds: list[int] | None = None) -> Session:
+        """`fds` come from the handshake: the completion channel, then (cpu) the KV memory. They are
+        closed here, whatever happens; the mappings keep what they need."""
+        fds = list(fds or [])
+        try:
+            if request.protocol_version != PROTOCOL_VERSION:
+                raise KVError("FAILED_PRECONDITION",
+                              f"client speaks protocol {request.protocol_version}, this daemon speaks "
+                              f"{PROTOCOL_VERSION}; upgrade the client or the daemon so both match")
+            if not request.namespace:
+                raise invalid("namespace is empty")
+            if len(self.by_id) >= self.config.max_sessions:
+                raise KVError("RESOURCE_EXHAUSTED", f"the daemon already has {len(self.by_id)} sessions (max)")
+            if request.layout is None:
+                session = Session(session_id=secrets.token_bytes(16), engine_id=request.engine_id,
+                                  namespace_name=request.namespace, peer=peer,
+                                  namespace=self.index.find_namespace(request.namespace))
+            else:
+                session = self._register_engine(request, request.layout, peer, fds)
+        finally:
+            close_fds(fds)
+        self.by_id[session.session_id] = session
+        log.info("session %s registered: engine %r (pid %s, uid %s) namespace %r", session.session_id.hex()[:8],
+                 request.engine_id, peer.pid if peer else "?", peer.uid if peer else "?", request.namespace)
+        return session
+
+    def _register_engine(self, request: Registration, layout: Layout, peer: PeerCred | None,
+                         fds: list[int]) -> EngineSession:
+        layout.check(request.memory_size)
+        if not 0 < request.completion_slots <= MAX_COMPLETION_SLOTS:
+            raise invalid(f"completion_slots must be 1..{MAX_COMPLETION_SLOTS}")
+        backend = self._backend(request.backend)
+        wanted = 2 if request.backend == "cpu" else 1
+        if len(fds) != wanted:
+            raise invalid(f"registering {request.backend} KV memory needs {wanted} shared-memory descriptor(s) "
+                          f"from the <socket>.cred handshake, got {len(fds)}")
+        existing = self.index.find_namespace(request.namespace)
+        if existing is not None and existing.block_bytes != layout.block_bytes:
+            raise KVError("FAILED_PRECONDITION",
+                          f"layout mismatch: namespace {request.namespace!r} holds {existing.block_bytes}-byte "
+                          f"blocks, this layout has {layout.block_bytes}-byte blocks")
+        if self.pool.slots_per_segment(layout.block_bytes) < 1:
+            raise KVError("FAILED_PRECONDITION",
+                          f"a {layout.block_bytes}-byte block is larger than a pool segment "
+                          f"({self.pool.segment_size} bytes); raise --segment-size")
+        try:
+            channel = CompletionChannel.attach(os.dup(fds[0]), request.completion_slots)
+        except (ValueError, OSError) as e:
+            raise invalid(f"cannot map the completion channel: {e}") from None
+        try:
+            mapping = backend.map(request.handle, request.memory_size, request.device,
+                                  fds[1] if wanted == 2 else None)
+        except (ValueError, OSError) as e:
+            channel.close()
+            raise invalid(str(e)) from None
+        # Only a registration that got this far creates the namespace.
+        return EngineSession(session_id=secrets.token_bytes(16), engine_id=request.engine_id,
+                             namespace_name=request.namespace, peer=peer,
+                             namespace=self.index.namespace(request.namespace, layout.block_bytes),
+                             layout=layout, backend=backend, mapping=mapping, channel=channel)
+
+    def _backend(self, name: str) -> Backend:
+        backend = self._backends.get(name)
+        if backend is None:
+            try:
+                backend = make_backend(name)
+            except ValueError as e:
+                raise invalid(str(e)) from None
+            except (ImportError, RuntimeError) as e:
+                raise KVError("FAILED_PRECONDITION", f"backend {name!r} is not usable here: {e}") from None
+            backend.register_pool(self.pool.base, self.pool.size)
+            self._backends[name] = backend
+        return backend
+
+    def get(self, session_id: bytes) -> Session:
+        session = self.by_id.get(session_id)
+        if session is None or session.closed:
+            raise KVError("NOT_FOUND", f"unknown or ended session {session_id.hex() or '(empty)'}; register again")
+        return session
+
+    def engine(self, session_id: bytes) -> EngineSession:
+        session = self.get(session_id)
+        if not isinstance(session, EngineSession):
+            raise KVError("FAILED_PRECONDITION", "this session registered no KV memory (lookup-only)")
+        return session
+
+    def attach(self, session_id: bytes) -> Session:
+        session = self.get(session_id)
+        if session.attached:
+            raise KVError("ALREADY_EXISTS", "the session already has an Attach stream")
+        session.attached = True
+        return session
+
+    async def end(self, session: Session) -> None:
+        """Drop a session: its leases, then (engine) its mapping once its copies finished. Blocks it
+        stored stay in the pool."""
+        if session.closed:
+            return
+        session.closed = True
+        session.ended.set()
+        for lease in list(session.leases.values()):
+            self._drop_lease(session, lease)
+        if isinstance(session, EngineSession):
+            if session.tasks:  # copies in flight still use the mapping: let them finish first
+                await asyncio.gather(*session.tasks, return_exceptions=True)
+            session.backend.unmap(session.mapping)
+            session.channel.close()
+        self.by_id.pop(session.session_id, None)
+        log.info("session %s ended", session.session_id.hex()[:8])
+
+    async def end_all(self) -> None:
+        for session in list(self.by_id.values()):
+            await self.end(session)
+        for backend in self._backends.values():
+            backend.unregister_pool(self.pool.base)
+
+    async def reap_unattached(self) -> None:
+        """A client that registered but never attached its stream (it died in between)."""
+        now = time.monotonic()
+        for session in list(self.by_id.values()):
+            if not session.attached and now - session.created > self.config.attach_timeout_s:
+                log.warning("session %s never attached; dropping it", session.session_id.hex()[:8])
+                await self.end(session)
+
+    # -- lookups and leases ----------------------------------------------------------------------
+
+    def lookup(self, session_id: bytes, namespace: str, keys: bytes, key_size: int, lease: bool,
+               ttl_ms: int) -> tuple[int, bytes]:
+        """How many of the leading keys (packed, `key_size` bytes each) are in the pool; with `lease`,
+        those blocks are pinned until the lease is released or expires."""
+        session: Session | None = None
+        if session_id:
+            session = self.get(session_id)
+            if namespace and namespace != session.namespace_name:
+                raise KVError("PERMISSION_DENIED", "a session can only look up its own namespace")
+            if session.namespace is None:
+                session.namespace = self.index.find_namespace(session.namespace_name)
+            ns = session.namespace
+        else:
+            if lease:
+                raise invalid("a lease needs a session")
+            if not namespace:
+                raise invalid("lookup needs a session or a namespace")
+            ns = self.index.find_namespace(namespace)
+        found = self.index.lookup(ns, keys, key_size) if ns is not None else []
+        if not (lease and found and session is not None):
+            return len(found), b""
+        lease_id = secrets.token_bytes(16)
+        self.index.pin(found)
+        ttl = ttl_ms / 1000 if ttl_ms else self.config.lease_ttl_s
+        session.leases[lease_id] = Lease(lease_id, found, time.monotonic() + ttl)
+        return len(found), lease_id
+
+    def release_lease(self, session_id: bytes, lease_id: bytes) -> None:
+        session = self.get(session_id)
+        lease = session.leases.get(lease_id)
+        if lease is None:
+            raise KVError("NOT_FOUND", f"unknown or expired lease {lease_id.hex() or '(empty)'}")
+        self._drop_lease(session, lease)
+
+    def _drop_lease(self, session: Session, lease: Lease) -> None:
+        del session.leases[lease.lease_id]
+        self.index.unpin(lease.blocks)
+
+    def expire_leases(self) -> int:
+        now = time.monotonic()
+        expired = [(s, lease) for s in self.by_id.values() for lease in s.leases.values() if lease.expires <= now]
+        for session, lease in expired:
+            self._drop_lease(session, lease)
+        self.lease_expiries += len(expired)
+        return len(expired)

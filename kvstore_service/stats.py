@@ -1,0 +1,156 @@
+"""The daemon's statistics as one typed object, from the core to gRPC, Prometheus and the CLI.
+
+`Stats` and `NamespaceStats` carry exactly the fields of the `kvstore.v1.StatsResponse` and
+`kvstore.v1.NamespaceStats` messages, in their order (a test keeps the two in step), and convert
+to and from them generically: `to_proto`, `from_proto`. Derived figures (hit rates, bytes moved,
+a namespace's short id) are properties here, computed in one place for every consumer.
+
+Of the client package this module imports only `kvstore_client.protocol` (the daemon loads it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+from google.protobuf.message import Message
+
+from kvstore_client.protocol import kvstore_pb2 as pb
+
+__all__ = ["NamespaceStats", "Stats", "from_dict", "from_proto", "namespace_id", "to_json_dict", "to_proto"]
+
+
+def namespace_id(namespace: str) -> str:
+    """A short stable id for a namespace string: 8 hex digits of its BLAKE2b hash."""
+    return hashlib.blake2b(namespace.encode(), digest_size=4).hexdigest()
+
+
+def _ratio(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NamespaceStats:
+    namespace: str
+    blocks: int
+    used_bytes: int
+    block_bytes: int
+    hits: int
+    misses: int
+    stored_blocks: int
+    loaded_blocks: int
+    evictions: int
+    engines: int
+
+    @property
+    def hit_rate(self) -> float:
+        """Looked-up blocks found / looked up, since the daemon started (0 before any lookup)."""
+        return _ratio(self.hits, self.hits + self.misses)
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.stored_blocks * self.block_bytes
+
+    @property
+    def loaded_bytes(self) -> int:
+        return self.loaded_blocks * self.block_bytes
+
+    @property
+    def short_id(self) -> str:
+        return namespace_id(self.namespace)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stats:
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    hits: int
+    misses: int
+    stored_blocks: int
+    loaded_blocks: int
+    evictions: int
+    engines: int
+    leases: int
+    jobs_in_flight: int
+    failed_blocks: int
+    store_failures_pool_full: int
+    lease_expiries: int
+    corrupt_blocks: int
+    uptime_s: int
+    namespaces: list[NamespaceStats]
+    daemon_version: str
+
+    @property
+    def hit_rate(self) -> float:
+        """Looked-up blocks found / looked up, since the daemon started (0 before any lookup)."""
+        return _ratio(self.hits, self.hits + self.misses)
+
+    @property
+    def used_fraction(self) -> float:
+        return _ratio(self.used_bytes, self.capacity_bytes)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(ns.stored_bytes for ns in self.namespaces)
+
+    @property
+    def loaded_bytes(self) -> int:
+        return sum(ns.loaded_bytes for ns in self.namespaces)
+
+
+# -- conversions, written once over dataclasses.fields -----------------------------------------------
+
+_MESSAGE_OF: dict[type, type[Message]] = {NamespaceStats: pb.NamespaceStats, Stats: pb.StatsResponse}
+_DATACLASS_OF: dict[str, type] = {m.DESCRIPTOR.full_name: d for d, m in _MESSAGE_OF.items()}
+_T = TypeVar("_T")
+
+
+def _to_message(obj: Any) -> Message:
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(obj):
+        value = getattr(obj, field.name)
+        if isinstance(value, list):
+            value = [_to_message(v) if dataclasses.is_dataclass(v) else v for v in value]
+        elif dataclasses.is_dataclass(value):
+            value = _to_message(value)
+        values[field.name] = value
+    return _MESSAGE_OF[type(obj)](**values)
+
+
+def _build(cls: type[_T], source: Any, get: Callable[[Any, str], Any]) -> _T:
+    """A `cls` from a message or a mapping (`get` reads one field); nested messages per the .proto."""
+    values: dict[str, Any] = {}
+    descriptors = _MESSAGE_OF[cls].DESCRIPTOR.fields_by_name
+    for field in dataclasses.fields(cast(Any, cls)):
+        value = get(source, field.name)
+        descriptor = descriptors[field.name]
+        if descriptor.message_type is not None:
+            sub = _DATACLASS_OF[descriptor.message_type.full_name]
+            value = [_build(sub, v, get) for v in value] if descriptor.is_repeated else _build(sub, value, get)
+        elif descriptor.is_repeated:
+            value = list(value)
+        values[field.name] = value
+    return cls(**values)
+
+
+def to_proto(stats: Stats) -> pb.StatsResponse:
+    return cast(pb.StatsResponse, _to_message(stats))
+
+
+def from_proto(msg: pb.StatsResponse) -> Stats:
+    return _build(Stats, msg, getattr)
+
+
+def from_dict(data: Mapping[str, Any]) -> Stats:
+    """The inverse of `dataclasses.asdict` (and of `to_json_dict`: keys beyond the fields are ignored)."""
+    return _build(Stats, data, operator.getitem)
+
+
+def to_json_dict(stats: Stats) -> dict[str, Any]:
+    """Every field (namespaces as a list of objects) plus the derived `hit_rate`: `kvstore stats --json`."""
+    return {**dataclasses.asdict(stats), "hit_rate": stats.hit_rate}
