@@ -138,44 +138,34 @@ def _compact_namespace(name: str) -> tuple[str, str]:
     return ";".join(f"{k}={v}" for k, v in fields.items() if k != "salt"), fields.get("tp", "-")
 
 
-def _namespace_table(stats: Stats, width: int) -> Table:
-    """One row per namespace in `width` columns: short id, model, TP rank and the main figures."""
+def _namespace_table(stats: Stats, width: int | None) -> Table:
+    """One row per namespace. In `width` columns: short id, model, TP rank and the main figures;
+    width None (--wide): the full namespace string and every figure in full, however wide."""
     from rich.table import Table
 
-    headers = ("id", "namespace", "tp", "blocks", "used", "hit%", "stored", "loaded")
-    rows = []
-    for ns in stats.namespaces:
-        shown, tp = _compact_namespace(ns.namespace)
-        rows.append((ns.short_id, shown, tp, _count(ns.blocks), _human(ns.used_bytes), _percent(ns),
-                     _count(ns.stored_blocks), _count(ns.loaded_blocks)))
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    # No box: two spaces between columns; the namespace column gets what the others leave.
-    room = max(len(headers[1]), width - (sum(widths) - widths[1]) - 2 * (len(headers) - 1))
-    table = Table(title="namespaces", caption="full namespace strings: kvstore stats --wide", box=None,
-                  pad_edge=False, title_justify="left", caption_justify="left", header_style="bold underline")
+    if width is None:
+        headers: tuple[str, ...] = ("id", "namespace", "blocks", "used bytes", "block bytes", "hits", "misses",
+                                    "hit%", "stored", "loaded", "evictions", "engines")
+        rows = [(ns.short_id, ns.namespace, *map(str, (ns.blocks, ns.used_bytes, ns.block_bytes, ns.hits,
+                                                         ns.misses)), _percent(ns),
+                 *map(str, (ns.stored_blocks, ns.loaded_blocks, ns.evictions, ns.engines)))
+                for ns in stats.namespaces]
+        left, room, caption = 2, None, None
+    else:
+        headers = ("id", "namespace", "tp", "blocks", "used", "hit%", "stored", "loaded")
+        rows = [(ns.short_id, *_compact_namespace(ns.namespace), _count(ns.blocks), _human(ns.used_bytes),
+                 _percent(ns), _count(ns.stored_blocks), _count(ns.loaded_blocks)) for ns in stats.namespaces]
+        widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
+        # No box: two spaces between columns; the namespace column gets what the others leave.
+        room = max(len(headers[1]), width - (sum(widths) - widths[1]) - 2 * (len(headers) - 1))
+        left, caption = 3, "full namespace strings: kvstore stats --wide"
+    table = Table(title="namespaces", caption=caption, box=None, pad_edge=False, title_justify="left",
+                  caption_justify="left", header_style="bold underline")
     for i, header in enumerate(headers):
-        if i == 1:
-            table.add_column(header, no_wrap=True, overflow="ellipsis", max_width=room)
-        else:
-            table.add_column(header, no_wrap=True, justify="left" if i in (0, 2) else "right")
+        table.add_column(header, no_wrap=True, justify="left" if i < left else "right",
+                         overflow="ellipsis", max_width=room if i == 1 else None)
     for row in rows:
         table.add_row(*row)
-    return table
-
-
-def _wide_namespace_table(stats: Stats) -> Table:
-    """Every figure, in full, with the full namespace string (wider than a terminal, as asked)."""
-    from rich.table import Table
-
-    table = Table(title="namespaces")
-    columns = ("id", "namespace", "blocks", "used bytes", "block bytes", "hits", "misses", "hit%", "stored",
-               "loaded", "evictions", "engines")
-    for column in columns:
-        table.add_column(column, no_wrap=True, justify="left" if column in ("id", "namespace") else "right")
-    for ns in stats.namespaces:
-        table.add_row(ns.short_id, ns.namespace, str(ns.blocks), str(ns.used_bytes), str(ns.block_bytes),
-                      str(ns.hits), str(ns.misses), _percent(ns), str(ns.stored_blocks), str(ns.loaded_blocks),
-                      str(ns.evictions), str(ns.engines))
     return table
 
 
@@ -198,7 +188,7 @@ def _render_stats(stats: Stats, width: int, wide: bool = False) -> RenderableTyp
         summary.add_row(k, v)
     if not stats.namespaces:
         return summary
-    return Group(summary, _wide_namespace_table(stats) if wide else _namespace_table(stats, width))
+    return Group(summary, _namespace_table(stats, None if wide else width))
 
 
 def _console(wide: bool) -> Console:

@@ -20,7 +20,7 @@ from kvstore_service.errors import KVError, invalid
 from kvstore_service.index import unpack_keys
 from kvstore_service.layout import Layout, Region
 from kvstore_service.peercred import Handshake, PeerCredServer, close_fds
-from kvstore_service.sessions import Registration
+from kvstore_service.sessions import EngineSession, Registration
 from kvstore_service.stats import to_proto
 
 if TYPE_CHECKING:
@@ -126,7 +126,9 @@ class Servicer(pb_grpc.KVStoreServicer):
         return pb.TransferResponse(job_id=job.job_id)
 
     async def Poll(self, request: pb.PollRequest, context: Any) -> pb.PollResponse:
-        session = self.daemon.sessions.engine(request.session_id)
+        session = self.daemon.sessions.get(request.session_id)
+        if not isinstance(session, EngineSession):
+            return pb.PollResponse()  # a lookup session runs no jobs
         results = await self.daemon.jobs.poll(session, min(request.wait_ms, 60_000))
         jobs = []
         for r in results:

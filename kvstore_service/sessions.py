@@ -92,13 +92,13 @@ class Registration:
 class Sessions:
     """The registry of sessions, and the leases they hold on the index's blocks."""
 
-    def __init__(self, config: Config, pool: Pool, index: BlockIndex) -> None:
+    def __init__(self, config: Config, pool: Pool, index: BlockIndex, backends: dict[str, Backend] | None = None) -> None:
         self.config = config
         self.pool = pool
         self.index = index
         self.by_id: dict[bytes, Session] = {}
         self.lease_expiries = 0
-        self._backends: dict[str, Backend] = {}
+        self._backends: dict[str, Backend] = dict(backends or {})  # by name; others are made on first use
 
     # -- registration ----------------------------------------------------------------------------
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore_service.index import KEYS_PER_UNPACK, BlockIndex, unpack_keys
-from kvstore_service.pool import SEALED, STORED, Pool, SlotRef, sealed_blocks
+from kvstore_service.index import KEYS_PER_UNPACK, Block, BlockIndex, unpack_keys
+from kvstore_service.pool import Pool, SlotRef, SlotState, sealed_blocks
 
 MB = 1 << 20
 BLOCK = 256 * 1024
@@ -37,43 +37,100 @@ def test_allocate_many_spans_segments_and_stops_when_full(pool: Pool) -> None:
     assert pool.allocate_many(BLOCK, 5) == [(seg, [slots[0]])]
 
 
-def test_begin_stores_offsets_and_commit(pool: Pool) -> None:
+def reserve(index: BlockIndex, ns, keys: list[bytes]) -> list[Block]:
+    plan = index.prepare_store(ns, keys)
+    assert not plan.present and not plan.in_flight
+    return [block for _, block in plan.reserved]
+
+
+def test_prepare_store_offsets_and_complete(pool: Pool) -> None:
     index = BlockIndex(pool)
     ns = index.namespace("ns", BLOCK)
-    blocks = index.begin_stores(ns, keys_of(5))
+    blocks = reserve(index, ns, keys_of(5))
     assert [b.key for b in blocks] == keys_of(5) and len({b.ref for b in blocks}) == 5
     assert [b.offset for b in blocks] == [pool.payload_offset(b.ref) for b in blocks]
     assert [b.header for b in blocks] == [pool.header_offset(b.ref) for b in blocks]
-    assert all(index.by_segment[b.segment][b.slot] is b for b in blocks)
-    index.drop(blocks[1])  # dropped while it was written: commit leaves it out
-    assert index.commit(blocks) == [blocks[0]] + blocks[2:]
-    assert set(ns.entries) == {b.key for b in blocks} - {blocks[1].key} and not ns.writing
-    assert list(index.lru[BLOCK]) == [blocks[0]] + blocks[2:]  # oldest first
+    assert index.lookup(ns, b"".join(keys_of(5)), 32) == []  # WRITING: invisible
+    index.clear(ns)  # (committed blocks only: nothing to drop)
+    committed = index.complete_store(blocks, ok=True)
+    assert committed == blocks and all(b.pins == 1 for b in blocks)  # pinned until sealed
+    index.seal(committed, [7] * 5)
+    assert [b.checksum for b in blocks] == [7] * 5 and all(b.pins == 0 for b in blocks)
+    assert index.lookup(ns, b"".join(keys_of(5)), 32) == blocks
 
 
-def test_begin_stores_evicts_then_reports_full(pool: Pool) -> None:
+def test_prepare_store_sorts_present_in_flight_and_new(pool: Pool) -> None:
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", BLOCK)
+    done = reserve(index, ns, keys_of(2))
+    index.seal(index.complete_store(done, ok=True), None)
+    writing = reserve(index, ns, keys_of(1, 5))
+    plan = index.prepare_store(ns, [keys_of(2)[1], keys_of(1, 5)[0], keys_of(1, 6)[0]])
+    assert plan.present == [0] and plan.in_flight == [(1, writing[0])] and [i for i, _ in plan.reserved] == [2]
+    assert plan.refused == 0
+
+
+def test_failed_store_frees_its_slots(pool: Pool) -> None:
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", BLOCK)
+    blocks = reserve(index, ns, keys_of(3))
+    assert index.complete_store(blocks, ok=False) == [] and index.count == 0 and ns.blocks == 0
+    assert len(reserve(index, ns, keys_of(3))) == 3
+
+
+def test_prepare_store_evicts_then_refuses(pool: Pool) -> None:
     index = BlockIndex(pool)
     ns = index.namespace("ns", BLOCK)
     capacity = 4 * pool.slots_per_segment(BLOCK)
-    first = index.begin_stores(ns, keys_of(capacity, 1))
+    first = reserve(index, ns, keys_of(capacity, 1))
     assert len(first) == capacity
-    assert index.begin_stores(ns, keys_of(2, 2)) == []  # all WRITING: nothing to evict
-    index.commit(first)
-    index.pin(first[0])
-    second = index.begin_stores(ns, keys_of(2, 3))
-    assert len(second) == 2 and index.evictions == 2
-    assert index.present(first[0]) and not index.present(first[1])  # pinned skipped, LRU order
+    full = index.prepare_store(ns, keys_of(2, 2))
+    assert full.reserved == [] and full.refused == 2  # all WRITING: nothing to evict
+    index.seal(index.complete_store(first, ok=True), None)
+    index.pin([first[0]])
+    second = reserve(index, ns, keys_of(2, 3))
+    assert len(second) == 2 and index.evictions == 2 and ns.counters.evictions == 2
+    found = index.lookup(ns, first[0].key + first[1].key, 32)
+    assert found == [first[0]]  # pinned skipped, LRU order
 
 
-def test_prefix_over_packed_keys(pool: Pool) -> None:
+def test_load_pins_and_drops_corrupt_blocks(pool: Pool) -> None:
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", BLOCK)
+    blocks = reserve(index, ns, keys_of(3))
+    index.seal(index.complete_store(blocks, ok=True), None)
+    found = index.prepare_load(ns, keys_of(3) + keys_of(1, 9))
+    assert found == [*blocks, None] and all(b.pins == 1 for b in blocks)
+    index.complete_load(blocks, corrupt=[blocks[1]])
+    assert all(b.pins == 0 for b in blocks) and ns.counters.loaded_blocks == 2
+    assert index.lookup(ns, b"".join(keys_of(3)), 32) == [blocks[0]]  # the corrupt one is gone
+    assert index.count == 2
+
+
+def test_block_removed_while_pinned_is_freed_at_last_unpin(pool: Pool) -> None:
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", BLOCK)
+    blocks = reserve(index, ns, keys_of(1))
+    index.seal(index.complete_store(blocks, ok=True), None)
+    index.pin(blocks)  # a lease
+    index.prepare_load(ns, keys_of(1))
+    index.complete_load(blocks, corrupt=blocks)  # DOOMED: still leased
+    segment = pool.segments[blocks[0].segment]
+    assert index.count == 0 and index.lookup(ns, keys_of(1)[0], 32) == [] and segment.used == 1
+    index.unpin(blocks)  # the lease goes: now the slot is free
+    assert segment.used == 0
+
+
+def test_lookup_over_packed_keys(pool: Pool) -> None:
     index = BlockIndex(pool)
     ns = index.namespace("ns", BLOCK)
     keys = keys_of(5)
-    blocks = index.begin_stores(ns, keys)
-    index.commit(blocks[:4])
-    assert index.prefix(ns, b"".join(keys), 32) == blocks[:4]  # the 5th is still being written
-    assert index.prefix(ns, b"".join([keys[0], keys_of(1, 9)[0], keys[1]]), 32) == blocks[:1]
-    assert index.prefix(ns, b"", 32) == []
+    blocks = reserve(index, ns, keys)
+    index.complete_store(blocks[:4], ok=True)
+    assert index.lookup(ns, b"".join(keys), 32) == blocks[:4]  # the 5th is still being written
+    assert index.lookup(ns, b"".join([keys[0], keys_of(1, 9)[0], keys[1]]), 32) == blocks[:1]
+    assert index.lookup(ns, b"", 32) == []
+    assert (ns.counters.hits, ns.counters.misses) == (5, 3)
 
 
 @pytest.mark.parametrize("count", [0, 1, KEYS_PER_UNPACK - 1, KEYS_PER_UNPACK, 3 * KEYS_PER_UNPACK + 5])
@@ -88,9 +145,9 @@ def test_headers_survive_reattach(tmp_path) -> None:
     pool = Pool(path, 4 * MB, MB, fresh=True)
     index = BlockIndex(pool)
     ns = index.namespace("ns", BLOCK)
-    blocks = index.begin_stores(ns, keys_of(3))
+    blocks = reserve(index, ns, keys_of(3))
     stored, sealed = blocks[0], blocks[1]  # blocks[2]: bytes never all in, header never written
-    for state, block, checksum in ((STORED, stored, None), (SEALED, sealed, [1234])):
+    for state, block, checksum in ((SlotState.STORED, stored, None), (SlotState.SEALED, sealed, [1234])):
         pool.write_headers([block.header], state, BLOCK, pool.next_generation(), ns.ns_hash, block.key, 32,
                            checksum)
     pool.close()
@@ -99,6 +156,8 @@ def test_headers_survive_reattach(tmp_path) -> None:
     recovered = BlockIndex(again)
     assert again.reattached and recovered.recover() == 2
     ns2 = next(iter(recovered.namespaces.values()))
-    got = {b.key: b.checksum for b in ns2.entries.values()}
+    got = {b.key: b.checksum for b in recovered.lookup(ns2, stored.key + sealed.key, 32)}
     assert got == {stored.key: None, sealed.key: 1234}
+    unsealed = [b.key for batch in recovered.unsealed(16) for b in batch]
+    assert unsealed == [stored.key]
     again.close()

@@ -1,0 +1,387 @@
+"""The daemon's core as a spec, in process: sessions, leases and the job pipeline around a real pool
+and index, with a fake device backend (engine memory in a plain buffer) and no gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import gc
+import os
+import threading
+import tracemalloc
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from kvstore_client.protocol import PROTOCOL_VERSION
+from kvstore_client.protocol.completion import CompletionChannel
+from kvstore_service import native
+from kvstore_service.backends import Backend, Mapping, TransferPlan
+from kvstore_service.config import Config
+from kvstore_service.errors import KVError
+from kvstore_service.index import BlockIndex
+from kvstore_service.jobs import Jobs
+from kvstore_service.layout import Layout, Region
+from kvstore_service.metrics import Metrics
+from kvstore_service.pool import Pool
+from kvstore_service.sessions import RESULTS_KEPT, EngineSession, Registration, Session, Sessions
+
+BLOCK = 64 << 10
+NUM_BLOCKS = 32
+SLOTS = 4096
+
+
+class FakeBackend(Backend):
+    """Engine memory is a buffer of ours; copies are the native engine's. `gate` holds copies back."""
+
+    name = "fake"
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.unmapped: list[Mapping] = []
+
+    def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
+        buffer = (ctypes.c_char * size)()
+        return Mapping(ctypes.addressof(buffer), size, handle=buffer)
+
+    def unmap(self, mapping: Mapping) -> None:
+        self.unmapped.append(mapping)
+
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+        assert self.gate.wait(10)
+        if to_engine:
+            native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes)
+        else:
+            native.copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes)
+
+
+class Core:
+    def __init__(self, tmp_path: Path, pool_blocks: int = 64, **settings: object) -> None:
+        segment = 1 << 20
+        per_segment = segment // (BLOCK + 4096)
+        chosen = {"copy_threads": 2, "verify_loads": 0, **settings}
+        self.config = Config(pool_path=str(tmp_path / "pool"), pool_size=-(-pool_blocks // per_segment) * segment,
+                             segment_size=segment, fresh=True, **chosen)
+        self.pool = Pool(self.config.pool_path, int(self.config.pool_size), segment, fresh=True)
+        self.index = BlockIndex(self.pool)
+        self.backend = FakeBackend()
+        self.sessions = Sessions(self.config, self.pool, self.index, {"fake": self.backend})
+        self.jobs = Jobs(self.config, self.pool, self.index, Metrics())
+        self.channels: list[CompletionChannel] = []
+
+    def engine(self, namespace: str = "ns") -> EngineSession:
+        channel = CompletionChannel.create(SLOTS)
+        self.channels.append(channel)
+        layout = Layout(NUM_BLOCKS, (Region(0, BLOCK, BLOCK),))
+        session = self.sessions.register(
+            Registration(PROTOCOL_VERSION, "engine", namespace, layout, "fake", b"", NUM_BLOCKS * BLOCK, 0, SLOTS),
+            fds=[os.dup(channel.fd)])
+        assert isinstance(session, EngineSession)
+        return session
+
+    def lookup_session(self, namespace: str = "ns") -> Session:
+        return self.sessions.register(Registration(PROTOCOL_VERSION, "scheduler", namespace))
+
+    def close(self) -> None:
+        self.jobs.shutdown()
+        for channel in self.channels:
+            channel.close()
+        self.pool.close()
+
+
+def run(tmp_path: Path, body: Callable[[Core], Awaitable[None]], **settings: object) -> None:
+    core = Core(tmp_path, **settings)
+    try:
+        asyncio.run(body(core))
+    finally:
+        core.close()
+
+
+def keys_of(n: int, tag: int = 0) -> list[bytes]:
+    return [bytes([tag, i]) * 16 for i in range(n)]
+
+
+def memory(session: EngineSession) -> ctypes.Array[ctypes.c_char]:
+    return session.mapping.handle  # type: ignore[return-value]
+
+
+def fill(session: EngineSession, block_id: int, byte: int) -> None:
+    ctypes.memset(session.mapping.base + block_id * BLOCK, byte, BLOCK)
+
+
+def block_bytes(session: EngineSession, block_id: int) -> bytes:
+    return bytes(memory(session)[block_id * BLOCK:(block_id + 1) * BLOCK])
+
+
+async def finish(jobs: Jobs, session: EngineSession, job_id: int, keys: list[bytes], block_ids: list[int],
+                 is_store: bool) -> tuple[int, int]:
+    """Submit a job and wait for its completion in the shared-memory channel: (blocks ok, failed)."""
+    jobs.submit(session, job_id, keys, block_ids, is_store)
+    for _ in range(2000):
+        done = session.channel.check(job_id)
+        if done is not None:
+            return done.blocks_ok, done.blocks_failed
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"job {job_id} never finished")
+
+
+# -- jobs -----------------------------------------------------------------------------------------
+
+
+def test_store_then_load_into_other_blocks_is_byte_exact(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        writer, reader = core.engine(), core.engine()
+        for b in range(8):
+            fill(writer, b, 0x10 + b)
+        assert await finish(core.jobs, writer, 1, keys_of(8), list(range(8)), True) == (8, 0)
+        await asyncio.sleep(0.05)  # the seal runs after the completion
+        assert await finish(core.jobs, reader, 1, keys_of(8), list(range(31, 23, -1)), False) == (8, 0)
+        for b in range(8):
+            assert block_bytes(reader, 31 - b) == bytes([0x10 + b]) * BLOCK
+        assert block_bytes(reader, 0) == bytes(BLOCK)  # nothing outside the loaded blocks
+        ns = writer.namespace
+        assert (ns.counters.stored_blocks, ns.counters.loaded_blocks) == (8, 8)
+        assert all(b.checksum is not None for b in core.index.prepare_load(ns, keys_of(8)))
+
+    run(tmp_path, body)
+
+
+def test_store_of_present_keys_copies_nothing_and_succeeds(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        engine = core.engine()
+        assert await finish(core.jobs, engine, 1, keys_of(4), [0, 1, 2, 3], True) == (4, 0)
+        before = engine.namespace.counters.stored_blocks
+        assert await finish(core.jobs, engine, 2, keys_of(4), [4, 5, 6, 7], True) == (4, 0)
+        assert engine.namespace.counters.stored_blocks == before and core.index.count == 4
+
+    run(tmp_path, body)
+
+
+def test_store_of_a_key_being_written_finishes_with_that_copy(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        a, b = core.engine(), core.engine()
+        core.backend.gate.clear()
+        core.jobs.submit(a, 1, keys_of(2), [0, 1], True)
+        await asyncio.sleep(0.05)
+        core.jobs.submit(b, 1, keys_of(2), [2, 3], True)  # same keys, while a's copy is held back
+        await asyncio.sleep(0.05)
+        assert a.channel.check(1) is None and b.channel.check(1) is None
+        core.backend.gate.set()
+        for session in (a, b):
+            while session.channel.check(1) is None:
+                await asyncio.sleep(0.005)
+            assert session.channel.check(1).blocks_ok == 2  # type: ignore[union-attr]
+        assert core.index.count == 2
+
+    run(tmp_path, body)
+
+
+def test_pool_full_fails_the_blocks_that_got_no_slot(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        engine = core.engine()
+        capacity = len(core.pool.segments) * core.pool.slots_per_segment(BLOCK)
+        lookup = core.lookup_session()
+        assert await finish(core.jobs, engine, 1, keys_of(capacity), list(range(capacity)), True) == (capacity, 0)
+        await asyncio.sleep(0.05)
+        hits, _ = core.sessions.lookup(lookup.session_id, "", b"".join(keys_of(capacity)), 32, True, 60_000)
+        assert hits == capacity  # all leased: nothing can be evicted
+        assert await finish(core.jobs, engine, 2, keys_of(3, 1), [0, 1, 2], True) == (0, 3)
+        assert core.jobs.store_failures_pool_full == 3
+        result = (await core.jobs.poll(engine, 0))[-1]
+        assert result.failed == (0, 1, 2) and "pool full" in result.error
+
+    run(tmp_path, body, pool_blocks=30)
+
+
+def test_load_of_an_absent_key_fails_that_block_only(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        engine = core.engine()
+        await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
+        keys = [keys_of(2)[0], keys_of(1, 7)[0], keys_of(2)[1]]
+        assert await finish(core.jobs, engine, 2, keys, [5, 6, 7], False) == (2, 1)
+        result = (await core.jobs.poll(engine, 0))[-1]
+        assert result.failed == (1,) and result.error == "block not in the pool"
+
+    run(tmp_path, body)
+
+
+def test_corrupt_block_is_dropped_on_load_not_delivered(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        engine = core.engine()
+        fill(engine, 0, 0xAB)
+        fill(engine, 1, 0xCD)
+        await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
+        await asyncio.sleep(0.05)
+        (victim,) = core.index.prepare_load(engine.namespace, keys_of(1))
+        assert victim is not None
+        core.index.complete_load([victim], [])
+        ctypes.memset(core.pool.base + victim.offset, 0, 1)  # one byte flipped in the pool
+        fill(engine, 5, 0x11)
+        assert await finish(core.jobs, engine, 2, keys_of(2), [5, 6], False) == (1, 1)
+        assert block_bytes(engine, 5) == bytes([0x11]) * BLOCK  # never overwritten with bad bytes
+        assert block_bytes(engine, 6) == bytes([0xCD]) * BLOCK
+        assert core.jobs.corrupt_blocks == 1 and core.index.count == 1
+
+    run(tmp_path, body, verify_loads=1.0)
+
+
+def test_submit_refuses_what_cannot_be_copied(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        engine = core.engine()
+        cases = [
+            (keys_of(2), [0], "2 keys but 1 block ids"),
+            ([], [], "at least one block"),
+            (keys_of(1), [NUM_BLOCKS], f"block id {NUM_BLOCKS} is outside the registered cache"),
+            (keys_of(1), [-1], "block id -1 is outside"),
+            (keys_of(1) * 2, [0, 1], "duplicate keys"),
+        ]
+        for keys, ids, words in cases:
+            with pytest.raises(KVError, match=words):
+                core.jobs.submit(engine, 1, keys, ids, True)
+        with pytest.raises(KVError, match="duplicate block ids in one load"):
+            core.jobs.submit(engine, 1, keys_of(2), [3, 3], False)
+        core.backend.gate.clear()
+        core.jobs.submit(engine, 5, keys_of(1), [0], True)
+        with pytest.raises(KVError, match="completion slot busy") as info:
+            core.jobs.submit(engine, 5 + SLOTS, keys_of(1, 1), [1], True)
+        assert info.value.code == "RESOURCE_EXHAUSTED"
+        core.backend.gate.set()
+
+    run(tmp_path, body)
+
+
+def test_finished_jobs_nobody_polls_keep_memory_flat(tmp_path: Path) -> None:
+    """The Poll RPC's results are bounded and hold no keys or blocks: memory stays flat."""
+
+    async def burst(core: Core, engine: EngineSession, first: int, n: int) -> None:
+        for job_id in range(first, first + n):
+            await finish(core.jobs, engine, job_id, keys_of(16, job_id % 200), list(range(16)), False)
+
+    async def body(core: Core) -> None:
+        engine = core.engine()
+        tracemalloc.start()
+        await burst(core, engine, 0, RESULTS_KEPT)
+        gc.collect()
+        before = tracemalloc.take_snapshot()
+        await burst(core, engine, RESULTS_KEPT, 2 * RESULTS_KEPT)
+        gc.collect()
+        grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
+        tracemalloc.stop()
+        assert len(engine.results) == RESULTS_KEPT
+        assert grown < 100_000, f"{grown} bytes more after {2 * RESULTS_KEPT} unpolled jobs"
+        results = await core.jobs.poll(engine, 0)
+        assert [r.job_id for r in results] == list(range(2 * RESULTS_KEPT, 3 * RESULTS_KEPT))
+        assert all(r.failed == tuple(range(16)) for r in results)  # nothing was stored: every load failed
+        assert await core.jobs.poll(engine, 0) == []
+
+    run(tmp_path, body)
+
+
+# -- sessions and leases --------------------------------------------------------------------------
+
+
+def test_a_lookup_session_cannot_run_jobs(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        lookup = core.lookup_session()
+        assert type(lookup) is Session
+        with pytest.raises(KVError, match="lookup-only") as info:
+            core.sessions.engine(lookup.session_id)
+        assert info.value.code == "FAILED_PRECONDITION"
+
+    run(tmp_path, body)
+
+
+def test_registration_refusals(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        with pytest.raises(KVError, match=f"this daemon speaks {PROTOCOL_VERSION}"):
+            core.sessions.register(Registration(PROTOCOL_VERSION + 1, "e", "ns"))
+        with pytest.raises(KVError, match="namespace is empty"):
+            core.sessions.register(Registration(PROTOCOL_VERSION, "e", ""))
+        with pytest.raises(KVError, match="needs 1 shared-memory descriptor"):
+            core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns", Layout(1, (Region(0, BLOCK, BLOCK),)),
+                                                "fake", b"", BLOCK, 0, 16))
+        core.engine("other")
+        with pytest.raises(KVError, match="layout mismatch"):
+            core.sessions.register(Registration(PROTOCOL_VERSION, "e", "other",
+                                                Layout(1, (Region(0, 2 * BLOCK, 2 * BLOCK),)), "fake", b"",
+                                                2 * BLOCK, 0, 16), fds=[os.dup(core.channels[0].fd)])
+        assert len(core.sessions.by_id) == 1
+
+    run(tmp_path, body)
+
+
+def test_max_sessions(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        core.lookup_session()
+        core.lookup_session()
+        with pytest.raises(KVError, match="already has 2 sessions") as info:
+            core.lookup_session()
+        assert info.value.code == "RESOURCE_EXHAUSTED"
+
+    run(tmp_path, body, max_sessions=2)
+
+
+def test_a_lease_keeps_its_blocks_from_eviction_until_released(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        engine, scheduler = core.engine(), core.lookup_session()
+        capacity = len(core.pool.segments) * core.pool.slots_per_segment(BLOCK)
+        await finish(core.jobs, engine, 1, keys_of(4), [0, 1, 2, 3], True)
+        await asyncio.sleep(0.05)
+        hits, lease = core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(4)), 32, True, 60_000)
+        assert hits == 4 and lease
+        await finish(core.jobs, engine, 2, keys_of(capacity, 1), list(range(capacity)), True)  # evicts others
+        assert core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(4)), 32, False, 0)[0] == 4
+        core.sessions.release_lease(scheduler.session_id, lease)
+        with pytest.raises(KVError, match="unknown or expired lease"):
+            core.sessions.release_lease(scheduler.session_id, lease)
+        await finish(core.jobs, engine, 3, keys_of(capacity, 2), list(range(capacity)), True)
+        assert core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(4)), 32, False, 0)[0] == 0
+
+    run(tmp_path, body, pool_blocks=30)
+
+
+def test_leases_expire(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        engine, scheduler = core.engine(), core.lookup_session()
+        await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
+        core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(2)), 32, True, 1)
+        await asyncio.sleep(0.01)
+        assert core.sessions.expire_leases() == 1 and core.sessions.lease_expiries == 1
+        assert not scheduler.leases
+
+    run(tmp_path, body)
+
+
+def test_ending_a_session_waits_for_its_copies_then_unmaps(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        engine, scheduler = core.engine(), core.lookup_session()
+        await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
+        core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(2)), 32, True, 60_000)
+        core.backend.gate.clear()
+        core.jobs.submit(engine, 2, keys_of(2), [4, 5], False)
+        ending = asyncio.ensure_future(core.sessions.end(engine))
+        await asyncio.sleep(0.05)
+        assert not ending.done() and not core.backend.unmapped  # the load still uses the mapping
+        core.backend.gate.set()
+        await ending
+        assert core.backend.unmapped == [engine.mapping] and engine.session_id not in core.sessions.by_id
+        await core.sessions.end(scheduler)
+        assert [b.pins for b in core.index.prepare_load(engine.namespace, keys_of(2)) if b] == [1, 1]  # ours only
+        with pytest.raises(KVError, match="unknown or ended session"):
+            core.sessions.get(scheduler.session_id)
+
+    run(tmp_path, body)
+
+
+def test_lookup_rules(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        scheduler = core.lookup_session("mine")
+        with pytest.raises(KVError, match="only look up its own namespace"):
+            core.sessions.lookup(scheduler.session_id, "theirs", b"", 32, False, 0)
+        with pytest.raises(KVError, match="a lease needs a session"):
+            core.sessions.lookup(b"", "mine", b"", 32, True, 0)
+        assert core.sessions.lookup(b"", "nobody", keys_of(1)[0], 32, False, 0) == (0, b"")
+
+    run(tmp_path, body)
