@@ -6,19 +6,18 @@ field descriptions below, and every field is also read from `KVSTORE_<FIELD>`.
 
 from __future__ import annotations
 
-import os
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import ByteSize, Field, field_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
-DEFAULT_SOCKET = "/tmp/kvstore/kvstore.sock"
+from kvstore_client.protocol import DEFAULT_SOCKET
 
-
-def default_socket() -> str:
-    return os.environ.get("KVSTORE_SOCKET", DEFAULT_SOCKET)
+# The --config file's settings while Config.load builds a Config (read by settings_customise_sources).
+_file_values: ContextVar[dict[str, Any] | None] = ContextVar("kvstore_config_file_values", default=None)
 
 
 class Config(BaseSettings):
@@ -73,6 +72,18 @@ class Config(BaseSettings):
         return value
 
     @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Keyword arguments (the flags) > KVSTORE_* > the --config file; no dotenv, no secrets dir."""
+        return init_settings, env_settings, InitSettingsSource(settings_cls, _file_values.get() or {})
+
+    @classmethod
     def load(cls, yaml_path: str | None = None, **overrides: Any) -> Config:
         """Build the config: `overrides` (flags) beat env vars, which beat the YAML file."""
         file_values: dict[str, Any] = {}
@@ -81,20 +92,8 @@ class Config(BaseSettings):
             if not isinstance(file_values, dict):
                 raise ValueError(f"{yaml_path}: expected a mapping of settings")
             file_values = {k.replace("-", "_"): v for k, v in file_values.items()}
-        return _with_file(cls, file_values)(**overrides)
-
-
-def _with_file(cls: type[Config], file_values: dict[str, Any]) -> type[Config]:
-    class _FileConfig(cls):  # type: ignore[misc, valid-type]
-        @classmethod
-        def settings_customise_sources(
-            cls,
-            settings_cls: type[BaseSettings],
-            init_settings: PydanticBaseSettingsSource,
-            env_settings: PydanticBaseSettingsSource,
-            dotenv_settings: PydanticBaseSettingsSource,
-            file_secret_settings: PydanticBaseSettingsSource,
-        ) -> tuple[PydanticBaseSettingsSource, ...]:
-            return (init_settings, env_settings, lambda: file_values)  # type: ignore[return-value]
-
-    return _FileConfig
+        token = _file_values.set(file_values)
+        try:
+            return cls(**overrides)
+        finally:
+            _file_values.reset(token)

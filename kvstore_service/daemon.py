@@ -92,7 +92,7 @@ class Daemon:
     async def shutdown(self) -> None:
         """Let copies finish, drop mappings (engines register again with the next daemon)."""
         await self.sessions.end_all()
-        self.jobs.shutdown()
+        await self.jobs.shutdown()
         self.pool.close()
 
 
@@ -162,7 +162,7 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     chores = loop.create_task(daemon.housekeeping(creds))
-    sealing = loop.create_task(daemon.jobs.seal_recovered())
+    daemon.jobs.seal_recovered()
     await server.serve(daemon)
     log.info("kvstore %s serving on %s (pool %s, %d bytes, %d blocks recovered)", __version__, config.socket,
              config.pool_path, daemon.pool.capacity, daemon.recovered)
@@ -172,7 +172,6 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
 
     log.info("shutting down")
     chores.cancel()
-    sealing.cancel()
     await server.stop(grace=2.0)
     await creds.close()
     await daemon.shutdown()

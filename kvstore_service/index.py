@@ -2,8 +2,10 @@
 
 The event loop owns the index; nothing else touches its maps, and there are no locks. The rest of
 the daemon keeps books through the verbs below, in the order vLLM's offload manager uses them:
-`lookup`; `prepare_store` -> (copy) -> `complete_store` -> (checksum) -> `seal`; `prepare_load` ->
-(copy) -> `complete_load`; `pin`/`unpin` for leases; `clear`; `recover` after a restart.
+`lookup`; `prepare_store` -> (copy) -> `complete_store`, later `hold_for_seal` -> (checksum) -> `seal`;
+`prepare_load` ->
+(copy) -> `complete_load`; `pin`/`unpin` for leases; `clear`; `recover` and `unsealed` after a
+restart.
 
 A block is WRITING while its store copy runs (invisible to lookups and loads) and COMMITTED after.
 Pinned blocks (leased, being loaded or sealed) and WRITING blocks are never evicted; the rest go
@@ -109,7 +111,8 @@ class StorePlan:
 
     present: list[int]  # already committed: nothing to copy
     in_flight: list[tuple[int, Block]]  # being written by another store: wait for it
-    reserved: list[tuple[int, Block]]  # a fresh WRITING slot each: copy these
+    reserved: list[int]  # a fresh WRITING slot each (in `blocks`): copy these
+    blocks: list[Block]
     refused: int  # no slot could be freed (every block pinned or being written)
 
 
@@ -176,17 +179,21 @@ class BlockIndex:
         slot for each new key (evicting if needed) until the pool runs out."""
         present: list[int] = []
         in_flight: list[tuple[int, Block]] = []
-        new: list[int] = []
         committed, writing = ns._committed, ns._writing
-        for i, key in enumerate(keys):
-            if key in committed:
-                present.append(i)
-            elif key in writing:
-                in_flight.append((i, writing[key]))
-            else:
-                new.append(i)
-        blocks = self._reserve(ns, [keys[i] for i in new])
-        return StorePlan(present, in_flight, list(zip(new, blocks, strict=False)), len(new) - len(blocks))
+        if committed.keys().isdisjoint(keys) and writing.keys().isdisjoint(keys):  # the usual case, in C
+            new = list(range(len(keys)))
+            blocks = self._reserve(ns, keys)
+        else:
+            new = []
+            for i, key in enumerate(keys):
+                if key in committed:
+                    present.append(i)
+                elif key in writing:
+                    in_flight.append((i, writing[key]))
+                else:
+                    new.append(i)
+            blocks = self._reserve(ns, [keys[i] for i in new])
+        return StorePlan(present, in_flight, new[:len(blocks)], blocks, len(new) - len(blocks))
 
     def _reserve(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
         """A WRITING slot for each key (the first ones when the pool runs out). A slot's header
@@ -212,9 +219,9 @@ class BlockIndex:
 
     def complete_store(self, blocks: list[Block], ok: bool) -> list[Block]:
         """The copy of these blocks (of one namespace) ended. If `ok`, every byte is in the pool and
-        their STORED headers are written: they are committed (lookups and loads see them) and
-        pinned until `seal`. Returns the committed ones; a block dropped while it was written is
-        not among them (its slot is free already), nor is any block of a failed copy."""
+        their STORED headers are written: they are committed (lookups and loads see them). Returns
+        the committed ones; a block dropped while it was written is not among them (its slot is
+        free already), nor is any block of a failed copy."""
         if not blocks:
             return []
         if not ok:
@@ -228,11 +235,18 @@ class BlockIndex:
         for block in done:
             del writing[block.key]
             block.state = BlockState.COMMITTED
-            block.pins += 1
         ns._committed.update(zip(map(_key, done), done, strict=True))
         self._lru.setdefault(ns.block_bytes, OrderedDict()).update(dict.fromkeys(done))
         ns.counters.stored_blocks += len(done)
         return done
+
+    def hold_for_seal(self, blocks: list[Block]) -> list[Block]:
+        """Those of these committed blocks still present, pinned (their slots must not be reused
+        while their checksums are taken): `seal` them."""
+        held = [b for b in blocks if self._present(b)]
+        for block in held:  # (not touched: a seal is no use)
+            block.pins += 1
+        return held
 
     def seal(self, blocks: list[Block], checksums: list[int] | None) -> None:
         """Their checksums are taken and sealed into their slot headers (None: that failed). Unpins
@@ -244,17 +258,13 @@ class BlockIndex:
                 block.checksum = checksums[n]
         self.unpin(blocks)
 
-    def unsealed(self, batch: int) -> Iterator[list[Block]]:
-        """Recovered blocks that have no checksum yet (the daemon died before taking it), pinned,
-        a batch of one namespace at a time: `seal` them."""
+    def unsealed(self) -> Iterator[list[Block]]:
+        """Recovered blocks that have no checksum yet (the daemon died before taking it), a list
+        per namespace."""
         for ns in list(self.namespaces.values()):
             todo = [b for b in ns._committed.values() if b.checksum is None]
-            for start in range(0, len(todo), batch):
-                blocks = [b for b in todo[start:start + batch] if self._present(b)]
-                if blocks:
-                    for block in blocks:  # (not touched: sealing is no use)
-                        block.pins += 1
-                    yield blocks
+            if todo:
+                yield todo
 
     # -- loads -----------------------------------------------------------------------------------
 

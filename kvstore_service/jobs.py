@@ -2,9 +2,13 @@
 
 The only module that hands work to threads. A job is cut into chunks; for each chunk the loop asks
 the index for slots (store) or pinned blocks (load), plans the byte runs, and gives the chunk to a
-copy thread, which only makes native calls. The loop then completes the chunk in the index,
-publishes the job's completion to the engine's shared-memory channel, and (store) has the blocks'
-checksums taken and sealed into their slot headers, so a restarted daemon can verify them.
+copy thread, which only makes native calls. The loop then completes the chunk in the index and
+publishes the job's completion to the engine's shared-memory channel.
+
+Stored blocks then wait in a queue to be sealed: their checksums taken and written into their slot
+headers, so that loads and a restarted daemon can verify them. Nobody waits on a seal, so seals
+yield to copies: they run when no copy is in flight, or once the oldest has waited SEAL_DEFER_S.
+A burst of stores runs at copy speed; under stores without pause seals take their share.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import random
 import threading
 import time
 from array import array
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -37,7 +42,10 @@ MAX_JOB_ID = (1 << 64) - 1  # the completion word holds job_id + 1
 # loop spends reserving one chunk (~1-2 ms).
 CHUNK_BYTES = 128 << 20
 CHUNK_BLOCKS = 1024
-SEAL_BATCH = 1024
+# Seals go to the copy threads in batches of at most this many bytes, so a copy that arrives
+# meanwhile waits for one short batch at most (~2 ms), and after this long they no longer yield.
+SEAL_BATCH_BYTES = 32 << 20
+SEAL_DEFER_S = 1.0
 
 
 def _lower_priority() -> None:
@@ -67,7 +75,6 @@ class Job:
     session: EngineSession
     keys: list[bytes]
     block_ids: list[int]
-    blocks: list[Block | None]  # per key: the block copied, or None (failed or already present)
     ok: list[bool]
     # store: keys another job is writing; this job is done when those are (dedupe without lying)
     waits: list[tuple[int, asyncio.Future[bool]]] = field(default_factory=list)
@@ -102,6 +109,11 @@ class Jobs:
         self.store_failures_pool_full = 0
         self.corrupt_blocks = 0
         self._store_waiters: dict[Block, list[asyncio.Future[bool]]] = {}
+        self._to_seal: deque[tuple[float, list[Block]]] = deque()  # (queued at, blocks of one namespace)
+        self._sealer: asyncio.Task[None] | None = None
+        self._copies = 0  # chunks handed to copy threads, not finished
+        self._no_copies = asyncio.Event()
+        self._draining = False
 
     # -- submit and poll -------------------------------------------------------------------------
 
@@ -131,7 +143,7 @@ class Jobs:
         if len(session.jobs) >= self.config.max_inflight_jobs:
             raise KVError("RESOURCE_EXHAUSTED", f"{len(session.jobs)} jobs in flight (max)")
 
-        job = Job(job_id, is_store, session, keys, block_ids, [None] * len(keys), [False] * len(keys))
+        job = Job(job_id, is_store, session, keys, block_ids, [False] * len(keys))
         session.jobs[slot] = job
         task = asyncio.get_running_loop().create_task(self._run(job))
         session.tasks.add(task)
@@ -178,6 +190,7 @@ class Jobs:
         for part in self._chunks(job):
             chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part)
             if chunk is not None:
+                self._copies += 1
                 copies.append((chunk, loop.run_in_executor(self.executor, self._copy, job, chunk)))
             await asyncio.sleep(0)  # serve other requests between chunks of a large job
         stored: list[Block] = []
@@ -189,6 +202,9 @@ class Jobs:
                 log.exception("job %d copy failed", job.job_id)
                 job.error = f"copy failed: {e}"
                 corrupt = None
+            self._copies -= 1
+            if not self._copies:
+                self._no_copies.set()
             job.copy_seconds += time.monotonic() - started
             if corrupt is not None:
                 job.copied_bytes += chunk.plan.total_bytes
@@ -200,7 +216,7 @@ class Jobs:
             job.ok[i] = await waiter
         self._publish(job)
         if stored:
-            await self._seal(stored)
+            self._queue_seal(stored)
 
     def _prepare_store(self, job: Job, part: range) -> Chunk | None:
         """Slots for the chunk's new keys; keys present already are done, keys another job is
@@ -215,13 +231,10 @@ class Jobs:
         if plan.refused:
             self.store_failures_pool_full += plan.refused
             job.error = "pool full: every block is pinned or being copied"
-        if not plan.reserved:
+        if not plan.blocks:
             return None
-        indexes = [part.start + i for i, _ in plan.reserved]
-        blocks = [block for _, block in plan.reserved]
-        for i, block in zip(indexes, blocks, strict=True):
-            job.blocks[i] = block
-        chunk = self._plan(job, indexes, blocks)
+        blocks = plan.blocks
+        chunk = self._plan(job, [part.start + i for i in plan.reserved], blocks)
         chunk.headers = array("Q", [b.header for b in blocks])
         chunk.keys = b"".join([b.key for b in blocks])
         chunk.generation = self.pool.next_generation()
@@ -236,8 +249,6 @@ class Jobs:
         if not indexes:
             return None
         blocks = [block for block in found if block is not None]
-        for i, block in zip(indexes, blocks, strict=True):
-            job.blocks[i] = block
         chunk = self._plan(job, indexes, blocks)
         verify = self.config.verify_loads
         if verify > 0:
@@ -317,9 +328,35 @@ class Jobs:
 
     # -- sealing ---------------------------------------------------------------------------------
 
+    def _queue_seal(self, blocks: list[Block]) -> None:
+        self._to_seal.append((time.monotonic(), blocks))
+        if self._sealer is None or self._sealer.done():
+            self._sealer = asyncio.get_running_loop().create_task(self._seal_queued())
+
+    async def _seal_queued(self) -> None:
+        while self._to_seal:
+            queued, blocks = self._to_seal[0]
+            wait = queued + SEAL_DEFER_S - time.monotonic()
+            if self._copies and wait > 0 and not self._draining:
+                self._no_copies.clear()
+                try:
+                    await asyncio.wait_for(self._no_copies.wait(), wait)
+                except TimeoutError:
+                    pass
+                continue
+            batch = max(1, SEAL_BATCH_BYTES // blocks[0].namespace.block_bytes)
+            if len(blocks) > batch:
+                self._to_seal[0] = (queued, blocks[batch:])
+                blocks = blocks[:batch]
+            else:
+                self._to_seal.popleft()
+            held = self.index.hold_for_seal(blocks)
+            if held:
+                await self._seal(held)
+
     async def _seal(self, blocks: list[Block]) -> None:
-        """Checksum committed, pinned blocks of one namespace in the pool and seal the checksums into
-        their slot headers: from then on a restarted daemon can verify them."""
+        """Checksum committed, held blocks of one namespace in the pool and seal the checksums into
+        their slot headers."""
         ns = blocks[0].namespace
         offsets = array("Q", (b.offset for b in blocks))
         headers = array("Q", (b.header for b in blocks))
@@ -339,12 +376,17 @@ class Jobs:
             log.exception("checksum failed; %d blocks will not survive a restart", len(blocks))
         self.index.seal(blocks, checksums)
 
-    async def seal_recovered(self) -> None:
-        """Blocks recovered without a checksum (the daemon died before taking it): take it now."""
-        for blocks in self.index.unsealed(SEAL_BATCH):
-            await self._seal(blocks)
+    def seal_recovered(self) -> None:
+        """Blocks recovered without a checksum (the daemon died before taking it): queue them."""
+        for blocks in self.index.unsealed():
+            self._queue_seal(blocks)
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
+        """Seal what is queued (a restarted daemon can then verify it), then stop the threads."""
+        self._draining = True
+        self._no_copies.set()
+        if self._sealer is not None:
+            await self._sealer
         self.executor.shutdown(wait=True)
 
 

@@ -50,7 +50,10 @@ class PeerCredServer:
         self.allowed_uids = set(allowed_uids)
         self._pending: dict[bytes, Handshake] = {}
         self._listener: socket.socket | None = None
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
+        # The handshakes being served: the loop keeps only weak references to tasks, so an unreferenced
+        # one could be collected mid-handshake (descriptors received and never closed, client unanswered).
+        self._handlers: set[asyncio.Task[None]] = set()
 
     async def start(self, mode: int, gid: int | None) -> None:
         if os.path.exists(self.path):
@@ -67,6 +70,8 @@ class PeerCredServer:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+        for handler in self._handlers:
+            handler.cancel()
         if self._listener is not None:
             self._listener.close()
         for handshake in self._pending.values():
@@ -82,7 +87,9 @@ class PeerCredServer:
         assert self._listener is not None
         while True:
             conn, _ = await loop.sock_accept(self._listener)
-            loop.create_task(self._handle(conn))
+            handler = loop.create_task(self._handle(conn))
+            self._handlers.add(handler)
+            handler.add_done_callback(self._handlers.discard)
 
     async def _handle(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()

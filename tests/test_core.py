@@ -33,13 +33,16 @@ SLOTS = 4096
 
 
 class FakeBackend(Backend):
-    """Engine memory is a buffer of ours; copies are the native engine's. `gate` holds copies back."""
+    """Engine memory is a buffer of ours; copies are the native engine's. `gate` holds copies back,
+    `load_gate` only loads."""
 
     name = "fake"
 
     def __init__(self) -> None:
         self.gate = threading.Event()
         self.gate.set()
+        self.load_gate = threading.Event()
+        self.load_gate.set()
         self.unmapped: list[Mapping] = []
 
     def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
@@ -50,7 +53,7 @@ class FakeBackend(Backend):
         self.unmapped.append(mapping)
 
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
-        assert self.gate.wait(10)
+        assert self.gate.wait(10) and (not to_engine or self.load_gate.wait(10))
         if to_engine:
             native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes)
         else:
@@ -85,7 +88,6 @@ class Core:
         return self.sessions.register(Registration(PROTOCOL_VERSION, "scheduler", namespace))
 
     def close(self) -> None:
-        self.jobs.shutdown()
         for channel in self.channels:
             channel.close()
         self.pool.close()
@@ -93,8 +95,15 @@ class Core:
 
 def run(tmp_path: Path, body: Callable[[Core], Awaitable[None]], **settings: object) -> None:
     core = Core(tmp_path, **settings)
+
+    async def main() -> None:
+        try:
+            await body(core)
+        finally:
+            await core.jobs.shutdown()
+
     try:
-        asyncio.run(body(core))
+        asyncio.run(main())
     finally:
         core.close()
 
@@ -174,6 +183,33 @@ def test_store_of_a_key_being_written_finishes_with_that_copy(tmp_path: Path) ->
                 await asyncio.sleep(0.005)
             assert session.channel.check(1).blocks_ok == 2  # type: ignore[union-attr]
         assert core.index.count == 2
+
+    run(tmp_path, body)
+
+
+def test_seals_yield_to_copies_and_shutdown_seals_what_is_queued(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        engine = core.engine()
+        await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
+        await asyncio.sleep(0.05)
+        assert all(b.checksum is not None for b in core.index.lookup(engine.namespace, b"".join(keys_of(2)), 32))
+        core.backend.load_gate.clear()
+        core.jobs.submit(engine, 2, keys_of(1), [4], False)  # a copy in flight (one thread of two)
+        await finish(core.jobs, engine, 3, keys_of(3, 1), [6, 7, 8], True)
+        await asyncio.sleep(0.05)
+        stored = core.index.lookup(engine.namespace, b"".join(keys_of(3, 1)), 32)
+        assert len(stored) == 3 and all(b.checksum is None for b in stored)  # the seal waits for the copy
+        core.backend.load_gate.set()
+        while engine.channel.check(2) is None:
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        assert all(b.checksum is not None for b in stored)
+        core.backend.load_gate.clear()
+        core.jobs.submit(engine, 4, keys_of(1), [4], False)
+        await finish(core.jobs, engine, 5, keys_of(2, 2), [9, 10], True)
+        core.backend.load_gate.set()
+        await core.jobs.shutdown()  # drains the queue whatever is in flight
+        assert all(b.checksum is not None for b in core.index.lookup(engine.namespace, b"".join(keys_of(2, 2)), 32))
 
     run(tmp_path, body)
 

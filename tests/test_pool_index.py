@@ -40,7 +40,8 @@ def test_allocate_many_spans_segments_and_stops_when_full(pool: Pool) -> None:
 def reserve(index: BlockIndex, ns, keys: list[bytes]) -> list[Block]:
     plan = index.prepare_store(ns, keys)
     assert not plan.present and not plan.in_flight
-    return [block for _, block in plan.reserved]
+    assert plan.reserved == list(range(len(plan.blocks)))
+    return plan.blocks
 
 
 def test_prepare_store_offsets_and_complete(pool: Pool) -> None:
@@ -52,9 +53,10 @@ def test_prepare_store_offsets_and_complete(pool: Pool) -> None:
     assert [b.header for b in blocks] == [pool.header_offset(b.ref) for b in blocks]
     assert index.lookup(ns, b"".join(keys_of(5)), 32) == []  # WRITING: invisible
     index.clear(ns)  # (committed blocks only: nothing to drop)
-    committed = index.complete_store(blocks, ok=True)
-    assert committed == blocks and all(b.pins == 1 for b in blocks)  # pinned until sealed
-    index.seal(committed, [7] * 5)
+    assert index.complete_store(blocks, ok=True) == blocks
+    held = index.hold_for_seal(blocks)
+    assert held == blocks and all(b.pins == 1 for b in blocks)  # no slot reused while checksummed
+    index.seal(held, [7] * 5)
     assert [b.checksum for b in blocks] == [7] * 5 and all(b.pins == 0 for b in blocks)
     assert index.lookup(ns, b"".join(keys_of(5)), 32) == blocks
 
@@ -63,10 +65,10 @@ def test_prepare_store_sorts_present_in_flight_and_new(pool: Pool) -> None:
     index = BlockIndex(pool)
     ns = index.namespace("ns", BLOCK)
     done = reserve(index, ns, keys_of(2))
-    index.seal(index.complete_store(done, ok=True), None)
+    index.complete_store(done, ok=True)
     writing = reserve(index, ns, keys_of(1, 5))
     plan = index.prepare_store(ns, [keys_of(2)[1], keys_of(1, 5)[0], keys_of(1, 6)[0]])
-    assert plan.present == [0] and plan.in_flight == [(1, writing[0])] and [i for i, _ in plan.reserved] == [2]
+    assert plan.present == [0] and plan.in_flight == [(1, writing[0])] and plan.reserved == [2]
     assert plan.refused == 0
 
 
@@ -85,8 +87,8 @@ def test_prepare_store_evicts_then_refuses(pool: Pool) -> None:
     first = reserve(index, ns, keys_of(capacity, 1))
     assert len(first) == capacity
     full = index.prepare_store(ns, keys_of(2, 2))
-    assert full.reserved == [] and full.refused == 2  # all WRITING: nothing to evict
-    index.seal(index.complete_store(first, ok=True), None)
+    assert full.blocks == [] and full.refused == 2  # all WRITING: nothing to evict
+    index.complete_store(first, ok=True)
     index.pin([first[0]])
     second = reserve(index, ns, keys_of(2, 3))
     assert len(second) == 2 and index.evictions == 2 and ns.counters.evictions == 2
@@ -98,7 +100,7 @@ def test_load_pins_and_drops_corrupt_blocks(pool: Pool) -> None:
     index = BlockIndex(pool)
     ns = index.namespace("ns", BLOCK)
     blocks = reserve(index, ns, keys_of(3))
-    index.seal(index.complete_store(blocks, ok=True), None)
+    index.complete_store(blocks, ok=True)
     found = index.prepare_load(ns, keys_of(3) + keys_of(1, 9))
     assert found == [*blocks, None] and all(b.pins == 1 for b in blocks)
     index.complete_load(blocks, corrupt=[blocks[1]])
@@ -111,7 +113,7 @@ def test_block_removed_while_pinned_is_freed_at_last_unpin(pool: Pool) -> None:
     index = BlockIndex(pool)
     ns = index.namespace("ns", BLOCK)
     blocks = reserve(index, ns, keys_of(1))
-    index.seal(index.complete_store(blocks, ok=True), None)
+    index.complete_store(blocks, ok=True)
     index.pin(blocks)  # a lease
     index.prepare_load(ns, keys_of(1))
     index.complete_load(blocks, corrupt=blocks)  # DOOMED: still leased
@@ -158,6 +160,6 @@ def test_headers_survive_reattach(tmp_path) -> None:
     ns2 = next(iter(recovered.namespaces.values()))
     got = {b.key: b.checksum for b in recovered.lookup(ns2, stored.key + sealed.key, 32)}
     assert got == {stored.key: None, sealed.key: 1234}
-    unsealed = [b.key for batch in recovered.unsealed(16) for b in batch]
+    unsealed = [b.key for blocks in recovered.unsealed() for b in blocks]
     assert unsealed == [stored.key]
     again.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import threading
+from dataclasses import dataclass
 
 from kvstore_client.protocol import memfd
 from kvstore_service import native
@@ -23,6 +24,16 @@ def _populate(addr: int, size: int) -> None:
     _libc.madvise(addr, size, MADV_POPULATE_WRITE)
 
 
+@dataclass
+class _Held:
+    """What a CPU mapping keeps until unmap: the mmap, the ctypes view whose address is the mapping's
+    base (an export of the mmap, dropped before closing it) and the thread populating its pages."""
+
+    mm: mmap.mmap
+    anchor: ctypes.c_char | None
+    populating: threading.Thread
+
+
 class CpuBackend(Backend):
     name = "cpu"
 
@@ -36,15 +47,16 @@ class CpuBackend(Backend):
         base = ctypes.addressof(anchor)
         populating = threading.Thread(target=_populate, args=(base, size), name="kvstore-populate", daemon=True)
         populating.start()
-        return Mapping(base, size, handle=(mm, anchor, populating))
+        return Mapping(base, size, handle=_Held(mm, anchor, populating))
 
     def unmap(self, mapping: Mapping) -> None:
-        mm, anchor, populating = mapping.handle  # type: ignore[misc]
-        populating.join()  # it must not touch the range once unmapped (and maybe reused)
-        del anchor
+        held = mapping.handle
+        assert isinstance(held, _Held)
+        held.populating.join()  # it must not touch the range once unmapped (and maybe reused)
+        held.anchor = None
         mapping.handle = None
         try:
-            mm.close()
+            held.mm.close()
         except BufferError:  # a stray export still holds it; the GC unmaps it later
             pass
 

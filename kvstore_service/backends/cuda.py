@@ -33,8 +33,6 @@ log = logging.getLogger(__name__)
 def require_cuda() -> ModuleType:
     """torch, once the daemon can drive a GPU; RuntimeError naming what is missing otherwise."""
     feats = native.features()
-    if not feats.get("native"):
-        raise RuntimeError(f"no CUDA device: the native copy engine is missing ({feats.get('native_missing_reason')})")
     if not feats.get("cuda_available"):
         raise RuntimeError(f"no CUDA device: {feats.get('cuda_error') or 'the native engine has no CUDA support'}")
     try:
