@@ -52,12 +52,12 @@ class FakeBackend(Backend):
     def unmap(self, mapping: Mapping) -> None:
         self.unmapped.append(mapping)
 
-    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool, threads: int) -> None:
         assert self.gate.wait(10) and (not to_engine or self.load_gate.wait(10))
         if to_engine:
-            native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes)
+            native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes, threads)
         else:
-            native.copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes)
+            native.copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes, threads)
 
 
 class Core:
@@ -194,21 +194,25 @@ def test_seals_yield_to_copies_and_shutdown_seals_what_is_queued(tmp_path: Path)
         await asyncio.sleep(0.05)
         assert all(b.checksum is not None for b in core.index.lookup(engine.namespace, b"".join(keys_of(2)), 32))
         core.backend.load_gate.clear()
-        core.jobs.submit(engine, 2, keys_of(1), [4], False)  # a copy in flight (one thread of two)
-        await finish(core.jobs, engine, 3, keys_of(3, 1), [6, 7, 8], True)
+        core.jobs.submit(engine, 2, keys_of(3, 1), [6, 7, 8], True)
+        core.jobs.submit(engine, 3, keys_of(1), [4], False)  # copied after the store, held: a copy in flight
+        while engine.channel.check(2) is None:
+            await asyncio.sleep(0.005)
         await asyncio.sleep(0.05)
         stored = core.index.lookup(engine.namespace, b"".join(keys_of(3, 1)), 32)
         assert len(stored) == 3 and all(b.checksum is None for b in stored)  # the seal waits for the copy
         core.backend.load_gate.set()
-        while engine.channel.check(2) is None:
+        while engine.channel.check(3) is None:
             await asyncio.sleep(0.005)
         await asyncio.sleep(0.05)
         assert all(b.checksum is not None for b in stored)
         core.backend.load_gate.clear()
-        core.jobs.submit(engine, 4, keys_of(1), [4], False)
-        await finish(core.jobs, engine, 5, keys_of(2, 2), [9, 10], True)
+        core.jobs.submit(engine, 4, keys_of(2, 2), [9, 10], True)
+        core.jobs.submit(engine, 5, keys_of(1), [4], False)
+        while engine.channel.check(4) is None:
+            await asyncio.sleep(0.005)
         core.backend.load_gate.set()
-        await core.jobs.shutdown()  # drains the queue whatever is in flight
+        await core.jobs.shutdown()  # seals what is queued
         assert all(b.checksum is not None for b in core.index.lookup(engine.namespace, b"".join(keys_of(2, 2)), 32))
 
     run(tmp_path, body)

@@ -60,9 +60,8 @@ class CpuBackend(Backend):
         except BufferError:  # a stray export still holds it; the GC unmaps it later
             pass
 
-    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
-        # One thread per call: the daemon core runs a job's chunks on its copy threads side by side.
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool, threads: int) -> None:
         if to_engine:
-            native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes)
+            native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes, threads)
         else:
-            native.copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes)
+            native.copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes, threads)
