@@ -12,6 +12,8 @@ import tempfile
 import time
 from array import array
 from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -115,109 +117,145 @@ def run_job(session: Session, submit: Callable[[], int]) -> float:
     return elapsed
 
 
+def wait_sealed(client: KVStoreClient, timeout: float = 120.0) -> None:
+    """Until the daemon has taken the checksums of every stored block (it does so after the copies)."""
+    deadline = time.monotonic() + timeout
+    while client.stats().unsealed_blocks:
+        if time.monotonic() > deadline:
+            raise TimeoutError("the daemon did not seal its stored blocks in time")
+        time.sleep(0.002)
+
+
+class Run:
+    """One engine session on a daemon, with the limits its copies are paired with."""
+
+    def __init__(self, client: KVStoreClient, backend: str, blocks: int, block_bytes: int, rounds: int) -> None:
+        self.client, self.backend, self.blocks = client, backend, blocks
+        self.total = blocks * block_bytes
+        self.memcpy = Memcpy(self.total)
+        self.device_gbps = device_copy_gbps(backend, self.total, rounds) if backend != "cpu" else 0.0
+        self.cache_blocks = 2 * blocks  # block ids scattered over a cache twice the job's size
+        self.memory, spec, self.kv = engine_memory(backend, self.cache_blocks, block_bytes)
+        self.session = client.session(f"bench-{secrets.token_hex(4)}", spec)
+        self.rng = random.Random(0)
+        self.limits: list[float] = []
+        self.engine_limits: list[float] = []  # cpu: the copy engine's own contiguous copy, paired likewise
+        self.stored: list[list[bytes]] = []  # keys of the measured stores
+
+    def job(self) -> tuple[list[bytes], list[int]]:
+        return [secrets.token_bytes(32) for _ in range(self.blocks)], self.rng.sample(range(self.cache_blocks),
+                                                                                      self.blocks)
+
+    def measure_limits(self) -> None:
+        self.limits.append(self.device_gbps or self.memcpy.gbps(3))
+        if self.backend == "cpu":
+            self.engine_limits.append(self.memcpy.gbps(3, copy_engine=True))
+
+    def store(self, keys: list[bytes], ids: list[int]) -> float:
+        synchronize_before_store(self.kv.device)
+        return self.total / run_job(self.session, partial(self.session.store, keys, ids)) / 1e9
+
+    def load(self, keys: list[bytes], ids: list[int]) -> float:
+        return self.total / run_job(self.session, partial(self.session.load, keys, ids)) / 1e9
+
+    def close(self) -> None:
+        self.session.close()
+        if self.memory is not None:
+            self.memory.close()
+        self.memcpy.close()
+
+
+def data_path(run: Run, rounds: int) -> dict[str, Any]:
+    """Store and load GB/s, each round paired with the limits measured right before it."""
+    warm = run.job()  # not measured: the first jobs touch code and memory nothing touched before
+    run.store(*warm)
+    run.load(*warm)
+    store, load = [], []
+    for _ in range(rounds):
+        keys, ids = run.job()
+        wait_sealed(run.client)  # one store's latency, not the previous one's checksums
+        run.measure_limits()
+        store.append(run.store(keys, ids))
+        run.stored.append(keys)
+    # Back to back: what a burst of stores sustains, and what it sustains once its checksums are in.
+    started = time.perf_counter()
+    for _ in range(rounds):
+        run.store(*run.job())
+    copied = time.perf_counter() - started
+    wait_sealed(run.client)
+    sealed = time.perf_counter() - started
+    for keys in run.stored:
+        run.measure_limits()
+        load.append(run.load(keys, run.job()[1]))
+    results: dict[str, Any] = {
+        "store_sustained_gbps": rounds * run.total / copied / 1e9,
+        "store_sustained_sealed_gbps": rounds * run.total / sealed / 1e9,
+        "memcpy_gbps": max(run.limits) if run.backend == "cpu" else run.memcpy.gbps(rounds),
+        "store_gbps": max(store), "load_gbps": max(load),
+    }
+    if run.device_gbps:
+        results["device_copy_gbps"] = run.device_gbps
+    for name, limits in (("limit", run.limits), ("copy_engine", run.engine_limits)):
+        if limits:
+            ratios = paired_ratios(store + load, limits)
+            results[f"store_vs_{name}"] = statistics.median(ratios[:rounds])
+            results[f"load_vs_{name}"] = statistics.median(ratios[rounds:])
+            results[f"store_vs_{name}_rounds"] = [round(r, 3) for r in ratios[:rounds]]
+            results[f"load_vs_{name}_rounds"] = [round(r, 3) for r in ratios[rounds:]]
+    if run.engine_limits:
+        results["copy_engine_gbps"] = max(run.engine_limits)
+        results["store_sustained_vs_copy_engine"] = results["store_sustained_gbps"] / statistics.median(
+            run.engine_limits)
+        results["store_sustained_sealed_vs_copy_engine"] = results["store_sustained_sealed_gbps"] / statistics.median(
+            run.engine_limits)
+    return results
+
+
+def control_path(run: Run, keys: list[bytes]) -> dict[str, Any]:
+    """The RPC floor, a 1000-key lookup, and an engine's per-step submit and poll costs."""
+    # Interleaved in batches, so that both medians see the same machine.
+    lookup_keys = keys[:1000] + [secrets.token_bytes(32) for _ in range(max(0, 1000 - len(keys)))]
+    empty_us, lookup_us = [], []
+    for _ in range(10):
+        empty_us += timed(run.client.health, 30)
+        lookup_us += timed(lambda: run.session.lookup(lookup_keys), 30)
+    small = 64
+    submit_us, poll_us = [], []
+    for i in range(200):
+        some = keys[(i * small) % len(keys):][:small]
+        t0 = time.perf_counter()
+        job = run.session.load(some, list(range(len(some))))
+        submit_us.append((time.perf_counter() - t0) * 1e6)
+        while True:  # the engine's per-step check, measured while the job runs and after
+            t0 = time.perf_counter()
+            done = run.session.poll()
+            poll_us.append((time.perf_counter() - t0) * 1e6)
+            if done:
+                assert done[0].job_id == job and done[0].ok
+                break
+    return {
+        "grpc_empty_p50_us": statistics.median(empty_us), "lookup_1k_p50_us": statistics.median(lookup_us),
+        "lookup_vs_grpc_empty": statistics.median(lookup_us) / statistics.median(empty_us),
+        "submit_p50_us": statistics.median(submit_us), "submit_p99_us": percentile(submit_us, 0.99),
+        "poll_p50_us": statistics.median(poll_us), "poll_p99_us": percentile(poll_us, 0.99),
+    }
+
+
 def run_bench(socket: str | None, blocks: int, block_bytes: int, rounds: int, backend: str,
-              copy_threads: int = 2) -> dict:
+              copy_threads: int = 2) -> dict[str, Any]:
     """Store and load GB/s are each paired with the limit measured right before them (best of 3):
     on a shared machine the ratio of a pair is stable while absolute GB/s are not. The reported
     ratio is the median over rounds; GB/s figures are the best round."""
-    total = blocks * block_bytes
-    results: dict = {"backend": backend, "blocks": blocks, "block_bytes": block_bytes, "native": native.NATIVE}
-    memcpy = Memcpy(total)
-    if backend != "cpu":
-        results["device_copy_gbps"] = device_copy_gbps(backend, total, rounds)
-    limit = (lambda: results["device_copy_gbps"]) if backend != "cpu" else (lambda: memcpy.gbps(3))
-    pool_bytes = (2 * rounds + 2) * total + (64 << 20)
+    results: dict[str, Any] = {"backend": backend, "blocks": blocks, "block_bytes": block_bytes}
+    pool_bytes = (2 * rounds + 2) * blocks * block_bytes + (64 << 20)
     ctx = private_daemon(pool_bytes, copy_threads) if socket is None else contextlib.nullcontext(socket)
     with ctx as sock:
         client = KVStoreClient(sock)
-        cache_blocks = 2 * blocks  # block ids scattered over a cache twice the job's size
-        memory, spec, kv = engine_memory(backend, cache_blocks, block_bytes)
-        session = client.session(f"bench-{secrets.token_hex(4)}", spec)
+        run = Run(client, backend, blocks, block_bytes, rounds)
         try:
-            rng = random.Random(0)
-            limits: list[float] = []
-            engine_limits: list[float] = []  # cpu: the copy engine's own contiguous copy, paired likewise
-
-            def measure_limits() -> None:
-                limits.append(limit())
-                if backend == "cpu":
-                    engine_limits.append(memcpy.gbps(3, copy_engine=True))
-
-            store, load, all_keys = [], [], []
-            # Warm-up, not measured: the daemon maps the cache's pages in the background after
-            # registration, and the first jobs run code and touch memory nothing touched before.
-            warm_keys = [secrets.token_bytes(32) for _ in range(blocks)]
-            warm_ids = rng.sample(range(cache_blocks), blocks)
-            run_job(session, lambda: session.store(warm_keys, warm_ids))
-            run_job(session, lambda: session.load(warm_keys, warm_ids))
-            for _ in range(rounds):
-                keys = [secrets.token_bytes(32) for _ in range(blocks)]
-                ids = rng.sample(range(cache_blocks), blocks)
-                # The daemon checksums a store's blocks after reporting it done; let the previous
-                # round's checksums finish so that this measures one store's latency.
-                time.sleep(0.1 + 2 * total / (memcpy.gbps(1) * 1e9))
-                measure_limits()
-                synchronize_before_store(kv.device)
-                store.append(total / run_job(session, lambda k=keys, i=ids: session.store(k, i)) / 1e9)
-                all_keys.append(keys)
-            # Back to back, the checksum passes compete with the copies: the sustained rate.
-            started = time.perf_counter()
-            for _ in range(rounds):
-                keys = [secrets.token_bytes(32) for _ in range(blocks)]
-                ids = rng.sample(range(cache_blocks), blocks)
-                run_job(session, lambda k=keys, i=ids: session.store(k, i))
-            results["store_sustained_gbps"] = rounds * total / (time.perf_counter() - started) / 1e9
-            for r in range(rounds):
-                ids = rng.sample(range(cache_blocks), blocks)
-                measure_limits()
-                load.append(total / run_job(session, lambda k=all_keys[r], i=ids: session.load(k, i)) / 1e9)
-            results["memcpy_gbps"] = max(limits) if backend == "cpu" else memcpy.gbps(rounds)
-            results["store_gbps"] = max(store)
-            results["load_gbps"] = max(load)
-            ratios = paired_ratios(store + load, limits)
-            results["store_vs_limit"] = statistics.median(ratios[:rounds])
-            results["load_vs_limit"] = statistics.median(ratios[rounds:])
-            results["store_vs_limit_rounds"] = [round(r, 3) for r in ratios[:rounds]]
-            results["load_vs_limit_rounds"] = [round(r, 3) for r in ratios[rounds:]]
-            if engine_limits:
-                results["copy_engine_gbps"] = max(engine_limits)
-                ratios = paired_ratios(store + load, engine_limits)
-                results["store_vs_copy_engine"] = statistics.median(ratios[:rounds])
-                results["load_vs_copy_engine"] = statistics.median(ratios[rounds:])
-
-            # Interleaved in batches, so that both medians see the same machine.
-            lookup_keys = all_keys[-1][:1000] + [secrets.token_bytes(32) for _ in range(max(0, 1000 - blocks))]
-            empty_us, lookup_us = [], []
-            for _ in range(10):
-                empty_us += timed(client.health, 30)
-                lookup_us += timed(lambda: session.lookup(lookup_keys), 30)
-            results["grpc_empty_p50_us"] = statistics.median(empty_us)
-            results["lookup_1k_p50_us"] = statistics.median(lookup_us)
-            results["lookup_vs_grpc_empty"] = results["lookup_1k_p50_us"] / results["grpc_empty_p50_us"]
-
-            small = 64
-            submit_us, poll_us = [], []
-            for i in range(200):
-                keys = all_keys[-1][(i * small) % blocks:][:small]
-                ids = list(range(len(keys)))
-                t0 = time.perf_counter()
-                job = session.load(keys, ids)
-                submit_us.append((time.perf_counter() - t0) * 1e6)
-                while True:  # the engine's per-step check, measured while the job runs and after
-                    t0 = time.perf_counter()
-                    done = session.poll()
-                    poll_us.append((time.perf_counter() - t0) * 1e6)
-                    if done:
-                        assert done[0].job_id == job and done[0].ok
-                        break
-            results["submit_p50_us"] = statistics.median(submit_us)
-            results["submit_p99_us"] = percentile(submit_us, 0.99)
-            results["poll_p50_us"] = statistics.median(poll_us)
-            results["poll_p99_us"] = percentile(poll_us, 0.99)
+            results.update(data_path(run, rounds))
+            results.update(control_path(run, run.stored[-1]))
         finally:
-            session.close()
-            if memory is not None:
-                memory.close()
+            run.close()
             client.close()
-            memcpy.close()
     return results

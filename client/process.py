@@ -38,6 +38,7 @@ class DaemonProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def _limits(self) -> None:
+        assert self.max_open_files is not None
         resource.setrlimit(resource.RLIMIT_NOFILE, (self.max_open_files, self.max_open_files))
 
     def start(self, *extra: str, timeout: float = 60.0) -> DaemonProcess:

@@ -118,6 +118,7 @@ class Jobs:
         self._copies = 0  # chunks handed to copy threads, not finished
         self._no_copies = asyncio.Event()
         self._draining = False
+        self._sealing = 0  # blocks of the batch being sealed
 
     # -- submit and poll -------------------------------------------------------------------------
 
@@ -337,6 +338,11 @@ class Jobs:
 
     # -- sealing ---------------------------------------------------------------------------------
 
+    @property
+    def unsealed_blocks(self) -> int:
+        """Stored blocks waiting for their seal (some may be gone from the pool meanwhile)."""
+        return self._sealing + sum(len(blocks) for _, blocks in self._to_seal)
+
     def _queue_seal(self, blocks: list[Block]) -> None:
         self._to_seal.append((time.monotonic(), blocks))
         if self._sealer is None or self._sealer.done():
@@ -361,7 +367,9 @@ class Jobs:
                 self._to_seal.popleft()
             held = self.index.hold_for_seal(blocks)
             if held:
+                self._sealing = len(held)
                 await self._seal(held)
+                self._sealing = 0
 
     async def _seal(self, blocks: list[Block]) -> None:
         """Checksum committed, held blocks of one namespace in the pool and seal the checksums into

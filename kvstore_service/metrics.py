@@ -58,6 +58,8 @@ class _StatsCollector(Collector):
         yield GaugeMetricFamily("kvstore_engines", "Engines connected.", value=s.engines)
         yield GaugeMetricFamily("kvstore_leases", "Lookup leases held.", value=s.leases)
         yield GaugeMetricFamily("kvstore_jobs_in_flight", "Copy jobs not finished.", value=s.jobs_in_flight)
+        yield GaugeMetricFamily("kvstore_unsealed_blocks", "Stored blocks waiting for their checksum.",
+                                value=s.unsealed_blocks)
         yield GaugeMetricFamily("kvstore_hit_ratio", "Looked-up blocks found / looked up, since start.",
                                 value=s.hit_rate)
         yield CounterMetricFamily("kvstore_failed_blocks", "Blocks whose job failed.", value=s.failed_blocks)

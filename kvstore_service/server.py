@@ -77,7 +77,7 @@ class Servicer(pb_grpc.KVStoreServicer):
                                    max_inflight_jobs=self.daemon.config.max_inflight_jobs,
                                    daemon_version=__version__, daemon_boot_id=self.daemon.boot_id)
 
-    async def Attach(self, request: pb.AttachRequest, context: Any) -> AsyncIterator[pb.SessionEvent]:  # type: ignore[override]
+    async def Attach(self, request: pb.AttachRequest, context: Any) -> AsyncIterator[pb.SessionEvent]:
         sessions = self.daemon.sessions
         session = sessions.attach(request.session_id)
         try:
@@ -172,15 +172,15 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         await context.abort(getattr(grpc.StatusCode, code), message)
 
     async def intercept_service(
-        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        method = handler_call_details.method  # type: ignore[attr-defined]
+        method: str = handler_call_details.method
         # Decode the request here, not in gRPC, so that bad bytes get a status of ours.
-        decode = handler.request_deserializer
+        decode: Callable[[bytes], Any] = handler.request_deserializer  # type: ignore[assignment]
         if handler.unary_unary is not None:
             inner = handler.unary_unary
 
@@ -194,7 +194,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(unary, response_serializer=handler.response_serializer)
         if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
+            inner_stream: Callable[..., AsyncIterator[Any]] = handler.unary_stream  # type: ignore[assignment]
 
             async def stream(raw: bytes, context: Any) -> AsyncIterator[Any]:
                 try:

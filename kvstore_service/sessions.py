@@ -92,7 +92,8 @@ class Registration:
 class Sessions:
     """The registry of sessions, and the leases they hold on the index's blocks."""
 
-    def __init__(self, config: Config, pool: Pool, index: BlockIndex, backends: dict[str, Backend] | None = None) -> None:
+    def __init__(self, config: Config, pool: Pool, index: BlockIndex,
+                 backends: dict[str, Backend] | None = None) -> None:
         self.config = config
         self.pool = pool
         self.index = index

@@ -84,6 +84,7 @@ class Stats:
     uptime_s: int
     namespaces: list[NamespaceStats]
     daemon_version: str
+    unsealed_blocks: int
 
     @property
     def hit_rate(self) -> float:
