@@ -1,11 +1,12 @@
 """Store and load jobs: plan on the event loop -> copy in a thread -> complete -> publish -> seal.
 
 The only module that hands work to threads. A job is cut into chunks; for each chunk the loop asks
-the index for slots (store) or pinned blocks (load), plans the byte runs, and queues the chunk for
-the copy thread, which only makes native calls and copies one chunk at a time on all
-`--copy-threads` cores: memory bandwidth is what copies share, and one chunk at full speed finishes
-soonest. While a chunk copies, the loop plans the next one. The loop then completes each chunk in
-the index and publishes the job's completion to the engine's shared-memory channel.
+the index for slots (store) or pinned blocks (load), plans the byte runs, and hands the chunk to one
+of the `--copy-threads` copy threads, which only make native calls. While chunks copy, the loop
+plans the next ones; two chunks in flight keep a device's DMA busy while the other one's completion
+is handled (one chunk at a time on all cores cost a third of the CUDA path's speed on an H100). The
+loop then completes each chunk in the index and publishes the job's completion to the engine's
+shared-memory channel.
 
 Stored blocks then wait in a queue to be sealed: their checksums taken and written into their slot
 headers, so that loads and a restarted daemon can verify them. Nobody waits on a seal, so seals
@@ -39,10 +40,11 @@ from kvstore_service.sessions import EngineSession
 log = logging.getLogger(__name__)
 
 MAX_JOB_ID = (1 << 64) - 1  # the completion word holds job_id + 1
-# A job is copied in chunks that double from FIRST_CHUNK_BYTES up to CHUNK_BYTES and CHUNK_BLOCKS:
-# a small first chunk starts the copy after little planning, and planning (~5 us a block) stays
-# ahead of copying. Every chunk costs a hand-off to the copy thread and back (~0.5 ms on a busy
-# 2-vCPU VM); the block cap bounds the time the event loop spends planning one chunk (~2 ms).
+# A job is copied in chunks that double from FIRST_CHUNK_BYTES up to CHUNK_BYTES / CHUNK_BLOCKS,
+# and shrink again at the end to a share of what is left per copy thread: a small first chunk
+# starts the copying after little planning, and the threads finish together. Every chunk costs a
+# hand-off to a copy thread and back (~0.5 ms on a busy 2-vCPU VM); the block cap bounds the time
+# the event loop spends planning one chunk (~2 ms).
 FIRST_CHUNK_BYTES = 16 << 20
 CHUNK_BYTES = 128 << 20
 CHUNK_BLOCKS = 1024
@@ -107,7 +109,7 @@ class Jobs:
         self.pool = pool
         self.index = index
         self.metrics = metrics
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-copy",
+        self.executor = ThreadPoolExecutor(max_workers=config.copy_threads, thread_name_prefix="kvstore-copy",
                                            initializer=_lower_priority)
         self.failed_blocks = 0
         self.store_failures_pool_full = 0
@@ -170,15 +172,17 @@ class Jobs:
     # -- the pipeline ----------------------------------------------------------------------------
 
     def _chunks(self, job: Job) -> list[range]:
-        """A job's blocks in chunks doubling from FIRST_CHUNK_BYTES to CHUNK_BYTES / CHUNK_BLOCKS."""
-        n, block_bytes = len(job.keys), job.session.layout.block_bytes
+        """A job's blocks in chunks: doubling from FIRST_CHUNK_BYTES, at most CHUNK_BYTES and
+        CHUNK_BLOCKS, and at the end no more than a share of the rest per copy thread."""
+        n, block_bytes, threads = len(job.keys), job.session.layout.block_bytes, self.config.copy_threads
         most = max(1, min(CHUNK_BYTES // block_bytes, CHUNK_BLOCKS))
-        size = max(1, min(most, FIRST_CHUNK_BYTES // block_bytes))
-        chunks, start = [], 0
+        least = max(1, min(most, FIRST_CHUNK_BYTES // block_bytes))
+        chunks, start, ramp = [], 0, least
         while start < n:
+            size = min(ramp, max(least, -(-(n - start) // threads)))
             chunks.append(range(start, min(n, start + size)))
             start += size
-            size = min(most, 2 * size)
+            ramp = min(most, 2 * ramp)
         return chunks
 
     async def _run(self, job: Job) -> None:
@@ -292,7 +296,7 @@ class Jobs:
                        if chunk.blocks[k].checksum not in (None, value)]
         if corrupt:
             plan = _without(plan, corrupt, len(chunk.blocks))
-        session.backend.copy(session.mapping, self.pool.base, plan, not job.is_store, self.config.copy_threads)
+        session.backend.copy(session.mapping, self.pool.base, plan, to_engine=not job.is_store)
         if job.is_store:
             self.pool.write_headers(chunk.headers, SlotState.STORED, ns.block_bytes, chunk.generation, ns.ns_hash,
                                     chunk.keys, len(chunk.blocks[0].key))

@@ -52,12 +52,12 @@ class FakeBackend(Backend):
     def unmap(self, mapping: Mapping) -> None:
         self.unmapped.append(mapping)
 
-    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool, threads: int) -> None:
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         assert self.gate.wait(10) and (not to_engine or self.load_gate.wait(10))
         if to_engine:
-            native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes, threads)
+            native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes)
         else:
-            native.copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes, threads)
+            native.copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes)
 
 
 class Core:

@@ -12,13 +12,15 @@ from dataclasses import replace
 import grpc
 import pytest
 import torch
-from engine import key_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.blocks import key_of
 
+from kvstore_client.client import peer_handshake
 from kvstore_client.device import export_kv_memory, kv_regions, synchronize_before_store
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.protocol.completion import CompletionChannel
 from kvstore_client.protocol.handle import (
     MAX_HANDLE_BYTES,
     NPU_IPC_ALIGNMENT,
@@ -409,12 +411,16 @@ def test_cuda_store_and_load_byte_exact(daemon, interleaved: bool) -> None:
         # A handle naming a GPU the daemon does not have is refused with the reason.
         bad = json.loads(spec.handle)
         bad["device_uuid"] = "00000000-0000-0000-0000-000000000000"
-        with grpc.insecure_channel(f"unix://{daemon.socket}") as channel:
+        target = f"unix://{daemon.socket}"
+        completions = CompletionChannel.create(8)
+        with grpc.insecure_channel(target) as channel:
             request = device_register("cuda", json.dumps(bad).encode(), spec.size, namespace)
             request.layout.CopyFrom(spec.layout())
             request.memory.device = spec.device
+            request.peer_token = peer_handshake(target, [completions.fd])  # as a real engine does
             with pytest.raises(grpc.RpcError) as info:
                 pb_grpc.KVStoreStub(channel).Register(request, timeout=30)
+            completions.close()
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "is not visible to the daemon" in info.value.details()
     finally:

@@ -50,7 +50,6 @@ class Backend(ABC):
         """Release the mapping. Called only when no copy uses it any more."""
 
     @abstractmethod
-    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool, threads: int) -> None:
-        """Copy the plan's runs (pool -> engine if to_engine), on up to `threads` CPU threads where
-        the CPU moves the bytes, and return when every byte landed. Runs in the daemon's copy
-        thread; raises on any failure."""
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+        """Copy the plan's runs (pool -> engine if to_engine) and return when every byte landed.
+        Runs in one of the daemon's copy threads, beside the others; raises on any failure."""

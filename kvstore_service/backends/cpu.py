@@ -60,8 +60,8 @@ class CpuBackend(Backend):
         except BufferError:  # a stray export still holds it; the GC unmaps it later
             pass
 
-    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool, threads: int) -> None:
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         if to_engine:
-            native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes, threads)
+            native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes)
         else:
-            native.copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes, threads)
+            native.copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes)

@@ -116,7 +116,7 @@ class CudaBackend(Backend):
         storage, mapping.handle = mapping.handle, None
         del storage  # torch's deleter: stream sync, ref counter release, cudaIpcCloseMemHandle
 
-    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool, threads: int) -> None:
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         if to_engine:
             native.cuda_copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes,
                                     "h2d", mapping.device)

@@ -93,7 +93,7 @@ class NpuBackend(Backend):
         storage, mapping.handle = mapping.handle, None
         del storage  # torch_npu's deleter: stream sync, ref counter release, IPC close
 
-    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool, threads: int) -> None:
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         if to_engine:
             native.acl_copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes,
                                    "h2d", mapping.device)
