@@ -6,15 +6,17 @@
 # driver: --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/<cuda tag>.
 # accelerator=ascend needs an image built on a CANN base with torch-npu.
 
-# Build the kvstore wheel with its native copy engine (C++, needs g++ and the Python headers).
+# Build the kvstore wheel with its native copy engine (C++, needs g++ and the Python headers), with
+# .ci/build-wheel: the command CI builds the wheel it tests with, so the image cannot drift from it.
 FROM python:3.11-slim AS build
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
-# The source is bind-mounted, so no layer keeps it. KVSTORE_REQUIRE_NATIVE: fail here rather than
-# ship the slow pure-Python fallback.
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+# The source is bind-mounted, so no layer keeps it (the build itself runs in a scratch directory).
 RUN --mount=type=bind,target=/src,rw \
-    KVSTORE_REQUIRE_NATIVE=1 pip wheel --no-cache-dir --no-deps --wheel-dir /wheels /src
+    bash /src/.ci/build-wheel /wheels
 
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 \
@@ -26,7 +28,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"
 
-# Then kvstore itself (`pip install .`, built in the stage above).
+# Then kvstore itself: the wheel built in the stage above, installed as CI installs the one it tests.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels pip install /wheels/*.whl
 
 # The chart runs the daemon as this uid/gid (podSecurityContext.runAsUser/runAsGroup).

@@ -1,21 +1,16 @@
-"""Builds the optional native copy engine, kvstore_service._native.
+"""Builds the native copy engine, kvstore_service._native, which kvstore requires.
 
-pyproject.toml holds all package metadata; this file only adds the C++ extension and a build step
-that tolerates failure: if the extension cannot be compiled (no compiler, no Python headers, ...)
-the install still succeeds, a notice is printed, and kvstore_service.native uses its pure-Python
-fallback. No torch, pybind11 or CUDA is needed to build.
+pyproject.toml holds all package metadata; this file only adds the C++ extension (needs a C++17
+compiler and the Python headers; no torch, pybind11 or CUDA). If it cannot be built, the install
+fails with a message saying so: there is no pure-Python fallback.
 
 Optional device support:
   * CUDA is always compiled in: the driver is dlopen'ed at runtime (see csrc/cuda_copy.cpp). When
-    cuda.h is found ($CUDA_HOME, $CUDA_PATH or /usr/local/cuda), it is used only for compile-time
-    ABI checks of the hand-declared driver types.
+    cuda.h is found ($CUDA_HOME, $CUDA_PATH or /usr/local/cuda), static_asserts check the
+    hand-declared driver types against it; a failing check fails the build.
   * Ascend is compiled in when the CANN headers are found ($ASCEND_TOOLKIT_HOME, $ASCEND_HOME_PATH
-    or /usr/local/Ascend/ascend-toolkit/latest): defines KVSTORE_WITH_ACL.
-If a build with those headers fails, it is retried without them before giving up.
-
-Environment switches:
-  KVSTORE_NO_NATIVE=1       do not build the extension at all
-  KVSTORE_REQUIRE_NATIVE=1  fail the install if the extension cannot be built (for CI)
+    or /usr/local/Ascend/ascend-toolkit/latest). If the build with them fails, a notice is printed
+    and the engine is built without Ascend support.
 """
 
 from __future__ import annotations
@@ -27,51 +22,36 @@ from pathlib import Path
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
-ROOT = Path(__file__).parent.resolve()
 CSRC = "csrc"
+ACL_MACRO = ("KVSTORE_WITH_ACL", "1")
 
 
-def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def _first_dir_with(candidates: list[str | None], relative: str) -> str | None:
-    for base in candidates:
-        if base and (Path(base) / relative).is_file():
-            return str(Path(base))
+def _include_dir(homes: list[str | None], header: str) -> str | None:
+    for home in homes:
+        if home and (Path(home) / "include" / header).is_file():
+            return str(Path(home) / "include")
     return None
 
 
-def _cuda_include() -> str | None:
-    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
-    return _first_dir_with([h and os.path.join(h, "include") for h in homes], "cuda.h")
-
-
-def _acl_include() -> str | None:
-    homes = [
-        os.environ.get("ASCEND_TOOLKIT_HOME"),
-        os.environ.get("ASCEND_HOME_PATH"),
-        "/usr/local/Ascend/ascend-toolkit/latest",
-    ]
-    return _first_dir_with([h and os.path.join(h, "include") for h in homes], "acl/acl.h")
+CUDA_INCLUDE = _include_dir([os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"], "cuda.h")
+ACL_INCLUDE = _include_dir([os.environ.get("ASCEND_TOOLKIT_HOME"), os.environ.get("ASCEND_HOME_PATH"),
+                            "/usr/local/Ascend/ascend-toolkit/latest"], "acl/acl.h")
 
 
 def _native_extension() -> Extension:
     macros: list[tuple[str, str | None]] = []
-    includes: list[str] = []
-    cuda_inc = _cuda_include()
-    if cuda_inc:
+    includes = [CSRC]
+    if CUDA_INCLUDE:
         macros.append(("KVSTORE_CUDA_ABI_CHECK", "1"))
-        includes.append(cuda_inc)
-    acl_inc = _acl_include()
-    if acl_inc:
-        macros.append(("KVSTORE_WITH_ACL", "1"))
-        includes.append(acl_inc)
+        includes.append(CUDA_INCLUDE)
+    if ACL_INCLUDE:
+        macros.append(ACL_MACRO)
+        includes.append(ACL_INCLUDE)
     return Extension(
         "kvstore_service._native",
         sources=[f"{CSRC}/{name}.cpp" for name in ("copy_engine", "crc32c", "cuda_copy", "acl_copy")],
         depends=[f"{CSRC}/kvstore_native.h", f"{CSRC}/crc32c.h", f"{CSRC}/crc32c_3way.inc"],
-        include_dirs=[CSRC, *includes],
+        include_dirs=includes,
         define_macros=macros,
         language="c++",
         # No -march: instruction sets are chosen at runtime (see csrc/crc32c.cpp), so the binary
@@ -82,51 +62,38 @@ def _native_extension() -> Extension:
     )
 
 
-class OptionalBuildExt(build_ext):
-    """build_ext that retries without optional device headers, then gives up politely."""
+def _notice(message: str) -> None:
+    print(f"\n*** kvstore: {message}\n", file=sys.stderr, flush=True)
+
+
+class BuildNative(build_ext):
+    """build_ext that fails loudly; only Ascend support is dropped (with a notice) if it breaks the build."""
 
     def run(self) -> None:
         try:
             super().run()
-        except Exception as exc:  # e.g. no compiler found at all
-            self._give_up(exc)
+        except Exception as exc:  # no compiler, no Python headers, a compile error, a failed CUDA ABI check
+            cuda = (f" A failed static_assert in csrc/cuda_copy.cpp means the driver types declared there do "
+                    f"not match {CUDA_INCLUDE}/cuda.h: fix them, or set CUDA_HOME to another toolkit."
+                    if CUDA_INCLUDE else "")
+            _notice(f"cannot build the native copy engine kvstore_service._native ({type(exc).__name__}: {exc}). "
+                    "kvstore requires it: install a C++17 compiler (g++ or clang++) and the Python development "
+                    f"headers (e.g. python3-dev), fix any compiler error above, then reinstall.{cuda}")
+            raise
 
-    def build_extensions(self) -> None:
-        built = [ext for ext in self.extensions if self._build_optional(ext)]
-        # Forget the ones that failed, so later steps (in-place copy, editable wheel) skip them.
-        self.extensions[:] = built
-
-    def _build_optional(self, ext: Extension) -> bool:
+    def build_extension(self, ext: Extension) -> None:
+        if ACL_MACRO not in ext.define_macros:
+            super().build_extension(ext)
+            return
         try:
-            self.build_extension(ext)
-            return True
+            super().build_extension(ext)
         except Exception as exc:
-            if not ext.define_macros:
-                self._give_up(exc)
-                return False
-            self._notice(f"native build with {ext.define_macros} failed ({exc}); retrying without them")
-        ext.define_macros = []
-        ext.include_dirs = [CSRC]
-        self.force = True
-        try:
-            self.build_extension(ext)
-            return True
-        except Exception as exc:
-            self._give_up(exc)
-            return False
-
-    def _give_up(self, exc: Exception) -> None:
-        if _flag("KVSTORE_REQUIRE_NATIVE"):
-            raise exc
-        self._notice(
-            f"could not build the native copy engine ({type(exc).__name__}: {exc}). kvstore will use its "
-            "slower pure-Python fallback (kvstore_service.native.NATIVE is False). Install a C++17 compiler "
-            "and the Python headers, then reinstall, to get it."
-        )
-
-    @staticmethod
-    def _notice(message: str) -> None:
-        print(f"\n*** kvstore: {message}\n", file=sys.stderr, flush=True)
+            _notice(f"the build with the Ascend headers in {ACL_INCLUDE} failed ({exc}); building without "
+                    "Ascend (NPU) support")
+            ext.define_macros = [m for m in ext.define_macros if m != ACL_MACRO]
+            ext.include_dirs = [d for d in ext.include_dirs if d != ACL_INCLUDE]
+            self.force = True
+            super().build_extension(ext)
 
 
 def _packages() -> list[str]:
@@ -140,6 +107,6 @@ def _packages() -> list[str]:
 setup(
     packages=_packages(),
     package_dir={"kvstore_client": "client"},
-    ext_modules=[] if _flag("KVSTORE_NO_NATIVE") else [_native_extension()],
-    cmdclass={"build_ext": OptionalBuildExt},
+    ext_modules=[_native_extension()],
+    cmdclass={"build_ext": BuildNative},
 )

@@ -5,8 +5,7 @@ buffers (anonymous mmap, or /dev/shm files with --shm), and compares:
 
   * one contiguous memcpy of the same total bytes (ctypes.memmove, best of --repeat),
   * the native copy_blocks with 1 and 2 threads,
-  * the pure-Python fallback (ctypes.memmove on a thread pool) with 1 and 2 threads,
-  * CRC32C checksums of the same blocks (native and the Python fallback).
+  * CRC32C checksums of the same blocks with 1 and 2 threads, and of one block in cache.
 
 Prints a table with time, GB/s and the ratio to memcpy. Run: python benchmarks/bench_copy.py
 """
@@ -70,8 +69,6 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=0, help="block slots per buffer (default 2 x blocks)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--shm", action="store_true", help="use /dev/shm files instead of anonymous mmap")
-    parser.add_argument("--fallback-checksum-blocks", type=int, default=4,
-                        help="blocks for the (slow) Python checksum fallback")
     args = parser.parse_args()
 
     blocks, size = args.blocks, args.block_size
@@ -87,37 +84,28 @@ def main() -> None:
     feats = native.features()
     print(f"{blocks} blocks x {size // 1024} KiB = {total / 2**20:.0f} MiB at random ids of {slots} slots, "
           f"{'/dev/shm' if args.shm else 'anonymous mmap'}; best of {args.repeat}")
-    print(f"native={feats['native']} crc32c={feats.get('crc32c_impl')} cpus={os.cpu_count()}")
+    print(f"crc32c={feats['crc32c_impl']} cpus={os.cpu_count()}")
 
     rows: list[tuple[str, float, int]] = []  # name, seconds, bytes
 
-    def run(name: str, fn: Callable[[], object], nbytes: int = total, repeat: int = args.repeat) -> None:
-        fn()  # warm-up (thread pools, caches)
-        rows.append((name, best_of(repeat, fn), nbytes))
+    def run(name: str, fn: Callable[[], object], nbytes: int = total) -> None:
+        fn()  # warm-up (threads, caches)
+        rows.append((name, best_of(args.repeat, fn), nbytes))
 
     run("memcpy, one contiguous range", lambda: ctypes.memmove(dst.addr, src.addr, total))
-    if native.NATIVE:
-        for threads in (1, 2):
-            run(f"native copy_blocks, {threads} thread(s)",
-                lambda t=threads: native.copy_blocks(src.addr, dst.addr, src_offs, dst_offs, sizes, t))
-        run("native copy_blocks, sequential ids (1 run), 2 threads",
-            lambda: native.copy_blocks(src.addr, dst.addr, seq_offs, seq_offs, sizes, 2))
     for threads in (1, 2):
-        run(f"python fallback copy, {threads} thread(s)",
-            lambda t=threads: native._py_copy_blocks(src.addr, dst.addr, src_offs, dst_offs, sizes, t))
-    if native.NATIVE:
-        for threads in (1, 2):
-            run(f"native checksum_blocks, {threads} thread(s)",
-                lambda t=threads: native.checksum_blocks(src.addr, src_offs, size, t))
-        # Pure CRC speed with the data in cache: one block checksummed over and over.
-        reps = 64
-        one = array("Q", [src_offs[0]] * reps)
-        run("native crc32c, 1 thread, block in cache", lambda: native.checksum_blocks(src.addr, one, size, 1),
-            nbytes=reps * size)
-    n_slow = min(args.fallback_checksum_blocks, blocks)
-    run(f"python fallback checksum ({native._crc32c_fallback_name()}), {n_slow} blocks",
-        lambda: native._py_checksum_blocks(src.addr, src_offs[:n_slow], size, 1), nbytes=n_slow * size,
-        repeat=1)
+        run(f"native copy_blocks, {threads} thread(s)",
+            lambda t=threads: native.copy_blocks(src.addr, dst.addr, src_offs, dst_offs, sizes, t))
+    run("native copy_blocks, sequential ids (1 run), 2 threads",
+        lambda: native.copy_blocks(src.addr, dst.addr, seq_offs, seq_offs, sizes, 2))
+    for threads in (1, 2):
+        run(f"native checksum_blocks, {threads} thread(s)",
+            lambda t=threads: native.checksum_blocks(src.addr, src_offs, size, t))
+    # Pure CRC speed with the data in cache: one block checksummed over and over.
+    reps = 64
+    one = array("Q", [src_offs[0]] * reps)
+    run("native crc32c, 1 thread, block in cache", lambda: native.checksum_blocks(src.addr, one, size, 1),
+        nbytes=reps * size)
 
     base_rate = rows[0][2] / rows[0][1]
     print(f"\n{'what':<58} {'ms':>9} {'GB/s':>8} {'x memcpy':>9}")

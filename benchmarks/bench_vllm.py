@@ -6,7 +6,7 @@
         [--model-dir DIR] [--workdir DIR] [--skip ttft|tput|ab ...]
 
 Starts its own daemon (fresh pool file in /dev/shm) and a ~100M-parameter random Llama built offline
-(tests/vllm_support/tiny_model.py, size "bench"), then runs one engine at a time, each in its own process
+(tests/support/vllm/tiny_model.py, size "bench"), then runs one engine at a time, each in its own process
 (`bench_vllm.py engine SPEC OUT`, VLLM_ENABLE_V1_MULTIPROCESSING=0, OMP_NUM_THREADS=--engine-threads), and
 measures:
 
@@ -54,7 +54,7 @@ from kvstore_client.process import DaemonProcess
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-SUPPORT = REPO / "tests" / "vllm_support"
+TESTS = REPO / "tests"  # the `support` package, shared with the tests
 VOCAB = range(3, 2000)  # the bench tokenizer has 2048 ids; 0-2 are special
 
 
@@ -422,95 +422,109 @@ def step_summary(steps_files: list[dict[str, Any]]) -> dict[str, Any]:
 # -- report -------------------------------------------------------------------------------------
 
 
+def _line(label: str, value: str, target: str = "") -> None:
+    print(f"  {label:<52} {value:>22}  {target}")
+
+
+def _rate_line(label: str, d: dict[str, Any]) -> None:
+    _line(f"{label} (median, mean ± sd, n={d['n']})", f"{d['median']:.0f} ({d['mean']:.0f} ± {d['stdev']:.0f})",
+          f"min {d['min']:.0f} max {d['max']:.0f}")
+
+
 def print_report(report: dict[str, Any]) -> None:
-    def line(label: str, value: str, target: str = "") -> None:
-        print(f"  {label:<52} {value:>22}  {target}")
-
-    def rate_line(label: str, d: dict[str, Any]) -> None:
-        line(f"{label} (median, mean ± sd, n={d['n']})", f"{d['median']:.0f} ({d['mean']:.0f} ± {d['stdev']:.0f})",
-             f"min {d['min']:.0f} max {d['max']:.0f}")
-
     print("\n=== kvstore vLLM connector benchmark ===")
     cfg = report["config"]
     print(f"  model bench (~100M), {cfg['dtype']}, block {cfg['block_size']}, kv cache {cfg['kv_cache_bytes']}, "
           f"max_model_len {cfg['max_model_len']}, engine threads {cfg['engine_threads']}")
-    t = report.get("ttft")
-    if t:
-        print(f"\n1. TTFT, {t['prompts']} x {t['prompt_tokens']}-token prompts, one at a time")
-        line("p50 TTFT, sidecar hit after restart (B)", f"{t['hit_p50_ms']:.1f} ms", f"min {t['hit_min_ms']:.1f}")
-        line("p50 TTFT, cold, no connector (C)", f"{t['cold_p50_ms']:.1f} ms", f"min {t['cold_min_ms']:.1f}")
-        line("p50 TTFT, cold, connector on, miss + store (A)", f"{t['cold_connector_p50_ms']:.1f} ms")
-        ok = "met" if t["speedup_p50"] >= 5 else "NOT met"
-        line("speedup p50 cold (C) / hit (B)", f"{t['speedup_p50']:.1f}x", f"target >= 5x: {ok}")
-        line("external hit tokens per request in B (expected)",
-             f"{min(t['b_external_hit_tokens']):.0f}-{max(t['b_external_hit_tokens']):.0f} "
-             f"({t['expected_hit_tokens']})")
-        line("local prefix-cache hit tokens in B", f"{sum(t['b_local_hit_tokens']):.0f}")
-        line("first tokens identical in A, B and C", str(t["outputs_identical"]))
-        b = t["engines"]["b"]["requests"]
-        if b and "scheduled_to_token_s" in b[0]:
-            line("B p50: queued->scheduled / scheduled->1st token",
-                 f"{1000 * pct([r['queued_to_scheduled_s'] for r in b], 50):.1f} / "
-                 f"{1000 * pct([r['scheduled_to_token_s'] for r in b], 50):.1f} ms")
-        wait = report.get("steps", {}).get("workloads", {}).get("restart hit (B)", {}).get("empty")
-        if wait:
-            line("B: engine steps spent waiting (lookup, load) per request",
-                 f"{wait['total_step_ms'] / t['prompts']:.1f} ms")
-    s = report.get("steps")
-    if s:
-        print("\n2. Connector time per engine step (sum of all connector calls; timer cost "
-              f"~{s['timer_overhead_ns_per_call']} ns/call included)")
-        print(f"  {'workload / steps':<34}{'n':>6}{'p50 µs':>9}{'p99 µs':>9}{'sched':>8}{'worker':>8}"
-              f"{'calls':>7}{'step p50':>11}{'share':>8}")
-        for workload, summary in s["workloads"].items():
-            for kind in ("forward", "empty"):
-                r = summary[kind]
-                if not r["steps"]:
-                    continue
-                print(f"  {workload + ' / ' + kind:<34}{r['steps']:>6}{r['conn_p50_us']:>9.1f}{r['conn_p99_us']:>9.1f}"
-                      f"{r['sched_p50_us']:>8.1f}{r['worker_p50_us']:>8.1f}{r['calls_p50']:>7.0f}"
-                      f"{r['step_p50_ms']:>8.2f} ms{r['conn_share_pct']:>7.2f}%")
-        main = s["workloads"].get("throughput (on)", {}).get("forward")
-        if main:
-            ok = "met" if main["conn_p50_us"] <= 50 else "NOT met"
-            line("p50 per forward step, throughput workload", f"{main['conn_p50_us']:.1f} µs", f"target <= 50: {ok}")
-        for workload, summary in s["workloads"].items():
-            for kind in ("forward", "empty"):
-                r = summary[kind]
-                if not r["steps"] or workload == "cold + store (A)":
-                    continue
-                print(f"  per step, {workload} / {kind}: method  mean / p50 / p99 / max µs")
-                for name, m in list(r["methods_per_step"].items())[:8]:
-                    print(f"    {name:<34}{m['mean_us']:>9.1f}{m['p50_us']:>9.1f}{m['p99_us']:>9.1f}"
-                          f"{m['max_us']:>10.1f}")
-    p = report.get("throughput")
-    if p:
-        print(f"\n3. Throughput, 0% reuse: {p['workload']}")
-        for mode in ("off", "on"):
-            rate_line(f"tokens/s connector {mode}", p[f"tokens_per_s_{mode}"])
-        ok = "met" if p["cost_pct_median"] < 3 else "NOT met"
-        line("connector cost, 1 - median(on)/median(off)", f"{p['cost_pct_median']:+.1f} %", f"target < 3%: {ok}")
-        line("connector cost, median of per-pair ratios", f"{p['cost_pct_pairwise_median']:+.1f} %")
-        line("pairs on/off", " ".join(f"{x:.3f}" for x in p["pair_ratios_on_over_off"]))
-        for mode in ("off", "on"):
-            d = p[f"tokens_per_engine_cpu_s_{mode}"]
-            line(f"tokens per engine CPU-second, connector {mode} (median)", f"{d['median']:.0f}",
-                 f"min {d['min']:.0f} max {d['max']:.0f}")
-        line("engine CPU cost, 1 - median(on)/median(off)", f"{p['engine_cpu_cost_pct_median']:+.1f} %")
-        line("daemon CPU s per run, on (off)", " ".join(f"{x:.1f}" for x in p["daemon_cpu_s_on"])
-             + " (" + " ".join(f"{x:.1f}" for x in p["daemon_cpu_s_off"]) + ")")
-        line("blocks stored per on-run; external hits", f"{p['stored_blocks_on']}; {p['external_hit_tokens_on']}")
-    ab = report.get("ab")
-    if ab:
-        print(f"\n3b. Same engine, connector lookups+stores inactive / active: {ab['workload']}")
-        for flag in ("inactive", "active"):
-            rate_line(f"tokens/s {flag}", ab[f"tokens_per_s_{flag}"])
-        line("cost, 1 - median(active)/median(inactive)", f"{ab['cost_pct_median']:+.1f} %")
-        line("cost, median of per-pair ratios", f"{ab['cost_pct_pairwise_median']:+.1f} %")
-        line("pairs active/inactive", " ".join(f"{x:.3f}" for x in ab["pair_ratios_active_over_inactive"]))
-        line("engine CPU cost, 1 - median(active)/median(inactive)", f"{ab['engine_cpu_cost_pct_median']:+.1f} %")
-        line("daemon CPU s per active round", " ".join(f"{x:.2f}" for x in ab["daemon_cpu_s_active"]))
+    if report.get("ttft"):
+        _print_ttft(report["ttft"], report)
+    if report.get("steps"):
+        _print_steps(report["steps"])
+    if report.get("throughput"):
+        _print_throughput(report["throughput"])
+    if report.get("ab"):
+        _print_ab(report["ab"])
     print(f"\n  wall time of the whole benchmark: {report['wall_s']:.0f} s (files in {report['workdir']})")
+
+
+def _print_ttft(t: dict[str, Any], report: dict[str, Any]) -> None:
+    print(f"\n1. TTFT, {t['prompts']} x {t['prompt_tokens']}-token prompts, one at a time")
+    _line("p50 TTFT, sidecar hit after restart (B)", f"{t['hit_p50_ms']:.1f} ms", f"min {t['hit_min_ms']:.1f}")
+    _line("p50 TTFT, cold, no connector (C)", f"{t['cold_p50_ms']:.1f} ms", f"min {t['cold_min_ms']:.1f}")
+    _line("p50 TTFT, cold, connector on, miss + store (A)", f"{t['cold_connector_p50_ms']:.1f} ms")
+    ok = "met" if t["speedup_p50"] >= 5 else "NOT met"
+    _line("speedup p50 cold (C) / hit (B)", f"{t['speedup_p50']:.1f}x", f"target >= 5x: {ok}")
+    _line("external hit tokens per request in B (expected)",
+          f"{min(t['b_external_hit_tokens']):.0f}-{max(t['b_external_hit_tokens']):.0f} "
+          f"({t['expected_hit_tokens']})")
+    _line("local prefix-cache hit tokens in B", f"{sum(t['b_local_hit_tokens']):.0f}")
+    _line("first tokens identical in A, B and C", str(t["outputs_identical"]))
+    b = t["engines"]["b"]["requests"]
+    if b and "scheduled_to_token_s" in b[0]:
+        _line("B p50: queued->scheduled / scheduled->1st token",
+              f"{1000 * pct([r['queued_to_scheduled_s'] for r in b], 50):.1f} / "
+              f"{1000 * pct([r['scheduled_to_token_s'] for r in b], 50):.1f} ms")
+    wait = report.get("steps", {}).get("workloads", {}).get("restart hit (B)", {}).get("empty")
+    if wait:
+        _line("B: engine steps spent waiting (lookup, load) per request",
+              f"{wait['total_step_ms'] / t['prompts']:.1f} ms")
+
+
+def _print_steps(s: dict[str, Any]) -> None:
+    print("\n2. Connector time per engine step (sum of all connector calls; timer cost "
+          f"~{s['timer_overhead_ns_per_call']} ns/call included)")
+    print(f"  {'workload / steps':<34}{'n':>6}{'p50 µs':>9}{'p99 µs':>9}{'sched':>8}{'worker':>8}"
+          f"{'calls':>7}{'step p50':>11}{'share':>8}")
+    for workload, summary in s["workloads"].items():
+        for kind in ("forward", "empty"):
+            r = summary[kind]
+            if not r["steps"]:
+                continue
+            print(f"  {workload + ' / ' + kind:<34}{r['steps']:>6}{r['conn_p50_us']:>9.1f}{r['conn_p99_us']:>9.1f}"
+                  f"{r['sched_p50_us']:>8.1f}{r['worker_p50_us']:>8.1f}{r['calls_p50']:>7.0f}"
+                  f"{r['step_p50_ms']:>8.2f} ms{r['conn_share_pct']:>7.2f}%")
+    main = s["workloads"].get("throughput (on)", {}).get("forward")
+    if main:
+        ok = "met" if main["conn_p50_us"] <= 50 else "NOT met"
+        _line("p50 per forward step, throughput workload", f"{main['conn_p50_us']:.1f} µs", f"target <= 50: {ok}")
+    for workload, summary in s["workloads"].items():
+        for kind in ("forward", "empty"):
+            r = summary[kind]
+            if not r["steps"] or workload == "cold + store (A)":
+                continue
+            print(f"  per step, {workload} / {kind}: method  mean / p50 / p99 / max µs")
+            for name, m in list(r["methods_per_step"].items())[:8]:
+                print(f"    {name:<34}{m['mean_us']:>9.1f}{m['p50_us']:>9.1f}{m['p99_us']:>9.1f}"
+                      f"{m['max_us']:>10.1f}")
+
+
+def _print_throughput(p: dict[str, Any]) -> None:
+    print(f"\n3. Throughput, 0% reuse: {p['workload']}")
+    for mode in ("off", "on"):
+        _rate_line(f"tokens/s connector {mode}", p[f"tokens_per_s_{mode}"])
+    ok = "met" if p["cost_pct_median"] < 3 else "NOT met"
+    _line("connector cost, 1 - median(on)/median(off)", f"{p['cost_pct_median']:+.1f} %", f"target < 3%: {ok}")
+    _line("connector cost, median of per-pair ratios", f"{p['cost_pct_pairwise_median']:+.1f} %")
+    _line("pairs on/off", " ".join(f"{x:.3f}" for x in p["pair_ratios_on_over_off"]))
+    for mode in ("off", "on"):
+        d = p[f"tokens_per_engine_cpu_s_{mode}"]
+        _line(f"tokens per engine CPU-second, connector {mode} (median)", f"{d['median']:.0f}",
+              f"min {d['min']:.0f} max {d['max']:.0f}")
+    _line("engine CPU cost, 1 - median(on)/median(off)", f"{p['engine_cpu_cost_pct_median']:+.1f} %")
+    _line("daemon CPU s per run, on (off)", " ".join(f"{x:.1f}" for x in p["daemon_cpu_s_on"])
+          + " (" + " ".join(f"{x:.1f}" for x in p["daemon_cpu_s_off"]) + ")")
+    _line("blocks stored per on-run; external hits", f"{p['stored_blocks_on']}; {p['external_hit_tokens_on']}")
+
+
+def _print_ab(ab: dict[str, Any]) -> None:
+    print(f"\n3b. Same engine, connector lookups+stores inactive / active: {ab['workload']}")
+    for flag in ("inactive", "active"):
+        _rate_line(f"tokens/s {flag}", ab[f"tokens_per_s_{flag}"])
+    _line("cost, 1 - median(active)/median(inactive)", f"{ab['cost_pct_median']:+.1f} %")
+    _line("cost, median of per-pair ratios", f"{ab['cost_pct_pairwise_median']:+.1f} %")
+    _line("pairs active/inactive", " ".join(f"{x:.3f}" for x in ab["pair_ratios_active_over_inactive"]))
+    _line("engine CPU cost, 1 - median(active)/median(inactive)", f"{ab['engine_cpu_cost_pct_median']:+.1f} %")
+    _line("daemon CPU s per active round", " ".join(f"{x:.2f}" for x in ab["daemon_cpu_s_active"]))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -543,8 +557,8 @@ def main(argv: list[str] | None = None) -> int:
         return engine_main(argv[1], argv[2])
     args = parse_args(argv)
     t0 = time.perf_counter()
-    sys.path.insert(0, str(SUPPORT))
-    from tiny_model import build_tiny_model
+    sys.path.insert(0, str(TESTS))
+    from support.vllm.tiny_model import build_tiny_model
 
     model = build_tiny_model(args.model_dir, size="bench")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-bench-vllm-"))

@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore_client.client import MAX_MESSAGE, MemorySpec, pack_keys, peer_handshake, registration, target_for
@@ -23,6 +25,8 @@ from kvstore_client.errors import from_rpc_error
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import Completion, CompletionChannel
+
+_Reply = TypeVar("_Reply")
 
 
 class AsyncKVStoreClient:
@@ -34,7 +38,8 @@ class AsyncKVStoreClient:
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    async def call(self, method, request, timeout: float | None = None):
+    async def call(self, method: Callable[..., Awaitable[_Reply]], request: Message,
+                   timeout: float | None = None) -> _Reply:
         try:
             return await method(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
@@ -85,7 +90,7 @@ class AsyncSession:
         self.closed_by_daemon = asyncio.Event()
         self._job_ids = itertools.count(1)
         self._pending: set[int] = set()
-        self._attach: asyncio.Task | None = None
+        self._attach: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
         if self.memory is not None:
@@ -102,7 +107,7 @@ class AsyncSession:
         await stream.read()  # the Attached event: the session is live
         self._attach = asyncio.get_running_loop().create_task(self._hold(stream))
 
-    async def _hold(self, stream) -> None:
+    async def _hold(self, stream: AsyncIterable[Any]) -> None:
         try:
             async for _ in stream:
                 pass
@@ -116,7 +121,8 @@ class AsyncSession:
     async def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
         return await self._submit(self.client.stub.Load, keys, block_ids)
 
-    async def _submit(self, method, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+    async def _submit(self, method: Callable[..., Awaitable[Any]], keys: Sequence[bytes],
+                      block_ids: Sequence[int]) -> int:
         job_id = next(self._job_ids)
         packed, size = pack_keys(keys)
         await self.client.call(method, pb.TransferRequest(session_id=self.session_id, job_id=job_id, keys=packed,

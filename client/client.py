@@ -20,8 +20,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvstore_client.errors import (
@@ -39,6 +41,7 @@ from kvstore_client.protocol.completion import Completion, CompletionChannel
 
 log = logging.getLogger(__name__)
 
+_Reply = TypeVar("_Reply")
 MAX_MESSAGE = 64 << 20
 
 
@@ -134,7 +137,7 @@ class KVStoreClient:
         self.stub = pb_grpc.KVStoreStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
 
-    def call(self, method: Callable, request, timeout: float | None = None):
+    def call(self, method: Callable[..., _Reply], request: Message, timeout: float | None = None) -> _Reply:
         try:
             return method(request, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
@@ -344,7 +347,9 @@ class Session:
 
     def wait(self, job_ids: Sequence[int], timeout: float = 30.0) -> dict[int, Completion]:
         """Block until these jobs finished (tests, tools; an engine uses poll())."""
-        wanted, found, others = set(job_ids), {}, []
+        wanted = set(job_ids)
+        found: dict[int, Completion] = {}
+        others: list[Completion] = []
         start = time.monotonic()
         while wanted - found.keys():
             for c in self.poll():

@@ -86,7 +86,7 @@ def export_kv_memory(tensors: Sequence[torch.Tensor]) -> MemorySpec:
     # Whatever initialised the cache (zero fill) must be done before the daemon can write into it.
     synchronize_before_store(device)
     if device.type == "cuda":
-        share = storage._share_cuda_()  # type: ignore[attr-defined]
+        share = storage._share_cuda_()
         handle = handle_from_share("cuda", share, cuda_device_uuid(index))
     else:
         check_npu_alignment(storage.data_ptr())

@@ -19,6 +19,7 @@ class SharedKVMemory:
         self.nbytes = nbytes
         self.fd = memfd.create(name, nbytes)
         storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{self.fd}", shared=True, nbytes=nbytes)
+        assert isinstance(storage, torch.UntypedStorage)  # torch's annotation also allows a TypedStorage
         self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
     def memory_spec(self, num_blocks: int, regions: Sequence[tuple[int, int, int]]) -> MemorySpec:

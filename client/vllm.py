@@ -157,6 +157,8 @@ class KVStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
+        if transfer is None:  # vLLM creates a connector only from a kv_transfer_config
+            raise ValueError("KVStoreConnector needs vllm_config.kv_transfer_config")
         self.settings = ConnectorSettings.from_extra_config(dict(transfer.kv_connector_extra_config or {}))
         # A cache miss is never fatal: a block that fails to load is recomputed.
         transfer.kv_load_failure_policy = "recompute"

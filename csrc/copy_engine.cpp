@@ -1,4 +1,4 @@
-// kvstore_service._native: batched block copies and CRC32C checksums for the kvstore daemon.
+// kvstore_service._native: batched block copies, CRC32C checksums and the pool slot headers of kvstore.
 //
 // Plain CPython C API (no torch, no pybind11) so it builds with just a C++17 compiler and the
 // Python headers. Every function that touches block memory releases the GIL while it works.
@@ -9,6 +9,7 @@
 // as with memcpy (runs are reordered and copied in parallel).
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <system_error>
 #include <thread>
@@ -288,13 +289,40 @@ PyObject* py_crc32c_portable(PyObject*, PyObject* args, PyObject* kwargs) {
   return crc32c_common(args, kwargs, "y*|I:crc32c_portable", true);
 }
 
-// Slot headers of the pool (layout owned by kvstore_service/pool.py, SLOT_BODY): magic u32, state u32,
-// payload_len u64, checksum u64, generation u64, ns_hash[16], key_len u32, key[64], then the CRC32C of
-// those 116 bytes. Little-endian, packed. Written after a block's bytes, so a crash never leaves a
-// valid header over torn bytes.
+// ---- slot headers -------------------------------------------------------------------------------
+//
+// The pool's slot header: THE definition of its layout. Python has none of its own: it reads
+// headers with parse_slot_header and takes SLOT_HEADER_BYTES, SLOT_MAGIC and SLOT_MAX_KEY from
+// this module. Little-endian, packed; the CRC32C covers every byte before it. Header i of a
+// segment starts at i * kSlotHeaderBytes; the bytes after `crc` up to there are unused (zero).
+// Changing this layout changes the pool file format: bump POOL_VERSION in kvstore_service/pool.py.
+// A header is written only after its block's bytes, so a crash never leaves a valid header over
+// torn bytes; pool.invalidate() voids one by zeroing its first 4 bytes (the magic).
+#pragma pack(push, 1)
+struct SlotHeader {
+  uint32_t magic;        // kSlotMagic; 0 once invalidated
+  uint32_t state;        // pool.SlotState (STORED, SEALED)
+  uint64_t payload_len;  // bytes of the block
+  uint64_t checksum;     // CRC32C of the block once sealed, else 0
+  uint64_t generation;   // store order, for LRU after a restart
+  uint8_t ns_hash[16];   // namespace
+  uint32_t key_len;      // 1..kSlotMaxKey
+  uint8_t key[64];       // key_len bytes, then zeros
+  uint32_t crc;          // CRC32C of the bytes above
+};
+#pragma pack(pop)
+
 constexpr uint32_t kSlotMagic = 0x4B565342;  // "KVSB"
-constexpr size_t kSlotBody = 116;
-constexpr size_t kMaxKey = 64;
+constexpr size_t kSlotHeaderBytes = 128;
+constexpr size_t kSlotMaxKey = sizeof(SlotHeader::key);
+constexpr size_t kSlotCrcCovers = offsetof(SlotHeader, crc);
+static_assert(offsetof(SlotHeader, magic) == 0, "pool.invalidate() zeroes the first 4 bytes");
+static_assert(offsetof(SlotHeader, key) == 52 && kSlotCrcCovers == 116 && sizeof(SlotHeader) == 120,
+              "the slot header layout is the pool file format: bump POOL_VERSION when changing it");
+static_assert(sizeof(SlotHeader) <= kSlotHeaderBytes, "a slot header must fit its slot");
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the pool file format is little-endian"
+#endif
 
 PyObject* py_write_slot_headers(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* kwlist[] = {"base",    "offsets", "state",     "payload_len", "generation",
@@ -315,37 +343,33 @@ PyObject* py_write_slot_headers(PyObject*, PyObject* args, PyObject* kwargs) {
             parse_u64_array(offsets_obj, "offsets", &offsets) &&
             (checksums_obj == Py_None || parse_u64_array(checksums_obj, "checksums", &checksums));
   const size_t n = offsets.size();
-  if (ok && ns_hash.len != 16) {
+  if (ok && ns_hash.len != sizeof(SlotHeader::ns_hash)) {
     PyErr_Format(PyExc_ValueError, "ns_hash must be 16 bytes (got %zd)", ns_hash.len);
     ok = false;
-  } else if (ok && (key_size < 1 || static_cast<size_t>(key_size) > kMaxKey ||
+  } else if (ok && (key_size < 1 || static_cast<size_t>(key_size) > kSlotMaxKey ||
                     static_cast<size_t>(keys.len) != n * static_cast<size_t>(key_size))) {
-    PyErr_Format(PyExc_ValueError, "keys must be %zu keys of 1..64 bytes (got %zd bytes, key_size %zd)", n,
-                 keys.len, key_size);
+    PyErr_Format(PyExc_ValueError, "keys must be %zu keys of 1..%zu bytes (got %zd bytes, key_size %zd)", n,
+                 kSlotMaxKey, keys.len, key_size);
     ok = false;
   } else if (ok && checksums_obj != Py_None && checksums.size() != n) {
     PyErr_Format(PyExc_ValueError, "%zu offsets but %zu checksums", n, checksums.size());
     ok = false;
   }
   if (ok) {
-    const auto* hash = static_cast<const uint8_t*>(ns_hash.buf);
     const auto* key_bytes = static_cast<const uint8_t*>(keys.buf);
-    const uint32_t key_len = static_cast<uint32_t>(key_size);
+    SlotHeader h{};
+    h.magic = kSlotMagic;
+    h.state = state;
+    h.payload_len = payload_len;
+    h.generation = generation;
+    std::memcpy(h.ns_hash, ns_hash.buf, sizeof(h.ns_hash));
+    h.key_len = static_cast<uint32_t>(key_size);
     Py_BEGIN_ALLOW_THREADS
     for (size_t i = 0; i < n; ++i) {
-      uint8_t h[kSlotBody + 4] = {};
-      const uint64_t checksum = checksums.empty() ? 0 : checksums[i];
-      std::memcpy(h, &kSlotMagic, 4);
-      std::memcpy(h + 4, &state, 4);
-      std::memcpy(h + 8, &payload_len, 8);
-      std::memcpy(h + 16, &checksum, 8);
-      std::memcpy(h + 24, &generation, 8);
-      std::memcpy(h + 32, hash, 16);
-      std::memcpy(h + 48, &key_len, 4);
-      std::memcpy(h + 52, key_bytes + i * key_len, key_len);
-      const uint32_t crc = crc32c(0, h, kSlotBody);
-      std::memcpy(h + kSlotBody, &crc, 4);
-      std::memcpy(reinterpret_cast<void*>(base + offsets[i]), h, sizeof(h));
+      h.checksum = checksums.empty() ? 0 : checksums[i];
+      std::memcpy(h.key, key_bytes + i * h.key_len, h.key_len);
+      h.crc = crc32c(0, &h, kSlotCrcCovers);
+      std::memcpy(reinterpret_cast<void*>(base + offsets[i]), &h, sizeof(h));
     }
     Py_END_ALLOW_THREADS
   }
@@ -353,6 +377,34 @@ PyObject* py_write_slot_headers(PyObject*, PyObject* args, PyObject* kwargs) {
   PyBuffer_Release(&keys);
   if (!ok) return nullptr;
   Py_RETURN_NONE;
+}
+
+// parse_slot_header(data, offset) -> (state, payload_len, checksum, generation, ns_hash, key) or None
+// when the bytes there are no valid header (never written, torn, invalidated).
+PyObject* py_parse_slot_header(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"data", "offset", nullptr};
+  Buffer data;
+  Py_ssize_t offset;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*n:parse_slot_header", const_cast<char**>(kwlist), &data.view,
+                                   &offset)) {
+    return nullptr;
+  }
+  data.held = true;
+  if (offset < 0 || data.view.len < static_cast<Py_ssize_t>(sizeof(SlotHeader)) ||
+      offset > data.view.len - static_cast<Py_ssize_t>(sizeof(SlotHeader))) {
+    PyErr_Format(PyExc_ValueError, "no %zu-byte slot header at offset %zd of a %zd-byte buffer", sizeof(SlotHeader),
+                 offset, data.view.len);
+    return nullptr;
+  }
+  SlotHeader h;
+  std::memcpy(&h, static_cast<const uint8_t*>(data.view.buf) + offset, sizeof(h));
+  if (h.magic != kSlotMagic || h.key_len > kSlotMaxKey || h.crc != crc32c(0, &h, kSlotCrcCovers)) {
+    Py_RETURN_NONE;
+  }
+  return Py_BuildValue("(IKKKy#y#)", h.state, static_cast<unsigned long long>(h.payload_len),
+                       static_cast<unsigned long long>(h.checksum), static_cast<unsigned long long>(h.generation),
+                       reinterpret_cast<const char*>(h.ns_hash), static_cast<Py_ssize_t>(sizeof(h.ns_hash)),
+                       reinterpret_cast<const char*>(h.key), static_cast<Py_ssize_t>(h.key_len));
 }
 
 // coalesce_runs(src_offsets, dst_offsets, sizes) -> [(src, dst, size), ...]: the run list the copy
@@ -412,8 +464,12 @@ PyMethodDef kMethods[] = {
      "crc32c_portable(data, crc=0) -> int\n\nSame as crc32c, always with the table-driven implementation."},
     {"write_slot_headers", KV_KW(py_write_slot_headers),
      "write_slot_headers(base, offsets, state, payload_len, generation, ns_hash, keys, key_size, checksums=None)\n\n"
-     "Write the pool slot header of block i at base+offsets[i] (layout: kvstore_service/pool.py), GIL released.\n"
-     "keys: the blocks' keys packed, key_size bytes each; checksums: uint64 buffer, or None for 0."},
+     "Write the pool slot header of block i at base+offsets[i] (layout: SlotHeader in csrc/copy_engine.cpp),\n"
+     "GIL released. keys: the blocks' keys packed, key_size bytes each; checksums: uint64 buffer, or None for 0."},
+    {"parse_slot_header", KV_KW(py_parse_slot_header),
+     "parse_slot_header(data, offset) -> tuple | None\n\n"
+     "(state, payload_len, checksum, generation, ns_hash, key) of the slot header at data[offset:], or None\n"
+     "if none is valid there (bad magic, key length or CRC32C). ValueError if it would read past the buffer."},
     {"coalesce_runs", KV_KW(py_coalesce_runs),
      "coalesce_runs(src_offsets, dst_offsets, sizes) -> list[tuple[int, int, int]]\n\n"
      "The merged (src, dst, size) runs the copy functions would execute."},
@@ -596,4 +652,14 @@ bool parse_device_copy_args(PyObject* args, PyObject* kwargs, const char* format
 
 }  // namespace kvstore
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&kvstore::kModule); }
+PyMODINIT_FUNC PyInit__native(void) {
+  PyObject* m = PyModule_Create(&kvstore::kModule);
+  if (m == nullptr) return nullptr;
+  if (PyModule_AddIntConstant(m, "SLOT_HEADER_BYTES", static_cast<long>(kvstore::kSlotHeaderBytes)) < 0 ||
+      PyModule_AddIntConstant(m, "SLOT_MAGIC", static_cast<long>(kvstore::kSlotMagic)) < 0 ||
+      PyModule_AddIntConstant(m, "SLOT_MAX_KEY", static_cast<long>(kvstore::kSlotMaxKey)) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

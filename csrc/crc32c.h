@@ -2,7 +2,7 @@
 //
 // Kept free of Python headers so it can be compiled and tested on its own (e.g. cross-compiled
 // for aarch64). The checksum of the pool is always CRC32C, whichever implementation computes it,
-// so blocks written by one build verify with any other (including the pure-Python fallback).
+// so blocks written by one build verify with any other.
 #pragma once
 
 #include <cstddef>

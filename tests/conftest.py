@@ -1,15 +1,29 @@
-"""Shared fixtures: a real daemon process on a unix socket in a temp dir."""
+"""Shared fixtures: a real daemon process on a unix socket in a temp dir.
+
+Shared helpers live in the `support` package (tests/support/); tests import them as `support.<module>`.
+pytest puts tests/ on sys.path when it loads this file (tests/ has no __init__.py: "prepend" import
+mode), so no test touches sys.path.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support.daemon import DaemonProcess as Daemon
 
-from kvstore_client.process import DaemonProcess as Daemon
+if os.environ.get("KVSTORE_TEST_INSTALLED"):  # .ci/run: test the installed wheel, never the source tree
+    import kvstore_client
+    import kvstore_service
 
-__all__ = ["Daemon"]
+    for _pkg, _src in ((kvstore_service, "kvstore_service"), (kvstore_client, "client")):
+        if Path(str(_pkg.__file__)).resolve().is_relative_to(Path(__file__).resolve().parents[1] / _src):
+            raise pytest.UsageError(f"KVSTORE_TEST_INSTALLED: {_pkg.__name__} was imported from the source tree "
+                                    f"({_pkg.__file__}), not the installed wheel")
+    if not os.environ.get("PYTHONSAFEPATH"):  # else `python -m ...` children started in the repo import the tree
+        raise pytest.UsageError("KVSTORE_TEST_INSTALLED needs PYTHONSAFEPATH=1")
 
 
 @pytest.fixture

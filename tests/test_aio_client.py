@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from engine import content_of, key_of
+from support.blocks import key_of
+from support.engine import content_tensor
 
 from kvstore_client import InvalidArgument, NotFound, Unavailable
 from kvstore_client.aio import AsyncKVStoreClient
@@ -20,7 +21,7 @@ def test_async_session_store_load_lookup(daemon) -> None:
         blocks = memory.tensor.view(16, KB64)
         keys = [key_of("aio", i) for i in range(4)]
         for i, k in enumerate(keys):
-            blocks[i].copy_(content_of(k, KB64))
+            blocks[i].copy_(content_tensor(k, KB64))
         async with AsyncKVStoreClient(daemon.socket) as client:
             assert await client.health() == "SERVING"
             session = await client.session("aio-ns", spec)
@@ -32,7 +33,7 @@ def test_async_session_store_load_lookup(daemon) -> None:
             job = await session.load(keys, [8, 9, 10, 11])
             assert (await session.wait([job]))[job].ok
             for i, k in enumerate(keys):
-                assert bytes(blocks[8 + i].numpy()) == bytes(content_of(k, KB64).numpy())
+                assert bytes(blocks[8 + i].numpy()) == bytes(content_tensor(k, KB64).numpy())
             await session.release_lease(lease)
             with pytest.raises(NotFound):
                 await session.release_lease(lease)

@@ -7,7 +7,8 @@ import os
 
 import grpc
 import pytest
-from engine import Engine, key_of
+from support.blocks import key_of
+from support.engine import Engine
 
 from kvstore_client.client import peer_handshake
 from kvstore_client.protocol import kvstore_pb2 as pb

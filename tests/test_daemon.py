@@ -8,21 +8,22 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
-from engine import Engine, content_of, key_of
+from support import child_env
+from support.blocks import key_of
+from support.engine import Engine, content_tensor
 
 from kvstore_client import KVStoreClient
 
-ENGINE = str(Path(__file__).parent / "engine.py")
+ENGINE = [sys.executable, "-m", "support.engine"]  # run with env=child_env()
 KB64 = 64 * 1024
 
 
 def run_engine(daemon, *args: str, timeout: float = 120) -> dict:
-    out = subprocess.run([sys.executable, ENGINE, "--socket", daemon.socket, *args], capture_output=True,
-                         text=True, timeout=timeout, check=True)
+    out = subprocess.run([*ENGINE, "--socket", daemon.socket, *args], capture_output=True,
+                         text=True, timeout=timeout, check=True, env=child_env())
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -66,8 +67,9 @@ def test_restarted_engine_finds_its_blocks(daemon) -> None:
 
 def test_engine_killed_mid_job_releases_session(daemon) -> None:
     client = daemon.client()
-    proc = subprocess.Popen([sys.executable, ENGINE, "--socket", daemon.socket, "--seed", "k", "--count", "100",
-                             "--num-blocks", "128", "--hang", "store"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*ENGINE, "--socket", daemon.socket, "--seed", "k", "--count", "100",
+                             "--num-blocks", "128", "--hang", "store"], stdout=subprocess.PIPE, text=True,
+                            env=child_env())
     assert "submitted" in json.loads(proc.stdout.readline())
     maps = f"/proc/{daemon.proc.pid}/maps"
     assert "memfd:kvstore-kv" in open(maps).read()  # the daemon maps the engine's KV memory
@@ -88,14 +90,14 @@ def test_engine_killed_mid_job_releases_session(daemon) -> None:
 def test_lease_released_when_owner_dies(daemon) -> None:
     run_engine(daemon, "--seed", "l", "--count", "8", "store")
     code = (
-        f"import sys, time; sys.path.insert(0, {str(Path(ENGINE).parent)!r})\n"
-        "from engine import key_of\n"
+        "import time\n"
+        "from support.blocks import key_of\n"
         "from kvstore_client import KVStoreClient\n"
         f"s = KVStoreClient({daemon.socket!r}).session('test-ns')\n"
         "print(s.lookup([key_of('l', i) for i in range(8)], lease=True)[0], flush=True)\n"
         "time.sleep(600)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=child_env())
     assert proc.stdout.readline().strip() == "8"
     client = daemon.client()
     assert client.stats().leases == 1
@@ -200,8 +202,9 @@ def test_load_of_missing_block_fails_that_block_only(daemon) -> None:
 
 
 def test_concurrent_engine_processes_hammer(daemon) -> None:
-    procs = [subprocess.Popen([sys.executable, ENGINE, "--socket", daemon.socket, "--seed", "shared",
-                               "--count", "48", "--rounds", "25", "hammer"], stdout=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([*ENGINE, "--socket", daemon.socket, "--seed", "shared",
+                               "--count", "48", "--rounds", "25", "hammer"], stdout=subprocess.PIPE, text=True,
+                              env=child_env())
              for _ in range(4)]
     results = []
     for p in procs:
@@ -230,8 +233,8 @@ def test_stats_and_clear(daemon) -> None:
 
 
 def test_content_helper_is_deterministic() -> None:
-    assert torch.equal(content_of(b"k" * 32, 1000), content_of(b"k" * 32, 1000))
-    assert not torch.equal(content_of(b"k" * 32, 1000), content_of(b"j" * 32, 1000))
+    assert torch.equal(content_tensor(b"k" * 32, 1000), content_tensor(b"k" * 32, 1000))
+    assert not torch.equal(content_tensor(b"k" * 32, 1000), content_tensor(b"j" * 32, 1000))
 
 
 def test_client_reports_unreachable_daemon(tmp_path) -> None:

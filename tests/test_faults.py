@@ -1,8 +1,8 @@
 """Fault injection with real processes: engines and the daemon killed with SIGKILL mid-job.
 
-The engines are torch-free workers from benchmarks/soak.py: random stores, loads and lookups whose
-block contents derive from their keys, every loaded byte verified, every completed store expected
-to hit later (nothing is evicted: the pools are large enough).
+The engines are torch-free workers (support.workers, also run by benchmarks/soak.py): random stores,
+loads and lookups whose block contents derive from their keys, every loaded byte verified, every
+completed store expected to hit later (nothing is evicted: the pools are large enough).
 """
 
 from __future__ import annotations
@@ -10,34 +10,17 @@ from __future__ import annotations
 import os
 import random
 import socket
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
+from support.blocks import content_of, key_of
+from support.daemon import DaemonProcess, completion_channels, engine_needles, references, shm_files, wait_for
+from support.shm_engine import ShmEngine
+from support.workers import Worker, WorkerConfig, collect, kill_mid_job, spawn_worker, wait_ready
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from soak import (  # noqa: E402
-    DaemonProcess,
-    ShmEngine,
-    Worker,
-    WorkerConfig,
-    collect,
-    completion_channels,
-    content_of,
-    engine_needles,
-    key_of,
-    kill_mid_job,
-    references,
-    shm_files,
-    spawn_worker,
-    wait_for,
-    wait_ready,
-)
-
-from kvstore_client import KVStoreClient, memfd  # noqa: E402
+from kvstore_client import KVStoreClient
+from kvstore_client.protocol import memfd
 
 KB = 1024
 

@@ -1,5 +1,5 @@
 """Property-based fuzzing of every RPC against one real daemon process (strategies, oracles and the
-victim engine live in benchmarks/fuzz.py, which also runs the long version).
+victim engine live in support.fuzz; benchmarks/fuzz.py runs the long version).
 
 Each example is one RPC with malformed or adversarial fields (a Register first hands over
 adversarial descriptors on the <socket>.cred handshake), raw bytes as the serialized request, or
@@ -15,27 +15,23 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
-from conftest import Daemon
 from hypothesis import HealthCheck, example, given, settings
+from support import fuzz
+from support.blocks import content_of, key_of
+from support.daemon import DaemonProcess as Daemon
+from support.fuzz import U64, VICTIM_KEYS, Case, Session
+from support.shm_engine import ShmEngine
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import fuzz  # noqa: E402
-from fuzz import U64, VICTIM_KEYS, Case, Session  # noqa: E402
-from soak import ShmEngine, content_of, key_of  # noqa: E402
-
-from kvstore_client.protocol import kvstore_pb2 as pb  # noqa: E402
-from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc  # noqa: E402
-from kvstore_client.protocol import memfd  # noqa: E402
-from kvstore_client.protocol.completion import HEADER, MAGIC, VERSION, channel_bytes  # noqa: E402
+from kvstore_client.protocol import kvstore_pb2 as pb
+from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.protocol import memfd
+from kvstore_client.protocol.completion import HEADER, MAGIC, VERSION, channel_bytes
 
 TOTAL = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "240"))
 WEIGHTS = {"Register": 4, "Lookup": 3, "Store": 3, "Load": 3, "raw": 5, "Handshake": 2, "Attach": 1,
@@ -339,8 +335,8 @@ def test_memory_its_owner_could_shrink_is_refused(daemon, stub, kind: str) -> No
 
 
 def test_content_matches_engine_helper() -> None:
-    """The torch-free engines verify the same bytes tests/engine.py writes."""
-    from engine import content_of as torch_content_of
+    """The torch-free engines verify the same bytes the torch engine (support.engine) writes."""
+    from support.engine import content_tensor
 
     key = key_of("same", 1)
-    assert bytes(torch_content_of(key, 1000).numpy()) == content_of(key, 1000)
+    assert bytes(content_tensor(key, 1000).numpy()) == content_of(key, 1000)

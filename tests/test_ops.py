@@ -12,7 +12,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from engine import Engine, key_of
+from support.blocks import key_of
+from support.engine import Engine
 
 from kvstore_client import InvalidArgument
 from kvstore_service.config import Config
@@ -48,6 +49,8 @@ def test_cli_stats_lookup_clear_health(daemon) -> None:
     assert table.returncode == 0 and "cli-ns" in table.stdout and "hit rate" in table.stdout
     out = kvstore("lookup", "--socket", daemon.socket, "-n", "cli-ns", *(k.hex() for k in keys[:3]), "00" * 32)
     assert out.returncode == 0 and "3 of 4" in out.stdout
+    out = kvstore("lookup", "--socket", daemon.socket, "-n", "cli-ns", "00")  # refused: the daemon's reason
+    assert out.returncode == 1 and "Error:" in out.stderr and "Traceback" not in out.stderr
     assert "SERVING" in kvstore("health", "--socket", daemon.socket).stdout
     out = kvstore("clear", "--socket", daemon.socket, "-n", "cli-ns")
     assert out.returncode == 0 and "cleared 5 blocks" in out.stdout

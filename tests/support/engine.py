@@ -1,13 +1,14 @@
 """A stand-in engine process for tests: a shared-memory KV cache whose block contents are derived
 from their keys, so any process can verify bytes it did not write.
 
-    python tests/engine.py --socket S --namespace NS store|load|hammer ...   (prints one JSON line)
+    python -m support.engine --socket S --namespace NS store|load|hammer ...   (prints one JSON line)
+
+(with tests/ on PYTHONPATH: `support.child_env()`). Keys and contents come from `support.blocks`.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import random
@@ -18,14 +19,12 @@ import torch
 
 from kvstore_client import KVStoreClient
 from kvstore_client.shm import block_cache
+from support.blocks import content_of, key_of
 
 
-def key_of(seed: str, i: int) -> bytes:
-    return hashlib.sha256(f"{seed}/{i}".encode()).digest()
-
-
-def content_of(key: bytes, size: int) -> torch.Tensor:
-    return torch.frombuffer(bytearray(random.Random(key).randbytes(size)), dtype=torch.uint8)
+def content_tensor(key: bytes, size: int) -> torch.Tensor:
+    """`content_of(key, size)` as a uint8 tensor."""
+    return torch.frombuffer(bytearray(content_of(key, size)), dtype=torch.uint8)
 
 
 class Engine:
@@ -38,11 +37,11 @@ class Engine:
 
     def fill(self, keys: list[bytes], block_ids: list[int]) -> None:
         for key, b in zip(keys, block_ids, strict=True):
-            self.blocks[b].copy_(content_of(key, self.block_bytes))
+            self.blocks[b].copy_(content_tensor(key, self.block_bytes))
 
     def verify(self, keys: list[bytes], block_ids: list[int]) -> int:
         """Number of blocks whose bytes differ from what their key says."""
-        return sum(not torch.equal(self.blocks[b], content_of(k, self.block_bytes))
+        return sum(not torch.equal(self.blocks[b], content_tensor(k, self.block_bytes))
                    for k, b in zip(keys, block_ids, strict=True))
 
     def close(self) -> None:

@@ -2,7 +2,7 @@
 
 Usable as a library (``build_tiny_model(dir, size="tiny")``) or as a script::
 
-    python tests/vllm_support/tiny_model.py DIR [--size bench]
+    python tests/support/vllm/tiny_model.py DIR [--size bench]
 
 Nothing is downloaded: the tokenizer is trained on a fixed list of Python stdlib
 files and the weights are random (``torch.manual_seed(0)``).  A marker file is
