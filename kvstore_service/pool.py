@@ -49,7 +49,6 @@ class SlotState(IntEnum):
 # layout is defined once, by the native engine (SlotHeader in csrc/copy_engine.cpp), which writes
 # (Pool.write_headers) and parses (parse_slot_header) them. Changing it needs a new POOL_VERSION.
 SLOT_HEADER_BYTES: int = native.SLOT_HEADER_BYTES  # header stride at the start of a segment (128)
-MAX_KEY: int = native.SLOT_MAX_KEY
 
 
 def _align(value: int, to: int) -> int:

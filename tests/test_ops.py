@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from support.blocks import key_of
-from support.engine import Engine
+from support.engine import Engine, kvstore, store_blocks
 
 from kvstore_client import InvalidArgument
 from kvstore_service.config import Config
@@ -21,23 +19,8 @@ from kvstore_service.config import Config
 KB64 = 64 * 1024
 
 
-def kvstore(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvstore_service", *args], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **(env or {})})
-
-
-def store_some(daemon, namespace: str, n: int) -> list[bytes]:
-    engine = Engine(daemon.socket, namespace, 16, KB64)
-    keys = [key_of(namespace, i) for i in range(n)]
-    engine.fill(keys, list(range(n)))
-    job = engine.session.store(keys, list(range(n)))
-    assert engine.session.wait([job])[job].ok
-    engine.close()
-    return keys
-
-
 def test_cli_stats_lookup_clear_health(daemon) -> None:
-    keys = store_some(daemon, "cli-ns", 5)
+    keys = store_blocks(daemon.socket, "cli-ns", 5)
     out = kvstore("stats", "--json", "--socket", daemon.socket)
     assert out.returncode == 0, out.stderr
     stats = json.loads(out.stdout)
@@ -103,7 +86,7 @@ def _free_port() -> int:
 def test_prometheus_metrics(daemon_factory) -> None:
     port = _free_port()
     daemon = daemon_factory("--metrics-port", str(port)).start()
-    store_some(daemon, "metrics-ns", 4)
+    store_blocks(daemon.socket, "metrics-ns", 4)
     client = daemon.client()
     assert client.lookup("metrics-ns", [key_of("metrics-ns", 0), key_of("x", 1)]) == 1
     with pytest.raises(InvalidArgument):

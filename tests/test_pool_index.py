@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvstore_client.protocol import MAX_KEY
+from kvstore_service import native
 from kvstore_service.index import KEYS_PER_UNPACK, Block, BlockIndex, unpack_keys
 from kvstore_service.pool import Pool, SlotRef, SlotState, sealed_blocks
 
@@ -163,3 +165,8 @@ def test_headers_survive_reattach(tmp_path) -> None:
     unsealed = [b.key for blocks in recovered.unsealed() for b in blocks]
     assert unsealed == [stored.key]
     again.close()
+
+
+def test_slot_headers_hold_the_longest_key_the_protocol_allows() -> None:
+    """The key limit is the protocol's; the slot header (the native engine's layout) must fit it."""
+    assert native.SLOT_MAX_KEY == MAX_KEY

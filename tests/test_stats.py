@@ -6,15 +6,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
-import os
 import subprocess
 import sys
 import typing
 
 import pytest
 from google.protobuf.descriptor import FieldDescriptor as FD
-from support.blocks import key_of
-from support.engine import Engine
+from support.engine import kvstore, store_blocks
 
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_service.stats import NamespaceStats, Stats, from_dict, from_proto, namespace_id, to_json_dict, to_proto
@@ -104,33 +102,20 @@ def test_compact_table_fits_any_namespace_in_80_columns() -> None:
     assert "tenant-secret" not in text and "(recovered" in text
 
 
-def test_cli_module_loads_only_the_protocol_of_the_client() -> None:
-    # `kvstore serve` runs in the daemon, which imports only kvstore_client.protocol of the client package.
-    code = ("import sys, kvstore_service.cli, kvstore_service.stats, kvstore_service.metrics; "
-            "print(' '.join(m for m in sys.modules if m.startswith('kvstore_client')))")
+def test_the_daemon_loads_only_the_protocol_of_the_client_and_no_torch() -> None:
+    # `kvstore serve` (cli -> daemon -> server, sessions, jobs, backends) imports only kvstore_client.protocol
+    # of the client package, and no torch: the bench and test harness live outside the daemon.
+    code = ("import sys, kvstore_service.cli, kvstore_service.daemon, kvstore_service.backends.cpu; "
+            "print(' '.join(m for m in sys.modules if m.startswith(('kvstore_client', 'torch'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = out.stdout.split()
     assert "kvstore_client.protocol" in loaded
     assert [m for m in loaded if m != "kvstore_client" and not m.startswith("kvstore_client.protocol")] == []
 
 
-def kvstore(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvstore_service", *args], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, **(env or {})})
-
-
-def store(daemon: typing.Any, namespace: str, n: int) -> None:
-    engine = Engine(daemon.socket, namespace, 16, KB64)
-    keys = [key_of(namespace, i) for i in range(n)]
-    engine.fill(keys, list(range(n)))
-    job = engine.session.store(keys, list(range(n)))
-    assert engine.session.wait([job])[job].ok
-    engine.close()
-
-
 def test_cli_stats_fits_80_columns(daemon: typing.Any) -> None:
-    store(daemon, LONG_NAMESPACE, 3)
-    store(daemon, OTHER_NAMESPACE, 2)
+    store_blocks(daemon.socket, LONG_NAMESPACE, 3)
+    store_blocks(daemon.socket, OTHER_NAMESPACE, 2)
     out = kvstore("stats", "--socket", daemon.socket, env={"COLUMNS": "80"})
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()

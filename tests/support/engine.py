@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 
@@ -47,6 +48,23 @@ class Engine:
     def close(self) -> None:
         self.session.close()
         self.memory.close()
+
+
+def store_blocks(socket: str, namespace: str, n: int, block_bytes: int = 64 * 1024) -> list[bytes]:
+    """Store n blocks of known content in a namespace, from an engine that then goes away."""
+    engine = Engine(socket, namespace, 16, block_bytes)
+    keys = [key_of(namespace, i) for i in range(n)]
+    engine.fill(keys, list(range(n)))
+    job = engine.session.store(keys, list(range(n)))
+    assert engine.session.wait([job])[job].ok
+    engine.close()
+    return keys
+
+
+def kvstore(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The `kvstore` command, as an operator runs it."""
+    return subprocess.run([sys.executable, "-m", "kvstore_service", *args], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **(env or {})})
 
 
 def main() -> None:
