@@ -180,7 +180,9 @@ class Jobs:
         chunks, start, ramp = [], 0, least
         while start < n:
             size = min(ramp, max(least, -(-(n - start) // threads)))
-            chunks.append(range(start, min(n, start + size)))
+            if n - start - size < least:  # no crumb of a chunk at the end
+                size = n - start
+            chunks.append(range(start, start + size))
             start += size
             ramp = min(most, 2 * ramp)
         return chunks
