@@ -306,7 +306,7 @@ class Jobs:
 
     def _complete_store(self, job: Job, chunk: Chunk, ok: bool) -> list[Block]:
         """Every byte of the chunk is in the pool (if ok): its blocks become visible and the engine
-        may reuse its memory. Returns the blocks committed (pinned until sealed)."""
+        may reuse its memory. Returns the blocks committed."""
         committed = self.index.complete_store(chunk.blocks, ok)
         done = set(committed) if len(committed) < len(chunk.blocks) else None
         for i, block in zip(chunk.indexes, chunk.blocks, strict=True):
