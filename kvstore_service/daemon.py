@@ -54,8 +54,8 @@ class Daemon:
         self.index = BlockIndex(self.pool)
         self.recovered = self.index.recover() if self.pool.reattached else 0
         self.metrics = Metrics()
-        self.sessions = Sessions(config, self.pool, self.index)
         self.jobs = Jobs(config, self.pool, self.index, self.metrics)
+        self.sessions = Sessions(config, self.pool, self.index, self.jobs.off_loop)
         if self.recovered:
             log.info("re-attached pool %s: %d blocks recovered", config.pool_path, self.recovered)
 

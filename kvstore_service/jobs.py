@@ -1,12 +1,12 @@
 """Store and load jobs: plan on the event loop -> copy in a thread -> complete -> publish -> seal.
 
-The only module that hands work to threads. A job is cut into chunks; for each chunk the loop asks
-the index for slots (store) or pinned blocks (load), plans the byte runs, and hands the chunk to one
-of the `--copy-threads` copy threads, which only make native calls. While chunks copy, the loop
-plans the next ones; two chunks in flight keep a device's DMA busy while the other one's completion
-is handled (one chunk at a time on all cores cost a third of the CUDA path's speed on an H100). The
-loop then completes each chunk in the index and publishes the job's completion to the engine's
-shared-memory channel.
+The only module that hands work to threads (the device calls of sessions go through `off_loop`). A
+job is cut into chunks; for each chunk the loop asks the index for slots (store) or pinned blocks
+(load), plans the byte runs, and hands the chunk to one of the `--copy-threads` copy threads, which
+only make native calls. While chunks copy, the loop plans the next ones; two chunks in flight keep a
+device's DMA busy while the other one's completion is handled (one chunk at a time on all cores
+cost a third of the CUDA path's speed on an H100). The loop then completes each chunk in the index
+and publishes the job's completion to the engine's shared-memory channel.
 
 Stored blocks then wait in a queue to be sealed: their checksums taken and written into their slot
 headers, so that loads and a restarted daemon can verify them. Nobody waits on a seal, so seals
@@ -24,9 +24,10 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from kvstore_service import native
 from kvstore_service.backends import TransferPlan
@@ -38,6 +39,7 @@ from kvstore_service.pool import Pool, SlotState
 from kvstore_service.sessions import EngineSession
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 MAX_JOB_ID = (1 << 64) - 1  # the completion word holds job_id + 1
 # A job is copied in chunks that double from FIRST_CHUNK_BYTES up to CHUNK_BYTES / CHUNK_BLOCKS,
@@ -111,6 +113,9 @@ class Jobs:
         self.metrics = metrics
         self.executor = ThreadPoolExecutor(max_workers=config.copy_threads, thread_name_prefix="kvstore-copy",
                                            initializer=_lower_priority)
+        # Device calls that may block for long (runtime init, pinning, opening or closing IPC memory):
+        # their own threads, so that they neither block the loop nor wait behind copies.
+        self._device_calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-device")
         self.failed_blocks = 0
         self.store_failures_pool_full = 0
         self.corrupt_blocks = 0
@@ -121,6 +126,10 @@ class Jobs:
         self._no_copies = asyncio.Event()
         self._draining = False
         self._sealing = 0  # blocks of the batch being sealed
+
+    async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run a blocking device call in a thread and await it."""
+        return await asyncio.get_running_loop().run_in_executor(self._device_calls, fn, *args)
 
     # -- submit and poll -------------------------------------------------------------------------
 
@@ -411,6 +420,7 @@ class Jobs:
         if self._sealer is not None:
             await self._sealer
         self.executor.shutdown(wait=True)
+        self._device_calls.shutdown(wait=True)
 
 
 def _without(plan: TransferPlan, skip: list[int], n: int) -> TransferPlan:

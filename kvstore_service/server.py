@@ -70,7 +70,7 @@ class Servicer(pb_grpc.KVStoreServicer):
             protocol_version=request.protocol_version, engine_id=request.engine_id, namespace=request.namespace,
             layout=layout_of(request.layout) if request.HasField("layout") else None, backend=mem.backend or "cpu",
             handle=mem.handle, memory_size=mem.size, device=mem.device, completion_slots=request.completion_slots)
-        session = self.daemon.sessions.register(registration, handshake.cred if handshake else None,
+        session = await self.daemon.sessions.register(registration, handshake.cred if handshake else None,
                                                 handshake.fds if handshake else [])
         return pb.RegisterResponse(session_id=session.session_id,
                                    block_bytes=registration.layout.block_bytes if registration.layout else 0,

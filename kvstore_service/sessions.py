@@ -14,8 +14,9 @@ import os
 import secrets
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore_client.protocol import MAX_COMPLETION_SLOTS, PROTOCOL_VERSION
 from kvstore_client.protocol.completion import CompletionChannel
@@ -31,6 +32,8 @@ if TYPE_CHECKING:
     from kvstore_service.jobs import Job, JobResult
 
 log = logging.getLogger(__name__)
+# Runs a blocking call in a thread and awaits it (Jobs.off_loop): device calls never block the loop.
+OffLoop = Callable[..., Awaitable[Any]]
 # Finished jobs kept per session for the Poll RPC (the shared-memory channel is the main path):
 # the oldest go first when nobody polls.
 RESULTS_KEPT = 1024
@@ -92,20 +95,25 @@ class Registration:
 class Sessions:
     """The registry of sessions, and the leases they hold on the index's blocks."""
 
-    def __init__(self, config: Config, pool: Pool, index: BlockIndex,
+    def __init__(self, config: Config, pool: Pool, index: BlockIndex, off_loop: OffLoop,
                  backends: dict[str, Backend] | None = None) -> None:
         self.config = config
         self.pool = pool
         self.index = index
+        self.off_loop = off_loop
         self.by_id: dict[bytes, Session] = {}
         self.lease_expiries = 0
-        self._backends: dict[str, Backend] = dict(backends or {})  # by name; others are made on first use
+        self._registering = 0  # registrations waiting for a device call: they count against max_sessions
+        # By name; others are made on first use, once (concurrent registrations wait for the same one).
+        self._backends: dict[str, asyncio.Future[Backend] | Backend] = dict(backends or {})
 
     # -- registration ----------------------------------------------------------------------------
 
-    def register(self, request: Registration, peer: PeerCred | None = None, fds: list[int] | None = None) -> Session:
+    async def register(self, request: Registration, peer: PeerCred | None = None,
+                       fds: list[int] | None = None) -> Session:
         """`fds` come from the handshake: the completion channel, then (cpu) the KV memory. They are
-        closed here, whatever happens; the mappings keep what they need."""
+        closed here, whatever happens; the mappings keep what they need. Device work (making the
+        backend, pinning the pool, opening the engine's memory) runs off the event loop."""
         fds = list(fds or [])
         try:
             if request.protocol_version != PROTOCOL_VERSION:
@@ -114,14 +122,19 @@ class Sessions:
                               f"{PROTOCOL_VERSION}; upgrade the client or the daemon so both match")
             if not request.namespace:
                 raise invalid("namespace is empty")
-            if len(self.by_id) >= self.config.max_sessions:
-                raise KVError("RESOURCE_EXHAUSTED", f"the daemon already has {len(self.by_id)} sessions (max)")
+            if len(self.by_id) + self._registering >= self.config.max_sessions:
+                raise KVError("RESOURCE_EXHAUSTED",
+                              f"the daemon already has {len(self.by_id) + self._registering} sessions (max)")
             if request.layout is None:
                 session = Session(session_id=secrets.token_bytes(16), engine_id=request.engine_id,
                                   namespace_name=request.namespace, peer=peer,
                                   namespace=self.index.find_namespace(request.namespace))
             else:
-                session = self._register_engine(request, request.layout, peer, fds)
+                self._registering += 1
+                try:
+                    session = await self._register_engine(request, request.layout, peer, fds)
+                finally:
+                    self._registering -= 1
         finally:
             close_fds(fds)
         self.by_id[session.session_id] = session
@@ -129,21 +142,17 @@ class Sessions:
                  request.engine_id, peer.pid if peer else "?", peer.uid if peer else "?", request.namespace)
         return session
 
-    def _register_engine(self, request: Registration, layout: Layout, peer: PeerCred | None,
-                         fds: list[int]) -> EngineSession:
+    async def _register_engine(self, request: Registration, layout: Layout, peer: PeerCred | None,
+                               fds: list[int]) -> EngineSession:
         layout.check(request.memory_size)
         if not 0 < request.completion_slots <= MAX_COMPLETION_SLOTS:
             raise invalid(f"completion_slots must be 1..{MAX_COMPLETION_SLOTS}")
-        backend = self._backend(request.backend)
+        backend = await self._backend(request.backend)
         wanted = 2 if request.backend == "cpu" else 1
         if len(fds) != wanted:
             raise invalid(f"registering {request.backend} KV memory needs {wanted} shared-memory descriptor(s) "
                           f"from the <socket>.cred handshake, got {len(fds)}")
-        existing = self.index.find_namespace(request.namespace)
-        if existing is not None and existing.block_bytes != layout.block_bytes:
-            raise KVError("FAILED_PRECONDITION",
-                          f"layout mismatch: namespace {request.namespace!r} holds {existing.block_bytes}-byte "
-                          f"blocks, this layout has {layout.block_bytes}-byte blocks")
+        self._check_block_size(request.namespace, layout)
         if self.pool.slots_per_segment(layout.block_bytes) < 1:
             raise KVError("FAILED_PRECONDITION",
                           f"a {layout.block_bytes}-byte block is larger than a pool segment "
@@ -153,28 +162,55 @@ class Sessions:
         except (ValueError, OSError) as e:
             raise invalid(f"cannot map the completion channel: {e}") from None
         try:
-            mapping = backend.map(request.handle, request.memory_size, request.device,
-                                  fds[1] if wanted == 2 else None)
+            mapping = await self.off_loop(backend.map, request.handle, request.memory_size, request.device,
+                                          fds[1] if wanted == 2 else None)
         except (ValueError, OSError) as e:
             channel.close()
             raise invalid(str(e)) from None
-        # Only a registration that got this far creates the namespace.
+        try:
+            # Only a registration that got this far creates the namespace (another one may have
+            # created it meanwhile, with other blocks).
+            self._check_block_size(request.namespace, layout)
+            namespace = self.index.namespace(request.namespace, layout.block_bytes)
+        except KVError:
+            channel.close()
+            await self.off_loop(backend.unmap, mapping)
+            raise
         return EngineSession(session_id=secrets.token_bytes(16), engine_id=request.engine_id,
-                             namespace_name=request.namespace, peer=peer,
-                             namespace=self.index.namespace(request.namespace, layout.block_bytes),
+                             namespace_name=request.namespace, peer=peer, namespace=namespace,
                              layout=layout, backend=backend, mapping=mapping, channel=channel)
 
-    def _backend(self, name: str) -> Backend:
-        backend = self._backends.get(name)
-        if backend is None:
-            try:
-                backend = make_backend(name)
-            except ValueError as e:
-                raise invalid(str(e)) from None
-            except (ImportError, RuntimeError) as e:
-                raise KVError("FAILED_PRECONDITION", f"backend {name!r} is not usable here: {e}") from None
-            backend.register_pool(self.pool.base, self.pool.size)
-            self._backends[name] = backend
+    def _check_block_size(self, namespace: str, layout: Layout) -> None:
+        existing = self.index.find_namespace(namespace)
+        if existing is not None and existing.block_bytes != layout.block_bytes:
+            raise KVError("FAILED_PRECONDITION",
+                          f"layout mismatch: namespace {namespace!r} holds {existing.block_bytes}-byte "
+                          f"blocks, this layout has {layout.block_bytes}-byte blocks")
+
+    async def _backend(self, name: str) -> Backend:
+        """The backend of this name, made (device runtime loaded, pool pinned) off the loop once."""
+        known = self._backends.get(name)
+        if isinstance(known, Backend):
+            return known
+        if known is None:
+            known = self._backends[name] = asyncio.ensure_future(self.off_loop(self._make_backend, name))
+        try:
+            backend = await asyncio.shield(known)
+        except KVError:
+            self._backends.pop(name, None)  # the next registration tries again
+            raise
+        self._backends[name] = backend
+        return backend
+
+    def _make_backend(self, name: str) -> Backend:
+        """A thread: import and initialise a device runtime, pin the pool for it."""
+        try:
+            backend = make_backend(name)
+        except ValueError as e:
+            raise invalid(str(e)) from None
+        except (ImportError, RuntimeError) as e:
+            raise KVError("FAILED_PRECONDITION", f"backend {name!r} is not usable here: {e}") from None
+        backend.register_pool(self.pool.base, self.pool.size)
         return backend
 
     def get(self, session_id: bytes) -> Session:
@@ -208,8 +244,8 @@ class Sessions:
         if isinstance(session, EngineSession):
             if session.tasks:  # copies in flight still use the mapping: let them finish first
                 await asyncio.gather(*session.tasks, return_exceptions=True)
-            session.backend.unmap(session.mapping)
             session.channel.close()
+            await self.off_loop(session.backend.unmap, session.mapping)  # device calls may sync the device
         self.by_id.pop(session.session_id, None)
         log.info("session %s ended", session.session_id.hex()[:8])
 
@@ -217,7 +253,8 @@ class Sessions:
         for session in list(self.by_id.values()):
             await self.end(session)
         for backend in self._backends.values():
-            backend.unregister_pool(self.pool.base)
+            if isinstance(backend, Backend):
+                await self.off_loop(backend.unregister_pool, self.pool.base)
 
     async def reap_unattached(self) -> None:
         """A client that registered but never attached its stream (it died in between)."""

@@ -8,6 +8,7 @@ import ctypes
 import gc
 import os
 import threading
+import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -44,12 +45,15 @@ class FakeBackend(Backend):
         self.load_gate = threading.Event()
         self.load_gate.set()
         self.unmapped: list[Mapping] = []
+        self.device_seconds = 0.0  # how long opening or closing engine memory takes (a device call)
 
     def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
+        time.sleep(self.device_seconds)
         buffer = (ctypes.c_char * size)()
         return Mapping(ctypes.addressof(buffer), size, handle=buffer)
 
     def unmap(self, mapping: Mapping) -> None:
+        time.sleep(self.device_seconds)
         self.unmapped.append(mapping)
 
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
@@ -70,22 +74,22 @@ class Core:
         self.pool = Pool(self.config.pool_path, int(self.config.pool_size), segment, fresh=True)
         self.index = BlockIndex(self.pool)
         self.backend = FakeBackend()
-        self.sessions = Sessions(self.config, self.pool, self.index, {"fake": self.backend})
         self.jobs = Jobs(self.config, self.pool, self.index, Metrics())
+        self.sessions = Sessions(self.config, self.pool, self.index, self.jobs.off_loop, {"fake": self.backend})
         self.channels: list[CompletionChannel] = []
 
-    def engine(self, namespace: str = "ns") -> EngineSession:
+    async def engine(self, namespace: str = "ns") -> EngineSession:
         channel = CompletionChannel.create(SLOTS)
         self.channels.append(channel)
         layout = Layout(NUM_BLOCKS, (Region(0, BLOCK, BLOCK),))
-        session = self.sessions.register(
+        session = await self.sessions.register(
             Registration(PROTOCOL_VERSION, "engine", namespace, layout, "fake", b"", NUM_BLOCKS * BLOCK, 0, SLOTS),
             fds=[os.dup(channel.fd)])
         assert isinstance(session, EngineSession)
         return session
 
-    def lookup_session(self, namespace: str = "ns") -> Session:
-        return self.sessions.register(Registration(PROTOCOL_VERSION, "scheduler", namespace))
+    async def lookup_session(self, namespace: str = "ns") -> Session:
+        return await self.sessions.register(Registration(PROTOCOL_VERSION, "scheduler", namespace))
 
     def close(self) -> None:
         for channel in self.channels:
@@ -141,7 +145,7 @@ async def finish(jobs: Jobs, session: EngineSession, job_id: int, keys: list[byt
 
 def test_store_then_load_into_other_blocks_is_byte_exact(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        writer, reader = core.engine(), core.engine()
+        writer, reader = await core.engine(), await core.engine()
         for b in range(8):
             fill(writer, b, 0x10 + b)
         assert await finish(core.jobs, writer, 1, keys_of(8), list(range(8)), True) == (8, 0)
@@ -159,7 +163,7 @@ def test_store_then_load_into_other_blocks_is_byte_exact(tmp_path: Path) -> None
 
 def test_store_of_present_keys_copies_nothing_and_succeeds(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        engine = core.engine()
+        engine = await core.engine()
         assert await finish(core.jobs, engine, 1, keys_of(4), [0, 1, 2, 3], True) == (4, 0)
         before = engine.namespace.counters.stored_blocks
         assert await finish(core.jobs, engine, 2, keys_of(4), [4, 5, 6, 7], True) == (4, 0)
@@ -170,7 +174,7 @@ def test_store_of_present_keys_copies_nothing_and_succeeds(tmp_path: Path) -> No
 
 def test_store_of_a_key_being_written_finishes_with_that_copy(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        a, b = core.engine(), core.engine()
+        a, b = await core.engine(), await core.engine()
         core.backend.gate.clear()
         core.jobs.submit(a, 1, keys_of(2), [0, 1], True)
         await asyncio.sleep(0.05)
@@ -189,7 +193,7 @@ def test_store_of_a_key_being_written_finishes_with_that_copy(tmp_path: Path) ->
 
 def test_seals_yield_to_copies_and_shutdown_seals_what_is_queued(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        engine = core.engine()
+        engine = await core.engine()
         await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
         await asyncio.sleep(0.05)
         assert all(b.checksum is not None for b in core.index.lookup(engine.namespace, b"".join(keys_of(2)), 32))
@@ -220,9 +224,9 @@ def test_seals_yield_to_copies_and_shutdown_seals_what_is_queued(tmp_path: Path)
 
 def test_pool_full_fails_the_blocks_that_got_no_slot(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        engine = core.engine()
+        engine = await core.engine()
         capacity = len(core.pool.segments) * core.pool.slots_per_segment(BLOCK)
-        lookup = core.lookup_session()
+        lookup = await core.lookup_session()
         assert await finish(core.jobs, engine, 1, keys_of(capacity), list(range(capacity)), True) == (capacity, 0)
         await asyncio.sleep(0.05)
         hits, _ = core.sessions.lookup(lookup.session_id, "", b"".join(keys_of(capacity)), 32, True, 60_000)
@@ -237,7 +241,7 @@ def test_pool_full_fails_the_blocks_that_got_no_slot(tmp_path: Path) -> None:
 
 def test_load_of_an_absent_key_fails_that_block_only(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        engine = core.engine()
+        engine = await core.engine()
         await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
         keys = [keys_of(2)[0], keys_of(1, 7)[0], keys_of(2)[1]]
         assert await finish(core.jobs, engine, 2, keys, [5, 6, 7], False) == (2, 1)
@@ -249,7 +253,7 @@ def test_load_of_an_absent_key_fails_that_block_only(tmp_path: Path) -> None:
 
 def test_corrupt_block_is_dropped_on_load_not_delivered(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        engine = core.engine()
+        engine = await core.engine()
         fill(engine, 0, 0xAB)
         fill(engine, 1, 0xCD)
         await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
@@ -269,7 +273,7 @@ def test_corrupt_block_is_dropped_on_load_not_delivered(tmp_path: Path) -> None:
 
 def test_submit_refuses_what_cannot_be_copied(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        engine = core.engine()
+        engine = await core.engine()
         cases = [
             (keys_of(2), [0], "2 keys but 1 block ids"),
             ([], [], "at least one block"),
@@ -300,7 +304,7 @@ def test_finished_jobs_nobody_polls_keep_memory_flat(tmp_path: Path) -> None:
             await finish(core.jobs, engine, job_id, keys_of(16, job_id % 200), list(range(16)), False)
 
     async def body(core: Core) -> None:
-        engine = core.engine()
+        engine = await core.engine()
         tracemalloc.start()
         await burst(core, engine, 0, RESULTS_KEPT)
         gc.collect()
@@ -324,7 +328,7 @@ def test_finished_jobs_nobody_polls_keep_memory_flat(tmp_path: Path) -> None:
 
 def test_a_lookup_session_cannot_run_jobs(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        lookup = core.lookup_session()
+        lookup = await core.lookup_session()
         assert type(lookup) is Session
         with pytest.raises(KVError, match="lookup-only") as info:
             core.sessions.engine(lookup.session_id)
@@ -336,15 +340,15 @@ def test_a_lookup_session_cannot_run_jobs(tmp_path: Path) -> None:
 def test_registration_refusals(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
         with pytest.raises(KVError, match=f"this daemon speaks {PROTOCOL_VERSION}"):
-            core.sessions.register(Registration(PROTOCOL_VERSION + 1, "e", "ns"))
+            await core.sessions.register(Registration(PROTOCOL_VERSION + 1, "e", "ns"))
         with pytest.raises(KVError, match="namespace is empty"):
-            core.sessions.register(Registration(PROTOCOL_VERSION, "e", ""))
+            await core.sessions.register(Registration(PROTOCOL_VERSION, "e", ""))
         with pytest.raises(KVError, match="needs 1 shared-memory descriptor"):
-            core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns", Layout(1, (Region(0, BLOCK, BLOCK),)),
-                                                "fake", b"", BLOCK, 0, 16))
-        core.engine("other")
+            await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns",
+                                                      Layout(1, (Region(0, BLOCK, BLOCK),)), "fake", b"", BLOCK, 0, 16))
+        await core.engine("other")
         with pytest.raises(KVError, match="layout mismatch"):
-            core.sessions.register(Registration(PROTOCOL_VERSION, "e", "other",
+            await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "other",
                                                 Layout(1, (Region(0, 2 * BLOCK, 2 * BLOCK),)), "fake", b"",
                                                 2 * BLOCK, 0, 16), fds=[os.dup(core.channels[0].fd)])
         assert len(core.sessions.by_id) == 1
@@ -354,10 +358,10 @@ def test_registration_refusals(tmp_path: Path) -> None:
 
 def test_max_sessions(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        core.lookup_session()
-        core.lookup_session()
+        await core.lookup_session()
+        await core.lookup_session()
         with pytest.raises(KVError, match="already has 2 sessions") as info:
-            core.lookup_session()
+            await core.lookup_session()
         assert info.value.code == "RESOURCE_EXHAUSTED"
 
     run(tmp_path, body, max_sessions=2)
@@ -365,7 +369,7 @@ def test_max_sessions(tmp_path: Path) -> None:
 
 def test_a_lease_keeps_its_blocks_from_eviction_until_released(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        engine, scheduler = core.engine(), core.lookup_session()
+        engine, scheduler = await core.engine(), await core.lookup_session()
         capacity = len(core.pool.segments) * core.pool.slots_per_segment(BLOCK)
         await finish(core.jobs, engine, 1, keys_of(4), [0, 1, 2, 3], True)
         await asyncio.sleep(0.05)
@@ -384,7 +388,7 @@ def test_a_lease_keeps_its_blocks_from_eviction_until_released(tmp_path: Path) -
 
 def test_leases_expire(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        engine, scheduler = core.engine(), core.lookup_session()
+        engine, scheduler = await core.engine(), await core.lookup_session()
         await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
         core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(2)), 32, True, 1)
         await asyncio.sleep(0.01)
@@ -396,7 +400,7 @@ def test_leases_expire(tmp_path: Path) -> None:
 
 def test_ending_a_session_waits_for_its_copies_then_unmaps(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        engine, scheduler = core.engine(), core.lookup_session()
+        engine, scheduler = await core.engine(), await core.lookup_session()
         await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
         core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(2)), 32, True, 60_000)
         core.backend.gate.clear()
@@ -415,9 +419,38 @@ def test_ending_a_session_waits_for_its_copies_then_unmaps(tmp_path: Path) -> No
     run(tmp_path, body)
 
 
+def test_slow_device_calls_never_stall_other_sessions(tmp_path: Path) -> None:
+    """Opening and closing an engine's memory (a device call: IPC open, torch's deleter syncing the
+    device) runs off the event loop: another session's lookups keep answering meanwhile."""
+
+    async def lookups_while(core: Core, scheduler: Session, work: asyncio.Future[object]) -> float:
+        slowest = 0.0
+        while not work.done():
+            t0 = time.monotonic()
+            core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(4)), 32, False, 0)
+            await asyncio.sleep(0.01)
+            slowest = max(slowest, time.monotonic() - t0)
+        return slowest
+
+    async def body(core: Core) -> None:
+        engine, scheduler = await core.engine(), await core.lookup_session()
+        await finish(core.jobs, engine, 1, keys_of(4), [0, 1, 2, 3], True)
+        core.backend.device_seconds = 0.5
+        started = time.monotonic()
+        registering = asyncio.ensure_future(core.engine())
+        assert await lookups_while(core, scheduler, registering) < 0.25
+        second = registering.result()
+        assert time.monotonic() - started >= 0.5 and isinstance(second, EngineSession)
+        ending = asyncio.ensure_future(core.sessions.end(second))
+        assert await lookups_while(core, scheduler, ending) < 0.25
+        assert core.backend.unmapped == [second.mapping]
+
+    run(tmp_path, body)
+
+
 def test_lookup_rules(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        scheduler = core.lookup_session("mine")
+        scheduler = await core.lookup_session("mine")
         with pytest.raises(KVError, match="only look up its own namespace"):
             core.sessions.lookup(scheduler.session_id, "theirs", b"", 32, False, 0)
         with pytest.raises(KVError, match="a lease needs a session"):
