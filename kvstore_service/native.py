@@ -28,7 +28,6 @@ except ImportError as exc:
     ) from exc
 
 CHECKSUM_ALGORITHM: Final = "crc32c"
-NATIVE: Final = True  # the engine is always there now; kept for callers that still ask
 
 # The pool's slot-header geometry, from the engine that defines the layout.
 SLOT_HEADER_BYTES: Final[int] = _native.SLOT_HEADER_BYTES  # stride of the headers in a segment
@@ -89,9 +88,7 @@ def coalesce_runs(src_offsets: U64Array, dst_offsets: U64Array,
 
 def features() -> dict[str, Any]:
     """What the engine can do here: CRC implementation, CUDA/Ascend compiled in and available."""
-    info: dict[str, Any] = dict(_native.features())
-    info["native"] = NATIVE
-    return info
+    return dict(_native.features())
 
 
 # Device paths (see csrc/cuda_copy.cpp and csrc/acl_copy.cpp): RuntimeError without a driver/device.
