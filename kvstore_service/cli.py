@@ -51,7 +51,7 @@ def _config_options(func: Any) -> Any:
         if hint is bool:
             func = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)(func)
         elif typing.get_origin(hint) is list:
-            func = click.option(flag, name, multiple=True, type=int, help=help_text)(func)
+            func = click.option(flag, name, multiple=True, type=typing.get_args(hint)[0], help=help_text)(func)
         else:
             func = click.option(flag, name, default=None, help=help_text)(func)
     return func

@@ -43,6 +43,11 @@ class Config(BaseSettings):
         ByteSize(64 << 20), description="Pool unit handed to one block size at a time (largest block allowed)."
     )
     copy_threads: int = Field(2, ge=1, le=64, description="Threads that copy blocks.")
+    devices: list[str] = Field(
+        default_factory=list,
+        description="Device backends (cuda, npu) to set up at start: the runtime loaded and the pool pinned "
+        "before the daemon serves, so an engine's first Register does not wait for it; others on first use.",
+    )
     lease_ttl_s: float = Field(60.0, gt=0, description="Default lifetime of a lookup lease, seconds.")
     attach_timeout_s: float = Field(
         10.0, gt=0, description="A session that never opens its Attach stream within this is dropped."
@@ -62,6 +67,14 @@ class Config(BaseSettings):
     @classmethod
     def _octal(cls, value: str) -> str:
         int(value, 8)
+        return value
+
+    @field_validator("devices")
+    @classmethod
+    def _known_devices(cls, value: list[str]) -> list[str]:
+        unknown = sorted(set(value) - {"cpu", "cuda", "npu"})
+        if unknown:
+            raise ValueError(f"unknown device backend(s) {unknown}: expected cuda or npu")
         return value
 
     @field_validator("pool_size", "segment_size")

@@ -24,13 +24,14 @@ import grpc
 
 from kvstore_service import __version__
 from kvstore_service.config import Config
+from kvstore_service.errors import KVError
 from kvstore_service.index import BlockIndex
 from kvstore_service.jobs import Jobs
 from kvstore_service.metrics import Metrics
 from kvstore_service.peercred import PeerCredServer
 from kvstore_service.pool import Pool, PoolFullError
 from kvstore_service.server import GrpcServer
-from kvstore_service.sessions import EngineSession, Sessions
+from kvstore_service.sessions import EngineSession, Sessions, open_backend
 from kvstore_service.stats import NamespaceStats, Stats
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,13 @@ class Daemon:
         self.recovered = self.index.recover() if self.pool.reattached else 0
         self.metrics = Metrics()
         self.jobs = Jobs(config, self.pool, self.index, self.metrics)
-        self.sessions = Sessions(config, self.pool, self.index, self.jobs.off_loop)
+        backends = {}
+        for name in config.devices:  # (this runs off the loop, before the daemon serves)
+            try:
+                backends[name] = open_backend(name, self.pool)
+            except KVError as e:
+                raise ValueError(f"--devices {name}: {e.message}") from None
+        self.sessions = Sessions(config, self.pool, self.index, self.jobs.off_loop, backends)
         if self.recovered:
             log.info("re-attached pool %s: %d blocks recovered", config.pool_path, self.recovered)
 
@@ -158,8 +165,14 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     await server.start()
     gid = _secure_socket(config.socket, config)
     await creds.start(int(config.socket_mode, 8), gid)
-    # The pool is set up (and recovered) while health says NOT_SERVING.
-    daemon = await asyncio.to_thread(Daemon, config)
+    # The pool is set up (and recovered), and --devices opened, while health says NOT_SERVING.
+    try:
+        daemon = await asyncio.to_thread(Daemon, config)
+    except BaseException:  # a refused start leaves no socket behind
+        await server.stop(grace=0)
+        await creds.close()
+        _remove(config.socket)
+        raise
 
     loop = asyncio.get_running_loop()
     if config.metrics_port:
@@ -180,8 +193,12 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     await server.stop(grace=2.0)
     await creds.close()
     await daemon.shutdown()
+    _remove(config.socket)
+
+
+def _remove(path: str) -> None:
     try:
-        os.unlink(config.socket)
+        os.unlink(path)
     except OSError:
         pass
 

@@ -39,6 +39,18 @@ OffLoop = Callable[..., Awaitable[Any]]
 RESULTS_KEPT = 1024
 
 
+def open_backend(name: str, pool: Pool) -> Backend:
+    """Blocking (a thread, or the daemon's start): load a device runtime, pin the pool for it."""
+    try:
+        backend = make_backend(name)
+    except ValueError as e:
+        raise invalid(str(e)) from None
+    except (ImportError, RuntimeError) as e:
+        raise KVError("FAILED_PRECONDITION", f"backend {name!r} is not usable here: {e}") from None
+    backend.register_pool(pool.base, pool.size)
+    return backend
+
+
 @dataclass(eq=False)
 class Lease:
     lease_id: bytes
@@ -203,15 +215,7 @@ class Sessions:
         return backend
 
     def _make_backend(self, name: str) -> Backend:
-        """A thread: import and initialise a device runtime, pin the pool for it."""
-        try:
-            backend = make_backend(name)
-        except ValueError as e:
-            raise invalid(str(e)) from None
-        except (ImportError, RuntimeError) as e:
-            raise KVError("FAILED_PRECONDITION", f"backend {name!r} is not usable here: {e}") from None
-        backend.register_pool(self.pool.base, self.pool.size)
-        return backend
+        return open_backend(name, self.pool)
 
     def get(self, session_id: bytes) -> Session:
         session = self.by_id.get(session_id)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -14,6 +16,7 @@ from support.blocks import key_of
 from support.engine import Engine, kvstore, store_blocks
 
 from kvstore_client import InvalidArgument
+from kvstore_service import native
 from kvstore_service.config import Config
 
 KB64 = 64 * 1024
@@ -139,3 +142,22 @@ def test_bench_reports_every_figure(tmp_path) -> None:
                 "lookup_1k_p50_us", "poll_p50_us", "poll_p99_us", "submit_p50_us", "blocks", "block_bytes"):
         assert results[key] > 0, key
     assert results["blocks"] == 32 and results["block_bytes"] == 64 * 1024
+
+
+def test_devices_are_set_up_at_start_or_the_start_is_refused(daemon_factory) -> None:
+    """--devices opens a device backend (runtime, pool pinning) before the daemon serves; one that is not
+    usable here refuses the start with one clear line, exit 2, and leaves no socket behind."""
+    daemon = daemon_factory("--devices", "cpu").start()
+    assert daemon.client().health() == "SERVING"
+    daemon.stop()
+    refused = daemon_factory("--devices", "cuda")
+    if native.features()["cuda_available"]:
+        assert refused.start().client().health() == "SERVING"
+        return
+    proc = subprocess.run([sys.executable, "-m", "kvstore_service", "serve", *refused.args, "--devices", "cuda"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "--devices cuda: backend 'cuda' is not usable here" in proc.stderr
+    assert not os.path.exists(refused.socket) and not os.path.exists(refused.socket + ".cred")
+    unknown = kvstore("serve", *refused.args, "--devices", "tpu")
+    assert unknown.returncode != 0 and "unknown device backend(s) ['tpu']" in unknown.stdout + unknown.stderr
