@@ -20,6 +20,7 @@ import ctypes
 import logging
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -109,6 +110,36 @@ class PoolFullError(Exception):
     pass
 
 
+def _open_private(path: str) -> int:
+    """The pool file, created by us (O_EXCL) or, if it exists, only when it is a regular file of our
+    own that nobody else may write: in a world-writable /dev/shm a planted symlink would make us
+    overwrite its target, and a file another uid can write could carry forged blocks."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        pass
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:  # ELOOP: a symbolic link
+        raise PoolFileError(f"pool file {path} cannot be opened safely ({e.strerror}); is it a symbolic link? "
+                            "remove it or choose another --pool-path") from None
+    st = os.fstat(fd)
+    problem = ("is not a regular file" if not stat.S_ISREG(st.st_mode)
+               else f"belongs to uid {st.st_uid}, not to the daemon's uid {os.geteuid()}"
+               if st.st_uid != os.geteuid()
+               else f"may be written by others (mode {stat.S_IMODE(st.st_mode):o})"
+               if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) else "")
+    if problem:
+        os.close(fd)
+        raise PoolFileError(f"pool file {path} {problem}: remove it or choose another --pool-path")
+    return fd
+
+
+class PoolFileError(ValueError):
+    """The pool file cannot be trusted; the daemon refuses to start (exit 2)."""
+
+
 class Pool:
     """Owns the mapped pool file and hands out slots of a given payload size."""
 
@@ -136,7 +167,7 @@ class Pool:
 
     def _open(self, fresh: bool) -> mmap.mmap:
         os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open_private(self.path)
         try:
             existing = os.fstat(fd).st_size
             header = os.pread(fd, POOL_HEADER.size, 0) if existing >= POOL_HEADER.size else b""

@@ -132,3 +132,42 @@ def test_tcp_needs_tls_or_insecure(daemon_factory, tmp_path) -> None:
     daemon = daemon_factory("--tcp", f"127.0.0.1:{port}", "--insecure").start()
     assert KVStoreClient(f"dns:127.0.0.1:{port}", timeout=5).stats().capacity_bytes > 0
     assert "plaintext TCP" in daemon.log.read_text()
+
+
+def _serve_refused(daemon, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvstore_service", "serve", *daemon.args, *extra],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_symlink_planted_at_the_pool_path_is_refused(daemon_factory, tmp_path: Path) -> None:
+    """/dev/shm is world-writable: a symlink there must never make the daemon truncate its target."""
+    daemon = daemon_factory()
+    victim = tmp_path / "precious"
+    victim.write_bytes(b"not a pool" * 1000)
+    os.symlink(victim, daemon.pool_path)
+    try:
+        proc = _serve_refused(daemon)
+        assert proc.returncode == 2, proc.stderr
+        assert "symbolic link" in proc.stderr and daemon.pool_path in proc.stderr
+        assert victim.read_bytes() == b"not a pool" * 1000
+        assert not os.path.exists(daemon.socket) and not os.path.exists(daemon.socket + ".cred")
+    finally:
+        os.unlink(daemon.pool_path)
+
+
+@pytest.mark.parametrize("owner,mode,words", [(12345, 0o600, "belongs to uid 12345"),
+                                               (None, 0o666, "may be written by others (mode 666)")])
+def test_a_pool_file_others_could_write_is_not_reattached(daemon_factory, owner: int | None, mode: int,
+                                                          words: str) -> None:
+    """A pool another uid owns, or anyone may write, could carry forged blocks: refused, not served."""
+    daemon = daemon_factory().start()
+    session = daemon.client().session("victim")  # lookup-only: nothing to copy, the file exists
+    session.close()
+    daemon.stop()
+    os.chmod(daemon.pool_path, mode)
+    if owner is not None:
+        os.chown(daemon.pool_path, owner, owner)
+    proc = _serve_refused(daemon)
+    assert proc.returncode == 2, proc.stderr
+    assert words in proc.stderr
+    assert not os.path.exists(daemon.socket)
