@@ -49,10 +49,17 @@ class Config(BaseSettings):
         "before the daemon serves, so an engine's first Register does not wait for it; others on first use.",
     )
     lease_ttl_s: float = Field(60.0, gt=0, description="Default lifetime of a lookup lease, seconds.")
+    max_lease_ttl_s: float = Field(600.0, gt=0, description="Longest lease a lookup may ask for, seconds.")
+    max_leases_per_session: int = Field(4096, ge=1, description="Most leases one session holds at once.")
     attach_timeout_s: float = Field(
         10.0, gt=0, description="A session that never opens its Attach stream within this is dropped."
     )
     max_sessions: int = Field(256, ge=1, description="Most registered sessions at once.")
+    max_sessions_per_uid: int = Field(64, ge=1, description="Most sessions one peer uid holds at once.")
+    max_namespace_bytes: int = Field(1024, ge=1, description="Longest namespace name, in bytes (UTF-8).")
+    max_layout_regions: int = Field(
+        4096, ge=1, description="Most regions in a registered KV layout (layers x K/V x groups of the largest "
+        "models fit).")
     max_inflight_jobs: int = Field(1024, ge=1, description="Most unfinished jobs per session.")
     max_request_bytes: ByteSize = Field(ByteSize(64 << 20), description="Largest gRPC message accepted.")
     verify_loads: float = Field(
@@ -62,6 +69,15 @@ class Config(BaseSettings):
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0: off.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    handshake_timeout_s: float = Field(
+        2.0, gt=0, description="A connection to <socket>.cred that has not sent its token within this is closed."
+    )
+    max_handshakes_per_uid: int = Field(
+        16, ge=1, description="Most handshakes in progress on <socket>.cred per peer uid; more are refused at once."
+    )
+    max_handshakes: int = Field(
+        256, ge=1, description="Most handshakes in progress on <socket>.cred in all; more are refused at once."
+    )
 
     @field_validator("socket_mode")
     @classmethod

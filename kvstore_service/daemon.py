@@ -94,6 +94,7 @@ class Daemon:
             self.sessions.expire_leases()
             creds.expire()
             await self.sessions.reap_unattached()
+            self.index.forget_empty({s.namespace for s in self.sessions.by_id.values() if s.namespace})
             # The index holds an object per block (millions in a large pool). A full collection
             # would walk them all (tens of ms per 10k blocks, stalling every RPC), though they form
             # no garbage cycles: collect what is young, then move the survivors out of the

@@ -144,6 +144,13 @@ class BlockIndex:
     def find_namespace(self, name: str) -> Namespace | None:
         return self.namespaces.get(namespace_hash(name))
 
+    def forget_empty(self, in_use: set[Namespace]) -> int:
+        """Drop the namespaces that hold no block and that no session uses. Returns how many."""
+        empty = [h for h, ns in self.namespaces.items() if not ns.blocks and ns not in in_use]
+        for ns_hash in empty:
+            del self.namespaces[ns_hash]
+        return len(empty)
+
     # -- lookups and pins ------------------------------------------------------------------------
 
     def lookup(self, ns: Namespace, keys: bytes, key_size: int) -> list[Block]:

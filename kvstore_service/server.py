@@ -65,6 +65,12 @@ class Servicer(pb_grpc.KVStoreServicer):
 
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
         handshake = self._authorize(request.peer_token, context)
+        limit = self.daemon.config.max_layout_regions
+        if len(request.layout.regions) > limit:  # before building anything from them
+            if handshake is not None:
+                close_fds(handshake.fds)
+            raise invalid(f"the layout has {len(request.layout.regions)} regions, more than "
+                          f"--max-layout-regions {limit}")
         mem = request.memory
         registration = Registration(
             protocol_version=request.protocol_version, engine_id=request.engine_id, namespace=request.namespace,

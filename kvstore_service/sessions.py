@@ -132,8 +132,12 @@ class Sessions:
                 raise KVError("FAILED_PRECONDITION",
                               f"client speaks protocol {request.protocol_version}, this daemon speaks "
                               f"{PROTOCOL_VERSION}; upgrade the client or the daemon so both match")
-            if not request.namespace:
-                raise invalid("namespace is empty")
+            self._check_namespace(request.namespace)
+            if peer is not None:
+                mine = sum(1 for x in self.by_id.values() if x.peer is not None and x.peer.uid == peer.uid)
+                if mine >= self.config.max_sessions_per_uid:
+                    raise KVError("RESOURCE_EXHAUSTED", f"uid {peer.uid} already has {mine} sessions "
+                                  f"(--max-sessions-per-uid {self.config.max_sessions_per_uid})")
             if len(self.by_id) + self._registering >= self.config.max_sessions:
                 raise KVError("RESOURCE_EXHAUSTED",
                               f"the daemon already has {len(self.by_id) + self._registering} sessions (max)")
@@ -191,6 +195,14 @@ class Sessions:
         return EngineSession(session_id=secrets.token_bytes(16), engine_id=request.engine_id,
                              namespace_name=request.namespace, peer=peer, namespace=namespace,
                              layout=layout, backend=backend, mapping=mapping, channel=channel)
+
+    def _check_namespace(self, namespace: str) -> None:
+        if not namespace:
+            raise invalid("namespace is empty")
+        size = len(namespace.encode())
+        if size > self.config.max_namespace_bytes:
+            raise invalid(f"namespace is {size} bytes, more than --max-namespace-bytes "
+                          f"{self.config.max_namespace_bytes}")
 
     def _check_block_size(self, namespace: str, layout: Layout) -> None:
         existing = self.index.find_namespace(namespace)
@@ -287,7 +299,10 @@ class Sessions:
                 raise invalid("a lease needs a session")
             if not namespace:
                 raise invalid("lookup needs a session or a namespace")
+            self._check_namespace(namespace)
             ns = self.index.find_namespace(namespace)
+        if lease:
+            self._check_lease(session, ttl_ms)
         found = self.index.lookup(ns, keys, key_size) if ns is not None else []
         if not (lease and found and session is not None):
             return len(found), b""
@@ -296,6 +311,13 @@ class Sessions:
         ttl = ttl_ms / 1000 if ttl_ms else self.config.lease_ttl_s
         session.leases[lease_id] = Lease(lease_id, found, time.monotonic() + ttl)
         return len(found), lease_id
+
+    def _check_lease(self, session: Session | None, ttl_ms: int) -> None:
+        if ttl_ms / 1000 > self.config.max_lease_ttl_s:
+            raise invalid(f"lease_ttl_ms {ttl_ms} is longer than --max-lease-ttl-s {self.config.max_lease_ttl_s:g}")
+        if session is not None and len(session.leases) >= self.config.max_leases_per_session:
+            raise KVError("RESOURCE_EXHAUSTED", f"the session holds {len(session.leases)} leases "
+                          f"(--max-leases-per-session {self.config.max_leases_per_session}); release some")
 
     def release_lease(self, session_id: bytes, lease_id: bytes) -> None:
         session = self.get(session_id)

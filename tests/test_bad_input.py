@@ -195,3 +195,13 @@ def test_too_many_sessions(daemon_factory) -> None:
     sessions[0].close()
     client.session("n").close()
     sessions[1].close()
+
+
+def test_layout_with_too_many_regions_is_refused_before_it_is_built(setup) -> None:
+    _, _, _, stub = setup
+    layout = pb.KVLayout(num_blocks=1, regions=[pb.Region(offset=i, block_stride=1, block_bytes=1)
+                                                for i in range(4097)])
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "the layout has 4097 regions, more than --max-layout-regions 4096",
+           stub.Register, pb.RegisterRequest(protocol_version=1, namespace="many", layout=layout, completion_slots=8,
+                                             memory=pb.MemoryHandle(backend="cpu", size=1 << 20)))
+    assert stub.Stats(pb.StatsRequest(), timeout=10).engines == 1  # only the fixture's engine

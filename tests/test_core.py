@@ -25,6 +25,7 @@ from kvstore_service.index import BlockIndex
 from kvstore_service.jobs import Jobs
 from kvstore_service.layout import Layout, Region
 from kvstore_service.metrics import Metrics
+from kvstore_service.peercred import PeerCred
 from kvstore_service.pool import Pool
 from kvstore_service.sessions import RESULTS_KEPT, EngineSession, Registration, Session, Sessions
 
@@ -444,6 +445,48 @@ def test_slow_device_calls_never_stall_other_sessions(tmp_path: Path) -> None:
         ending = asyncio.ensure_future(core.sessions.end(second))
         assert await lookups_while(core, scheduler, ending) < 0.25
         assert core.backend.unmapped == [second.mapping]
+
+    run(tmp_path, body)
+
+
+def test_every_limit_on_what_a_client_sends_is_enforced(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        with pytest.raises(KVError, match="namespace is 1025 bytes, more than --max-namespace-bytes 1024"):
+            await core.lookup_session("n" * 1025)
+        with pytest.raises(KVError, match="more than --max-namespace-bytes"):
+            core.sessions.lookup(b"", "n" * 1025, b"", 32, False, 0)
+        engine, scheduler = await core.engine(), await core.lookup_session()
+        await finish(core.jobs, engine, 1, keys_of(1), [0], True)
+        with pytest.raises(KVError, match="lease_ttl_ms 600001 is longer than --max-lease-ttl-s 600"):
+            core.sessions.lookup(scheduler.session_id, "", keys_of(1)[0], 32, True, 600_001)
+        for _ in range(3):
+            core.sessions.lookup(scheduler.session_id, "", keys_of(1)[0], 32, True, 60_000)
+        with pytest.raises(KVError, match="holds 3 leases .--max-leases-per-session 3.") as info:
+            core.sessions.lookup(scheduler.session_id, "", keys_of(1)[0], 32, True, 60_000)
+        assert info.value.code == "RESOURCE_EXHAUSTED"
+        peer = PeerCred(pid=1, uid=4242, gid=4242)
+        for _ in range(2):
+            await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns"), peer)
+        with pytest.raises(KVError, match="uid 4242 already has 2 sessions .--max-sessions-per-uid 2.") as info:
+            await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns"), peer)
+        assert info.value.code == "RESOURCE_EXHAUSTED"
+        await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns"), PeerCred(pid=2, uid=4343, gid=1))
+
+    run(tmp_path, body, max_leases_per_session=3, max_sessions_per_uid=2)
+
+
+def test_empty_namespaces_without_sessions_are_forgotten(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        engine = await core.engine("full")
+        await finish(core.jobs, engine, 1, keys_of(1), [0], True)
+        idle = await core.engine("idle")
+        await core.sessions.end(idle)
+        used = await core.engine("used")
+        assert core.index.forget_empty({engine.namespace, used.namespace}) == 1  # "idle" only
+        assert core.index.find_namespace("idle") is None and core.index.find_namespace("used") is not None
+        await core.sessions.end(engine)
+        assert core.index.forget_empty(set()) == 1  # "used"; "full" keeps its block
+        assert core.index.find_namespace("full") is not None
 
     run(tmp_path, body)
 
