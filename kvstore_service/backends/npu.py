@@ -2,29 +2,54 @@
 
 UNVERIFIED ON HARDWARE: written against the documented torch_npu IPC API (`_share_npu_` /
 `UntypedStorage._new_shared_npu`, torch_npu >= 7.2, CANN >= 8.3, HDK >= 25.0.RC1) and AscendCL
-(aclrtHostRegister, aclrtMemcpy[Batch]Async via the native engine); never run on an Ascend device.
+(aclrtHostRegisterV2 / aclrtHostRegister, aclrtMemcpy[Batch]Async via the native engine,
+aclrtMemGetAddressRange through ctypes); never run on an Ascend device. The pure pieces (kernel
+check, size rounding, the bounds decision) are tested in tests/test_npu_backend.py.
 
 * map: the handle (kvstore_client.device format) carries `_share_npu_()`'s fields and a device
-  identity (the ACL runtime has no UUID: npu-smi's VDie / PCIe id; empty = match by index). The
-  engine's KV cache must start 2 MiB aligned (Ascend IPC exports page-aligned memory only); the
-  engine checks that before exporting. torch_npu handles the importer PID whitelist on CANN >= 8.3.
+  identity (the ACL runtime has no UUID: npu-smi's VDie / PCIe id of the physical chip; empty =
+  match by index). The engine's KV cache must start 2 MiB aligned (Ascend IPC exports page-aligned
+  memory only); the engine checks that before exporting. torch_npu handles the importer PID
+  whitelist on CANN >= 8.3.
+* Bounds: where libascendcl has aclrtMemGetAddressRange, the mapped range must lie inside the
+  allocation it reports, rounded up to the 2 MiB page; an error from the query refuses the mapping.
+  Where the query is missing or answers "not supported", the daemon trusts the handle's
+  `storage_bytes` (the client's claim; `_new_shared_npu` sizes the storage from it) and logs so.
 * No event crosses the process boundary (Ascend IPC cannot carry events): the engine synchronizes
   its stream before submitting stores (`kvstore_client.device.synchronize_before_store`).
-* register_pool: aclrtHostRegister needs a current device context, so the pool is registered on
-  the device of the first mapping (the pool's data area is 2 MiB aligned already). Whether one
-  registration serves copies to every NPU is unverified; a failed registration only costs speed.
+* register_pool: registration needs a current device context, so the pool is registered on the
+  device of the first mapping (the pool's data area is 2 MiB aligned already), size rounded up to
+  4 KiB. The native engine page-locks with aclrtHostRegisterV2(MAPPED | PINNED) (CANN >= 8.5) and
+  falls back to the legacy aclrtHostRegister, which does not pin: copies are then synchronous.
+  Skipped on kernels <= 5.10, where CANN documents that registering memory not from
+  aclrtMallocHost "causes exceptions". Whether one registration serves copies to every NPU is
+  unverified; a failed registration only costs speed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import os
+import re
 from types import ModuleType
+from typing import Any
 
-from kvstore_client.protocol.handle import local_npu_uuids, resolve_handle
+from kvstore_client.protocol.handle import (
+    NPU_IPC_ALIGNMENT,
+    check_inside_allocation,
+    local_npu_uuids,
+    resolve_handle,
+)
 from kvstore_service import native
 from kvstore_service.backends.base import Backend, Mapping, TransferPlan
 
 log = logging.getLogger(__name__)
+
+HOST_PAGE = 4096  # aclrtHostRegister[V2] wants 4 KiB-aligned addresses and sizes
+# aclError results meaning "this runtime/driver/chip does not offer the call" (acl_base.h, acl_rt.h):
+# ACL_ERROR_RT_FEATURE_NOT_SUPPORT, ACL_ERROR_FEATURE_UNSUPPORTED, ACL_ERROR_API_NOT_SUPPORT.
+ACL_NOT_SUPPORTED = frozenset({207000, 200006, 200001})
 
 
 def require_npu() -> ModuleType:
@@ -43,6 +68,64 @@ def require_npu() -> ModuleType:
     return torch
 
 
+def kernel_allows_host_register(release: str) -> bool:
+    """Whether CANN supports registering non-aclrtMallocHost memory (our /dev/shm pool) on this kernel.
+
+    `release` is `os.uname().release`, e.g. "5.10.0-60.18.0.50.oe2203.aarch64". CANN documents that
+    on kernels 5.10 and older such a registration "causes exceptions" (aclrtHostRegister[V2] doc);
+    an unparsable release is treated as old."""
+    m = re.match(r"\s*(\d+)\.(\d+)", release)
+    if m is None:
+        return False
+    return (int(m.group(1)), int(m.group(2))) > (5, 10)
+
+
+def host_register_size(size: int) -> int:
+    """`size` rounded up to the 4 KiB page aclrtHostRegister[V2] works in."""
+    if size <= 0:
+        raise ValueError("the pool size must be positive")
+    return -(-size // HOST_PAGE) * HOST_PAGE
+
+
+def acl_address_range(ptr: int, lib: Any = None) -> tuple[int, int] | None:
+    """(base, size) of the device allocation containing `ptr`, from aclrtMemGetAddressRange(ptr,
+    &base, &size), with the device's context current. None when libascendcl lacks the call or
+    answers "not supported"; ValueError on any other failure (fail closed). `lib` is for tests."""
+    if lib is None:
+        try:
+            lib = ctypes.CDLL("libascendcl.so")  # already loaded by torch_npu; this only finds it
+        except OSError:
+            return None
+    fn = getattr(lib, "aclrtMemGetAddressRange", None)
+    if fn is None:
+        return None
+    if hasattr(fn, "argtypes"):  # a real ctypes function; tests pass plain callables
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)]
+    base = ctypes.c_void_p(0)
+    size = ctypes.c_size_t(0)
+    rc = int(fn(ctypes.c_void_p(ptr), ctypes.pointer(base), ctypes.pointer(size)))
+    if rc in ACL_NOT_SUPPORTED:
+        return None
+    if rc != 0:
+        raise ValueError(f"aclrtMemGetAddressRange failed for the imported NPU memory at 0x{ptr:x} (aclError {rc})")
+    return int(base.value or 0), int(size.value)
+
+
+def check_npu_bounds(base: int, size: int, allocation: tuple[int, int] | None) -> bool:
+    """Cap the mapping at the page-rounded allocation the runtime reports. Returns False when there
+    is no report (the handle's storage_bytes is then all that bounds the copies); ValueError if
+    [base, base + size) leaves the allocation."""
+    if allocation is None:
+        return False
+    alloc_base, alloc_size = allocation
+    if alloc_size <= 0:
+        raise ValueError(f"aclrtMemGetAddressRange reported an empty allocation for 0x{base:x}")
+    end = -(-(alloc_base + alloc_size) // NPU_IPC_ALIGNMENT) * NPU_IPC_ALIGNMENT
+    check_inside_allocation(base, size, alloc_base, end - alloc_base)
+    return True
+
+
 class NpuBackend(Backend):
     name = "npu"
 
@@ -51,8 +134,14 @@ class NpuBackend(Backend):
         self.uuids = local_npu_uuids()
         self.pool: tuple[int, int] | None = None
         self.registered_on: int | None = None  # device whose context registered the pool
+        self._warned_unbounded = False
 
     def register_pool(self, base: int, size: int) -> None:
+        release = os.uname().release
+        if not kernel_allows_host_register(release):
+            log.warning("kernel %s is 5.10 or older: CANN cannot register memory it did not allocate there, so "
+                        "the pool is not registered and NPU copies are synchronous and slower", release)
+            return
         self.pool = (base, size)  # registered with the first mapping's device (needs its context)
 
     def _register_pool_on(self, device: int) -> None:
@@ -60,11 +149,16 @@ class NpuBackend(Backend):
             return
         base, size = self.pool
         try:
-            native.acl_host_register(base, size, device)
+            native.acl_host_register(base, host_register_size(size), device)
             self.registered_on = device
-        except RuntimeError as e:
-            log.warning("aclrtHostRegister of the %d-byte pool failed (%s); NPU copies will be slower", size, e)
+        except (RuntimeError, ValueError) as e:
+            log.warning("registering the %d-byte pool with ACL failed (%s); NPU copies will be slower", size, e)
             self.pool = None  # do not retry on every mapping
+            return
+        if native.features().get("acl_host_pinned") is False:
+            log.warning("the pool was registered with the legacy aclrtHostRegister (aclrtHostRegisterV2 needs "
+                        "CANN >= 8.5): it is mapped for the NPU but not page-locked, so every NPU copy is "
+                        "synchronous")
 
     def unregister_pool(self, base: int) -> None:
         if self.registered_on is not None:
@@ -83,9 +177,19 @@ class NpuBackend(Backend):
             except (RuntimeError, TypeError) as e:
                 raise ValueError(f"cannot import the engine's NPU memory on device {local}: {e}; needs torch_npu "
                                  ">= 7.2, CANN >= 8.3 and HDK >= 25.0.RC1 on the same node") from None
-            if storage.nbytes() < size:
+            try:
+                if storage.nbytes() < size:
+                    raise ValueError(f"the shared NPU storage has fewer bytes than the {size} the layout needs")
+                # The copies are bounded by `size`, already checked against storage_bytes. That is the
+                # client's claim; the runtime's view of the allocation, where it has one, caps it.
+                if not check_npu_bounds(storage.data_ptr(), size, acl_address_range(storage.data_ptr())):
+                    if not self._warned_unbounded:
+                        log.warning("this CANN has no aclrtMemGetAddressRange: NPU mappings are bounded only by "
+                                    "the storage_bytes the engine's handle claims")
+                        self._warned_unbounded = True
+            except ValueError:
                 del storage
-                raise ValueError(f"the shared NPU storage has fewer bytes than the {size} the layout needs")
+                raise
         self._register_pool_on(local)
         return Mapping(storage.data_ptr(), size, device=local, handle=storage)
 

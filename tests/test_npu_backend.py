@@ -1,0 +1,447 @@
+"""The Ascend (NPU) path in every part that runs without an NPU or CANN.
+
+* pure functions: the kernel check for pool registration, 4 KiB rounding, the bounds decision and
+  the ACL range query (with a fake), the logical -> physical NPU mapping and npu-smi parsing;
+* csrc/acl_copy.cpp compiled with KVSTORE_WITH_ACL against a small fake acl/acl.h and run against
+  a fake libascendcl.so (host memory standing in for device memory), to check which ACL calls it
+  makes: the batch fallback, d2d never batched, aclrtHostRegisterV2 vs the legacy call, and no
+  aclInit from features().
+
+The fakes follow the declarations of CANN's acl_rt.h; none of this says the real runtime behaves
+so. Nothing here ran on Ascend hardware.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kvstore_client.protocol.handle import (
+    npu_smi_card_chip,
+    parse_npu_smi_map,
+    physical_npu,
+)
+from kvstore_service.backends.npu import (
+    ACL_NOT_SUPPORTED,
+    acl_address_range,
+    check_npu_bounds,
+    host_register_size,
+    kernel_allows_host_register,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB2 = 2 << 20
+
+# -- pool registration ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("release", "allowed"), [
+    ("5.10.0-60.18.0.50.oe2203.aarch64", False),  # openEuler 22.03
+    ("5.10.0", False),
+    ("4.19.90-2107.6.0.0100.oe1.bclinux.aarch64", False),
+    ("4.19.90", False),
+    ("3.10.0-1160.el7.x86_64", False),
+    ("5.11.0", True),
+    ("5.15.0-91-generic", True),
+    ("6.6.0", True),
+    ("6.6.0-28.0.0.34.oe2403.aarch64", True),
+    ("10.0.1", True),
+    ("", False),
+    ("weird", False),
+    ("6", False),
+])
+def test_kernel_allows_host_register(release: str, allowed: bool) -> None:
+    assert kernel_allows_host_register(release) is allowed
+
+
+def test_host_register_size_rounds_up_to_4k() -> None:
+    assert host_register_size(1) == 4096
+    assert host_register_size(4096) == 4096
+    assert host_register_size(4097) == 8192
+    assert host_register_size((64 << 30) + 12) == (64 << 30) + 4096
+    with pytest.raises(ValueError):
+        host_register_size(0)
+
+
+# -- bounds -------------------------------------------------------------------------------------------
+
+
+def test_bounds_capped_at_the_page_rounded_allocation() -> None:
+    base = 0x1240_0000_0000
+    assert check_npu_bounds(base, MIB2, (base, MIB2)) is True
+    # The allocation is reported as 3 MiB; the 2 MiB page it ends in is mapped too.
+    assert check_npu_bounds(base + MIB2, MIB2, (base, 3 << 20)) is True
+    with pytest.raises(ValueError, match="not inside the shared allocation"):
+        check_npu_bounds(base + MIB2, MIB2 + 1, (base, 3 << 20))
+    with pytest.raises(ValueError, match="not inside the shared allocation"):
+        check_npu_bounds(base - 4096, 4096, (base, MIB2))
+    with pytest.raises(ValueError, match="empty allocation"):
+        check_npu_bounds(base, 1, (base, 0))
+
+
+def test_bounds_without_a_range_query_trust_the_handle() -> None:
+    assert check_npu_bounds(0x1000, 1 << 40, None) is False
+
+
+class FakeLib:
+    def __init__(self, rc: int, base: int = 0, size: int = 0) -> None:
+        self.rc, self.base, self.size = rc, base, size
+        self.calls: list[int] = []
+
+    def aclrtMemGetAddressRange(self, ptr, pbase, psize) -> int:  # noqa: N802 - the ACL name
+        self.calls.append(ptr.value)
+        pbase.contents.value = self.base
+        psize.contents.value = self.size
+        return self.rc
+
+
+def test_acl_address_range() -> None:
+    lib = FakeLib(0, 0x4000_0000, 8 << 20)
+    assert acl_address_range(0x4010_0000, lib) == (0x4000_0000, 8 << 20)
+    assert lib.calls == [0x4010_0000]
+    for rc in sorted(ACL_NOT_SUPPORTED):
+        assert acl_address_range(0x4010_0000, FakeLib(rc)) is None
+    with pytest.raises(ValueError, match=r"aclrtMemGetAddressRange failed .*aclError 107000"):
+        acl_address_range(0x4010_0000, FakeLib(107000))
+    assert acl_address_range(0x4010_0000, object()) is None  # CANN without the call
+
+
+# -- identity -----------------------------------------------------------------------------------------
+
+
+def test_physical_npu() -> None:
+    assert physical_npu(0, {}) == 0
+    assert physical_npu(5, {"ASCEND_RT_VISIBLE_DEVICES": ""}) == 5
+    assert physical_npu(0, {"ASCEND_RT_VISIBLE_DEVICES": "3"}) == 3
+    assert physical_npu(1, {"ASCEND_RT_VISIBLE_DEVICES": "4, 6 ,7"}) == 6
+    assert physical_npu(2, {"ASCEND_RT_VISIBLE_DEVICES": "4,6,7"}) == 7
+    with pytest.raises(ValueError, match="not visible"):
+        physical_npu(3, {"ASCEND_RT_VISIBLE_DEVICES": "4,6,7"})
+    with pytest.raises(ValueError, match="comma-separated"):
+        physical_npu(0, {"ASCEND_RT_VISIBLE_DEVICES": "npu0"})
+    with pytest.raises(ValueError, match="negative"):
+        physical_npu(0, {"ASCEND_RT_VISIBLE_DEVICES": "-1"})
+    with pytest.raises(ValueError, match="negative"):
+        physical_npu(-1, {})
+
+
+SMI_MAP_A2 = """\
+        NPU ID                         Chip ID                        Chip Logic ID                  Chip Name
+        1                              0                              0                              Ascend 910B3
+        1                              1                              -                              Mcu
+        2                              0                              1                              Ascend 910B3
+        2                              1                              -                              Mcu
+"""
+
+SMI_MAP_A3 = """\
+        NPU ID                         Chip ID                        Chip Logic ID                  Chip Name
+        0                              0                              0                              Ascend 910
+        0                              1                              1                              Ascend 910
+        0                              2                              -                              Mcu
+        1                              0                              2                              Ascend 910
+        1                              1                              3                              Ascend 910
+"""
+
+
+def test_parse_npu_smi_map() -> None:
+    assert parse_npu_smi_map(SMI_MAP_A2) == {0: (1, 0), 1: (2, 0)}
+    assert parse_npu_smi_map(SMI_MAP_A3) == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
+    assert parse_npu_smi_map("| 4 | 0 | 0 | Ascend910B |") == {0: (4, 0)}
+    assert parse_npu_smi_map("") == {}
+    assert parse_npu_smi_map("dcmi module initialize failed. ret is -8005") == {}
+
+
+def test_npu_smi_card_chip() -> None:
+    # The engine sees one NPU with ASCEND_RT_VISIBLE_DEVICES=3: npu-smi must be asked about card 1 chip 1
+    # on A3, not about "-i 0".
+    a3 = parse_npu_smi_map(SMI_MAP_A3)
+    assert npu_smi_card_chip(physical_npu(0, {"ASCEND_RT_VISIBLE_DEVICES": "3"}), a3) == (1, 1)
+    assert npu_smi_card_chip(1, parse_npu_smi_map(SMI_MAP_A2)) == (2, 0)
+    # Without npu-smi's map: A3 is card * 2 + chip, elsewhere one chip per card.
+    assert npu_smi_card_chip(3, {}, a3=True) == (1, 1)
+    assert npu_smi_card_chip(6, {}, a3=True) == (3, 0)
+    assert npu_smi_card_chip(3, {}) == (3, 0)
+
+
+# -- acl_copy.cpp against a fake CANN -----------------------------------------------------------------
+
+FAKE_ACL_H = r"""
+#pragma once
+// Minimal stand-in for CANN's acl/acl.h: only what csrc/acl_copy.cpp uses, declared as acl_base.h /
+// acl_rt.h declare it.
+#include <cstddef>
+#include <cstdint>
+typedef int aclError;
+static const int ACL_SUCCESS = 0;
+typedef void* aclrtStream;
+typedef void* aclrtContext;
+typedef enum aclrtMemcpyKind {
+  ACL_MEMCPY_HOST_TO_HOST, ACL_MEMCPY_HOST_TO_DEVICE, ACL_MEMCPY_DEVICE_TO_HOST, ACL_MEMCPY_DEVICE_TO_DEVICE,
+} aclrtMemcpyKind;
+typedef enum aclrtMemLocationType {
+  ACL_MEM_LOCATION_TYPE_HOST = 0, ACL_MEM_LOCATION_TYPE_DEVICE,
+} aclrtMemLocationType;
+typedef struct aclrtMemLocation { uint32_t id; aclrtMemLocationType type; } aclrtMemLocation;
+"""
+
+FAKE_LIB = r"""
+// Fake libascendcl.so: "device" memory is host memory; every call is counted.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <string>
+#include "acl/acl.h"
+struct Attr { aclrtMemLocation dst, src; uint8_t rsv[16]; };
+static std::map<std::string, long> g;
+static long knob(const char* name) { const char* v = getenv(name); return v ? atol(v) : 0; }
+extern "C" {
+__attribute__((visibility("default"))) long fake_get(const char* k) { return g[k]; }
+aclError aclInit(const char*) { g["init"]++; return g["init"] > 1 ? 100002 : 0; }
+aclError aclrtGetDeviceCount(uint32_t* n) { *n = 2; return 0; }
+aclError aclrtSetDevice(int32_t) { g["set_device"]++; return 0; }
+aclError aclrtGetCurrentContext(aclrtContext* c) { *c = reinterpret_cast<void*>(0x1); return 0; }
+aclError aclrtSetCurrentContext(aclrtContext) { return 0; }
+aclError aclrtCreateStream(aclrtStream* s) { *s = reinterpret_cast<void*>(0x2); return 0; }
+aclError aclrtSynchronizeStream(aclrtStream) { g["sync"]++; return 0; }
+aclError aclrtMemcpyAsync(void* d, size_t, const void* s, size_t n, aclrtMemcpyKind k, aclrtStream) {
+  g["memcpy"]++; g["memcpy_kind"] = k; memcpy(d, s, n); return 0;
+}
+#ifndef FAKE_NO_V2
+aclError aclrtMemcpyBatchAsync(void** d, size_t* dmax, void** s, size_t* n, size_t count, Attr* a, size_t* ai,
+                               size_t na, size_t* fail, aclrtStream) {
+  g["batch"]++;
+  long rc = knob("FAKE_BATCH_RC");
+  if (rc) { *fail = SIZE_MAX; return (aclError)rc; }
+  if (na != 1 || ai[0] != 0 || a[0].src.type == a[0].dst.type) { *fail = 0; return 107000; }
+  for (size_t i = 0; i < count; ++i) { if (dmax[i] < n[i]) return 107000; memcpy(d[i], s[i], n[i]); }
+  g["batch_runs"] += (long)count;
+  return 0;
+}
+aclError aclrtHostRegisterV2(void*, uint64_t size, uint32_t flags) {
+  g["v2"]++; g["v2_size"] = (long)size; g["v2_flags"] = flags;
+  return (aclError)knob("FAKE_V2_RC");
+}
+aclError aclrtHostGetDevicePointer(void* p, void** d, uint32_t) { *d = (char*)p + 1; return 0; }
+#endif
+aclError aclrtHostRegister(void* p, uint64_t size, int type, void** d) {
+  g["legacy"]++; g["legacy_size"] = (long)size; g["legacy_type"] = type; *d = (char*)p + 2; return 0;
+}
+aclError aclrtHostUnregister(void*) { g["unregister"]++; return 0; }
+const char* aclGetRecentErrMsg() { return "fake"; }
+}
+"""
+
+SCENARIO = r"""
+import ctypes, importlib.util, json, mmap, os, sys
+from array import array
+spec = importlib.util.spec_from_file_location("_native", sys.argv[1])
+nat = importlib.util.module_from_spec(spec); spec.loader.exec_module(nat)
+out = {}
+feats = nat.features()
+out["features"] = {k: v for k, v in feats.items() if k.startswith("acl")}
+lib = ctypes.CDLL(os.path.join(sys.argv[2], "libascendcl.so"))
+lib.fake_get.restype = ctypes.c_long
+get = lambda k: lib.fake_get(k.encode())
+out["init_after_features"] = get("init")
+n, bs = 64, 4096
+src = mmap.mmap(-1, n * bs); dst = mmap.mmap(-1, n * bs)
+for i in range(n):
+    src[i * bs:(i + 1) * bs] = bytes([i % 251 + 1]) * bs
+addr = lambda m: ctypes.addressof(ctypes.c_char.from_buffer(m))
+# every other block, so runs do not coalesce
+offs = array("Q", [i * bs for i in range(0, n, 2)]); sizes = array("Q", [bs] * len(offs))
+err = {}
+for direction in sys.argv[3].split(","):
+    try:
+        nat.acl_copy_blocks(addr(src), addr(dst), offs, offs, sizes, direction, 0)
+    except RuntimeError as e:
+        err[direction] = str(e)
+    out[direction] = {k: get(k) for k in ("batch", "batch_runs", "memcpy", "memcpy_kind", "sync")}
+out["errors"] = err
+out["bytes_ok"] = all(dst[o:o + bs] == src[o:o + bs] for o in offs) and dst[bs:2 * bs] == bytes(bs)
+out["features_after"] = {k: v for k, v in nat.features().items() if k.startswith("acl")}
+pool = mmap.mmap(-1, 3 * 4096)
+try:
+    out["register"] = nat.acl_host_register(addr(pool), 2 * 4096 + 5, 1) - addr(pool)
+    out["pinned"] = nat.features()["acl_host_pinned"]
+    nat.acl_host_unregister(addr(pool), 1)
+except RuntimeError as e:
+    out["register_error"] = str(e)
+out["reg"] = {k: get(k) for k in ("v2", "v2_size", "v2_flags", "legacy", "legacy_size", "legacy_type", "init")}
+out["unregister"] = get("unregister")
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_acl(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    tmp = tmp_path_factory.mktemp("fake_acl")
+    (tmp / "include" / "acl").mkdir(parents=True)
+    (tmp / "include" / "acl" / "acl.h").write_text(textwrap.dedent(FAKE_ACL_H))
+    (tmp / "fake.cpp").write_text(FAKE_LIB)
+    libs = {}
+    for variant, flags in (("full", []), ("legacy", ["-DFAKE_NO_V2"])):
+        d = tmp / variant
+        d.mkdir()
+        subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-O0", f"-I{tmp / 'include'}", *flags,
+                        str(tmp / "fake.cpp"), "-o", str(d / "libascendcl.so")], check=True)
+        libs[variant] = d
+    ext = sysconfig.get_config_var("EXT_SUFFIX")
+    module = tmp / f"_native{ext}"
+    sources = [str(ROOT / "csrc" / f"{n}.cpp") for n in ("copy_engine", "crc32c", "cuda_copy", "acl_copy")]
+    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-O0", "-pthread", "-fvisibility=hidden",
+                    "-DKVSTORE_WITH_ACL=1", f"-I{ROOT / 'csrc'}", f"-I{tmp / 'include'}",
+                    f"-I{sysconfig.get_paths()['include']}", *sources, "-o", str(module), "-ldl"], check=True)
+    return {"module": module, **libs}
+
+
+def run_scenario(fake_acl: dict[str, Path], variant: str, directions: str, **env: str) -> dict:
+    lib_dir = fake_acl[variant]
+    proc = subprocess.run([sys.executable, "-c", SCENARIO, str(fake_acl["module"]), str(lib_dir), directions],
+                          env={**os.environ, "LD_LIBRARY_PATH": str(lib_dir), **env},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_fake_acl_batch_used_and_features_do_not_init(fake_acl: dict[str, Path]) -> None:
+    out = run_scenario(fake_acl, "full", "h2d")
+    assert out["init_after_features"] == 0  # features() must not call aclInit before torch_npu
+    assert out["features"]["acl_available"] is True
+    assert out["features"]["acl_batch_memcpy"] is True
+    assert out["features"]["acl_host_register_v2"] is True
+    assert out["features"]["acl_host_pinned"] is None
+    assert out["h2d"]["batch"] == 1 and out["h2d"]["batch_runs"] == 32 and out["h2d"]["memcpy"] == 0
+    assert out["errors"] == {} and out["bytes_ok"]
+
+
+@pytest.mark.parametrize("rc", sorted(ACL_NOT_SUPPORTED))
+def test_fake_acl_batch_not_supported_falls_back_and_remembers(fake_acl: dict[str, Path], rc: int) -> None:
+    out = run_scenario(fake_acl, "full", "h2d,d2h", FAKE_BATCH_RC=str(rc))
+    assert out["errors"] == {} and out["bytes_ok"]
+    assert out["h2d"]["batch"] == 1 and out["h2d"]["memcpy"] == 32
+    assert out["d2h"]["batch"] == 1, "the not-supported answer is remembered: no second batch attempt"
+    assert out["d2h"]["memcpy"] == 64 and out["d2h"]["memcpy_kind"] == 2  # ACL_MEMCPY_DEVICE_TO_HOST
+    assert out["features_after"]["acl_batch_memcpy"] is False
+
+
+def test_fake_acl_batch_other_error_is_an_error(fake_acl: dict[str, Path]) -> None:
+    out = run_scenario(fake_acl, "full", "h2d", FAKE_BATCH_RC="507899")
+    assert "aclrtMemcpyBatchAsync failed" in out["errors"]["h2d"] and "507899" in out["errors"]["h2d"]
+    assert out["h2d"]["memcpy"] == 0 and out["h2d"]["sync"] == 1  # still waited for the stream
+
+
+def test_fake_acl_d2d_never_batches(fake_acl: dict[str, Path]) -> None:
+    out = run_scenario(fake_acl, "full", "d2d")
+    assert out["errors"] == {} and out["bytes_ok"]
+    assert out["d2d"]["batch"] == 0 and out["d2d"]["memcpy"] == 32 and out["d2d"]["memcpy_kind"] == 3
+
+
+def test_fake_acl_register_v2_pins_rounded(fake_acl: dict[str, Path]) -> None:
+    out = run_scenario(fake_acl, "full", "h2d")
+    assert out["reg"]["v2"] == 1 and out["reg"]["legacy"] == 0
+    assert out["reg"]["v2_flags"] == 0x10000002  # ACL_HOST_REG_MAPPED | ACL_HOST_REG_PINNED
+    assert out["reg"]["v2_size"] == 3 * 4096  # 2 pages + 5 bytes, rounded up to 4 KiB
+    assert out["register"] == 1  # aclrtHostGetDevicePointer's answer
+    assert out["pinned"] is True and out["unregister"] == 1
+    assert out["reg"]["init"] == 1
+
+
+def test_fake_acl_register_v2_not_supported_uses_legacy(fake_acl: dict[str, Path]) -> None:
+    out = run_scenario(fake_acl, "full", "h2d", FAKE_V2_RC="207000")
+    assert out["reg"]["v2"] == 1 and out["reg"]["legacy"] == 1
+    assert out["reg"]["legacy_size"] == 3 * 4096 and out["reg"]["legacy_type"] == 0
+    assert out["pinned"] is False
+
+
+def test_fake_acl_register_v2_other_error_is_an_error(fake_acl: dict[str, Path]) -> None:
+    out = run_scenario(fake_acl, "full", "h2d", FAKE_V2_RC="107000")
+    assert "aclrtHostRegisterV2 failed" in out["register_error"] and "107000" in out["register_error"]
+    assert out["reg"]["legacy"] == 0
+
+
+def test_fake_acl_old_cann_legacy_only(fake_acl: dict[str, Path]) -> None:
+    out = run_scenario(fake_acl, "legacy", "h2d")
+    assert out["features"]["acl_batch_memcpy"] is False and out["features"]["acl_host_register_v2"] is False
+    assert out["h2d"]["batch"] == 0 and out["h2d"]["memcpy"] == 32 and out["bytes_ok"]
+    assert out["reg"]["legacy"] == 1 and out["reg"]["legacy_size"] == 3 * 4096
+    assert out["register"] == 2 and out["pinned"] is False
+
+
+
+# -- NpuBackend's pool registration, with the native engine stubbed ------------------------------------
+
+
+class StubNative:
+    def __init__(self, pinned: bool | None, fail: bool = False) -> None:
+        self.pinned, self.fail = pinned, fail
+        self.registered: list[tuple[int, int, int]] = []
+
+    def acl_host_register(self, addr: int, size: int, device: int = 0) -> int:
+        if self.fail:
+            raise RuntimeError("aclrtHostRegisterV2 failed: aclError 107000")
+        self.registered.append((addr, size, device))
+        return 0
+
+    def features(self) -> dict:
+        return {"acl_host_pinned": self.pinned}
+
+
+def bare_backend(monkeypatch: pytest.MonkeyPatch, stub: StubNative, release: str):
+    from kvstore_service.backends import npu
+
+    monkeypatch.setattr(npu, "native", stub)
+    monkeypatch.setattr(npu.os, "uname", lambda: os.uname_result(("Linux", "n", release, "#1", "aarch64")))
+    backend = object.__new__(npu.NpuBackend)  # no torch_npu here: skip __init__
+    backend.pool, backend.registered_on = None, None
+    return backend
+
+
+def test_pool_registered_on_first_mapping_device_rounded(monkeypatch: pytest.MonkeyPatch,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    stub = StubNative(pinned=True)
+    backend = bare_backend(monkeypatch, stub, "6.6.0")
+    backend.register_pool(0x7000_0000, (1 << 30) + 100)
+    assert stub.registered == []
+    backend._register_pool_on(3)
+    backend._register_pool_on(5)
+    assert stub.registered == [(0x7000_0000, (1 << 30) + 4096, 3)] and backend.registered_on == 3
+    assert "synchronous" not in caplog.text
+
+
+def test_pool_legacy_registration_warns_synchronous(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    backend = bare_backend(monkeypatch, StubNative(pinned=False), "6.6.0")
+    backend.register_pool(0x7000_0000, 1 << 20)
+    backend._register_pool_on(0)
+    assert "legacy aclrtHostRegister" in caplog.text and "synchronous" in caplog.text
+
+
+def test_pool_not_registered_on_old_kernel(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    stub = StubNative(pinned=True)
+    backend = bare_backend(monkeypatch, stub, "5.10.0-60.18.0.50.oe2203.aarch64")
+    backend.register_pool(0x7000_0000, 1 << 20)
+    backend._register_pool_on(0)
+    assert stub.registered == [] and backend.registered_on is None
+    assert "5.10 or older" in caplog.text
+
+
+def test_pool_registration_failure_only_warns_once(monkeypatch: pytest.MonkeyPatch,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    backend = bare_backend(monkeypatch, StubNative(pinned=None, fail=True), "6.6.0")
+    backend.register_pool(0x7000_0000, 1 << 20)
+    backend._register_pool_on(0)
+    backend._register_pool_on(0)
+    assert caplog.text.count("NPU copies will be slower") == 1 and backend.registered_on is None
