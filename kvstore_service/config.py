@@ -57,6 +57,9 @@ class Config(BaseSettings):
     max_sessions: int = Field(256, ge=1, description="Most registered sessions at once.")
     max_sessions_per_uid: int = Field(64, ge=1, description="Most sessions one peer uid holds at once.")
     max_namespace_bytes: int = Field(1024, ge=1, description="Longest namespace name, in bytes (UTF-8).")
+    max_session_memory: ByteSize = Field(
+        ByteSize(256 << 30), description="Most engine memory one session's layout may address (the daemon maps "
+        "and prefaults it).")
     max_layout_regions: int = Field(
         4096, ge=1, description="Most regions in a registered KV layout (layers x K/V x groups of the largest "
         "models fit).")

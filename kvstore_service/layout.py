@@ -26,6 +26,11 @@ class Layout:
         """Bytes of one block in the pool: its regions' runs, back to back."""
         return sum(r.block_bytes for r in self.regions)
 
+    @property
+    def extent(self) -> int:
+        """Bytes of the memory the layout addresses, from its start: all the daemon maps of it."""
+        return max(r.offset + (self.num_blocks - 1) * r.block_stride + r.block_bytes for r in self.regions)
+
     def check(self, memory_size: int) -> None:
         """Every block of every region lies inside the registered memory, without overlaps."""
         if self.num_blocks <= 0:

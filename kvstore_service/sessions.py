@@ -161,6 +161,9 @@ class Sessions:
     async def _register_engine(self, request: Registration, layout: Layout, peer: PeerCred | None,
                                fds: list[int]) -> EngineSession:
         layout.check(request.memory_size)
+        if layout.extent > self.config.max_session_memory:
+            raise KVError("RESOURCE_EXHAUSTED", f"the layout addresses {layout.extent} bytes, more than "
+                          f"--max-session-memory {int(self.config.max_session_memory)}")
         if not 0 < request.completion_slots <= MAX_COMPLETION_SLOTS:
             raise invalid(f"completion_slots must be 1..{MAX_COMPLETION_SLOTS}")
         backend = await self._backend(request.backend)
@@ -178,7 +181,8 @@ class Sessions:
         except (ValueError, OSError) as e:
             raise invalid(f"cannot map the completion channel: {e}") from None
         try:
-            mapping = await self.off_loop(backend.map, request.handle, request.memory_size, request.device,
+            # Only what the layout addresses is mapped (and prefaulted), whatever the memory's size.
+            mapping = await self.off_loop(backend.map, request.handle, layout.extent, request.device,
                                           fds[1] if wanted == 2 else None)
         except (ValueError, OSError) as e:
             channel.close()

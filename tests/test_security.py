@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -171,3 +172,46 @@ def test_a_pool_file_others_could_write_is_not_reattached(daemon_factory, owner:
     assert proc.returncode == 2, proc.stderr
     assert words in proc.stderr
     assert not os.path.exists(daemon.socket)
+
+
+def _rss_shmem_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1])
+    raise AssertionError("no RssShmem")
+
+
+def test_a_sparse_memfd_commits_only_what_the_layout_addresses(daemon_factory) -> None:
+    """A client's 3 GiB sparse memfd: the daemon maps and prefaults only the 1 MiB its layout addresses
+    (it used to commit all 3 GiB of shared memory), refuses a layout beyond --max-session-memory, and a
+    session that addresses much ends at once without stalling other calls."""
+    from kvstore_client import ResourceExhausted
+    from kvstore_client.client import MemorySpec
+    from kvstore_client.protocol import memfd
+
+    daemon = daemon_factory("--max-session-memory", "1GiB", pool_size="64MiB").start()
+    client = daemon.client()
+    fd = memfd.create("sparse", 3 << 30)
+    try:
+        before = _rss_shmem_kib(daemon.pid)
+        small = MemorySpec("cpu", b"", 3 << 30, 16, [(0, 64 << 10, 64 << 10)], fd=fd)
+        session = client.session("sparse", small)
+        time.sleep(0.5)  # the prefault runs in the background
+        grown = _rss_shmem_kib(daemon.pid) - before
+        assert grown < 16 << 10, f"the daemon committed {grown} KiB for a 1 MiB layout"
+        session.close()
+        with pytest.raises(ResourceExhausted, match="more than --max-session-memory 1073741824"):
+            client.session("sparse", MemorySpec("cpu", b"", 3 << 30, 3 << 14, [(0, 64 << 10, 64 << 10)], fd=fd))
+        big = client.session("sparse", MemorySpec("cpu", b"", 3 << 30, 1 << 14, [(0, 64 << 10, 64 << 10)], fd=fd))
+        started = time.monotonic()
+        big.close()  # while its 1 GiB is still being prefaulted
+        slowest = max(_timed(client.health) for _ in range(20))
+        assert time.monotonic() - started < 5 and slowest < 0.5
+    finally:
+        os.close(fd)
+
+
+def _timed(call) -> float:
+    t0 = time.monotonic()
+    call()
+    return time.monotonic() - t0

@@ -16,12 +16,18 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
-def _populate(addr: int, size: int) -> None:
-    """Map every page of the engine's memory into our page table now. Otherwise the first copies
-    of each page fault (one per 4 KiB written, one per 64 KiB read), which halves the first
-    stores' and loads' speed. ctypes releases the GIL: the daemon serves meanwhile. Kernels
-    before 5.14 lack the advice (EINVAL): the pages then fault in on first use."""
-    _libc.madvise(addr, size, MADV_POPULATE_WRITE)
+POPULATE_CHUNK = 64 << 20  # the session can end between two chunks (~10-20 ms each)
+
+
+def _populate(addr: int, size: int, stop: threading.Event) -> None:
+    """Map every page the layout addresses into our page table now, a chunk at a time until told to
+    stop. Otherwise the first copies of each page fault (one per 4 KiB written, one per 64 KiB
+    read), which halves the first stores' and loads' speed. ctypes releases the GIL: the daemon
+    serves meanwhile. Kernels before 5.14 lack the advice (EINVAL): pages then fault in on use."""
+    for start in range(0, size, POPULATE_CHUNK):
+        if stop.is_set():
+            return
+        _libc.madvise(addr + start, min(POPULATE_CHUNK, size - start), MADV_POPULATE_WRITE)
 
 
 @dataclass
@@ -32,6 +38,7 @@ class _Held:
     mm: mmap.mmap
     anchor: ctypes.c_char | None
     populating: threading.Thread
+    stop: threading.Event
 
 
 class CpuBackend(Backend):
@@ -45,13 +52,16 @@ class CpuBackend(Backend):
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         anchor = ctypes.c_char.from_buffer(mm)
         base = ctypes.addressof(anchor)
-        populating = threading.Thread(target=_populate, args=(base, size), name="kvstore-populate", daemon=True)
+        stop = threading.Event()
+        populating = threading.Thread(target=_populate, args=(base, size, stop), name="kvstore-populate",
+                                      daemon=True)
         populating.start()
-        return Mapping(base, size, handle=_Held(mm, anchor, populating))
+        return Mapping(base, size, handle=_Held(mm, anchor, populating, stop))
 
     def unmap(self, mapping: Mapping) -> None:
         held = mapping.handle
         assert isinstance(held, _Held)
+        held.stop.set()
         held.populating.join()  # it must not touch the range once unmapped (and maybe reused)
         held.anchor = None
         mapping.handle = None
