@@ -157,7 +157,8 @@ def _tcp_credentials(config: Config) -> grpc.ServerCredentials | None:
 
 async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     stopping = asyncio.Event()
-    creds = PeerCredServer(config.socket + ".cred", config.allowed_uids)
+    creds = PeerCredServer(config.socket + ".cred", config.allowed_uids, config.handshake_timeout_s,
+                           config.max_handshakes_per_uid, config.max_handshakes)
     server = GrpcServer(config, stopping, creds)
     _prepare_socket(config.socket)
     server.listen(f"unix://{config.socket}")

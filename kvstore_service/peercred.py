@@ -26,6 +26,14 @@ TOKEN_TTL_S = 10.0
 # client can fill the daemon's descriptor table and lock other engines out.
 MAX_PENDING = 256
 MAX_PENDING_PER_UID = 32
+# Handshakes in progress (connected, token not yet read) cost a socket and a small task each, never a
+# thread: bound them per uid and in total, and give each a deadline, so silent connections (a
+# slow-loris) cannot crowd out honest engines. Defaults of --handshake-timeout-s,
+# --max-handshakes-per-uid and --max-handshakes.
+HANDSHAKE_TIMEOUT_S = 2.0
+MAX_HANDSHAKES_PER_UID = 16
+MAX_HANDSHAKES = 256
+_REFUSAL_LOG_INTERVAL_S = 10.0
 ACCEPTED, NOT_ALLOWED, REFUSED = b"\x00", b"\x01", b"\x02"
 _UCRED = struct.Struct("3i")
 
@@ -44,16 +52,27 @@ class Handshake:
     expires: float = 0.0
 
 
+_Message = tuple[bytes, list[int], int]  # token, descriptors, recvmsg flags
+
+
 class PeerCredServer:
-    def __init__(self, path: str, allowed_uids: list[int]) -> None:
+    def __init__(self, path: str, allowed_uids: list[int], handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+                 max_handshakes_per_uid: int = MAX_HANDSHAKES_PER_UID, max_handshakes: int = MAX_HANDSHAKES) -> None:
         self.path = path
         self.allowed_uids = set(allowed_uids)
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_handshakes_per_uid = max_handshakes_per_uid
+        self.max_handshakes = max_handshakes
         self._pending: dict[bytes, Handshake] = {}
         self._listener: socket.socket | None = None
         self._task: asyncio.Task[None] | None = None
         # The handshakes being served: the loop keeps only weak references to tasks, so an unreferenced
         # one could be collected mid-handshake (descriptors received and never closed, client unanswered).
         self._handlers: set[asyncio.Task[None]] = set()
+        self._in_progress: dict[int, int] = {}  # uid -> handshakes connected and not yet answered
+        self._last_refusal_log: dict[int, float] = {}
+        self.refused_handshakes = 0  # over --max-handshakes(-per-uid): refused at accept
+        self.timed_out_handshakes = 0  # closed at --handshake-timeout-s without a token
 
     async def start(self, mode: int, gid: int | None) -> None:
         if os.path.exists(self.path):
@@ -82,37 +101,94 @@ class PeerCredServer:
         except OSError:
             pass
 
+    @property
+    def handshakes_in_progress(self) -> int:
+        return sum(self._in_progress.values())
+
     async def _serve(self) -> None:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
         while True:
-            conn, _ = await loop.sock_accept(self._listener)
-            handler = loop.create_task(self._handle(conn))
+            try:
+                conn, _ = await loop.sock_accept(self._listener)
+            except OSError as e:  # EMFILE and the like: keep serving once descriptors are free again
+                log.warning("accepting a handshake failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                conn.setblocking(False)
+                # The kernel's record of the peer is there right after accept: limits apply per uid
+                # before a byte is read.
+                cred = _peer_cred(conn)
+            except OSError:
+                conn.close()
+                continue
+            if not self._admit(cred):
+                self._refuse_now(conn, cred)
+                continue
+            self._in_progress[cred.uid] = self._in_progress.get(cred.uid, 0) + 1
+            handler = loop.create_task(self._handle(conn, cred))
             self._handlers.add(handler)
             handler.add_done_callback(self._handlers.discard)
 
-    async def _handle(self, conn: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
+    def _admit(self, cred: PeerCred) -> bool:
+        return (self._in_progress.get(cred.uid, 0) < self.max_handshakes_per_uid
+                and self.handshakes_in_progress < self.max_handshakes)
+
+    def _refuse_now(self, conn: socket.socket, cred: PeerCred) -> None:
+        """Over a limit: answer REFUSED if the socket takes it, close, count. Whatever the client has
+        sent already (descriptors included) is read and closed, so the answer is not lost to a reset."""
+        self.refused_handshakes += 1
+        now = time.monotonic()
+        if now - self._last_refusal_log.get(cred.uid, -_REFUSAL_LOG_INTERVAL_S) >= _REFUSAL_LOG_INTERVAL_S:
+            self._last_refusal_log[cred.uid] = now
+            log.warning("refusing a handshake of uid %d (pid %d): %d in progress for this uid, %d in all "
+                        "(--max-handshakes-per-uid %d, --max-handshakes %d); %d refused so far",
+                        cred.uid, cred.pid, self._in_progress.get(cred.uid, 0), self.handshakes_in_progress,
+                        self.max_handshakes_per_uid, self.max_handshakes, self.refused_handshakes)
         try:
-            conn.settimeout(5.0)  # a blocking receive, in a thread: asyncio has no recvmsg with fds
-            token, fds, flags, _ = await loop.run_in_executor(None, socket.recv_fds, conn, TOKEN_BYTES, MAX_FDS)
-            cred = PeerCred(*_UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)))
-            self.expire()
-            if len(token) != TOKEN_BYTES or flags & socket.MSG_CTRUNC:
-                close_fds(fds)  # a short token, or descriptors lost in transit: refuse, never half-accept
-                await loop.sock_sendall(conn, REFUSED)
-            elif self.allowed_uids and cred.uid not in self.allowed_uids:
-                log.warning("refusing uid %d (pid %d): not in --allowed-uids", cred.uid, cred.pid)
+            try:
+                _, fds, _, _ = socket.recv_fds(conn, TOKEN_BYTES, MAX_FDS, socket.MSG_DONTWAIT | _CLOEXEC)
                 close_fds(fds)
-                await loop.sock_sendall(conn, NOT_ALLOWED)
-            else:
-                self._make_room(cred.uid)
-                self._pending[token] = Handshake(cred, list(fds), time.monotonic() + TOKEN_TTL_S)
-                await loop.sock_sendall(conn, ACCEPTED)
+            except OSError:
+                pass
+            conn.send(REFUSED)
         except OSError:
             pass
         finally:
             conn.close()
+
+    async def _handle(self, conn: socket.socket, cred: PeerCred) -> None:
+        try:
+            try:
+                async with asyncio.timeout(self.handshake_timeout_s):
+                    token, fds, flags = await _receive(conn)
+            except TimeoutError:
+                self.timed_out_handshakes += 1
+                log.debug("handshake of uid %d (pid %d) sent no token within %.1f s: closed",
+                          cred.uid, cred.pid, self.handshake_timeout_s)
+                return
+            self.expire()
+            if len(token) != TOKEN_BYTES or flags & socket.MSG_CTRUNC:
+                close_fds(fds)  # a short token, or descriptors lost in transit: refuse, never half-accept
+                conn.send(REFUSED)
+            elif self.allowed_uids and cred.uid not in self.allowed_uids:
+                log.warning("refusing uid %d (pid %d): not in --allowed-uids", cred.uid, cred.pid)
+                close_fds(fds)
+                conn.send(NOT_ALLOWED)
+            else:
+                self._make_room(cred.uid)
+                self._pending[token] = Handshake(cred, list(fds), time.monotonic() + TOKEN_TTL_S)
+                conn.send(ACCEPTED)  # one byte into a fresh socket's empty buffer: never blocks
+        except OSError:
+            pass
+        finally:
+            conn.close()
+            left = self._in_progress.get(cred.uid, 0) - 1
+            if left > 0:
+                self._in_progress[cred.uid] = left
+            else:
+                self._in_progress.pop(cred.uid, None)
 
     def _make_room(self, uid: int) -> None:
         """Over a limit, the oldest parked handshake (of this uid, else of anyone) goes: a flood only
@@ -135,6 +211,44 @@ class PeerCredServer:
             close_fds(handshake.fds)
             return None
         return handshake
+
+
+_CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
+
+
+def _peer_cred(conn: socket.socket) -> PeerCred:
+    return PeerCred(*_UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)))
+
+
+async def _receive(conn: socket.socket) -> _Message:
+    """The client's one message (token and descriptors), read on the event loop once the socket is
+    readable: a silent client costs no thread. A caller cancelled (its deadline) right after the read
+    still gets the descriptors closed."""
+    loop = asyncio.get_running_loop()
+    received: asyncio.Future[_Message] = loop.create_future()
+
+    def readable() -> None:
+        if received.done():
+            return
+        try:
+            token, fds, flags, _ = socket.recv_fds(conn, TOKEN_BYTES, MAX_FDS, _CLOEXEC)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            received.set_exception(e)
+        else:
+            received.set_result((token, fds, flags))
+
+    fd = conn.fileno()
+    loop.add_reader(fd, readable)
+    try:
+        return await received
+    except BaseException:
+        if received.done() and not received.cancelled() and received.exception() is None:
+            close_fds(received.result()[1])
+        raise
+    finally:
+        loop.remove_reader(fd)
 
 
 def close_fds(fds: list[int]) -> None:

@@ -51,6 +51,8 @@ WELL_DEFINED = {Code.OK, Code.INVALID_ARGUMENT, Code.NOT_FOUND, Code.ALREADY_EXI
                 Code.RESOURCE_EXHAUSTED, Code.PERMISSION_DENIED, Code.OUT_OF_RANGE}
 U64 = 2**64 - 1
 U32 = 2**32 - 1
+MAX_LEASE_TTL_MS = 600_000  # the daemon's default --max-lease-ttl-s
+MAX_NAMESPACE_BYTES = 1024  # its default --max-namespace-bytes
 
 VICTIM_NS = "fuzz-victim"
 VICTIM_BLOCKS = 16
@@ -319,7 +321,8 @@ class Target:
         self.victim = ShmEngine.contiguous(socket, VICTIM_NS, VICTIM_BLOCKS, BLOCK)
         done = self.victim.store(list(VICTIM_KEYS), list(range(VICTIM_BLOCKS)))
         assert done.ok, done
-        hits, self.victim_lease = self.victim.session.lookup(list(VICTIM_KEYS), lease=True, lease_ttl_ms=U32)
+        hits, self.victim_lease = self.victim.session.lookup(list(VICTIM_KEYS), lease=True,
+                                                             lease_ttl_ms=MAX_LEASE_TTL_MS)
         assert hits == VICTIM_BLOCKS and self.victim_lease
         self.engine = ShmEngine(socket, VICTIM_NS, ENGINE_BLOCKS, ENGINE_REGIONS, completion_slots=ENGINE_SLOTS)
         self.lookup = self.victim.client.session(VICTIM_NS)
@@ -615,9 +618,11 @@ def _lookup(t: Target, f: dict) -> list[str]:
             allowed = WELL_DEFINED
         elif ns and ns != VICTIM_NS:
             allowed = {Code.PERMISSION_DENIED}
+        elif f["lease"] and f["lease_ttl_ms"] > MAX_LEASE_TTL_MS:
+            allowed = {Code.INVALID_ARGUMENT}
         else:
             allowed = {Code.OK}
-    elif f["lease"] or not ns:
+    elif f["lease"] or not ns or len(ns.encode()) > MAX_NAMESPACE_BYTES:
         allowed = {Code.INVALID_ARGUMENT}
     else:
         allowed = {Code.OK}

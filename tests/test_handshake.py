@@ -1,0 +1,157 @@
+"""The `<socket>.cred` handshake under hostile clients: silent connections (a slow-loris) hold no
+thread, get closed at the handshake deadline, and are bounded per uid, so honest engines still
+register at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvstore_client.shm import block_cache
+
+# Defaults of --handshake-timeout-s and --max-handshakes-per-uid.
+DEADLINE_S = 2.0
+PER_UID = 16
+HOSTILE_UID = 54321  # no such user on a CI runner
+SILENT = 60
+
+# Run as root in the socket's directory (a pytest tmp dir is 0700 for root: reach it before
+# dropping privileges), become HOSTILE_UID, then: a few connections that send half a token, then
+# SILENT connections that send nothing. Reports (a JSON line each) what the daemon answered at
+# once, then when it closed the silent connections.
+_HOSTILE = r"""
+import json, os, select, socket, sys, time
+cred, uid, silent = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+os.chdir(os.path.dirname(cred))
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+
+def connect():
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(os.path.basename(cred))
+    return s
+
+def reply(s, timeout):
+    r, _, _ = select.select([s], [], [], timeout)
+    if not r:
+        return None
+    try:
+        return s.recv(1).hex()
+    except OSError as e:
+        return type(e).__name__
+
+partial = []
+for _ in range(4):
+    s = connect()
+    s.send(b"\x00" * 8)
+    partial.append(reply(s, 5.0))
+    s.close()
+conns = [(connect(), time.monotonic()) for _ in range(silent)]
+time.sleep(0.3)
+answers = [reply(s, 0) for s, _ in conns]
+print(json.dumps({"partial": partial, "open": answers.count(None), "refused": answers.count("02"),
+                  "other": [a for a in answers if a not in (None, "02")]}), flush=True)
+closed = []
+deadline = time.monotonic() + 15.0
+for (s, t0), answer in zip(conns, answers):
+    if answer is None:
+        got = reply(s, max(0.0, deadline - time.monotonic()))
+        closed.append(None if got is None else (time.monotonic() - t0, got))
+print(json.dumps({"closed": closed}), flush=True)
+"""
+
+
+def _register(daemon) -> float:
+    """Seconds an honest engine (CPU memory) and a lookup-only scheduler take to register."""
+    memory, spec = block_cache(4, 4096)
+    client = daemon.client(timeout=10.0)
+    try:
+        t0 = time.monotonic()
+        engine = client.session("ns", spec)
+        scheduler = client.session("ns")
+        elapsed = time.monotonic() - t0
+        scheduler.close()
+        engine.close()
+        return elapsed
+    finally:
+        client.close()
+        memory.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to connect as another uid")
+def test_slow_loris_of_one_uid_does_not_stall_other_engines(daemon_factory) -> None:
+    daemon = daemon_factory("--socket-mode", "0666").start()
+    os.chmod(daemon.workdir, 0o755)  # the hostile uid looks the socket up from there, whatever the umask
+    _register(daemon)  # warm up (first Register sets up the CPU backend)
+    hostile = subprocess.Popen([sys.executable, "-c", _HOSTILE, daemon.socket + ".cred", str(HOSTILE_UID),
+                                str(SILENT)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert hostile.stdout is not None
+        first = json.loads(hostile.stdout.readline())
+        # The silent connections are open now: an honest engine of another uid registers at once.
+        try:
+            latency = _register(daemon)
+        except Exception as e:  # noqa: BLE001 - a stalled handshake surfaces as Unavailable
+            pytest.fail(f"honest registration failed under the slow-loris: {e!r}")
+        print(f"honest registration under a slow-loris of {SILENT} connections: {latency * 1000:.1f} ms")
+        assert latency < 1.0, f"honest registration took {latency:.2f} s under the slow-loris"
+        # Half a token is refused; the uid's connections beyond its limit are refused at once.
+        assert first["partial"] == ["02"] * 4, first
+        assert first["open"] == PER_UID and first["refused"] == SILENT - PER_UID, first
+        assert not first["other"], first
+        # The silent ones are closed by the daemon (no answer) at the deadline, not before.
+        second = json.loads(hostile.stdout.readline())
+        closed = second["closed"]
+        assert len(closed) == PER_UID and None not in closed, closed
+        assert all(got == "" for _, got in closed), closed
+        times = [t for t, _ in closed]
+        assert DEADLINE_S - 0.3 <= min(times) and max(times) <= DEADLINE_S + 2.0, times
+    finally:
+        hostile.kill()
+        hostile.wait()
+    assert hostile.returncode is not None
+    assert f"refusing a handshake of uid {HOSTILE_UID}" in daemon.log.read_text()
+    assert _register(daemon) < 1.0  # the uid's slots were given back
+
+
+def test_silent_connections_are_bounded_and_closed_at_the_deadline(daemon) -> None:
+    cred = daemon.socket + ".cred"
+    conns = []
+    for _ in range(PER_UID + 4):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(cred)
+        conns.append(s)
+    t0 = time.monotonic()
+    time.sleep(0.3)
+    refused = [s for s in conns if select.select([s], [], [], 0)[0]]
+    assert len(refused) == 4 and all(s.recv(1) == b"\x02" for s in refused)
+    silent = [s for s in conns if s not in refused]
+    for s in silent:
+        assert select.select([s], [], [], DEADLINE_S + 2.0)[0], "not closed by the deadline"
+        assert s.recv(1) == b""  # closed, no answer
+    assert DEADLINE_S - 0.3 <= time.monotonic() - t0 <= DEADLINE_S + 2.0
+    for s in conns:
+        s.close()
+    assert _register(daemon) < 1.0  # this uid's slots were given back
+
+
+def test_a_token_sent_late_within_the_deadline_is_accepted(daemon) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5.0)
+        s.connect(daemon.socket + ".cred")
+        time.sleep(0.5)
+        r, w = os.pipe()
+        try:
+            socket.send_fds(s, [os.urandom(16)], [r])
+        finally:
+            os.close(r)
+            os.close(w)
+        assert s.recv(1) == b"\x00"
