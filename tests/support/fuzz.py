@@ -601,6 +601,25 @@ def _unregister(t: Target, f: dict) -> list[str]:
     return _expect(code, allowed, f"Unregister {session_id!r} ({state})")
 
 
+def _lookup_allowed(f: dict, session_id: bytes, state: str, keys: list[bytes] | None) -> set[Code]:
+    ns = f["namespace"]
+    if keys is None:
+        return {Code.INVALID_ARGUMENT}
+    if session_id:
+        if state == "unknown":
+            return {Code.NOT_FOUND}
+        if state == "maybe":
+            return WELL_DEFINED
+        if ns and ns != VICTIM_NS:
+            return {Code.PERMISSION_DENIED}
+        if f["lease"] and f["lease_ttl_ms"] > MAX_LEASE_TTL_MS:
+            return {Code.INVALID_ARGUMENT}
+        return {Code.OK}
+    if f["lease"] or not ns or len(ns.encode()) > MAX_NAMESPACE_BYTES:
+        return {Code.INVALID_ARGUMENT}
+    return {Code.OK}
+
+
 def _lookup(t: Target, f: dict) -> list[str]:
     session_id, state = t.session(f["session_id"])
     request = pb.LookupRequest(session_id=session_id, namespace=f["namespace"], keys=f["keys"],
@@ -609,23 +628,7 @@ def _lookup(t: Target, f: dict) -> list[str]:
     what = f"Lookup {_brief(request)}"
     keys = _split_ok(f["keys"], f["key_size"])
     ns = f["namespace"]
-    if keys is None:
-        allowed = {Code.INVALID_ARGUMENT}
-    elif session_id:
-        if state == "unknown":
-            allowed = {Code.NOT_FOUND}
-        elif state == "maybe":
-            allowed = WELL_DEFINED
-        elif ns and ns != VICTIM_NS:
-            allowed = {Code.PERMISSION_DENIED}
-        elif f["lease"] and f["lease_ttl_ms"] > MAX_LEASE_TTL_MS:
-            allowed = {Code.INVALID_ARGUMENT}
-        else:
-            allowed = {Code.OK}
-    elif f["lease"] or not ns or len(ns.encode()) > MAX_NAMESPACE_BYTES:
-        allowed = {Code.INVALID_ARGUMENT}
-    else:
-        allowed = {Code.OK}
+    allowed = _lookup_allowed(f, session_id, state, keys)
     problems = _expect(code, allowed, what)
     if code != Code.OK or keys is None:
         return problems
