@@ -155,6 +155,7 @@ class Pool:
         self.data_offset = _align(POOL_HEADER_BYTES + 8 * num_segments, DATA_ALIGN)
         self.size = self.data_offset + num_segments * self.segment_size
         self.capacity = num_segments * self.segment_size
+        self._check_room()  # before anything is built for a pool that cannot be
         self.segments = [Segment(i, self.data_offset + i * self.segment_size) for i in range(num_segments)]
         self.free_segments: list[int] = []
         self.partial: dict[int, set[int]] = {}  # payload size -> segments with a free slot
@@ -165,8 +166,20 @@ class Pool:
 
     # -- file ------------------------------------------------------------------------------------
 
+    def _check_room(self) -> None:
+        """The mount holds the pool (an existing pool file's pages count: they are reused)."""
+        folder = os.path.dirname(self.path) or "."
+        os.makedirs(folder, exist_ok=True)
+        free = os.statvfs(folder)
+        try:
+            existing = os.stat(self.path, follow_symlinks=False).st_size
+        except FileNotFoundError:
+            existing = 0
+        if free.f_bavail * free.f_frsize + existing < self.size:
+            raise PoolFullError(f"{folder} has {free.f_bavail * free.f_frsize} bytes free, the pool needs "
+                                f"{self.size}: lower --pool-size or grow the shared-memory mount")
+
     def _open(self, fresh: bool) -> mmap.mmap:
-        os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
         fd = _open_private(self.path)
         try:
             existing = os.fstat(fd).st_size
@@ -179,11 +192,6 @@ class Pool:
                 if header[:8] == POOL_MAGIC and not fresh:
                     log.warning("pool file %s has another geometry; starting empty", self.path)
                 os.ftruncate(fd, 0)  # drop old pages
-                free = os.statvfs(os.path.dirname(self.path) or ".")
-                if free.f_bavail * free.f_frsize < self.size:
-                    raise PoolFullError(
-                        f"{os.path.dirname(self.path)} has {free.f_bavail * free.f_frsize} bytes free, the pool "
-                        f"needs {self.size}: lower --pool-size or grow the shared-memory mount")
                 os.ftruncate(fd, self.size)
             mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:

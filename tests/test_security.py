@@ -215,3 +215,14 @@ def _timed(call) -> float:
     t0 = time.monotonic()
     call()
     return time.monotonic() - t0
+
+
+def test_a_pool_that_does_not_fit_refuses_the_start_cleanly(daemon_factory) -> None:
+    """A start refused because the pool does not fit the mount exits 2 with one line (it sometimes
+    died by SIGSEGV) and leaves no socket files behind."""
+    daemon = daemon_factory()
+    proc = _serve_refused(daemon, "--pool-size", "64TiB")
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "lower --pool-size or grow the shared-memory mount" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not os.path.exists(daemon.socket) and not os.path.exists(daemon.socket + ".cred")
