@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
 import grpc
@@ -117,6 +117,17 @@ class MemorySpec:
     regions: Sequence[tuple[int, int, int]]  # (offset, block_stride, block_bytes)
     device: int = 0
     fd: int | None = None  # cpu: the sealed memfd holding the KV memory
+    # Device memory: exports the allocation again and returns a new handle. The IPC reference
+    # counter torch hands out with each export (`_share_cuda_()`) is given back once by the daemon
+    # that opened it, so a handle must be sent once: every registration after the first sends a
+    # fresh export (see Session._register). None: the handle can be sent again as is (cpu).
+    reexport: Callable[[], bytes] | None = field(default=None, compare=False, repr=False)
+
+    def for_reregistration(self) -> MemorySpec:
+        """The spec to send on a registration after the first: with a freshly exported handle."""
+        if self.reexport is None:
+            return self
+        return replace(self, handle=self.reexport())
 
     def layout(self) -> pb.KVLayout:
         return pb.KVLayout(num_blocks=self.num_blocks,
@@ -192,6 +203,7 @@ class Session:
         self.block_bytes = 0
         self.boot_id = b""
         self.registrations = 0
+        self._handle_sent = False  # the spec's first handle went out in a Register call
         self.channel: CompletionChannel | None = None
         self._channel_path = ""
         self._job_ids = itertools.count(1)
@@ -223,9 +235,18 @@ class Session:
     # -- registration and liveness ---------------------------------------------------------------
 
     def _register(self) -> None:
-        channel = CompletionChannel.create(self.slots) if self.memory is not None else None
+        memory = self.memory
+        if memory is not None and self._handle_sent:
+            # A handle that reached a daemon once is not sent again: that daemon (or its successor,
+            # which never opened it) would give the engine's IPC reference back twice.
+            try:
+                memory = memory.for_reregistration()
+            except Exception as e:  # torch's export failed: keep the attach loop alive, retry later
+                raise FailedPrecondition(f"FAILED_PRECONDITION: cannot export the KV memory again: {e}") from e
+        channel = CompletionChannel.create(self.slots) if memory is not None else None
         try:
-            request = registration(self.client.target, self.engine_id, self.namespace, self.memory, channel)
+            request = registration(self.client.target, self.engine_id, self.namespace, memory, channel)
+            self._handle_sent = True  # from here the daemon may have opened it, even if the call fails
             reply = self.client.call(self.client.stub.Register, request)
         except BaseException:
             if channel is not None:

@@ -2,7 +2,8 @@
 
 `export_kv_memory(tensors)` turns a KV cache that lives in one device allocation (vLLM allocates one
 int8 buffer and hands out one strided view per layer) into a `MemorySpec` whose `handle` names that
-allocation through the device's IPC mechanism (the codec is `kvstore_client.protocol.handle`):
+allocation through the device's IPC mechanism (the codec is `kvstore_client.protocol.handle`), and
+whose `reexport` makes a fresh handle for each later registration (after a daemon restart):
 
 * CUDA: `UntypedStorage._share_cuda_()` (a cudaIpcMemHandle of the caching allocator's segment,
   the storage's offset in it, torch's shared-memory reference counter and an IPC event);
@@ -86,13 +87,22 @@ def export_kv_memory(tensors: Sequence[torch.Tensor]) -> MemorySpec:
     # Whatever initialised the cache (zero fill) must be done before the daemon can write into it.
     synchronize_before_store(device)
     if device.type == "cuda":
-        share = storage._share_cuda_()
-        handle = handle_from_share("cuda", share, cuda_device_uuid(index))
+        uuid = cuda_device_uuid(index)
     else:
         check_npu_alignment(storage.data_ptr())
-        share = storage._share_npu_()  # type: ignore[attr-defined]
-        handle = handle_from_share("npu", share, npu_device_uuid(index))
-    return MemorySpec(device.type, encode_handle(handle), storage.nbytes(), num_blocks, tuple(regions), device=index)
+        uuid = npu_device_uuid(index)
+
+    def export() -> bytes:
+        # Each export gets its own IPC reference counter (torch: GetNewRefCountedSentData, set to 1),
+        # which the daemon that opens the handle gives back once: so one export per registration.
+        if device.type == "cuda":
+            share = storage._share_cuda_()
+        else:
+            share = storage._share_npu_()  # type: ignore[attr-defined]
+        return encode_handle(handle_from_share(device.type, share, uuid))
+
+    return MemorySpec(device.type, export(), storage.nbytes(), num_blocks, tuple(regions), device=index,
+                      reexport=export)
 
 
 def synchronize_before_store(device: torch.device | str) -> None:

@@ -15,9 +15,11 @@
 // machines without a GPU; the driver calls themselves need a GPU to be verified.
 
 #include <dlfcn.h>
+#include <strings.h>
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 
@@ -47,8 +49,7 @@ struct CUmemcpyAttributes {
 
 constexpr CUresult kSuccess = 0;
 constexpr CUresult kErrorNotSupported = 801;
-constexpr int kLocationDevice = 0x1;
-constexpr int kLocationHost = 0x2;
+constexpr int kLocationInvalid = 0x0;  // a zeroed CUmemLocation: "no hint"
 constexpr int kSrcAccessOrderStream = 0x1;
 constexpr unsigned int kFlagPreferOverlapWithCompute = 0x1;
 constexpr unsigned int kStreamNonBlocking = 0x1;
@@ -90,9 +91,22 @@ constexpr int kBatchApiVersion = 12080;  // cuMemcpyBatchAsync appeared in CUDA 
 // arrays small and costs one extra call per 8192 runs.
 constexpr size_t kMaxBatch = 8192;
 
+// KVSTORE_CUDA_BATCH_MEMCPY=0 (or false/no/off, any case) turns cuMemcpyBatchAsync off: every run
+// is then copied with cuMemcpyAsync. turbomind disables the batch API on Blackwell (sm_100), where
+// it is reported to crash. Unset, empty or any other value: the batch API is used where it exists.
+bool batch_memcpy_allowed_by_env() {
+  const char* v = std::getenv("KVSTORE_CUDA_BATCH_MEMCPY");
+  if (v == nullptr) return true;
+  for (const char* off : {"0", "false", "no", "off"}) {
+    if (strcasecmp(v, off) == 0) return false;
+  }
+  return true;
+}
+
 struct Driver {
   std::string error;  // non-empty: CUDA is unusable here, and this says why
   int version = 0;
+  bool batch_allowed = true;  // KVSTORE_CUDA_BATCH_MEMCPY, read once when the driver is loaded
   cu::PFN_cuGetErrorName get_error_name = nullptr;
   cu::PFN_cuGetErrorString get_error_string = nullptr;
   cu::PFN_cuDeviceGetCount device_get_count = nullptr;
@@ -123,6 +137,7 @@ std::string describe(const Driver& d, cu::CUresult rc) {
 
 Driver load_driver() {
   Driver d;
+  d.batch_allowed = batch_memcpy_allowed_by_env();
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* why = dlerror();
@@ -175,7 +190,7 @@ Driver load_driver() {
   d.memcpy_async = reinterpret_cast<cu::PFN_cuMemcpyAsync>(resolve("cuMemcpyAsync", kBase));
   d.mem_host_register = reinterpret_cast<cu::PFN_cuMemHostRegister>(resolve("cuMemHostRegister", kBase));
   d.mem_host_unregister = reinterpret_cast<cu::PFN_cuMemHostUnregister>(resolve("cuMemHostUnregister", kBase));
-  if (d.version >= kBatchApiVersion) {
+  if (d.version >= kBatchApiVersion && d.batch_allowed) {
     d.memcpy_batch_async = reinterpret_cast<cu::PFN_cuMemcpyBatchAsync>(resolve("cuMemcpyBatchAsync", kBatchApiVersion));
   }
   if (!d.device_get_count || !d.device_get || !d.primary_ctx_retain || !d.ctx_get_current ||
@@ -208,7 +223,8 @@ struct DeviceState {
 
 // Devices are set up once and kept for the life of the process (the primary context is retained
 // and never released, so the pinned pool and streams stay valid).
-DeviceState* device_state(const Driver& d, int ordinal, std::string* err) {
+// On failure *err says why and *code is the failed call's CUresult.
+DeviceState* device_state(const Driver& d, int ordinal, std::string* err, cu::CUresult* code) {
   static std::mutex mu;
   static std::map<int, DeviceState*> devices;
   std::lock_guard<std::mutex> lock(mu);
@@ -217,6 +233,7 @@ DeviceState* device_state(const Driver& d, int ordinal, std::string* err) {
   int count = 0;
   cu::CUresult rc = d.device_get_count(&count);
   if (rc != cu::kSuccess) {
+    *code = rc;
     *err = "cuDeviceGetCount failed: " + describe(d, rc);
     return nullptr;
   }
@@ -228,6 +245,7 @@ DeviceState* device_state(const Driver& d, int ordinal, std::string* err) {
   cu::CUcontext ctx = nullptr;
   if ((rc = d.device_get(&dev, ordinal)) != cu::kSuccess ||
       (rc = d.primary_ctx_retain(&ctx, dev)) != cu::kSuccess) {
+    *code = rc;
     *err = "cannot open CUDA device " + std::to_string(ordinal) + ": " + describe(d, rc);
     return nullptr;
   }
@@ -242,18 +260,19 @@ class ContextScope {
  public:
   ContextScope(const Driver& d, cu::CUcontext ctx) : d_(d) {
     if (d_.ctx_get_current(&prev_) != cu::kSuccess) prev_ = nullptr;
-    ok_ = d_.ctx_set_current(ctx) == cu::kSuccess;
+    rc_ = d_.ctx_set_current(ctx);
   }
   ~ContextScope() { d_.ctx_set_current(prev_); }
-  bool ok() const { return ok_; }
+  bool ok() const { return rc_ == cu::kSuccess; }
+  cu::CUresult rc() const { return rc_; }
 
  private:
   const Driver& d_;
   cu::CUcontext prev_ = nullptr;
-  bool ok_ = false;
+  cu::CUresult rc_ = cu::kSuccess;
 };
 
-bool acquire_lane(const Driver& d, DeviceState* dev, Lane* lane, std::string* err) {
+bool acquire_lane(const Driver& d, DeviceState* dev, Lane* lane, std::string* err, cu::CUresult* code) {
   {
     std::lock_guard<std::mutex> lock(dev->mu);
     if (!dev->idle.empty()) {
@@ -265,12 +284,14 @@ bool acquire_lane(const Driver& d, DeviceState* dev, Lane* lane, std::string* er
   cu::CUresult rc;
   // Non-blocking: no implicit sync with the legacy default stream the engine may be using.
   if ((rc = d.stream_create(&lane->stream, cu::kStreamNonBlocking)) != cu::kSuccess) {
+    *code = rc;
     *err = "cuStreamCreate failed: " + describe(d, rc);
     return false;
   }
   // Blocking sync: the waiting thread sleeps instead of spinning a core the engine could use.
   if ((rc = d.event_create(&lane->event, cu::kEventBlockingSync | cu::kEventDisableTiming)) !=
       cu::kSuccess) {
+    *code = rc;
     *err = "cuEventCreate failed: " + describe(d, rc);
     return false;  // the stream leaks; this only happens when the device is already broken
   }
@@ -282,17 +303,16 @@ void release_lane(DeviceState* dev, const Lane& lane) {
   dev->idle.push_back(lane);
 }
 
-// Enqueues all runs on `stream`; returns "" or an error message. *used_batch tells which API ran.
-std::string enqueue_copies(const Driver& d, const std::vector<Run>& runs, Direction dir, int device,
-                           cu::CUstream stream, bool allow_batch, bool* used_batch) {
+// Enqueues all runs on `stream`; returns "" or an error message (and the CUresult in *code).
+// *used_batch tells which API ran.
+std::string enqueue_copies(const Driver& d, const std::vector<Run>& runs, cu::CUstream stream, bool allow_batch,
+                           bool* used_batch, cu::CUresult* code) {
   *used_batch = false;
   if (allow_batch && d.memcpy_batch_async != nullptr) {
+    // Location hints stay zeroed (CU_MEM_LOCATION_TYPE_INVALID), as vLLM and turbomind pass them:
+    // the driver ignores them for memory that is not managed, and the pool and the IPC memory are not.
     cu::CUmemcpyAttributes attr{};
     attr.srcAccessOrder = cu::kSrcAccessOrderStream;
-    cu::CUmemLocation host{cu::kLocationHost, 0};
-    cu::CUmemLocation dev{cu::kLocationDevice, device};
-    attr.srcLocHint = dir == Direction::kHostToDevice ? host : dev;
-    attr.dstLocHint = dir == Direction::kDeviceToHost ? host : dev;
     // KV offload runs next to inference: prefer copy engines over SMs where the driver can.
     attr.flags = cu::kFlagPreferOverlapWithCompute;
     std::vector<cu::CUdeviceptr> dsts, srcs;
@@ -313,6 +333,7 @@ std::string enqueue_copies(const Driver& d, const std::vector<Run>& runs, Direct
                                              &fail_index, stream);
       if (rc == cu::kErrorNotSupported && start == 0) break;  // e.g. unsupported platform: per-run below
       if (rc != cu::kSuccess) {
+        *code = rc;
         std::string where = fail_index == SIZE_MAX ? "" : " at run " + std::to_string(start + fail_index);
         return "cuMemcpyBatchAsync failed" + where + ": " + describe(d, rc);
       }
@@ -322,49 +343,81 @@ std::string enqueue_copies(const Driver& d, const std::vector<Run>& runs, Direct
   }
   for (size_t i = 0; i < runs.size(); ++i) {
     cu::CUresult rc = d.memcpy_async(runs[i].dst, runs[i].src, runs[i].size, stream);
-    if (rc != cu::kSuccess) return "cuMemcpyAsync failed at run " + std::to_string(i) + ": " + describe(d, rc);
+    if (rc != cu::kSuccess) {
+      *code = rc;
+      return "cuMemcpyAsync failed at run " + std::to_string(i) + ": " + describe(d, rc);
+    }
   }
   return "";
 }
 
-// The whole device copy, run with the GIL released. Returns "" or an error message.
-std::string cuda_copy(const std::vector<Run>& runs, Direction dir, int device, uint64_t user_stream,
-                      bool allow_batch) {
+// The whole device copy, run with the GIL released. Returns "" or an error message; *code is the
+// CUresult of the failed driver call (0 when the failure was not a driver call's).
+std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_stream, bool allow_batch,
+                      cu::CUresult* code) {
   const Driver& d = driver();
   if (!d.error.empty()) return d.error;
   std::string err;
-  DeviceState* dev = device_state(d, device, &err);
+  DeviceState* dev = device_state(d, device, &err, code);
   if (dev == nullptr) return err;
   if (runs.empty()) return "";
   ContextScope scope(d, dev->ctx);
-  if (!scope.ok()) return "cannot make the context of CUDA device " + std::to_string(device) + " current";
+  if (!scope.ok()) {
+    *code = scope.rc();
+    return "cannot make the context of CUDA device " + std::to_string(device) + " current: " + describe(d, *code);
+  }
   Lane lane;
-  if (!acquire_lane(d, dev, &lane, &err)) return err;
+  if (!acquire_lane(d, dev, &lane, &err, code)) return err;
   auto stream = user_stream != 0 ? reinterpret_cast<cu::CUstream>(user_stream) : lane.stream;
   bool used_batch = false;
-  err = enqueue_copies(d, runs, dir, device, stream, allow_batch, &used_batch);
+  err = enqueue_copies(d, runs, stream, allow_batch, &used_batch, code);
   // Wait even after an enqueue error: earlier runs may still be in flight on the stream.
   cu::CUresult rc = d.event_record(lane.event, stream);
   if (rc == cu::kSuccess) rc = d.event_synchronize(lane.event);
-  if (err.empty() && rc != cu::kSuccess) err = "CUDA copy failed while waiting for it: " + describe(d, rc);
+  if (err.empty() && rc != cu::kSuccess) {
+    *code = rc;
+    err = "CUDA copy failed while waiting for it: " + describe(d, rc);
+  }
   release_lane(dev, lane);
   return err;
 }
 
-std::string host_register(uint64_t addr, uint64_t size, int device, bool reg) {
+std::string host_register(uint64_t addr, uint64_t size, int device, bool reg, cu::CUresult* code) {
   const Driver& d = driver();
   if (!d.error.empty()) return d.error;
   std::string err;
-  DeviceState* dev = device_state(d, device, &err);
+  DeviceState* dev = device_state(d, device, &err, code);
   if (dev == nullptr) return err;
   ContextScope scope(d, dev->ctx);
-  if (!scope.ok()) return "cannot make the context of CUDA device " + std::to_string(device) + " current";
+  if (!scope.ok()) {
+    *code = scope.rc();
+    return "cannot make the context of CUDA device " + std::to_string(device) + " current: " + describe(d, *code);
+  }
   void* ptr = reinterpret_cast<void*>(addr);
   // Portable: the pinning is visible to every context, so one registration serves all GPUs.
   cu::CUresult rc = reg ? d.mem_host_register(ptr, size, cu::kMemHostRegisterPortable)
                         : d.mem_host_unregister(ptr);
-  if (rc != cu::kSuccess) return std::string(reg ? "cuMemHostRegister" : "cuMemHostUnregister") + " failed: " + describe(d, rc);
+  if (rc != cu::kSuccess) {
+    *code = rc;
+    return std::string(reg ? "cuMemHostRegister" : "cuMemHostUnregister") + " failed: " + describe(d, rc);
+  }
   return "";
+}
+
+// RuntimeError(message) with the failed call's CUresult as its `cuda_error` attribute (0: not a
+// driver error), so that Python can tell errors that leave the context unusable (sticky) apart.
+void raise_cuda_error(const std::string& message, cu::CUresult code) {
+  PyObject* exc = PyObject_CallFunction(PyExc_RuntimeError, "s", message.c_str());
+  if (exc == nullptr) return;  // an exception (e.g. MemoryError) is already set
+  PyObject* value = PyLong_FromLong(code);
+  if (value == nullptr || PyObject_SetAttrString(exc, "cuda_error", value) != 0) {
+    Py_XDECREF(value);
+    Py_DECREF(exc);
+    return;
+  }
+  Py_DECREF(value);
+  PyErr_SetObject(PyExc_RuntimeError, exc);
+  Py_DECREF(exc);
 }
 
 }  // namespace
@@ -373,11 +426,12 @@ PyObject* py_cuda_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
   DeviceCopyArgs a;
   if (!parse_device_copy_args(args, kwargs, "OOOOOOi|Op:cuda_copy_blocks", &a)) return nullptr;
   std::string err;
+  cu::CUresult code = cu::kSuccess;
   Py_BEGIN_ALLOW_THREADS
-  err = cuda_copy(a.runs, a.dir, a.device, a.stream, a.allow_batch);
+  err = cuda_copy(a.runs, a.device, a.stream, a.allow_batch, &code);
   Py_END_ALLOW_THREADS
   if (!err.empty()) {
-    PyErr_SetString(PyExc_RuntimeError, err.c_str());
+    raise_cuda_error(err, code);
     return nullptr;
   }
   Py_RETURN_NONE;
@@ -396,11 +450,12 @@ static PyObject* host_register_common(PyObject* args, PyObject* kwargs, bool reg
   uint64_t addr, size = 0;
   if (!parse_u64(addr_obj, "addr", &addr) || (reg && !parse_u64(size_obj, "size", &size))) return nullptr;
   std::string err;
+  cu::CUresult code = cu::kSuccess;
   Py_BEGIN_ALLOW_THREADS
-  err = host_register(addr, size, device, reg);
+  err = host_register(addr, size, device, reg, &code);
   Py_END_ALLOW_THREADS
   if (!err.empty()) {
-    PyErr_SetString(PyExc_RuntimeError, err.c_str());
+    raise_cuda_error(err, code);
     return nullptr;
   }
   Py_RETURN_NONE;
@@ -427,6 +482,9 @@ bool add_cuda_features(PyObject* features) {
 #endif
             set_item(features, "cuda_available", PyBool_FromLong(d->error.empty())) &&
             set_item(features, "cuda_driver_version", PyLong_FromLong(d->version)) &&
+            // The switch as read from KVSTORE_CUDA_BATCH_MEMCPY, reported with or without a driver.
+            set_item(features, "cuda_batch_memcpy_allowed", PyBool_FromLong(d->batch_allowed)) &&
+            // Whether copies use cuMemcpyBatchAsync: allowed, and the driver (12.8+) has it.
             set_item(features, "cuda_batch_memcpy", PyBool_FromLong(d->error.empty() && d->memcpy_batch_async)) &&
             set_item(features, "cuda_error", PyUnicode_FromString(d->error.c_str()));
   return ok;
@@ -446,8 +504,9 @@ static_assert(kvstore::cu::kStreamNonBlocking == ::CU_STREAM_NON_BLOCKING, "kStr
 static_assert(kvstore::cu::kEventBlockingSync == ::CU_EVENT_BLOCKING_SYNC, "kEventBlockingSync");
 static_assert(kvstore::cu::kEventDisableTiming == ::CU_EVENT_DISABLE_TIMING, "kEventDisableTiming");
 static_assert(kvstore::cu::kMemHostRegisterPortable == CU_MEMHOSTREGISTER_PORTABLE, "PORTABLE");
-static_assert(kvstore::cu::kLocationDevice == ::CU_MEM_LOCATION_TYPE_DEVICE, "LOCATION_DEVICE");
-static_assert(kvstore::cu::kLocationHost == ::CU_MEM_LOCATION_TYPE_HOST, "LOCATION_HOST");
+// Everything checked outside the version guard exists in CUDA 12.0 headers (CU_MEM_LOCATION_TYPE_HOST
+// does not: it came with 12.2, and nothing here uses it).
+static_assert(kvstore::cu::kLocationInvalid == ::CU_MEM_LOCATION_TYPE_INVALID, "LOCATION_INVALID");
 #if CUDA_VERSION >= 12080
 static_assert(kvstore::cu::kSrcAccessOrderStream == ::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, "ORDER");
 static_assert(kvstore::cu::kFlagPreferOverlapWithCompute == ::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE,

@@ -93,22 +93,85 @@ def features() -> dict[str, Any]:
 
 # Device paths (see csrc/cuda_copy.cpp and csrc/acl_copy.cpp): RuntimeError without a driver/device.
 
+# CUresults the CUDA driver API documents as sticky: "This leaves the process in an inconsistent
+# state and any further CUDA work will return the same error. To continue using CUDA, the process
+# must be terminated and relaunched." (cuda.h, CUresult; the MPS one says the same in other words.)
+STICKY_CUDA_ERRORS: Final[dict[int, str]] = {
+    226: "CUDA_ERROR_CONTAINED",
+    700: "CUDA_ERROR_ILLEGAL_ADDRESS",
+    702: "CUDA_ERROR_LAUNCH_TIMEOUT",
+    714: "CUDA_ERROR_HARDWARE_STACK_ERROR",
+    715: "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+    716: "CUDA_ERROR_MISALIGNED_ADDRESS",
+    717: "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+    718: "CUDA_ERROR_INVALID_PC",
+    719: "CUDA_ERROR_LAUNCH_FAILED",
+    721: "CUDA_ERROR_TENSOR_MEMORY_LEAK",
+    810: "CUDA_ERROR_MPS_CLIENT_TERMINATED",
+    911: "CUDA_ERROR_EXTERNAL_DEVICE",
+}
+
+
+class StickyDeviceError(RuntimeError):
+    """A device error that left the device context unusable for the whole process (every later
+    call fails the same way): the daemon must exit non-zero and be restarted by its supervisor;
+    the pool (shared memory) survives and is re-attached. `code` is the driver's error code."""
+
+    def __init__(self, message: str, code: int, device: int) -> None:
+        super().__init__(message)
+        self.code = code
+        self.device = device
+
+
+def is_sticky_cuda_error(code: int | None) -> bool:
+    """Whether a CUresult leaves the CUDA context (and the process) unusable."""
+    return code in STICKY_CUDA_ERRORS
+
+
+def _cuda_error(e: RuntimeError, device: int) -> RuntimeError:
+    """The error to raise for a failed native CUDA call: StickyDeviceError when the driver's code
+    (the `cuda_error` attribute the engine sets) is a sticky one, else the error itself."""
+    code = getattr(e, "cuda_error", None)
+    if isinstance(code, int) and is_sticky_cuda_error(code):
+        return StickyDeviceError(f"{e} [sticky: the CUDA context of device {device} is unusable until the "
+                                 "daemon restarts]", code, device)
+    return e
+
 
 def cuda_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array,
                      sizes: U64Array, direction: str, device: int, stream: int = 0,
                      allow_batch: bool = True) -> None:
-    """Copy between GPU memory and host memory ('h2d', 'd2h', 'd2d') and wait for completion."""
-    _native.cuda_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes),
-                             direction, device, stream, allow_batch)
+    """Copy between GPU memory and host memory ('h2d', 'd2h', 'd2d') and wait for completion.
+    StickyDeviceError when the driver reports an error that leaves the context unusable."""
+    try:
+        _native.cuda_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes),
+                                 direction, device, stream, allow_batch)
+    except RuntimeError as e:
+        err = _cuda_error(e, device)
+        if err is e:
+            raise
+        raise err from e
 
 
 def cuda_host_register(addr: int, size: int, device: int = 0) -> None:
     """Pin host memory (e.g. the pool) for fast asynchronous GPU copies."""
-    _native.cuda_host_register(addr, size, device)
+    try:
+        _native.cuda_host_register(addr, size, device)
+    except RuntimeError as e:
+        err = _cuda_error(e, device)
+        if err is e:
+            raise
+        raise err from e
 
 
 def cuda_host_unregister(addr: int, device: int = 0) -> None:
     _native.cuda_host_unregister(addr, device)
+
+
+def cuda_batch_memcpy_allowed() -> bool:
+    """The KVSTORE_CUDA_BATCH_MEMCPY switch as the engine read it (once, when CUDA was first used):
+    False for 0/false/no/off. `features()["cuda_batch_memcpy"]` says whether copies use the batch API."""
+    return bool(features().get("cuda_batch_memcpy_allowed", True))
 
 
 def acl_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array,
