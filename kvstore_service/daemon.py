@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Callable
 
 import grpc
 
@@ -28,6 +29,7 @@ from kvstore_service.errors import KVError
 from kvstore_service.index import BlockIndex
 from kvstore_service.jobs import Jobs
 from kvstore_service.metrics import Metrics
+from kvstore_service.native import StickyDeviceError
 from kvstore_service.peercred import PeerCredServer
 from kvstore_service.pool import Pool, PoolFullError
 from kvstore_service.server import GrpcServer
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 # A copy thread needs the GIL briefly between native copies while the event loop plans the next
 # chunk; with the default 5 ms switch interval it would idle that long each time.
 SWITCH_INTERVAL_S = 0.0002
+EXIT_DEVICE_FAILED = 75  # EX_TEMPFAIL: a sticky device error; restart the daemon
 # A store creates an object per block: at the default 700 allocations a young collection would run
 # several times per chunk planned (store 0.70-0.72 vs 0.75-0.76 of the copy engine). Housekeeping
 # collects what is young once a second anyway.
@@ -47,7 +50,7 @@ GC_YOUNG_THRESHOLD = 200_000
 class Daemon:
     """Everything the gRPC handlers serve, owned by the event loop."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, fatal: Callable[[StickyDeviceError], None]) -> None:
         self.config = config
         self.boot_id = secrets.token_bytes(16)
         self.started = time.monotonic()
@@ -55,7 +58,7 @@ class Daemon:
         self.index = BlockIndex(self.pool)
         self.recovered = self.index.recover() if self.pool.reattached else 0
         self.metrics = Metrics()
-        self.jobs = Jobs(config, self.pool, self.index, self.metrics)
+        self.jobs = Jobs(config, self.pool, self.index, self.metrics, fatal)
         backends = {}
         for name in config.devices:  # (this runs off the loop, before the daemon serves)
             try:
@@ -157,6 +160,14 @@ def _tcp_credentials(config: Config) -> grpc.ServerCredentials | None:
 
 async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     stopping = asyncio.Event()
+    failed: list[StickyDeviceError] = []
+
+    def fatal(error: StickyDeviceError) -> None:
+        if not failed:
+            log.critical("device %d failed for good (%s): exiting so that the supervisor restarts the daemon "
+                         "on its pool", error.device, error)
+        failed.append(error)
+        stopping.set()
     creds = PeerCredServer(config.socket + ".cred", config.allowed_uids, config.handshake_timeout_s,
                            config.max_handshakes_per_uid, config.max_handshakes)
     server = GrpcServer(config, stopping, creds)
@@ -169,7 +180,7 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     await creds.start(int(config.socket_mode, 8), gid)
     # The pool is set up (and recovered), and --devices opened, while health says NOT_SERVING.
     try:
-        daemon = await asyncio.to_thread(Daemon, config)
+        daemon = await asyncio.to_thread(Daemon, config, fatal)
     except BaseException:  # a refused start leaves no socket behind
         await server.stop(grace=0)
         await creds.close()
@@ -190,6 +201,12 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
         ready.set()
     await stopping.wait()
 
+    if failed:  # no device call can succeed any more: leave without them, the pool stays on its file
+        await server.stop(grace=0)
+        _remove(config.socket)
+        _remove(config.socket + ".cred")
+        logging.shutdown()
+        os._exit(EXIT_DEVICE_FAILED)
     log.info("shutting down")
     chores.cancel()
     await server.stop(grace=2.0)

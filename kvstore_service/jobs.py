@@ -106,8 +106,10 @@ class Chunk:
 
 
 class Jobs:
-    def __init__(self, config: Config, pool: Pool, index: BlockIndex, metrics: Metrics) -> None:
+    def __init__(self, config: Config, pool: Pool, index: BlockIndex, metrics: Metrics,
+                 fatal: Callable[[native.StickyDeviceError], None]) -> None:
         self.config = config
+        self.fatal = fatal  # a device is unusable for the whole process: the daemon must restart
         self.pool = pool
         self.index = index
         self.metrics = metrics
@@ -129,7 +131,11 @@ class Jobs:
 
     async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run a blocking device call in a thread and await it."""
-        return await asyncio.get_running_loop().run_in_executor(self._device_calls, fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._device_calls, fn, *args)
+        except native.StickyDeviceError as e:
+            self.fatal(e)
+            raise
 
     # -- submit and poll -------------------------------------------------------------------------
 
@@ -227,6 +233,8 @@ class Jobs:
                 log.exception("job %d copy failed", job.job_id)
                 job.error = f"copy failed: {e}"
                 corrupt = None
+                if isinstance(e, native.StickyDeviceError):
+                    self.fatal(e)
             self._copies -= 1
             if not self._copies:
                 self._no_copies.set()

@@ -47,6 +47,7 @@ class FakeBackend(Backend):
         self.load_gate.set()
         self.unmapped: list[Mapping] = []
         self.device_seconds = 0.0  # how long opening or closing engine memory takes (a device call)
+        self.broken: native.StickyDeviceError | None = None  # raised by every copy once set
 
     def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
         time.sleep(self.device_seconds)
@@ -59,6 +60,8 @@ class FakeBackend(Backend):
 
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         assert self.gate.wait(10) and (not to_engine or self.load_gate.wait(10))
+        if self.broken is not None:
+            raise self.broken
         if to_engine:
             native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes)
         else:
@@ -75,7 +78,8 @@ class Core:
         self.pool = Pool(self.config.pool_path, int(self.config.pool_size), segment, fresh=True)
         self.index = BlockIndex(self.pool)
         self.backend = FakeBackend()
-        self.jobs = Jobs(self.config, self.pool, self.index, Metrics())
+        self.fatal: list[native.StickyDeviceError] = []
+        self.jobs = Jobs(self.config, self.pool, self.index, Metrics(), self.fatal.append)
         self.sessions = Sessions(self.config, self.pool, self.index, self.jobs.off_loop, {"fake": self.backend})
         self.channels: list[CompletionChannel] = []
 
@@ -487,6 +491,17 @@ def test_empty_namespaces_without_sessions_are_forgotten(tmp_path: Path) -> None
         await core.sessions.end(engine)
         assert core.index.forget_empty(set()) == 1  # "used"; "full" keeps its block
         assert core.index.find_namespace("full") is not None
+
+    run(tmp_path, body)
+
+
+def test_a_sticky_device_error_fails_the_job_and_asks_the_daemon_to_restart(tmp_path: Path) -> None:
+    async def body(core: Core) -> None:
+        engine = await core.engine()
+        core.backend.broken = native.StickyDeviceError("CUDA_ERROR_ILLEGAL_ADDRESS", 700, 0)
+        assert await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True) == (0, 2)
+        assert [e.code for e in core.fatal] == [700]
+        assert core.index.count == 0  # nothing half-stored stays
 
     run(tmp_path, body)
 
