@@ -269,6 +269,15 @@ def test_abi_check_compiles_with_cuda_12_1_headers(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
 
 
+def test_a_header_that_disagrees_with_our_driver_types_fails_the_build(tmp_path: Path) -> None:
+    """The ABI check exists to stop a mismatched build: a wrong value is a compile error (and setup.py
+    no longer retries without the check)."""
+    (tmp_path / "cuda.h").write_text(CUDA_12_1_HEADER.replace("CU_STREAM_NON_BLOCKING = 0x1",
+                                                              "CU_STREAM_NON_BLOCKING = 0x2"))
+    result = compile_cuda_copy(tmp_path)
+    assert result.returncode != 0 and "static assert" in result.stderr.replace("static_assert", "static assert")
+
+
 def test_abi_check_passes_against_a_real_cuda_header() -> None:
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
     include = next((Path(h) / "include" for h in homes if h and (Path(h) / "include" / "cuda.h").is_file()), None)
