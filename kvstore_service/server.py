@@ -216,7 +216,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 class GrpcServer:
-    """The gRPC server with the KVStore and health services; serves UNAVAILABLE until `attach`."""
+    """The gRPC server with the KVStore and health services; answers UNAVAILABLE until `serve`."""
 
     def __init__(self, config: Config, stopping: asyncio.Event, creds: PeerCredServer) -> None:
         options = [("grpc.max_receive_message_length", int(config.max_request_bytes)),

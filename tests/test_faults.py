@@ -139,9 +139,10 @@ def test_daemon_killed_mid_traffic_restarts_on_its_pool(daemon_factory) -> None:
 
 
 def test_completed_store_survives_an_immediate_daemon_kill(daemon_factory) -> None:
-    """KVStore._run publishes a store's completion before it checksums the blocks and seals their
-    slot headers (index.seal), and only sealed blocks are recovered: a daemon killed right after
-    a large store completed comes back without the blocks the engine was told are stored."""
+    """Jobs publish a store's completion before the blocks' checksums are sealed (seals wait for idle
+    copy threads), so the STORED header written right after the copy is what makes a completed
+    store survive: a daemon killed right after a large store completed comes back with every block
+    the engine was told is stored."""
     daemon = daemon_factory(pool_size="128MiB").start()
     engine = ShmEngine.contiguous(daemon.socket, "sealed", 96, 512 * KB)
     session = engine.session
@@ -161,7 +162,7 @@ def test_completed_store_survives_an_immediate_daemon_kill(daemon_factory) -> No
 
 def test_deduplicated_store_is_durable(daemon_factory) -> None:
     """A store of a key that another store is still writing waits for that block's bytes and
-    header (core._reserve: `_when_stored`) before it reports the block ok. Killing the daemon right
+    header (BlockIndex.prepare_store: in flight, Jobs waits for that copy) before it reports the block ok. Killing the daemon right
     after the second store completed, while the first one is still copying its later chunks, must
     not lose the block. The first job is made large and the shared key is in its first chunk; the
     test skips if the first job still always finished first."""
