@@ -161,11 +161,11 @@ def test_completed_store_survives_an_immediate_daemon_kill(daemon_factory) -> No
 
 
 def test_deduplicated_store_is_durable(daemon_factory) -> None:
-    """A store of a key that another store is still writing waits for that block's bytes and
-    header (BlockIndex.prepare_store: in flight, Jobs waits for that copy) before it reports the block ok. Killing the daemon right
-    after the second store completed, while the first one is still copying its later chunks, must
-    not lose the block. The first job is made large and the shared key is in its first chunk; the
-    test skips if the first job still always finished first."""
+    """A store of a key that another store is still writing waits for that block's bytes and header
+    (prepare_store reports it in flight; the job waits for that copy) before it reports the block
+    ok. Killing the daemon right after the second store completed, while the first one is still
+    copying its later chunks, must not lose the block. The first job is made large and the shared
+    key is in its first chunk; the test skips if the first job still always finished first."""
     daemon = daemon_factory(pool_size="256MiB").start()
     engine = ShmEngine.contiguous(daemon.socket, "dedupe", 200, 512 * KB)
     session = engine.session
