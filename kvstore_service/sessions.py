@@ -125,8 +125,12 @@ class Sessions:
                        fds: list[int] | None = None) -> Session:
         """`fds` come from the handshake: the completion channel, then (cpu) the KV memory. They are
         closed here, whatever happens; the mappings keep what they need. Device work (making the
-        backend, pinning the pool, opening the engine's memory) runs off the event loop."""
-        fds = list(fds or [])
+        backend, pinning the pool, opening the engine's memory) runs off the event loop. A caller
+        that gives up (its RPC cancelled) does not cut a registration short: it completes, and the
+        session, never attached, is reaped like any other."""
+        return await asyncio.shield(self._register(request, peer, list(fds or [])))
+
+    async def _register(self, request: Registration, peer: PeerCred | None, fds: list[int]) -> Session:
         try:
             if request.protocol_version != PROTOCOL_VERSION:
                 raise KVError("FAILED_PRECONDITION",
@@ -184,9 +188,11 @@ class Sessions:
             # Only what the layout addresses is mapped (and prefaulted), whatever the memory's size.
             mapping = await self.off_loop(backend.map, request.handle, layout.extent, request.device,
                                           fds[1] if wanted == 2 else None)
-        except (ValueError, OSError) as e:
+        except BaseException as e:
             channel.close()
-            raise invalid(str(e)) from None
+            if isinstance(e, (ValueError, OSError)):
+                raise invalid(str(e)) from None
+            raise
         try:
             # Only a registration that got this far creates the namespace (another one may have
             # created it meanwhile, with other blocks).
@@ -221,17 +227,14 @@ class Sessions:
         if isinstance(known, Backend):
             return known
         if known is None:
-            known = self._backends[name] = asyncio.ensure_future(self.off_loop(self._make_backend, name))
+            known = self._backends[name] = asyncio.ensure_future(self.off_loop(open_backend, name, self.pool))
         try:
             backend = await asyncio.shield(known)
-        except KVError:
+        except Exception:
             self._backends.pop(name, None)  # the next registration tries again
             raise
         self._backends[name] = backend
         return backend
-
-    def _make_backend(self, name: str) -> Backend:
-        return open_backend(name, self.pool)
 
     def get(self, session_id: bytes) -> Session:
         session = self.by_id.get(session_id)
@@ -254,7 +257,11 @@ class Sessions:
 
     async def end(self, session: Session) -> None:
         """Drop a session: its leases, then (engine) its mapping once its copies finished. Blocks it
-        stored stay in the pool."""
+        stored stay in the pool. A caller that gives up (an Unregister RPC cancelled) does not cut
+        it short: a session marked closed is never ended again, so it must be ended whole."""
+        await asyncio.shield(self._end(session))
+
+    async def _end(self, session: Session) -> None:
         if session.closed:
             return
         session.closed = True

@@ -506,6 +506,25 @@ def test_a_sticky_device_error_fails_the_job_and_asks_the_daemon_to_restart(tmp_
     run(tmp_path, body)
 
 
+def test_a_registration_whose_caller_gives_up_completes_and_is_reaped(tmp_path: Path) -> None:
+    """A slow device call outlives a Register RPC that timed out: the mapping is not leaked, the
+    session (never attached) is reaped like any other and its memory unmapped."""
+
+    async def body(core: Core) -> None:
+        core.backend.device_seconds = 0.3
+        registering = asyncio.ensure_future(core.engine())
+        await asyncio.sleep(0.05)
+        registering.cancel()
+        await asyncio.sleep(0.5)
+        (session,) = core.sessions.by_id.values()
+        assert isinstance(session, EngineSession) and not session.attached
+        core.backend.device_seconds = 0.0
+        await core.sessions.reap_unattached()
+        assert core.backend.unmapped == [session.mapping] and not core.sessions.by_id
+
+    run(tmp_path, body, attach_timeout_s=0.1)
+
+
 def test_lookup_rules(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
         scheduler = await core.lookup_session("mine")
