@@ -142,9 +142,12 @@ class Run:
         self.engine_limits: list[float] = []  # cpu: the copy engine's own contiguous copy, paired likewise
         self.stored: list[list[bytes]] = []  # keys of the measured stores
 
+    def ids(self) -> list[int]:
+        """Block ids scattered over the cache."""
+        return self.rng.sample(range(self.cache_blocks), self.blocks)
+
     def job(self) -> tuple[list[bytes], list[int]]:
-        return [secrets.token_bytes(32) for _ in range(self.blocks)], self.rng.sample(range(self.cache_blocks),
-                                                                                      self.blocks)
+        return [secrets.token_bytes(32) for _ in range(self.blocks)], self.ids()
 
     def measure_limits(self) -> None:
         self.limits.append(self.device_gbps or self.memcpy.gbps(3))
@@ -186,7 +189,7 @@ def data_path(run: Run, rounds: int) -> dict[str, Any]:
     sealed = time.perf_counter() - started
     for keys in run.stored:
         run.measure_limits()
-        load.append(run.load(keys, run.job()[1]))
+        load.append(run.load(keys, run.ids()))
     results: dict[str, Any] = {
         "store_sustained_gbps": rounds * run.total / copied / 1e9,
         "store_sustained_sealed_gbps": rounds * run.total / sealed / 1e9,
