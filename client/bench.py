@@ -103,7 +103,7 @@ def engine_memory(backend: str, num_blocks: int, block_bytes: int) -> tuple[Shar
         memory.tensor.fill_(1)
         return memory, memory.memory_spec(num_blocks, [(0, block_bytes, block_bytes)]), memory.tensor
     kv = torch.ones(num_blocks, block_bytes, dtype=torch.uint8, device=backend)
-    return None, export_kv_memory([kv]), kv
+    return None, export_kv_memory([kv], num_blocks, [(0, block_bytes, block_bytes)]), kv
 
 
 def run_job(session: Session, submit: Callable[[], int]) -> float:

@@ -81,7 +81,7 @@ def registration(target: str, engine_id: str, namespace: str, memory: MemorySpec
     fds = []
     if memory is not None:
         assert channel is not None
-        fds = [channel.fd] + ([memory.fd] if memory.fd is not None else [])
+        fds = [channel.fd, *memory.fds]
     token = peer_handshake(target, fds)
     request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, engine_id=engine_id, namespace=namespace,
                                  peer_token=token)
@@ -90,8 +90,8 @@ def registration(target: str, engine_id: str, namespace: str, memory: MemorySpec
             raise FailedPrecondition("FAILED_PRECONDITION: KV memory can only be registered over the daemon's "
                                      "unix socket (on the same host)")
         request.layout.CopyFrom(memory.layout())
-        request.memory.CopyFrom(pb.MemoryHandle(backend=memory.backend, handle=memory.handle, size=memory.size,
-                                                device=memory.device))
+        request.memories.extend(pb.MemoryHandle(backend=memory.backend, handle=handle, size=size, device=memory.device)
+                                for handle, size in zip(memory.handles, memory.sizes, strict=True))
         request.completion_slots = channel.slots
     return request
 
@@ -108,30 +108,41 @@ def pack_keys(keys: Sequence[bytes]) -> tuple[bytes, int]:
 
 @dataclass(frozen=True)
 class MemorySpec:
-    """What Register needs to map an engine's KV memory."""
+    """What Register needs to map an engine's KV memory: one or more allocations ("memories") and
+    where each block's bytes lie in them. A region is (offset, block_stride, block_bytes) in memory 0,
+    or (offset, block_stride, block_bytes, memory)."""
 
     backend: str  # cpu | cuda | npu
-    handle: bytes
-    size: int
+    handles: tuple[bytes, ...]  # one per memory (cpu: empty, the memfds travel in `fds`)
+    sizes: tuple[int, ...]  # bytes of each memory
     num_blocks: int
-    regions: Sequence[tuple[int, int, int]]  # (offset, block_stride, block_bytes)
+    regions: Sequence[tuple[int, ...]]
     device: int = 0
-    fd: int | None = None  # cpu: the sealed memfd holding the KV memory
-    # Device memory: exports the allocation again and returns a new handle. The IPC reference
+    fds: tuple[int, ...] = ()  # cpu: the sealed memfds holding the memories
+    # Tensor parallelism: the namespace's blocks are `shards` equal parts; this engine moves `shard`.
+    shards: int = 1
+    shard: int = 0
+    # Device memory: exports the allocations again and returns new handles. The IPC reference
     # counter torch hands out with each export (`_share_cuda_()`) is given back once by the daemon
     # that opened it, so a handle must be sent once: every registration after the first sends a
-    # fresh export (see Session._register). None: the handle can be sent again as is (cpu).
-    reexport: Callable[[], bytes] | None = field(default=None, compare=False, repr=False)
+    # fresh export (see Session._register). None: the handles can be sent again as they are (cpu).
+    reexport: Callable[[], tuple[bytes, ...]] | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def cpu(cls, fd: int, size: int, num_blocks: int, regions: Sequence[tuple[int, ...]]) -> MemorySpec:
+        """One CPU memory: a sealed memfd of `size` bytes."""
+        return cls("cpu", (b"",), (size,), num_blocks, tuple(regions), fds=(fd,))
 
     def for_reregistration(self) -> MemorySpec:
-        """The spec to send on a registration after the first: with a freshly exported handle."""
+        """The spec to send on a registration after the first: with freshly exported handles."""
         if self.reexport is None:
             return self
-        return replace(self, handle=self.reexport())
+        return replace(self, handles=self.reexport())
 
     def layout(self) -> pb.KVLayout:
-        return pb.KVLayout(num_blocks=self.num_blocks,
-                           regions=[pb.Region(offset=o, block_stride=s, block_bytes=b) for o, s, b in self.regions])
+        regions = [pb.Region(offset=r[0], block_stride=r[1], block_bytes=r[2], memory=r[3] if len(r) > 3 else 0)
+                   for r in self.regions]
+        return pb.KVLayout(num_blocks=self.num_blocks, regions=regions, shards=self.shards, shard=self.shard)
 
 
 class KVStoreClient:

@@ -22,8 +22,8 @@ class SharedKVMemory:
         assert isinstance(storage, torch.UntypedStorage)  # torch's annotation also allows a TypedStorage
         self.tensor = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,), (1,))
 
-    def memory_spec(self, num_blocks: int, regions: Sequence[tuple[int, int, int]]) -> MemorySpec:
-        return MemorySpec("cpu", b"", self.nbytes, num_blocks, tuple(regions), fd=self.fd)
+    def memory_spec(self, num_blocks: int, regions: Sequence[tuple[int, ...]]) -> MemorySpec:
+        return MemorySpec.cpu(self.fd, self.nbytes, num_blocks, regions)
 
     def close(self) -> None:
         if self.fd >= 0:
@@ -37,17 +37,28 @@ def block_cache(num_blocks: int, block_bytes: int) -> tuple[SharedKVMemory, Memo
     return memory, memory.memory_spec(num_blocks, [(0, block_bytes, block_bytes)])
 
 
-def move_to_shared_memory(tensors: Sequence[torch.Tensor]) -> SharedKVMemory:
-    """Move CPU tensors that share one storage (vLLM's KV cache: one allocation, one view per layer)
-    into shared memory, in place: every tensor keeps its shape, strides and offset, and everyone
-    holding it now reads and writes the shared copy."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
-    if len(storages) != 1:
-        raise ValueError(f"expected tensors of one storage, got {len(storages)} storages")
-    (old,) = storages.values()
-    memory = SharedKVMemory(old.nbytes())
-    new = memory.tensor.untyped_storage()
-    new.copy_(old)
+def move_to_shared_memory(tensors: Sequence[torch.Tensor]) -> dict[int, SharedKVMemory]:
+    """Move CPU tensors into shared memory, in place: one sealed memfd per distinct storage (vLLM's
+    KV cache: one allocation with a view per layer; vllm-ascend's: a K and a V tensor per layer).
+    Every tensor keeps its shape, strides and offset, and everyone holding it now reads and writes
+    the shared copy. Returns the shared memories by the address of the storage each replaced."""
+    by_storage: dict[int, list[torch.Tensor]] = {}
     for t in tensors:
-        t.set_(new, t.storage_offset(), t.size(), t.stride())
-    return memory
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    memories = {}
+    for address, group in by_storage.items():
+        old = group[0].untyped_storage()
+        memory = SharedKVMemory(old.nbytes())
+        new = memory.tensor.untyped_storage()
+        new.copy_(old)
+        for t in group:
+            t.set_(new, t.storage_offset(), t.size(), t.stride())
+        memories[address] = memory
+    return memories
+
+
+def shared_memory_spec(memories: Sequence[SharedKVMemory], num_blocks: int,
+                       regions: Sequence[tuple[int, ...]]) -> MemorySpec:
+    """The MemorySpec of CPU KV memories; regions name them by index (see MemorySpec)."""
+    return MemorySpec("cpu", tuple(b"" for _ in memories), tuple(m.nbytes for m in memories), num_blocks,
+                      tuple(regions), fds=tuple(m.fd for m in memories))

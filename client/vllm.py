@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,10 +33,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstore_client.client import KVStoreClient, Session
-from kvstore_client.device import export_kv_memory, kv_regions, synchronize_before_store
+from kvstore_client.device import export_kv_memory, synchronize_before_store
 from kvstore_client.errors import KVStoreError
+from kvstore_client.layouts import KV_TUPLES, UnsupportedKVCache, describe_kv_cache, heads_first
 from kvstore_client.protocol.completion import Completion
-from kvstore_client.shm import SharedKVMemory, move_to_shared_memory
+from kvstore_client.shm import SharedKVMemory, move_to_shared_memory, shared_memory_spec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,6 +68,9 @@ class ConnectorSettings:
     lease_ttl_ms: int = 120_000
     store: bool = True  # offload newly computed full blocks (eagerly, each step)
     load: bool = True
+    # The KV cache layout asked of vLLM where the attention backend allows it: block-outermost gives
+    # one run of every layer per block (large copies). "" lets vLLM choose.
+    kv_layout: str = "BLHNC"
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -76,8 +81,49 @@ class ConnectorSettings:
         return cls(**extra)
 
 
-def namespace_for(vllm_config: VllmConfig, tp_rank: int, tenant_salt: str) -> str:
-    """Blocks are shareable exactly when model, KV layout, hashing, TP rank and tenant all match."""
+@dataclass(frozen=True)
+class Sharding:
+    """How TP ranks split the KV: ranks holding identical KV (MLA latents; KV heads fewer than ranks)
+    are `replicas` of one shard; the namespace's blocks have `shards` parts."""
+
+    replicas: int
+    shards: int
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> Sharding:
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        replicas = getattr(kv_cache_config, "kv_tp_replicas", 1) or 1
+        if tp % replicas:
+            raise ValueError(f"kv_tp_replicas {replicas} does not divide the TP size {tp}")
+        return cls(replicas, tp // replicas)
+
+    def shard(self, tp_rank: int) -> int:
+        return tp_rank // self.replicas
+
+    def stores(self, tp_rank: int, block_id: int) -> bool:
+        """Replicas split the stores of their shard: each stores the blocks `block_id % replicas`
+        names, so an MLA latent is stored once, the work spread over the ranks."""
+        return block_id % self.replicas == tp_rank % self.replicas
+
+
+def page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
+    """How a page's bytes are ordered in the pool: by head then token (HNC), by token then head
+    (NHC), or vllm-ascend's K and V tensors. Layouts that differ only in where the layer and block
+    axes sit give the same pool bytes (kvstore_client.layouts), so they share a namespace."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type == "npu":
+        return KV_TUPLES.lower()
+    layout = (kv_cache_config.kv_cache_layout if kv_cache_config is not None else None) \
+        or vllm_config.cache_config.kv_cache_layout
+    if layout is None:
+        raise UnsupportedKVCache("the KV cache layout is not resolved")
+    return "HNC" if heads_first(layout) else "NHC"
+
+
+def namespace_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tenant_salt: str) -> str:
+    """Blocks are shareable exactly when model, KV page format, hashing, TP sharding and tenant match:
+    every rank of an engine (and the scheduler) names the same namespace; a block holds every shard."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
@@ -90,12 +136,21 @@ def namespace_for(vllm_config: VllmConfig, tp_rank: int, tenant_salt: str) -> st
         f"kv_heads={model.get_num_kv_heads(parallel)}",
         f"head={model.get_head_size()}",
         f"hash={cache.prefix_caching_hash_algo}",
-        f"tp={tp_rank}/{parallel.tensor_parallel_size}",
-        f"pp={parallel.pipeline_parallel_size}",
+        f"page={page_format(vllm_config, kv_cache_config)}",
+        f"kv_shards={Sharding.of(vllm_config, kv_cache_config).shards}",
     ]
     if tenant_salt:
         parts.append(f"salt={tenant_salt}")
     return ";".join(parts)
+
+
+def unsupported(vllm_config: VllmConfig) -> str:
+    """Why the connector cannot serve this engine ("" if it can)."""
+    parallel = vllm_config.parallel_config
+    others = {"pipeline": parallel.pipeline_parallel_size, "decode context": parallel.decode_context_parallel_size,
+              "prefill context": getattr(parallel, "prefill_context_parallel_size", 1)}
+    used = [f"{name} parallel size {size}" for name, size in others.items() if size > 1]
+    return f"{', '.join(used)}: only tensor parallelism is supported" if used else ""
 
 
 # -- scheduler -> worker ------------------------------------------------------------------------
@@ -162,12 +217,28 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.from_extra_config(dict(transfer.kv_connector_extra_config or {}))
         # A cache miss is never fatal: a block that fails to load is recomputed.
         transfer.kv_load_failure_policy = "recompute"
+        try:
+            why = unsupported(vllm_config)
+            namespace = "" if why else namespace_for(vllm_config, kv_cache_config, self.settings.tenant_salt)
+        except (UnsupportedKVCache, ValueError) as e:
+            why = str(e)
+        if why:
+            log.error("kvstore connector off for this engine (vLLM recomputes): %s", why)
+            self.settings = replace(self.settings, load=False, store=False)
         self.scheduler: _Scheduler | None = None
         self.worker: _Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = _Scheduler(vllm_config, self.settings)
+            self.scheduler = _Scheduler(vllm_config, self.settings, namespace)
         else:
-            self.worker = _Worker(vllm_config, self.settings)
+            self.worker = _Worker(vllm_config, kv_cache_config, self.settings, namespace)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The layout to ask vLLM for (setting kv_layout); vLLM keeps its own where the attention
+        backend does not support it (the CPU backend has LBHNC only)."""
+        transfer = vllm_config.kv_transfer_config
+        extra = dict(transfer.kv_connector_extra_config or {}) if transfer is not None else {}
+        return ConnectorSettings.from_extra_config(extra).kv_layout or None
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -278,12 +349,13 @@ class _Lookup:
 class _Scheduler:
     """Bookkeeping only: keys, block ids, leases. Holds no tensors."""
 
-    def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings) -> None:
+    def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings, namespace: str) -> None:
         self.settings = settings
         self.block_size = vllm_config.cache_config.block_size
-        self.namespace = namespace_for(vllm_config, 0, settings.tenant_salt)
+        self.namespace = namespace  # one for every TP rank: a hit means every rank's shard is in
         self.client = KVStoreClient(settings.socket, timeout=settings.timeout_s)
-        self.session: Session = self.client.session(self.namespace, None, engine_id="vllm-scheduler", wait=False)
+        self.session: Session = self.client.session(namespace or "off", None, engine_id="vllm-scheduler",
+                                                    wait=False)
         self.requests: dict[str, Request] = {}
         self.lookups: dict[str, _Lookup] = {}
         self.loads: list[Transfer] = []
@@ -436,16 +508,21 @@ class _Scheduler:
 class _Worker:
     """Moves bytes: registers the KV memory, submits jobs, reports completions."""
 
-    def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings) -> None:
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings,
+                 namespace: str) -> None:
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         self.settings = settings
         self.vllm_config = vllm_config
-        self.namespace = namespace_for(vllm_config, get_tensor_model_parallel_rank(), settings.tenant_salt)
+        self.kv_cache_config = kv_cache_config
+        self.namespace = namespace
+        self.rank = get_tensor_model_parallel_rank()
+        self.sharding = Sharding.of(vllm_config, kv_cache_config) if namespace else Sharding(1, 1)
         self.client = KVStoreClient(settings.socket, timeout=settings.timeout_s)
-        self.session: Session | None = None
+        self.session: Session | None = None  # None: the connector is off for this engine
         self.device: torch.device | None = None
-        self.memory: SharedKVMemory | None = None
+        self.memories: list[SharedKVMemory] = []
+        self.refused_loads: set[str] = set()  # loads planned while off: failed, reported as done
         self.load_jobs: dict[int, tuple[str, list[int], float]] = {}  # job -> request, block ids, submit time
         self.store_jobs: dict[int, str] = {}  # job -> request
         self.loads_left: dict[str, int] = {}
@@ -456,28 +533,54 @@ class _Worker:
         self.stats = KVStoreConnectorStats()
         self.stats_changed = False  # spares the per-step is_empty() scan of the counters
 
-    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        tensors = sorted(kv_caches.values(), key=lambda t: t.data_ptr())
-        self.device = tensors[0].device
+    def register(self, kv_caches: Mapping[str, torch.Tensor | tuple[torch.Tensor, ...]]) -> None:
+        """Describe the KV memory from vLLM's own placement (kvstore_client.layouts) and register it;
+        what cannot be described exactly leaves the connector off (vLLM recomputes), never guessing."""
+        if not self.namespace:
+            return
+        try:
+            layout = self.vllm_config.cache_config.kv_cache_layout
+            description = describe_kv_cache(self.kv_cache_config, kv_caches, layout)
+        except UnsupportedKVCache as e:
+            log.error("kvstore connector off for this engine (vLLM recomputes): %s", e)
+            return
+        regions = [(r.offset, r.block_stride, r.block_bytes, r.memory) for r in description.regions]
+        self.device = description.memories[0].device
         if self.device.type == "cpu":
-            # The daemon maps a shared-memory file: move the (single) KV allocation there, in place.
-            self.memory = move_to_shared_memory(tensors)
-            spec = self.memory.memory_spec(*kv_regions(tensors))
-        else:
-            spec = export_kv_memory(tensors)  # cuda/npu: the daemon opens the allocation by IPC
-        self.session = self.client.session(self.namespace, spec, engine_id="vllm-worker", wait=False)
-        log.info("kvstore: registered %d KV regions (%d blocks, %s) in namespace %s", len(spec.regions),
-                 spec.num_blocks, spec.backend, self.namespace)
+            # The daemon maps shared-memory files: move the KV allocations there, in place (every tensor
+            # vLLM holds of them, also of layers that share another layer's cache).
+            addresses = [m.untyped_storage().data_ptr() for m in description.memories]
+            tensors = [t for v in kv_caches.values() for t in (v if isinstance(v, (tuple, list)) else (v,))]
+            moved = move_to_shared_memory(tensors)
+            self.memories = [moved[a] for a in addresses]
+            spec = shared_memory_spec(self.memories, description.num_blocks, regions)
+        else:  # cuda/npu: the daemon opens the allocations by IPC
+            spec = export_kv_memory(description.memories, description.num_blocks, regions)
+        spec = replace(spec, shards=self.sharding.shards, shard=self.sharding.shard(self.rank))
+        self.session = self.client.session(self.namespace, spec, engine_id=f"vllm-worker-tp{self.rank}", wait=False)
+        log.info("kvstore: registered %s KV cache (%d regions in %d allocations, %d blocks, shard %d of %d) in "
+                 "namespace %s", description.layout, len(regions), len(description.memories), spec.num_blocks,
+                 spec.shard, spec.shards, self.namespace)
 
     def start_loads(self, loads: list[Transfer]) -> None:
-        assert self.session is not None
+        if self.session is None:  # off: every planned load fails (vLLM recomputes those blocks)
+            for t in loads:
+                self.load_errors.update(t.block_ids)
+                self.refused_loads.add(t.req_id)
+            return
         for t in loads:
             job = self.session.load(t.keys, t.block_ids)
             self.load_jobs[job] = (t.req_id, t.block_ids, time.monotonic())
             self.loads_left[t.req_id] = self.loads_left.get(t.req_id, 0) + 1
 
     def start_stores(self, stores: list[Transfer]) -> None:
-        assert self.session is not None
+        if self.session is None:
+            return  # off: nothing stored, and nothing keeps a finished request's blocks
+        if self.sharding.replicas > 1:  # replicas of a shard split its stores
+            rank, sharding = self.rank, self.sharding
+            stores = [Transfer(t.req_id, *map(list, zip(*kept, strict=True))) for t in stores
+                      if (kept := [(k, b) for k, b in zip(t.keys, t.block_ids, strict=True)
+                                   if sharding.stores(rank, b)])]
         if stores and self.device is not None:
             synchronize_before_store(self.device)  # the daemon may read the blocks as soon as a job arrives
         for t in stores:
@@ -500,6 +603,8 @@ class _Worker:
         """Requests whose loads are all done (recving) and finished requests whose stores are (sending)."""
         results = KVConnectorTransferResults()
         if self.session is None:
+            results.finished_recving.update(self.refused_loads)
+            self.refused_loads.clear()
             return results
         if not self.session.connected:
             self.stats.data["sidecar_unavailable"] = 1
@@ -561,5 +666,5 @@ class _Worker:
         if self.session is not None:
             self.session.close()
         self.client.close()
-        if self.memory is not None:
-            self.memory.close()  # the engine's KV tensors keep their own mapping
+        for memory in self.memories:
+            memory.close()  # the engine's KV tensors keep their own mapping

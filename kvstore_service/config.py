@@ -14,7 +14,7 @@ import yaml
 from pydantic import ByteSize, Field, field_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
-from kvstore_client.protocol import DEFAULT_SOCKET
+from kvstore_client.protocol import DEFAULT_SOCKET, MAX_MEMORIES
 
 # The --config file's settings while Config.load builds a Config (read by settings_customise_sources).
 _file_values: ContextVar[dict[str, Any] | None] = ContextVar("kvstore_config_file_values", default=None)
@@ -63,6 +63,10 @@ class Config(BaseSettings):
     max_layout_regions: int = Field(
         4096, ge=1, description="Most regions in a registered KV layout (layers x K/V x groups of the largest "
         "models fit).")
+    max_session_memories: int = Field(
+        MAX_MEMORIES, ge=1, le=MAX_MEMORIES, description="Most KV allocations one session registers "
+        f"(vllm-ascend: a K and a V tensor per layer); at most {MAX_MEMORIES}, what one SCM_RIGHTS message "
+        "carries for cpu memfds.")
     max_inflight_jobs: int = Field(1024, ge=1, description="Most unfinished jobs per session.")
     max_request_bytes: ByteSize = Field(ByteSize(64 << 20), description="Largest gRPC message accepted.")
     verify_loads: float = Field(

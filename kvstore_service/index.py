@@ -11,6 +11,11 @@ A block is WRITING while its store copy runs (invisible to lookups and loads) an
 Pinned blocks (leased, being loaded or sealed) and WRITING blocks are never evicted; the rest go
 least recently used first, per payload size. A block removed while pinned is DOOMED: its slot is
 freed at the last unpin.
+
+Tensor parallelism: a namespace with `shards` > 1 keeps one slot per key holding every TP shard's
+part (engine r writes part r). The block stays WRITING until every part is in, so one lookup answers
+for all ranks and eviction, leases and Clear act on the whole group. A group some of whose parts
+never came (a rank's store failed or its engine died) is evictable once no copy into it runs.
 """
 
 from __future__ import annotations
@@ -71,7 +76,8 @@ class NamespaceCounters:
 class Namespace:
     name: str  # "" when recovered from the pool (headers carry the hash only) until an engine names it
     ns_hash: bytes
-    block_bytes: int
+    block_bytes: int  # of a whole block: every shard's part
+    shards: int = 1  # 0: recovered from the pool, unknown until an engine registers
     counters: NamespaceCounters = field(default_factory=NamespaceCounters)
     # Written by BlockIndex only.
     _committed: dict[bytes, Block] = field(default_factory=dict)
@@ -93,6 +99,9 @@ class Block:
     state: BlockState = BlockState.WRITING
     pins: int = 0
     checksum: int | None = None  # None until computed after the store
+    # Sharded namespaces, while WRITING: bit r set when shard r's part is in / being copied.
+    shards_in: int = 0
+    shards_copying: int = 0
 
     @property
     def ref(self) -> SlotRef:
@@ -127,18 +136,17 @@ class BlockIndex:
 
     # -- namespaces ------------------------------------------------------------------------------
 
-    def namespace(self, name: str, block_bytes: int) -> Namespace:
-        """The namespace, created on first use; its block size is fixed from then on."""
+    def namespace(self, name: str, block_bytes: int, shards: int = 1) -> Namespace:
+        """The namespace, created on first use; its block size and shards are fixed from then on."""
         ns_hash = namespace_hash(name)
         ns = self.namespaces.get(ns_hash)
         if ns is None:
-            ns = self.namespaces[ns_hash] = Namespace(name, ns_hash, block_bytes)
-        elif ns.block_bytes != block_bytes:
-            raise ValueError(
-                f"namespace {name!r} holds {ns.block_bytes}-byte blocks, this layout has {block_bytes}-byte blocks"
-            )
-        elif not ns.name:
-            ns.name = name  # recovered from the pool by hash only
+            return self.namespaces.setdefault(ns_hash, Namespace(name, ns_hash, block_bytes, shards))
+        if ns.block_bytes != block_bytes or ns.shards not in (0, shards):
+            raise ValueError(f"namespace {name!r} holds {ns.block_bytes}-byte blocks in {ns.shards} shard(s), "
+                             f"this layout has {block_bytes}-byte blocks in {shards}")
+        if not ns.name:  # recovered from the pool by hash only
+            ns.name, ns.shards = name, shards
         return ns
 
     def find_namespace(self, name: str) -> Namespace | None:
@@ -181,9 +189,11 @@ class BlockIndex:
 
     # -- stores ----------------------------------------------------------------------------------
 
-    def prepare_store(self, ns: Namespace, keys: list[bytes]) -> StorePlan:
+    def prepare_store(self, ns: Namespace, keys: list[bytes], shard: int = 0) -> StorePlan:
         """Sort a chunk's keys: present, being written by another store, or new; reserve a WRITING
         slot for each new key (evicting if needed) until the pool runs out."""
+        if ns.shards > 1:
+            return self._prepare_shard_store(ns, keys, 1 << shard)
         present: list[int] = []
         in_flight: list[tuple[int, Block]] = []
         committed, writing = ns._committed, ns._writing
@@ -201,6 +211,32 @@ class BlockIndex:
                     new.append(i)
             blocks = self._reserve(ns, [keys[i] for i in new])
         return StorePlan(present, in_flight, new[:len(blocks)], blocks, len(new) - len(blocks))
+
+    def _prepare_shard_store(self, ns: Namespace, keys: list[bytes], bit: int) -> StorePlan:
+        """As prepare_store, for one shard's part of each key's group: a key whose group is being
+        written is joined (this part copied into the group's slot) unless this part is in already
+        (present) or being copied (in flight)."""
+        present: list[int] = []
+        in_flight: list[tuple[int, Block]] = []
+        joined: list[int] = []
+        new: list[int] = []
+        committed, writing = ns._committed, ns._writing
+        for i, key in enumerate(keys):
+            block = writing.get(key)
+            if key in committed or (block is not None and block.shards_in & bit):
+                present.append(i)
+            elif block is None:
+                new.append(i)
+            elif block.shards_copying & bit:
+                in_flight.append((i, block))
+            else:
+                block.shards_copying |= bit  # (not evictable from now on)
+                joined.append(i)
+        blocks = [writing[keys[i]] for i in joined] + self._reserve(ns, [keys[i] for i in new])
+        for block in blocks[len(joined):]:
+            block.shards_copying = bit
+        reserved = joined + new[:len(blocks) - len(joined)]
+        return StorePlan(present, in_flight, reserved, blocks, len(joined) + len(new) - len(blocks))
 
     def _reserve(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
         """A WRITING slot for each key (the first ones when the pool runs out). A slot's header
@@ -224,13 +260,16 @@ class BlockIndex:
         self.count += len(blocks)
         return blocks
 
-    def complete_store(self, blocks: list[Block], ok: bool) -> list[Block]:
+    def complete_store(self, blocks: list[Block], ok: bool, shard: int = 0) -> list[Block]:
         """The copy of these blocks (of one namespace) ended. If `ok`, every byte is in the pool and
         their STORED headers are written: they are committed (lookups and loads see them). Returns
         the committed ones; a block dropped while it was written is not among them (its slot is
-        free already), nor is any block of a failed copy."""
+        free already), nor is any block of a failed copy. Sharded: a group is committed when its
+        last part is in (its headers are then the caller's to write)."""
         if not blocks:
             return []
+        if blocks[0].namespace.shards > 1:
+            return self._complete_shard_store(blocks, ok, 1 << shard)
         if not ok:
             for block in blocks:
                 if self._present(block):
@@ -246,6 +285,38 @@ class BlockIndex:
         self._lru.setdefault(ns.block_bytes, OrderedDict()).update(dict.fromkeys(done))
         ns.counters.stored_blocks += len(done)
         return done
+
+    def _complete_shard_store(self, blocks: list[Block], ok: bool, bit: int) -> list[Block]:
+        ns = blocks[0].namespace
+        full = (1 << ns.shards) - 1
+        done: list[Block] = []
+        lru = self._lru.setdefault(ns.block_bytes, OrderedDict())
+        for block in blocks:
+            if not self._present(block):
+                continue  # dropped while copied
+            block.shards_copying &= ~bit
+            if ok:
+                block.shards_in |= bit
+            if block.shards_in == full:
+                done.append(block)
+            elif not block.shards_copying:
+                if block.shards_in:  # waiting for the other shards: evictable meanwhile, as recent
+                    lru.pop(block, None)
+                    lru[block] = None
+                else:
+                    self._drop(block)
+        for block in done:
+            del ns._writing[block.key]
+            block.state = BlockState.COMMITTED
+            ns._committed[block.key] = block
+            lru.pop(block, None)
+            lru[block] = None
+        ns.counters.stored_blocks += len(done)
+        return done
+
+    def present(self, block: Block) -> bool:
+        """The block is still in the index (not dropped, evicted or replaced)."""
+        return self._present(block)
 
     def hold_for_seal(self, blocks: list[Block]) -> list[Block]:
         """Those of these committed blocks still present, pinned (their slots must not be reused
@@ -292,9 +363,11 @@ class BlockIndex:
     # -- removal ---------------------------------------------------------------------------------
 
     def clear(self, ns: Namespace | None = None) -> int:
-        """Drop every unpinned committed block (of one namespace). Returns how many."""
+        """Drop every unpinned committed block and every group missing parts that no copy writes
+        into (of one namespace). Returns how many."""
         namespaces = [ns] if ns is not None else list(self.namespaces.values())
-        victims = [b for n in namespaces for b in n._committed.values() if b.pins == 0]
+        victims = [b for n in namespaces for b in chain(n._committed.values(), n._writing.values())
+                   if self._evictable(b)]
         for block in victims:
             self._drop(block)
         return len(victims)
@@ -330,6 +403,9 @@ class BlockIndex:
         self.pool.release(block.ref)
 
     def _evictable(self, block: Block) -> bool:
+        """Committed and unpinned, or a group missing parts that no copy writes into."""
+        if block.state is BlockState.WRITING:
+            return block.shards_in != 0 and block.shards_copying == 0
         return block.state is BlockState.COMMITTED and block.pins == 0
 
     def _evict(self, block: Block) -> None:
@@ -365,7 +441,7 @@ class BlockIndex:
         for ref, header in found:
             ns = self.namespaces.get(header.ns_hash)
             if ns is None:
-                ns = self.namespaces[header.ns_hash] = Namespace("", header.ns_hash, header.payload_len)
+                ns = self.namespaces[header.ns_hash] = Namespace("", header.ns_hash, header.payload_len, shards=0)
             checksum = header.checksum if header.state == SlotState.SEALED else None
             block = Block(header.key, ns, ref.segment, ref.slot, self.pool.payload_offset(ref),
                           self.pool.header_offset(ref), BlockState.COMMITTED, 0, checksum)

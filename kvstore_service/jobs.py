@@ -121,7 +121,7 @@ class Jobs:
         self.failed_blocks = 0
         self.store_failures_pool_full = 0
         self.corrupt_blocks = 0
-        self._store_waiters: dict[Block, list[asyncio.Future[bool]]] = {}
+        self._store_waiters: dict[tuple[Block, int], list[asyncio.Future[bool]]] = {}  # (block, shard)
         self._to_seal: deque[tuple[float, list[Block]]] = deque()  # (queued at, blocks of one namespace)
         self._sealer: asyncio.Task[None] | None = None
         self._copies = 0  # chunks handed to copy threads, not finished
@@ -254,12 +254,13 @@ class Jobs:
     def _prepare_store(self, job: Job, part: range) -> Chunk | None:
         """Slots for the chunk's new keys; keys present already are done, keys another job is
         writing are done when that job's copy is."""
-        plan = self.index.prepare_store(job.session.namespace, job.keys[part.start:part.stop])
+        shard = job.session.layout.shard
+        plan = self.index.prepare_store(job.session.namespace, job.keys[part.start:part.stop], shard)
         for i in plan.present:
             job.ok[part.start + i] = True
         for i, block in plan.in_flight:
             future = asyncio.get_running_loop().create_future()
-            self._store_waiters.setdefault(block, []).append(future)
+            self._store_waiters.setdefault((block, shard), []).append(future)
             job.waits.append((part.start + i, future))
         if plan.refused:
             self.store_failures_pool_full += plan.refused
@@ -289,16 +290,20 @@ class Jobs:
         return chunk
 
     def _plan(self, job: Job, indexes: list[int], blocks: list[Block]) -> Chunk:
-        """The byte runs of these blocks, region by region (the native copy coalesces adjacent runs).
-        Block ids were bounds-checked at submit and the layout against the memory at registration."""
-        pool_offsets, engine_offsets, sizes = array("Q"), array("Q"), array("Q")
-        before = 0
-        for r in job.session.layout.regions:
+        """The byte runs of these blocks, region by region (the native copy coalesces adjacent runs):
+        this engine's shard of each slot, and the engine addresses in its mapped memories. Block ids
+        were bounds-checked at submit, and every region against its own memory at registration."""
+        session = job.session
+        layout = session.layout
+        pool_offsets, engine_addresses, sizes = array("Q"), array("Q"), array("Q")
+        before = layout.shard * layout.block_bytes
+        for r in layout.regions:
+            start = session.mappings[r.memory].base + r.offset
             pool_offsets.extend([b.offset + before for b in blocks])
-            engine_offsets.extend([r.offset + job.block_ids[i] * r.block_stride for i in indexes])
+            engine_addresses.extend([start + job.block_ids[i] * r.block_stride for i in indexes])
             sizes.extend([r.block_bytes] * len(indexes))
             before += r.block_bytes
-        return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_offsets, sizes))
+        return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_addresses, sizes))
 
     def _copy(self, job: Job, chunk: Chunk) -> list[int]:
         """Copy thread: move one chunk's bytes. A store then writes the blocks' STORED slot headers;
@@ -315,8 +320,8 @@ class Jobs:
                        if chunk.blocks[k].checksum not in (None, value)]
         if corrupt:
             plan = _without(plan, corrupt, len(chunk.blocks))
-        session.backend.copy(session.mapping, self.pool.base, plan, to_engine=not job.is_store)
-        if job.is_store:
+        session.backend.copy(session.mappings[0].device, self.pool.base, plan, to_engine=not job.is_store)
+        if job.is_store and ns.shards == 1:  # (a group's headers are written when its last part is in)
             self.pool.write_headers(chunk.headers, SlotState.STORED, ns.block_bytes, chunk.generation, ns.ns_hash,
                                     chunk.keys, len(chunk.blocks[0].key))
         return corrupt
@@ -324,13 +329,23 @@ class Jobs:
     def _complete_store(self, job: Job, chunk: Chunk, ok: bool) -> list[Block]:
         """Every byte of the chunk is in the pool (if ok): its blocks become visible and the engine
         may reuse its memory. Returns the blocks committed."""
-        committed = self.index.complete_store(chunk.blocks, ok)
-        done = set(committed) if len(committed) < len(chunk.blocks) else None
-        for i, block in zip(chunk.indexes, chunk.blocks, strict=True):
-            job.ok[i] = done is None or block in done
+        ns, shard = job.session.namespace, job.session.layout.shard
+        committed = self.index.complete_store(chunk.blocks, ok, shard)
+        if ns.shards > 1:
+            # This part is in while its group is (other shards may still be on their way).
+            for i, block in zip(chunk.indexes, chunk.blocks, strict=True):
+                job.ok[i] = ok and self.index.present(block)
+            if committed:
+                self.pool.write_headers(array("Q", [b.header for b in committed]), SlotState.STORED, ns.block_bytes,
+                                        chunk.generation, ns.ns_hash, b"".join([b.key for b in committed]),
+                                        len(committed[0].key))
+        else:
+            done = set(committed) if len(committed) < len(chunk.blocks) else None
+            for i, block in zip(chunk.indexes, chunk.blocks, strict=True):
+                job.ok[i] = done is None or block in done
         if self._store_waiters:
             for i, block in zip(chunk.indexes, chunk.blocks, strict=True):
-                for waiter in self._store_waiters.pop(block, ()):
+                for waiter in self._store_waiters.pop((block, shard), ()):
                     waiter.set_result(job.ok[i])
         return committed
 
@@ -437,4 +452,4 @@ def _without(plan: TransferPlan, skip: list[int], n: int) -> TransferPlan:
     keep = [k for k in range(n) if k not in drop]
     regions = len(plan.sizes) // n
     return TransferPlan(*(array("Q", (a[r * n + k] for r in range(regions) for k in keep))
-                          for a in (plan.pool_offsets, plan.engine_offsets, plan.sizes)))
+                          for a in (plan.pool_offsets, plan.engine_addresses, plan.sizes)))

@@ -17,15 +17,19 @@ import struct
 import time
 from dataclasses import dataclass, field
 
+from kvstore_client.protocol import MAX_MEMORIES
+
 log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 16
-MAX_FDS = 2
+MAX_FDS = 1 + MAX_MEMORIES  # the completion channel, then the KV memories (cpu)
 TOKEN_TTL_S = 10.0
 # Handshakes waiting for their Register hold descriptors: bound them (oldest out first), so no
 # client can fill the daemon's descriptor table and lock other engines out.
 MAX_PENDING = 256
 MAX_PENDING_PER_UID = 32
+MAX_PENDING_FDS = 4096
+MAX_PENDING_FDS_PER_UID = 1024
 # Handshakes in progress (connected, token not yet read) cost a socket and a small task each, never a
 # thread: bound them per uid and in total, and give each a deadline, so silent connections (a
 # slow-loris) cannot crowd out honest engines. Defaults of --handshake-timeout-s,
@@ -177,7 +181,7 @@ class PeerCredServer:
                 close_fds(fds)
                 conn.send(NOT_ALLOWED)
             else:
-                self._make_room(cred.uid)
+                self._make_room(cred.uid, len(fds))
                 self._pending[token] = Handshake(cred, list(fds), time.monotonic() + TOKEN_TTL_S)
                 conn.send(ACCEPTED)  # one byte into a fresh socket's empty buffer: never blocks
         except OSError:
@@ -190,14 +194,20 @@ class PeerCredServer:
             else:
                 self._in_progress.pop(cred.uid, None)
 
-    def _make_room(self, uid: int) -> None:
-        """Over a limit, the oldest parked handshake (of this uid, else of anyone) goes: a flood only
-        pushes out the flooder's own, and an engine registers right after its handshake."""
+    def _make_room(self, uid: int, fds: int) -> None:
+        """Over a limit (handshakes, or descriptors they hold), the oldest parked handshakes (of this
+        uid, else of anyone) go: a flood only pushes out the flooder's own, and an engine registers
+        right after its handshake."""
         mine = [t for t, h in self._pending.items() if h.cred.uid == uid]
-        if len(mine) >= MAX_PENDING_PER_UID:
-            close_fds(self._pending.pop(mine[0]).fds)
-        if len(self._pending) >= MAX_PENDING:
-            close_fds(self._pending.pop(next(iter(self._pending))).fds)
+        held = sum(len(self._pending[t].fds) for t in mine)
+        while mine and (len(mine) >= MAX_PENDING_PER_UID or held + fds > MAX_PENDING_FDS_PER_UID):
+            held -= len(self._pending[mine[0]].fds)
+            close_fds(self._pending.pop(mine.pop(0)).fds)
+        held = sum(len(h.fds) for h in self._pending.values())
+        while self._pending and (len(self._pending) >= MAX_PENDING or held + fds > MAX_PENDING_FDS):
+            oldest = self._pending.pop(next(iter(self._pending)))
+            held -= len(oldest.fds)
+            close_fds(oldest.fds)
 
     def expire(self) -> None:
         now = time.monotonic()

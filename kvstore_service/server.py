@@ -38,7 +38,24 @@ def check_keys(keys: bytes, key_size: int) -> None:
 
 
 def layout_of(message: pb.KVLayout) -> Layout:
-    return Layout(message.num_blocks, tuple(Region(r.offset, r.block_stride, r.block_bytes) for r in message.regions))
+    return Layout(message.num_blocks,
+                  tuple(Region(r.offset, r.block_stride, r.block_bytes, r.memory) for r in message.regions),
+                  max(1, message.shards), message.shard)
+
+
+def registration_of(request: pb.RegisterRequest) -> Registration:
+    memories = request.memories
+    backends = {m.backend or "cpu" for m in memories}
+    devices = {m.device for m in memories}
+    if len(backends) > 1 or len(devices) > 1:
+        raise invalid(f"the KV memories are of several backends {sorted(backends)} or devices {sorted(devices)}; "
+                      "one session registers the memory of one device")
+    return Registration(
+        protocol_version=request.protocol_version, engine_id=request.engine_id, namespace=request.namespace,
+        layout=layout_of(request.layout) if request.HasField("layout") else None,
+        backend=backends.pop() if backends else "cpu", handles=tuple(m.handle for m in memories),
+        memory_sizes=tuple(m.size for m in memories), device=devices.pop() if devices else 0,
+        completion_slots=request.completion_slots)
 
 
 class Servicer(pb_grpc.KVStoreServicer):
@@ -65,21 +82,23 @@ class Servicer(pb_grpc.KVStoreServicer):
 
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
         handshake = self._authorize(request.peer_token, context)
-        limit = self.daemon.config.max_layout_regions
-        if len(request.layout.regions) > limit:  # before building anything from them
+        config = self.daemon.config
+        try:  # limits first, before building anything from the request
+            if len(request.layout.regions) > config.max_layout_regions:
+                raise invalid(f"the layout has {len(request.layout.regions)} regions, more than "
+                              f"--max-layout-regions {config.max_layout_regions}")
+            if len(request.memories) > config.max_session_memories:
+                raise invalid(f"{len(request.memories)} KV memories, more than --max-session-memories "
+                              f"{config.max_session_memories}")
+            registration = registration_of(request)
+        except KVError:
             if handshake is not None:
                 close_fds(handshake.fds)
-            raise invalid(f"the layout has {len(request.layout.regions)} regions, more than "
-                          f"--max-layout-regions {limit}")
-        mem = request.memory
-        registration = Registration(
-            protocol_version=request.protocol_version, engine_id=request.engine_id, namespace=request.namespace,
-            layout=layout_of(request.layout) if request.HasField("layout") else None, backend=mem.backend or "cpu",
-            handle=mem.handle, memory_size=mem.size, device=mem.device, completion_slots=request.completion_slots)
+            raise
         session = await self.daemon.sessions.register(registration, handshake.cred if handshake else None,
                                                 handshake.fds if handshake else [])
         return pb.RegisterResponse(session_id=session.session_id,
-                                   block_bytes=registration.layout.block_bytes if registration.layout else 0,
+                                   block_bytes=registration.layout.slot_bytes if registration.layout else 0,
                                    max_inflight_jobs=self.daemon.config.max_inflight_jobs,
                                    daemon_version=__version__, daemon_boot_id=self.daemon.boot_id)
 

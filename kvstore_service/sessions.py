@@ -81,7 +81,7 @@ class EngineSession(Session):
     namespace: Namespace
     layout: Layout
     backend: Backend
-    mapping: Mapping
+    mappings: list[Mapping]  # one per KV memory, in the layout's memory order
     channel: CompletionChannel
     jobs: dict[int, Job] = field(default_factory=dict)  # completion slot -> unfinished job
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -98,8 +98,8 @@ class Registration:
     namespace: str
     layout: Layout | None = None
     backend: str = "cpu"
-    handle: bytes = b""
-    memory_size: int = 0
+    handles: tuple[bytes, ...] = ()  # one per KV memory (cpu: empty handles, the memfds come by handshake)
+    memory_sizes: tuple[int, ...] = ()
     device: int = 0
     completion_slots: int = 0
 
@@ -164,47 +164,50 @@ class Sessions:
 
     async def _register_engine(self, request: Registration, layout: Layout, peer: PeerCred | None,
                                fds: list[int]) -> EngineSession:
-        layout.check(request.memory_size)
-        if layout.extent > self.config.max_session_memory:
-            raise KVError("RESOURCE_EXHAUSTED", f"the layout addresses {layout.extent} bytes, more than "
+        memories = len(request.memory_sizes)
+        if not memories or len(request.handles) != memories:
+            raise invalid("an engine registration needs at least one KV memory")
+        layout.check(list(request.memory_sizes))
+        extents = layout.extents(memories)
+        if sum(extents) > self.config.max_session_memory:
+            raise KVError("RESOURCE_EXHAUSTED", f"the layout addresses {sum(extents)} bytes, more than "
                           f"--max-session-memory {int(self.config.max_session_memory)}")
         if not 0 < request.completion_slots <= MAX_COMPLETION_SLOTS:
             raise invalid(f"completion_slots must be 1..{MAX_COMPLETION_SLOTS}")
         backend = await self._backend(request.backend)
-        wanted = 2 if request.backend == "cpu" else 1
+        wanted = 1 + memories if request.backend == "cpu" else 1
         if len(fds) != wanted:
-            raise invalid(f"registering {request.backend} KV memory needs {wanted} shared-memory descriptor(s) "
-                          f"from the <socket>.cred handshake, got {len(fds)}")
+            raise invalid(f"registering {memories} {request.backend} KV memories needs {wanted} shared-memory "
+                          f"descriptor(s) from the <socket>.cred handshake, got {len(fds)}")
         self._check_block_size(request.namespace, layout)
-        if self.pool.slots_per_segment(layout.block_bytes) < 1:
+        if self.pool.slots_per_segment(layout.slot_bytes) < 1:
             raise KVError("FAILED_PRECONDITION",
-                          f"a {layout.block_bytes}-byte block is larger than a pool segment "
+                          f"a {layout.slot_bytes}-byte block is larger than a pool segment "
                           f"({self.pool.segment_size} bytes); raise --segment-size")
         try:
             channel = CompletionChannel.attach(os.dup(fds[0]), request.completion_slots)
         except (ValueError, OSError) as e:
             raise invalid(f"cannot map the completion channel: {e}") from None
+        mappings: list[Mapping] = []
         try:
-            # Only what the layout addresses is mapped (and prefaulted), whatever the memory's size.
-            mapping = await self.off_loop(backend.map, request.handle, layout.extent, request.device,
-                                          fds[1] if wanted == 2 else None)
-        except BaseException as e:
-            channel.close()
-            if isinstance(e, (ValueError, OSError)):
-                raise invalid(str(e)) from None
-            raise
-        try:
+            for i in range(memories):
+                # Only what the layout addresses is mapped (and prefaulted), whatever the memory's size.
+                fd = fds[1 + i] if request.backend == "cpu" else None
+                mappings.append(await self.off_loop(backend.map, request.handles[i], extents[i], request.device, fd))
             # Only a registration that got this far creates the namespace (another one may have
             # created it meanwhile, with other blocks).
             self._check_block_size(request.namespace, layout)
-            namespace = self.index.namespace(request.namespace, layout.block_bytes)
-        except KVError:
+            namespace = self.index.namespace(request.namespace, layout.slot_bytes, layout.shards)
+        except BaseException as e:
             channel.close()
-            await self.off_loop(backend.unmap, mapping)
+            for mapping in mappings:
+                await self.off_loop(backend.unmap, mapping)
+            if isinstance(e, (ValueError, OSError)):
+                raise invalid(str(e)) from None
             raise
         return EngineSession(session_id=secrets.token_bytes(16), engine_id=request.engine_id,
                              namespace_name=request.namespace, peer=peer, namespace=namespace,
-                             layout=layout, backend=backend, mapping=mapping, channel=channel)
+                             layout=layout, backend=backend, mappings=mappings, channel=channel)
 
     def _check_namespace(self, namespace: str) -> None:
         if not namespace:
@@ -216,10 +219,16 @@ class Sessions:
 
     def _check_block_size(self, namespace: str, layout: Layout) -> None:
         existing = self.index.find_namespace(namespace)
-        if existing is not None and existing.block_bytes != layout.block_bytes:
+        if existing is None:
+            return
+        if existing.block_bytes != layout.slot_bytes:
             raise KVError("FAILED_PRECONDITION",
                           f"layout mismatch: namespace {namespace!r} holds {existing.block_bytes}-byte "
-                          f"blocks, this layout has {layout.block_bytes}-byte blocks")
+                          f"blocks, this layout has {layout.slot_bytes}-byte blocks ({layout.shards} x "
+                          f"{layout.block_bytes})")
+        if existing.shards and existing.shards != layout.shards:
+            raise KVError("FAILED_PRECONDITION", f"layout mismatch: namespace {namespace!r} has "
+                          f"{existing.shards} TP shards, this layout has {layout.shards}")
 
     async def _backend(self, name: str) -> Backend:
         """The backend of this name, made (device runtime loaded, pool pinned) off the loop once."""
@@ -272,7 +281,8 @@ class Sessions:
             if session.tasks:  # copies in flight still use the mapping: let them finish first
                 await asyncio.gather(*session.tasks, return_exceptions=True)
             session.channel.close()
-            await self.off_loop(session.backend.unmap, session.mapping)  # device calls may sync the device
+            for mapping in session.mappings:  # device calls may sync the device
+                await self.off_loop(session.backend.unmap, mapping)
         self.by_id.pop(session.session_id, None)
         log.info("session %s ended", session.session_id.hex()[:8])
 

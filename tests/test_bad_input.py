@@ -11,9 +11,9 @@ from support.blocks import key_of
 from support.engine import Engine
 
 from kvstore_client.client import peer_handshake
+from kvstore_client.protocol import PROTOCOL_VERSION, memfd
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
-from kvstore_client.protocol import memfd
 from kvstore_client.protocol.completion import CompletionChannel
 from kvstore_client.shm import block_cache
 
@@ -111,31 +111,31 @@ def test_register_errors(setup, tmp_path) -> None:
     try:
         def register(fds: list[int] | None = None, **fields) -> pb.RegisterRequest:
             token = peer_handshake(target, [channel.fd, memory.fd] if fds is None else fds)
-            request = pb.RegisterRequest(protocol_version=1, engine_id="e", namespace="other", completion_slots=8,
-                                         peer_token=token)
+            request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, engine_id="e", namespace="other",
+                                         completion_slots=8, peer_token=token)
             request.layout.CopyFrom(spec.layout())
-            request.memory.CopyFrom(pb.MemoryHandle(backend="cpu", size=spec.size))
+            request.memories.add(backend="cpu", size=spec.sizes[0])
             for name, value in fields.items():
                 setattr(request, name, value)
             return request
 
-        expect(grpc.StatusCode.FAILED_PRECONDITION, "protocol 7, this daemon speaks 1", stub.Register,
+        expect(grpc.StatusCode.FAILED_PRECONDITION, f"protocol 7, this daemon speaks {PROTOCOL_VERSION}", stub.Register,
                register(protocol_version=7))
         expect(grpc.StatusCode.FAILED_PRECONDITION, "layout mismatch", stub.Register, register(namespace="bad-input"))
         bad = register()
         bad.layout.regions[0].block_stride = KB64 * 4  # runs past the end of the memory
         expect(grpc.StatusCode.INVALID_ARGUMENT, "beyond the", stub.Register, bad)
         bad = register()
-        bad.memory.backend = "tpu"
+        bad.memories[0].backend = "tpu"
         expect(grpc.StatusCode.INVALID_ARGUMENT, "unknown backend 'tpu'", stub.Register, bad)
         expect(grpc.StatusCode.INVALID_ARGUMENT, "namespace is empty", stub.Register, register(namespace=""))
         expect(grpc.StatusCode.INVALID_ARGUMENT, "needs 2 shared-memory descriptor(s)", stub.Register,
                register(peer_token=b""))
         # Memory that could shrink under the daemon's mapping is refused.
         plain = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT)
-        os.ftruncate(plain, spec.size)
+        os.ftruncate(plain, spec.sizes[0])
         unsealed = os.memfd_create("unsealed")
-        os.ftruncate(unsealed, spec.size)
+        os.ftruncate(unsealed, spec.sizes[0])
         small = memfd.create("small", 4096)
         try:
             expect(grpc.StatusCode.INVALID_ARGUMENT, "not a memfd", stub.Register, register([channel.fd, plain]))
@@ -202,6 +202,12 @@ def test_layout_with_too_many_regions_is_refused_before_it_is_built(setup) -> No
     layout = pb.KVLayout(num_blocks=1, regions=[pb.Region(offset=i, block_stride=1, block_bytes=1)
                                                 for i in range(4097)])
     expect(grpc.StatusCode.INVALID_ARGUMENT, "the layout has 4097 regions, more than --max-layout-regions 4096",
-           stub.Register, pb.RegisterRequest(protocol_version=1, namespace="many", layout=layout, completion_slots=8,
-                                             memory=pb.MemoryHandle(backend="cpu", size=1 << 20)))
+           stub.Register, pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, namespace="many", layout=layout,
+                                             completion_slots=8,
+                                             memories=[pb.MemoryHandle(backend="cpu", size=1 << 20)]))
+    too_many = [pb.MemoryHandle(backend="cuda", size=1 << 20)] * 253
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "253 KV memories, more than --max-session-memories 252",
+           stub.Register, pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, namespace="many",
+                                             layout=pb.KVLayout(num_blocks=1, regions=[pb.Region(block_bytes=1)]),
+                                             completion_slots=8, memories=too_many))
     assert stub.Stats(pb.StatsRequest(), timeout=10).engines == 1  # only the fixture's engine

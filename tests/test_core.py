@@ -58,14 +58,14 @@ class FakeBackend(Backend):
         time.sleep(self.device_seconds)
         self.unmapped.append(mapping)
 
-    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+    def copy(self, device: int, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         assert self.gate.wait(10) and (not to_engine or self.load_gate.wait(10))
         if self.broken is not None:
             raise self.broken
         if to_engine:
-            native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes)
+            native.copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes)
         else:
-            native.copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes)
+            native.copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes)
 
 
 class Core:
@@ -88,7 +88,8 @@ class Core:
         self.channels.append(channel)
         layout = Layout(NUM_BLOCKS, (Region(0, BLOCK, BLOCK),))
         session = await self.sessions.register(
-            Registration(PROTOCOL_VERSION, "engine", namespace, layout, "fake", b"", NUM_BLOCKS * BLOCK, 0, SLOTS),
+            Registration(PROTOCOL_VERSION, "engine", namespace, layout, "fake", (b"",), (NUM_BLOCKS * BLOCK,), 0,
+                         SLOTS),
             fds=[os.dup(channel.fd)])
         assert isinstance(session, EngineSession)
         return session
@@ -122,11 +123,11 @@ def keys_of(n: int, tag: int = 0) -> list[bytes]:
 
 
 def memory(session: EngineSession) -> ctypes.Array[ctypes.c_char]:
-    return session.mapping.handle  # type: ignore[return-value]
+    return session.mappings[0].handle  # type: ignore[return-value]
 
 
 def fill(session: EngineSession, block_id: int, byte: int) -> None:
-    ctypes.memset(session.mapping.base + block_id * BLOCK, byte, BLOCK)
+    ctypes.memset(session.mappings[0].base + block_id * BLOCK, byte, BLOCK)
 
 
 def block_bytes(session: EngineSession, block_id: int) -> bytes:
@@ -349,13 +350,14 @@ def test_registration_refusals(tmp_path: Path) -> None:
         with pytest.raises(KVError, match="namespace is empty"):
             await core.sessions.register(Registration(PROTOCOL_VERSION, "e", ""))
         with pytest.raises(KVError, match="needs 1 shared-memory descriptor"):
-            await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns",
-                                                      Layout(1, (Region(0, BLOCK, BLOCK),)), "fake", b"", BLOCK, 0, 16))
+            one_block = Layout(1, (Region(0, BLOCK, BLOCK),))
+            await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns", one_block, "fake", (b"",), (BLOCK,),
+                                                      0, 16))
         await core.engine("other")
         with pytest.raises(KVError, match="layout mismatch"):
             await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "other",
-                                                Layout(1, (Region(0, 2 * BLOCK, 2 * BLOCK),)), "fake", b"",
-                                                2 * BLOCK, 0, 16), fds=[os.dup(core.channels[0].fd)])
+                                                Layout(1, (Region(0, 2 * BLOCK, 2 * BLOCK),)), "fake", (b"",),
+                                                (2 * BLOCK,), 0, 16), fds=[os.dup(core.channels[0].fd)])
         assert len(core.sessions.by_id) == 1
 
     run(tmp_path, body)
@@ -415,7 +417,7 @@ def test_ending_a_session_waits_for_its_copies_then_unmaps(tmp_path: Path) -> No
         assert not ending.done() and not core.backend.unmapped  # the load still uses the mapping
         core.backend.gate.set()
         await ending
-        assert core.backend.unmapped == [engine.mapping] and engine.session_id not in core.sessions.by_id
+        assert core.backend.unmapped == engine.mappings and engine.session_id not in core.sessions.by_id
         await core.sessions.end(scheduler)
         assert [b.pins for b in core.index.prepare_load(engine.namespace, keys_of(2)) if b] == [1, 1]  # ours only
         with pytest.raises(KVError, match="unknown or ended session"):
@@ -448,7 +450,7 @@ def test_slow_device_calls_never_stall_other_sessions(tmp_path: Path) -> None:
         assert time.monotonic() - started >= 0.5 and isinstance(second, EngineSession)
         ending = asyncio.ensure_future(core.sessions.end(second))
         assert await lookups_while(core, scheduler, ending) < 0.25
-        assert core.backend.unmapped == [second.mapping]
+        assert core.backend.unmapped == second.mappings
 
     run(tmp_path, body)
 
@@ -520,7 +522,7 @@ def test_a_registration_whose_caller_gives_up_completes_and_is_reaped(tmp_path: 
         assert isinstance(session, EngineSession) and not session.attached
         core.backend.device_seconds = 0.0
         await core.sessions.reap_unattached()
-        assert core.backend.unmapped == [session.mapping] and not core.sessions.by_id
+        assert core.backend.unmapped == session.mappings and not core.sessions.by_id
 
     run(tmp_path, body, attach_timeout_s=0.1)
 

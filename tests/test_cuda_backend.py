@@ -23,7 +23,7 @@ from kvstore_client.errors import FailedPrecondition
 from kvstore_client.protocol.handle import DeviceHandle, encode_handle
 from kvstore_service import native
 from kvstore_service.backends import cuda as cuda_backend
-from kvstore_service.backends.base import Mapping, TransferPlan
+from kvstore_service.backends.base import TransferPlan
 from kvstore_service.backends.cuda import CudaBackend, StickyDeviceError, check_ipc_bounds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,7 +191,7 @@ def test_backend_copy_propagates_sticky_errors(monkeypatch: pytest.MonkeyPatch) 
     backend = CudaBackend.__new__(CudaBackend)
     plan = TransferPlan(array("Q", [0]), array("Q", [0]), array("Q", [4096]))
     with pytest.raises(StickyDeviceError) as info:
-        backend.copy(Mapping(BASE, 4096, device=2), 0x1000, plan, to_engine=True)
+        backend.copy(2, 0x1000, plan, to_engine=True)
     assert info.value.code == 719 and info.value.device == 2
 
 
@@ -291,12 +291,12 @@ def test_abi_check_passes_against_a_real_cuda_header() -> None:
 
 
 def test_memory_spec_reexport() -> None:
-    exports = iter([b"second", b"third"])
-    spec = MemorySpec("cuda", b"first", 4096, 1, ((0, 4096, 4096),), reexport=lambda: next(exports))
-    assert spec.for_reregistration().handle == b"second"
-    assert spec.for_reregistration().handle == b"third"
-    assert spec.handle == b"first"  # frozen; the first handle is the one export_kv_memory made
-    cpu = MemorySpec("cpu", b"", 4096, 1, ((0, 4096, 4096),), fd=3)
+    exports = iter([(b"second",), (b"third",)])
+    spec = MemorySpec("cuda", (b"first",), (4096,), 1, ((0, 4096, 4096),), reexport=lambda: next(exports))
+    assert spec.for_reregistration().handles == (b"second",)
+    assert spec.for_reregistration().handles == (b"third",)
+    assert spec.handles == (b"first",)  # frozen; the first handle is the one export_kv_memory made
+    cpu = MemorySpec.cpu(3, 4096, 1, ((0, 4096, 4096),))
     assert cpu.for_reregistration() is cpu
 
 
@@ -316,7 +316,7 @@ def registering_session(monkeypatch: pytest.MonkeyPatch, spec: MemorySpec,
     def registration(target: str, engine_id: str, namespace: str, memory: MemorySpec | None,
                      channel: object) -> object:
         assert memory is not None
-        sent.append(memory.handle)
+        sent.append(b"+".join(memory.handles))
         return memory
 
     def call(method: object, request: object) -> object:
@@ -337,11 +337,11 @@ def registering_session(monkeypatch: pytest.MonkeyPatch, spec: MemorySpec,
 def test_every_reregistration_sends_a_fresh_export(monkeypatch: pytest.MonkeyPatch) -> None:
     exports: list[bytes] = []
 
-    def export() -> bytes:
+    def export() -> tuple[bytes, ...]:
         exports.append(f"export-{len(exports) + 2}".encode())
-        return exports[-1]
+        return (exports[-1],)
 
-    spec = MemorySpec("cuda", b"export-1", 4096, 1, ((0, 4096, 4096),), reexport=export)
+    spec = MemorySpec("cuda", (b"export-1",), (4096,), 1, ((0, 4096, 4096),), reexport=export)
     session, sent = registering_session(monkeypatch, spec)
     session._register()  # first registration: the handle export_kv_memory made
     session._register()  # the daemon restarted
@@ -351,8 +351,8 @@ def test_every_reregistration_sends_a_fresh_export(monkeypatch: pytest.MonkeyPat
 
 
 def test_a_handle_that_may_have_reached_a_daemon_is_not_sent_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    exports = iter([b"export-2"])
-    spec = MemorySpec("cuda", b"export-1", 4096, 1, ((0, 4096, 4096),), reexport=lambda: next(exports))
+    exports = iter([(b"export-2",)])
+    spec = MemorySpec("cuda", (b"export-1",), (4096,), 1, ((0, 4096, 4096),), reexport=lambda: next(exports))
     session, sent = registering_session(monkeypatch, spec, fail_first_call=True)
     with pytest.raises(client_module.Unavailable):
         session._register()  # the Register call went out, the reply did not come back
@@ -361,10 +361,10 @@ def test_a_handle_that_may_have_reached_a_daemon_is_not_sent_again(monkeypatch: 
 
 
 def test_a_failed_reexport_is_a_failed_registration_not_a_dead_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken() -> bytes:
+    def broken() -> tuple[bytes, ...]:
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    spec = MemorySpec("cuda", b"export-1", 4096, 1, ((0, 4096, 4096),), reexport=broken)
+    spec = MemorySpec("cuda", (b"export-1",), (4096,), 1, ((0, 4096, 4096),), reexport=broken)
     session, sent = registering_session(monkeypatch, spec)
     session._register()
     with pytest.raises(FailedPrecondition, match="cannot export the KV memory again"):
@@ -373,31 +373,36 @@ def test_a_failed_reexport_is_a_failed_registration_not_a_dead_thread(monkeypatc
 
 
 def test_export_kv_memory_hooks_a_fresh_share_per_registration(monkeypatch: pytest.MonkeyPatch) -> None:
-    """export_kv_memory's reexport calls `_share_cuda_()` again (a new torch ref counter each time)."""
+    """export_kv_memory exports every allocation (here a K and a V tensor), and its reexport calls
+    `_share_cuda_()` again for each (a new torch ref counter each time)."""
     torch = pytest.importorskip("torch")
     from kvstore_client import device as device_module
 
     shares: list[int] = []
 
     class Storage:
+        def __init__(self, base: int) -> None:
+            self.base = base
+
         def data_ptr(self) -> int:
-            return BASE
+            return self.base
 
         def nbytes(self) -> int:
             return 8192
 
         def _share_cuda_(self) -> tuple[Any, ...]:
-            shares.append(1)
+            shares.append(self.base)
             return (0, b"\x01" * 66, 8192, 0, f"/torch_1_2_{len(shares)}".encode(), len(shares), bytes(64), True)
 
-    storage = Storage()
-    tensor = SimpleNamespace(device=torch.device("cuda", 0), untyped_storage=lambda: storage)
-    monkeypatch.setattr(device_module, "kv_regions", lambda tensors: (2, [(0, 4096, 4096)]))
+    storages = [Storage(BASE), Storage(BASE + (1 << 21))]
+    k, v = (SimpleNamespace(device=torch.device("cuda", 0), untyped_storage=lambda s=s: s) for s in storages)
     monkeypatch.setattr(device_module, "synchronize_before_store", lambda device: None)
     monkeypatch.setattr(device_module, "cuda_device_uuid", lambda index: UUID_A)
-    spec = device_module.export_kv_memory([tensor])  # type: ignore[list-item]
-    assert len(shares) == 1 and spec.reexport is not None
+    regions = [(0, 4096, 4096, 0), (0, 4096, 4096, 1)]
+    spec = device_module.export_kv_memory([k, v], 2, regions)  # type: ignore[list-item]
+    assert shares == [BASE, BASE + (1 << 21)] and spec.reexport is not None
+    assert len(spec.handles) == 2 and spec.sizes == (8192, 8192)
     again = spec.for_reregistration()
-    assert len(shares) == 2 and again.handle != spec.handle
-    assert (again.size, again.num_blocks, again.regions, again.device) == (spec.size, spec.num_blocks,
-                                                                          spec.regions, spec.device)
+    assert len(shares) == 4 and set(again.handles).isdisjoint(spec.handles)
+    assert (again.sizes, again.num_blocks, again.regions, again.device) == (spec.sizes, spec.num_blocks,
+                                                                            spec.regions, spec.device)

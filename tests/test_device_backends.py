@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from support.blocks import key_of
 
 from kvstore_client.client import peer_handshake
-from kvstore_client.device import export_kv_memory, kv_regions, synchronize_before_store
+from kvstore_client.device import export_kv_memory, synchronize_before_store
+from kvstore_client.protocol import PROTOCOL_VERSION
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import CompletionChannel
@@ -232,64 +233,12 @@ def test_npu_smi_identity() -> None:
     assert parse_npu_smi_board("npu-smi: device not found") == ""
 
 
-# -- engine side: regions of vLLM-shaped KV caches --------------------------------------------------
-
-
-def vllm_like(layers: int, num_blocks: int, block_shape: tuple[int, ...], interleaved: bool,
-              dtype: torch.dtype = torch.bfloat16, pad: int = 0) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """One int8 buffer and one view per layer, as vLLM allocates: per-layer chunks one after another
-    (`interleaved=False`), or the cross-layer layout where block b of every layer is contiguous."""
-    elems = 1
-    for n in block_shape:
-        elems *= n
-    block_bytes = elems * torch.tensor([], dtype=dtype).element_size()
-    buf = torch.randint(-128, 128, (pad + layers * num_blocks * block_bytes,), dtype=torch.int8)
-    body = buf[pad:]
-    if interleaved:
-        grid = body.view(num_blocks, layers, block_bytes)
-        views = [grid[:, layer].view(dtype).view(num_blocks, *block_shape) for layer in range(layers)]
-    else:
-        grid = body.view(layers, num_blocks, block_bytes)
-        views = [grid[layer].view(dtype).view(num_blocks, *block_shape) for layer in range(layers)]
-    return buf, views
-
-
-@pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("pad", [0, 4096])
-def test_kv_regions_address_every_block_of_every_layer(interleaved: bool, pad: int) -> None:
-    layers, num_blocks, block_shape = 3, 10, (16, 2, 4)  # 16 tokens x 2 heads x 4 dims of bf16 = 256 B
-    buf, views = vllm_like(layers, num_blocks, block_shape, interleaved, pad=pad)
-    n, regions = kv_regions(views)
-    assert n == num_blocks and len(regions) == layers
-    block_bytes = 16 * 2 * 4 * 2
-    for _, stride, size in regions:
-        assert size == block_bytes
-        assert stride == (layers * block_bytes if interleaved else block_bytes)
-    raw_bytes = buf.numpy().tobytes()
-    for layer, (t, (offset, stride, size)) in enumerate(zip(views, regions, strict=True)):
-        for b in range(num_blocks):
-            expected = t[b].contiguous().view(torch.int8).numpy().tobytes()
-            assert raw_bytes[offset + b * stride:offset + b * stride + size] == expected, (layer, b)
-
-
-def test_kv_regions_refuses_what_cannot_be_mapped() -> None:
-    _, views = vllm_like(2, 4, (8, 8), interleaved=False)
-    with pytest.raises(ValueError, match="no KV tensors"):
-        kv_regions([])
-    with pytest.raises(ValueError, match="2 allocations"):
-        kv_regions([views[0], torch.zeros(4, 8, 8, dtype=torch.bfloat16)])
-    with pytest.raises(ValueError, match="every tensor needs 4 blocks"):
-        kv_regions([views[0], views[1][:3]])
-    with pytest.raises(ValueError, match="is not contiguous"):
-        kv_regions([views[0].transpose(1, 2)])
-    with pytest.raises(ValueError, match="leading block dimension"):
-        kv_regions([views[0][:0]])
+# -- engine side ---------------------------------------------------------------------------------
 
 
 def test_export_of_cpu_tensors_points_to_shared_memory() -> None:
-    _, views = vllm_like(2, 4, (8, 8), interleaved=False)
     with pytest.raises(ValueError, match="move_to_shared_memory"):
-        export_kv_memory(views)
+        export_kv_memory([torch.zeros(4, 8)], 4, [(0, 8, 8)])
 
 
 def test_synchronize_before_store_on_cpu_is_a_no_op() -> None:
@@ -315,11 +264,11 @@ def test_make_npu_backend_fails_clearly_without_an_npu() -> None:
 
 
 def device_register(backend: str, handle: bytes, size: int, namespace: str) -> pb.RegisterRequest:
-    request = pb.RegisterRequest(protocol_version=1, engine_id="device-test", namespace=namespace,
+    request = pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, engine_id="device-test", namespace=namespace,
                                  completion_slots=8)
     request.layout.CopyFrom(pb.KVLayout(num_blocks=4, regions=[pb.Region(offset=0, block_stride=4096,
                                                                          block_bytes=4096)]))
-    request.memory.CopyFrom(pb.MemoryHandle(backend=backend, handle=handle, size=size, device=1))
+    request.memories.add(backend=backend, handle=handle, size=size, device=1)
     return request
 
 
@@ -368,8 +317,10 @@ def test_cuda_store_and_load_byte_exact(daemon, interleaved: bool) -> None:
     buf = torch.randint(-128, 128, (layers * num_blocks * layer_bytes,), dtype=torch.int8, device="cuda")
     views = layer_views(buf)
     original = buf.clone()
-    spec = export_kv_memory(views)
-    assert spec.backend == "cuda" and spec.num_blocks == num_blocks and spec.size == buf.numel()
+    regions = ([(0, layers * layer_bytes, layers * layer_bytes)] if interleaved
+               else [(i * num_blocks * layer_bytes, layer_bytes, layer_bytes) for i in range(layers)])
+    spec = export_kv_memory([buf], num_blocks, regions)
+    assert spec.backend == "cuda" and spec.num_blocks == num_blocks and spec.sizes == (buf.numel(),)
 
     client = daemon.client()
     namespace = f"gpu-{interleaved}"
@@ -409,14 +360,14 @@ def test_cuda_store_and_load_byte_exact(daemon, interleaved: bool) -> None:
             memory.close()
 
         # A handle naming a GPU the daemon does not have is refused with the reason.
-        bad = json.loads(spec.handle)
+        bad = json.loads(spec.handles[0])
         bad["device_uuid"] = "00000000-0000-0000-0000-000000000000"
         target = f"unix://{daemon.socket}"
         completions = CompletionChannel.create(8)
         with grpc.insecure_channel(target) as channel:
-            request = device_register("cuda", json.dumps(bad).encode(), spec.size, namespace)
+            request = device_register("cuda", json.dumps(bad).encode(), spec.sizes[0], namespace)
             request.layout.CopyFrom(spec.layout())
-            request.memory.device = spec.device
+            request.memories[0].device = spec.device
             request.peer_token = peer_handshake(target, [completions.fd])  # as a real engine does
             with pytest.raises(grpc.RpcError) as info:
                 pb_grpc.KVStoreStub(channel).Register(request, timeout=30)

@@ -28,9 +28,9 @@ from support.daemon import DaemonProcess as Daemon
 from support.fuzz import U64, VICTIM_KEYS, Case, Session
 from support.shm_engine import ShmEngine
 
+from kvstore_client.protocol import PROTOCOL_VERSION, memfd
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
-from kvstore_client.protocol import memfd
 from kvstore_client.protocol.completion import HEADER, MAGIC, VERSION, channel_bytes
 
 TOTAL = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "240"))
@@ -292,9 +292,9 @@ def _register_with(daemon: Daemon, stub, namespace: str, kv_fd: int, block: int 
     finally:
         os.close(channel)
     return _code(stub.Register, pb.RegisterRequest(
-        protocol_version=1, engine_id="e", namespace=namespace, completion_slots=8, peer_token=token,
+        protocol_version=PROTOCOL_VERSION, engine_id="e", namespace=namespace, completion_slots=8, peer_token=token,
         layout=pb.KVLayout(num_blocks=1, regions=[pb.Region(block_stride=block, block_bytes=block)]),
-        memory=pb.MemoryHandle(backend="cpu", size=block)))
+        memories=[pb.MemoryHandle(backend="cpu", size=block)]))
 
 
 def test_refused_registration_leaves_no_namespace_behind(daemon, stub) -> None:

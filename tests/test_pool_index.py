@@ -170,3 +170,58 @@ def test_headers_survive_reattach(tmp_path) -> None:
 def test_slot_headers_hold_the_longest_key_the_protocol_allows() -> None:
     """The key limit is the protocol's; the slot header (the native engine's layout) must fit it."""
     assert native.SLOT_MAX_KEY == MAX_KEY
+
+
+# -- TP shards: one slot per key holds every rank's part ---------------------------------------------
+
+
+def test_a_sharded_block_is_visible_only_once_every_shard_is_in(pool: Pool) -> None:
+    index = BlockIndex(pool)
+    ns = index.namespace("tp2", BLOCK, shards=2)
+    keys = keys_of(3)
+    rank0 = index.prepare_store(ns, keys, shard=0)
+    assert rank0.reserved == [0, 1, 2] and len({b.ref for b in rank0.blocks}) == 3
+    rank1 = index.prepare_store(ns, keys, shard=1)  # joins the same slots
+    assert rank1.reserved == [0, 1, 2] and rank1.blocks == rank0.blocks
+    again = index.prepare_store(ns, keys[:1], shard=0)  # rank 0 again while its copy runs: wait for it
+    assert again.in_flight == [(0, rank0.blocks[0])] and not again.blocks
+    assert index.complete_store(rank0.blocks, ok=True, shard=0) == []  # rank 1's parts are missing
+    assert index.lookup(ns, b"".join(keys), 32) == []
+    assert index.prepare_store(ns, keys[:1], shard=0).present == [0]  # this part is in
+    assert index.complete_store(rank1.blocks, ok=True, shard=1) == rank0.blocks
+    assert index.lookup(ns, b"".join(keys), 32) == rank0.blocks
+    assert index.count == 3 and ns.counters.stored_blocks == 3  # one block per key, not per rank
+
+
+def test_a_group_missing_a_shard_is_evicted_and_cleared_but_never_seen(pool: Pool) -> None:
+    index = BlockIndex(pool)
+    ns = index.namespace("tp2", BLOCK, shards=2)
+    partial = index.prepare_store(ns, keys_of(2, tag=1), shard=0).blocks
+    index.complete_store(partial, ok=True, shard=0)  # rank 1 never stores these
+    failed = index.prepare_store(ns, keys_of(1, tag=2), shard=1).blocks
+    index.complete_store(failed, ok=False, shard=1)  # nothing of it is in: its slot is free at once
+    assert index.count == 2
+    # The pool fills up: the partial groups go first (oldest), complete ones are stored.
+    capacity = 4 * pool.slots_per_segment(BLOCK)
+    keys = keys_of(capacity, tag=3)
+    for shard in (0, 1):
+        plan = index.prepare_store(ns, keys, shard=shard)
+        assert plan.refused == 0
+        index.complete_store(plan.blocks, ok=True, shard=shard)
+    assert index.evictions == 2 and index.count == capacity
+    assert len(index.lookup(ns, b"".join(keys), 32)) == capacity
+    # Clear drops a partial group too (no copy into it runs).
+    index.clear(ns)
+    partial = index.prepare_store(ns, keys_of(1, tag=4), shard=1).blocks
+    index.complete_store(partial, ok=True, shard=1)
+    joined = index.prepare_store(ns, keys_of(1, tag=4), shard=0).blocks  # a copy into it runs: kept
+    assert index.clear(ns) == 0 and index.count == 1
+    index.complete_store(joined, ok=True, shard=0)
+    assert index.clear(ns) == 1 and index.count == 0
+
+
+def test_sharded_namespaces_keep_their_shard_count(pool: Pool) -> None:
+    index = BlockIndex(pool)
+    index.namespace("tp2", BLOCK, shards=2)
+    with pytest.raises(ValueError, match="in 2 shard"):
+        index.namespace("tp2", BLOCK, shards=4)

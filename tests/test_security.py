@@ -20,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from kvstore_client import KVStoreClient, PermissionDenied, Unavailable
+from kvstore_client.protocol import PROTOCOL_VERSION
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 
@@ -47,7 +48,7 @@ def test_uid_not_allowed_is_refused(daemon_factory) -> None:
     # Skipping the handshake does not help.
     stub = pb_grpc.KVStoreStub(grpc.insecure_channel(f"unix://{daemon.socket}"))
     with pytest.raises(grpc.RpcError) as info:
-        stub.Register(pb.RegisterRequest(protocol_version=1, namespace="n"), timeout=5)
+        stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, namespace="n"), timeout=5)
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert "allowed-uids" in info.value.details()
     assert client.health() == "SERVING"  # read-only calls still answer
@@ -194,15 +195,15 @@ def test_a_sparse_memfd_commits_only_what_the_layout_addresses(daemon_factory) -
     fd = memfd.create("sparse", 3 << 30)
     try:
         before = _rss_shmem_kib(daemon.pid)
-        small = MemorySpec("cpu", b"", 3 << 30, 16, [(0, 64 << 10, 64 << 10)], fd=fd)
+        small = MemorySpec.cpu(fd, 3 << 30, 16, [(0, 64 << 10, 64 << 10)])
         session = client.session("sparse", small)
         time.sleep(0.5)  # the prefault runs in the background
         grown = _rss_shmem_kib(daemon.pid) - before
         assert grown < 16 << 10, f"the daemon committed {grown} KiB for a 1 MiB layout"
         session.close()
         with pytest.raises(ResourceExhausted, match="more than --max-session-memory 1073741824"):
-            client.session("sparse", MemorySpec("cpu", b"", 3 << 30, 3 << 14, [(0, 64 << 10, 64 << 10)], fd=fd))
-        big = client.session("sparse", MemorySpec("cpu", b"", 3 << 30, 1 << 14, [(0, 64 << 10, 64 << 10)], fd=fd))
+            client.session("sparse", MemorySpec.cpu(fd, 3 << 30, 3 << 14, [(0, 64 << 10, 64 << 10)]))
+        big = client.session("sparse", MemorySpec.cpu(fd, 3 << 30, 1 << 14, [(0, 64 << 10, 64 << 10)]))
         started = time.monotonic()
         big.close()  # while its 1 GiB is still being prefaulted
         slowest = max(_timed(client.health) for _ in range(20))

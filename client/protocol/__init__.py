@@ -15,6 +15,9 @@ PROTOCOL_VERSION = _pb.PROTOCOL_VERSION_CURRENT
 # Keys are block hashes: vLLM's sha256 (32 bytes) and shorter or longer hashes of other engines.
 MIN_KEY, MAX_KEY = 16, 64
 MAX_COMPLETION_SLOTS = 1 << 16
+# KV memories (allocations) of one engine: on CPU each travels as a memfd with the completion
+# channel's in one SCM_RIGHTS message, which carries at most 253 (the kernel's SCM_MAX_FD).
+MAX_MEMORIES = 252
 DEFAULT_SOCKET = "/tmp/kvstore/kvstore.sock"
 
 

@@ -15,22 +15,28 @@ PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
 
 class Region(_message.Message):
-    __slots__ = ("offset", "block_stride", "block_bytes")
+    __slots__ = ("offset", "block_stride", "block_bytes", "memory")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     BLOCK_STRIDE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
     offset: int
     block_stride: int
     block_bytes: int
-    def __init__(self, offset: _Optional[int] = ..., block_stride: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    memory: int
+    def __init__(self, offset: _Optional[int] = ..., block_stride: _Optional[int] = ..., block_bytes: _Optional[int] = ..., memory: _Optional[int] = ...) -> None: ...
 
 class KVLayout(_message.Message):
-    __slots__ = ("num_blocks", "regions")
+    __slots__ = ("num_blocks", "regions", "shards", "shard")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     regions: _containers.RepeatedCompositeFieldContainer[Region]
-    def __init__(self, num_blocks: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+    shards: int
+    shard: int
+    def __init__(self, num_blocks: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ..., shards: _Optional[int] = ..., shard: _Optional[int] = ...) -> None: ...
 
 class MemoryHandle(_message.Message):
     __slots__ = ("backend", "handle", "size", "device")
@@ -45,22 +51,22 @@ class MemoryHandle(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., handle: _Optional[bytes] = ..., size: _Optional[int] = ..., device: _Optional[int] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("protocol_version", "engine_id", "namespace", "layout", "memory", "completion_slots", "peer_token")
+    __slots__ = ("protocol_version", "engine_id", "namespace", "layout", "memories", "completion_slots", "peer_token")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
-    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MEMORIES_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_SLOTS_FIELD_NUMBER: _ClassVar[int]
     PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     engine_id: str
     namespace: str
     layout: KVLayout
-    memory: MemoryHandle
+    memories: _containers.RepeatedCompositeFieldContainer[MemoryHandle]
     completion_slots: int
     peer_token: bytes
-    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., memory: _Optional[_Union[MemoryHandle, _Mapping]] = ..., completion_slots: _Optional[int] = ..., peer_token: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., memories: _Optional[_Iterable[_Union[MemoryHandle, _Mapping]]] = ..., completion_slots: _Optional[int] = ..., peer_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("session_id", "block_bytes", "max_inflight_jobs", "daemon_version", "daemon_boot_id")

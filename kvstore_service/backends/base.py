@@ -19,11 +19,12 @@ class Mapping:
 
 @dataclass
 class TransferPlan:
-    """Byte runs to copy: run i is `sizes[i]` bytes at pool offset `pool_offsets[i]` and engine
-    offset `engine_offsets[i]`. Every run was bounds-checked against the pool and the mapping."""
+    """Byte runs to copy: run i is `sizes[i]` bytes at pool offset `pool_offsets[i]` and at
+    `engine_addresses[i]`, an address in one of the session's mappings (a block's regions may lie in
+    several). Every run was bounds-checked against the pool and its mapping."""
 
     pool_offsets: array
-    engine_offsets: array
+    engine_addresses: array
     sizes: array
 
     @property
@@ -50,6 +51,7 @@ class Backend(ABC):
         """Release the mapping. Called only when no copy uses it any more."""
 
     @abstractmethod
-    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
-        """Copy the plan's runs (pool -> engine if to_engine) and return when every byte landed.
+    def copy(self, device: int, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+        """Copy the plan's runs (pool -> engine if to_engine) between the pool and the engine memory
+        mapped on `device` (the mappings' device), and return when every byte landed.
         Runs in one of the daemon's copy threads, beside the others; raises on any failure."""

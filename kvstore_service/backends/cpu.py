@@ -70,8 +70,8 @@ class CpuBackend(Backend):
         except BufferError:  # a stray export still holds it; the GC unmaps it later
             pass
 
-    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+    def copy(self, device: int, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         if to_engine:
-            native.copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes)
+            native.copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes)
         else:
-            native.copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes)
+            native.copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes)

@@ -162,10 +162,10 @@ class CudaBackend(Backend):
         storage, mapping.handle = mapping.handle, None
         del storage  # torch's deleter: stream sync, ref counter release, cudaIpcCloseMemHandle
 
-    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+    def copy(self, device: int, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         if to_engine:
-            native.cuda_copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes,
-                                    "h2d", mapping.device)
+            native.cuda_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes,
+                                    "h2d", device)
         else:
-            native.cuda_copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes,
-                                    "d2h", mapping.device)
+            native.cuda_copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes,
+                                    "d2h", device)

@@ -197,10 +197,10 @@ class NpuBackend(Backend):
         storage, mapping.handle = mapping.handle, None
         del storage  # torch_npu's deleter: stream sync, ref counter release, IPC close
 
-    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+    def copy(self, device: int, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         if to_engine:
-            native.acl_copy_blocks(pool_base, mapping.base, plan.pool_offsets, plan.engine_offsets, plan.sizes,
-                                   "h2d", mapping.device)
+            native.acl_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes,
+                                   "h2d", device)
         else:
-            native.acl_copy_blocks(mapping.base, pool_base, plan.engine_offsets, plan.pool_offsets, plan.sizes,
-                                   "d2h", mapping.device)
+            native.acl_copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes,
+                                   "d2h", device)

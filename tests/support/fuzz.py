@@ -36,9 +36,9 @@ import grpc
 from google.protobuf import text_format
 from hypothesis import strategies as st
 
+from kvstore_client.protocol import PROTOCOL_VERSION, memfd
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
-from kvstore_client.protocol import memfd
 from kvstore_client.protocol.completion import HEADER, MAGIC, VERSION, channel_bytes
 from support.blocks import content_of, key_of
 from support.shm_engine import ShmEngine
@@ -202,7 +202,7 @@ def register_cases(draw) -> Case:
     its parts replaced by adversarial ones."""
     namespace, block = draw(st.sampled_from([("fuzz-a", 1024), ("fuzz-b", 8192), (VICTIM_NS, BLOCK)]))
     fields: dict = {
-        "protocol_version": 1, "engine_id": "fuzz", "namespace": namespace,
+        "protocol_version": PROTOCOL_VERSION, "engine_id": "fuzz", "namespace": namespace,
         "layout": {"num_blocks": draw(st.integers(1, KV_FILE_BYTES // block)), "regions": [(0, block, block)]},
         "backend": "cpu", "handle": b"", "size": KV_FILE_BYTES, "device": 0, "memory": True,
         "completion_slots": 8, "token": "fresh", "fds": ["channel", "kv"],
@@ -250,8 +250,8 @@ def poll_cases(draw) -> Case:
 def _samples() -> list[bytes]:
     layout = pb.KVLayout(num_blocks=4, regions=[pb.Region(offset=0, block_stride=BLOCK, block_bytes=BLOCK)])
     return [
-        pb.RegisterRequest(protocol_version=1, engine_id="e", namespace=VICTIM_NS, layout=layout,
-                           memory=pb.MemoryHandle(backend="cpu", handle=b"/dev/shm/x", size=BLOCK * 4),
+        pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, engine_id="e", namespace=VICTIM_NS, layout=layout,
+                           memories=[pb.MemoryHandle(backend="cpu", handle=b"/dev/shm/x", size=BLOCK * 4)],
                            completion_slots=8, peer_token=b"t" * 16).SerializeToString(),
         pb.TransferRequest(session_id=b"s" * 16, job_id=7, keys=VICTIM_KEYS[0], key_size=32,
                            block_ids=[1, 2]).SerializeToString(),
@@ -396,8 +396,6 @@ class Target:
         token = secrets.token_bytes(16)
         reply = self.handshake(token[:8] if role == "short" else token, fds, slots)
         if role != "short" and reply != b"\x00":
-            if len(fds) > 2 and reply == b"\x02":  # more descriptors than a registration uses: refused
-                return token
             raise AssertionError(f"the handshake was refused: {reply!r}")
         self.used_tokens = [*self.used_tokens[-7:], token]
         return token
@@ -506,16 +504,16 @@ def _register(t: Target, f: dict) -> list[str]:
             pb.Region(offset=o, block_stride=s, block_bytes=b) for o, s, b in layout["regions"]]))
     size = f["size"] if f["memory"] else 0
     if f["memory"]:
-        request.memory.CopyFrom(pb.MemoryHandle(backend=f["backend"], handle=f["handle"], size=size,
+        request.memories.append(pb.MemoryHandle(backend=f["backend"], handle=f["handle"], size=size,
                                                 device=f["device"]))
     namespaces_before = _namespaces(t)
     code, reply = t.call("Register", request)
     what = f"Register {_brief(request)} token={f['token']} fds={f['fds']}"
-    # The daemon takes at most two descriptors (the kernel drops the rest): channel, then KV memory.
-    handed = f["fds"][:2] if f["token"] == "fresh" else []
+    # The daemon takes the completion channel, then one descriptor per KV memory (here: one).
+    handed = f["fds"] if f["token"] == "fresh" else []
     good = handed == ["channel", "kv"]
     # The order of the daemon's checks decides which status a request with several faults gets.
-    if f["protocol_version"] != 1:
+    if f["protocol_version"] != PROTOCOL_VERSION:
         allowed = {Code.FAILED_PRECONDITION}
     elif not f["namespace"]:
         allowed = {Code.INVALID_ARGUMENT}
@@ -554,9 +552,8 @@ def _handshake(t: Target, f: dict) -> list[str]:
         return [f"Handshake {f} | {type(e).__name__}"]
     t.statuses[("Handshake", "none" if reply is None else repr(reply))] += 1
     problems = []
-    # More descriptors than a registration uses are refused (b"\x02"); a 16-byte token with at most
-    # two is accepted.
-    if reply is not None and len(f["data"]) == 16 and reply != (b"\x02" if len(f["fds"]) > 2 else b"\x00"):
+    # A 16-byte token with at most MAX_FDS descriptors (more than the fuzzer sends) is accepted.
+    if reply is not None and len(f["data"]) == 16 and reply != b"\x00":
         problems.append(f"Handshake {f} | a 16-byte token was not accepted: {reply!r}")
     if t.handshake(secrets.token_bytes(16), []) != b"\x00":
         problems.append(f"Handshake {f} | the next handshake was not accepted")

@@ -28,7 +28,7 @@ class ShmEngine:
         self.name = f"kvstore-kv-{os.getpid()}-{secrets.token_hex(4)}"
         self.fd = memfd.create(self.name, self.size)
         self.mm = mmap.mmap(self.fd, self.size)
-        self.spec = MemorySpec("cpu", b"", self.size, num_blocks, tuple(self.regions), fd=self.fd)
+        self.spec = MemorySpec.cpu(self.fd, self.size, num_blocks, self.regions)
         self.client = KVStoreClient(socket, timeout=timeout)
         self.session = self.client.session(namespace, self.spec, completion_slots=completion_slots)
 
