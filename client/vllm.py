@@ -230,7 +230,10 @@ class KVStoreConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = _Scheduler(vllm_config, self.settings, namespace)
         else:
-            self.worker = _Worker(vllm_config, kv_cache_config, self.settings, namespace)
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.worker = _Worker(vllm_config, kv_cache_config, self.settings, namespace,
+                                  get_tensor_model_parallel_rank())
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
@@ -509,14 +512,12 @@ class _Worker:
     """Moves bytes: registers the KV memory, submits jobs, reports completions."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings,
-                 namespace: str) -> None:
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
+                 namespace: str, rank: int) -> None:
         self.settings = settings
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
-        self.namespace = namespace
-        self.rank = get_tensor_model_parallel_rank()
+        self.namespace = namespace  # "": the connector is off for this engine
+        self.rank = rank  # in the TP group
         self.sharding = Sharding.of(vllm_config, kv_cache_config) if namespace else Sharding(1, 1)
         self.client = KVStoreClient(settings.socket, timeout=settings.timeout_s)
         self.session: Session | None = None  # None: the connector is off for this engine

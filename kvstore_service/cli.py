@@ -181,7 +181,8 @@ def _render_stats(stats: Stats, width: int, wide: bool = False) -> RenderableTyp
         ("stored / loaded blocks", f"{stats.stored_blocks} / {stats.loaded_blocks}"),
         ("evictions", str(stats.evictions)),
         ("engines / leases / jobs in flight", f"{stats.engines} / {stats.leases} / {stats.jobs_in_flight}"),
-        ("failed blocks / corrupt", f"{stats.failed_blocks} / {stats.corrupt_blocks}"),
+        ("failed blocks (loads) / corrupt",
+         f"{stats.failed_blocks} ({stats.failed_load_blocks}) / {stats.corrupt_blocks}"),
         ("blocks waiting for a seal", str(stats.unsealed_blocks)),
         ("uptime", f"{stats.uptime_s} s (daemon {stats.daemon_version})"),
     ]

@@ -88,7 +88,7 @@ class Daemon:
             store_failures_pool_full=self.jobs.store_failures_pool_full,
             lease_expiries=self.sessions.lease_expiries, corrupt_blocks=self.jobs.corrupt_blocks,
             uptime_s=int(time.monotonic() - self.started), namespaces=namespaces, daemon_version=__version__,
-            unsealed_blocks=self.jobs.unsealed_blocks,
+            unsealed_blocks=self.jobs.unsealed_blocks, failed_load_blocks=self.jobs.failed_load_blocks,
         )
 
     async def housekeeping(self, creds: PeerCredServer) -> None:

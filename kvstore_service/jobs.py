@@ -119,6 +119,7 @@ class Jobs:
         # their own threads, so that they neither block the loop nor wait behind copies.
         self._device_calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-device")
         self.failed_blocks = 0
+        self.failed_load_blocks = 0
         self.store_failures_pool_full = 0
         self.corrupt_blocks = 0
         self._store_waiters: dict[tuple[Block, int], list[asyncio.Future[bool]]] = {}  # (block, shard)
@@ -367,6 +368,8 @@ class Jobs:
         session = job.session
         failed = tuple(i for i, ok in enumerate(job.ok) if not ok)
         self.failed_blocks += len(failed)
+        if not job.is_store:
+            self.failed_load_blocks += len(failed)
         self.metrics.observe_job(job.is_store, time.monotonic() - job.submitted, job.copy_seconds,
                                  job.copied_bytes)
         session.jobs.pop(job.job_id % session.channel.slots, None)

@@ -63,6 +63,8 @@ class _StatsCollector(Collector):
         yield GaugeMetricFamily("kvstore_hit_ratio", "Looked-up blocks found / looked up, since start.",
                                 value=s.hit_rate)
         yield CounterMetricFamily("kvstore_failed_blocks", "Blocks whose job failed.", value=s.failed_blocks)
+        yield CounterMetricFamily("kvstore_failed_load_blocks", "Blocks whose load failed (engines recompute them).",
+                                  value=s.failed_load_blocks)
         yield CounterMetricFamily("kvstore_store_failures_pool_full", "Stores refused because no slot could be freed.",
                                   value=s.store_failures_pool_full)
         yield CounterMetricFamily("kvstore_lease_expiries", "Leases that expired before release.",

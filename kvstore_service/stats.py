@@ -85,6 +85,7 @@ class Stats:
     namespaces: list[NamespaceStats]
     daemon_version: str
     unsealed_blocks: int
+    failed_load_blocks: int
 
     @property
     def hit_rate(self) -> float:

@@ -478,3 +478,55 @@ def test_module_loads_without_vllm() -> None:
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('vllm', 'torch')))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "['vllm']"
+
+
+# -- through the connector's worker and a real daemon ----------------------------------------------------------------
+
+
+def round_trip(daemon, config: KVCacheConfig, kv_caches: dict, namespace: str, seed: int) -> None:
+    """Register the cache with the connector's worker code, store random manager blocks, load them into other
+    block ids: every byte of the loaded blocks is what vLLM's views hold for the stored ones (kernel rows
+    included), and no other byte of the KV memory changed (padding included)."""
+    from kvstore_client.vllm import ConnectorSettings, _Worker
+
+    worker = _Worker(vllm_config(), config, ConnectorSettings(socket=daemon.socket), namespace, rank=0)
+    worker.register(kv_caches)
+    session = worker.session
+    assert session is not None, "the worker refused a cache the layout module describes"
+    try:
+        tensors = [t for v in kv_caches.values() for t in (v if isinstance(v, tuple) else (v,))]
+        fill_random(list({t.untyped_storage().data_ptr(): t for t in tensors}.values()), seed)
+        rng = np.random.default_rng(seed)
+        src, dst = rng.permutation(NUM_BLOCKS)[:6].reshape(2, 3).tolist()
+        keys = [f"{namespace}/{seed}/{b}".encode().ljust(32, b".") for b in src]
+        job = session.store(keys, src)
+        assert session.wait([job])[job].ok
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for t in tensors}
+        expected = {ptr: storage.clone() for ptr, storage in storages.items()}
+        for t in tensors:  # what the load must do, done by vLLM's views on a copy of the memory
+            ratio = t.shape[0] // NUM_BLOCKS
+            copy = torch.empty(0, dtype=t.dtype).set_(expected[t.untyped_storage().data_ptr()], t.storage_offset(),
+                                                      t.shape, t.stride())
+            for s, d in zip(src, dst, strict=True):
+                copy[d * ratio:(d + 1) * ratio] = t[s * ratio:(s + 1) * ratio].clone()
+        job = session.load(keys, dst)
+        assert session.wait([job])[job].ok
+        for ptr, storage in storages.items():
+            got = torch.empty(0, dtype=torch.uint8).set_(storage)
+            want = torch.empty(0, dtype=torch.uint8).set_(expected[ptr])
+            assert torch.equal(got, want), "the load changed other bytes than its blocks', or not all of theirs"
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize("case", VALID, ids=case_id)
+def test_round_trip_through_the_daemon(daemon, case: tuple) -> None:
+    layout, layers, ratio, padded = case
+    config = plan(layout, layers, PADDED if padded else SPEC)
+    round_trip(daemon, config, allocate(config, ratio), case_id(case), seed=len(case_id(case)))
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_ascend_tuples_round_trip_through_the_daemon(daemon, ratio: int) -> None:
+    """vllm-ascend's shape: 7 separate allocations, each its own memfd mapped by the daemon."""
+    round_trip(daemon, ascend_config(3), ascend_caches(3, ratio, heads_first=True), f"ascend-{ratio}", seed=ratio)

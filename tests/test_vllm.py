@@ -41,7 +41,8 @@ def connector_config(daemon, **extra) -> str:
                        "kv_role": "kv_both", "kv_connector_extra_config": {"socket": daemon.socket, **extra}})
 
 
-def start_engine(model: Path, prompts: list, out: Path, connector: str | None = None, *args: str) -> subprocess.Popen:
+def start_engine(model: Path, prompts: list, out: Path, connector: str | None = None, *args: str,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
     prompts_file = out.with_suffix(".prompts.json")
     prompts_file.write_text(json.dumps(prompts))
     cmd = [sys.executable, str(VLLM_SCRIPTS / "run_engine.py"), "--model", str(model), "--prompts", str(prompts_file),
@@ -49,7 +50,7 @@ def start_engine(model: Path, prompts: list, out: Path, connector: str | None = 
     if connector:
         cmd += ["--connector-config", connector]
     log = open(out.with_suffix(".log"), "w")  # noqa: SIM115 - owned by the process
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
 
 def finish(proc: subprocess.Popen, out: Path, timeout: float = 600) -> dict:
@@ -59,8 +60,9 @@ def finish(proc: subprocess.Popen, out: Path, timeout: float = 600) -> dict:
     return json.loads(out.read_text())
 
 
-def run_engine(model: Path, prompts: list, out: Path, connector: str | None = None, *args: str) -> dict:
-    return finish(start_engine(model, prompts, out, connector, *args), out)
+def run_engine(model: Path, prompts: list, out: Path, connector: str | None = None, *args: str,
+               env: dict[str, str] | None = None) -> dict:
+    return finish(start_engine(model, prompts, out, connector, *args, env=env), out)
 
 
 def outputs(result: dict) -> list[list[int]]:
@@ -202,3 +204,55 @@ def test_preemption_keeps_outputs_right(model, daemon, tmp_path) -> None:
     assert outputs(result) == outputs(ref)
     stats = daemon.client().stats()
     assert stats.stored_blocks > 0 and stats.leases == 0 and stats.jobs_in_flight == 0
+
+
+# -- tensor parallelism: TP=2 on the CPU (one worker process per rank) -------------------------------------
+
+TP2 = ("--llm-kwargs", json.dumps({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}))
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+RANK_BLOCK_BYTES = 2 * 1 * BLOCK * 64 * 4  # 2 layers x 1 of the model's 2 KV heads x 128 tokens x (K+V) fp32
+
+
+def run_tp2(model: Path, prompts: list, out: Path, connector: str | None = None, *args: str) -> dict:
+    return run_engine(model, prompts, out, connector, *TP2, *args, env=TP2_ENV)
+
+
+def test_tp2_engines_store_one_block_per_key_and_load_on_both_ranks(model, prompts, daemon, tmp_path) -> None:
+    reference = run_tp2(model, prompts, tmp_path / "ref.json")
+    a = run_tp2(model, prompts, tmp_path / "a.json", connector_config(daemon))
+    assert outputs(a) == outputs(reference)
+    stats = daemon.client().stats()
+    (ns,) = stats.namespaces
+    assert "kv_shards=2" in ns.namespace and "tp=" not in ns.namespace  # one namespace for the TP group
+    # One slot per block holding both ranks' shards: the pool holds the sum of the shards, once.
+    assert (ns.blocks, ns.block_bytes) == (3, 2 * RANK_BLOCK_BYTES)
+    assert stats.used_bytes == 3 * 2 * RANK_BLOCK_BYTES
+
+    b = run_tp2(model, prompts, tmp_path / "b.json", connector_config(daemon))  # a fresh engine
+    assert outputs(b) == outputs(reference)
+    assert external_hits(b) >= 3 * BLOCK  # one scheduler lookup answers for both ranks
+    stats = daemon.client().stats()
+    # Each of the 4 requests (scheduled in one step) found the 3 prefix blocks; both ranks loaded them.
+    assert stats.hits == 4 * 3 and stats.loaded_blocks == 2 * stats.hits
+    assert stats.failed_load_blocks == 0 and stats.engines == 0 and stats.leases == 0
+
+
+def test_tp2_under_constant_eviction_loads_never_fail(model, daemon_factory, tmp_path) -> None:
+    """A pool of 14 blocks; two hot prefixes alternate with cold ones that each bring 3 new blocks:
+    blocks come and go all the time, yet every block a lookup finds, both ranks load (ranks are
+    evicted and leased together)."""
+    daemon = daemon_factory(pool_size="2MiB", segment_size="1MiB").start()
+    prompts = [make_prompts(seed=20 + i, count=1, prefix_tokens=3 * BLOCK, suffix_tokens=40,
+                            prefix_seed=100 + i // 2 % 2 if i % 2 == 0 else 200 + i)[0] for i in range(16)]
+    # vLLM's own cache holds 8 blocks: a hot prefix is gone from it by its next use.
+    args = ("--mode", "sequential", "--max-tokens", "4", "--max-model-len", "512", "--kv-cache-bytes",
+            str(8 * RANK_BLOCK_BYTES))
+    reference = run_tp2(model, prompts, tmp_path / "ref.json", None, *args)
+    result = run_tp2(model, prompts, tmp_path / "run.json", connector_config(daemon), *args)
+    assert outputs(result) == outputs(reference)
+    stats = daemon.client().stats()
+    assert stats.evictions > 0 and stats.loaded_blocks > 0
+    assert stats.failed_load_blocks == 0
+    assert stats.loaded_blocks == 2 * stats.hits  # every block a lookup found, each rank loaded
+    print(f"TP=2 under eviction: {stats.loaded_blocks // 2} blocks loaded per rank, {stats.evictions} evictions, "
+          f"{stats.failed_load_blocks} failed loads, {stats.namespaces[0].block_bytes} pool bytes per block")
