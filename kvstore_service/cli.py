@@ -123,8 +123,8 @@ def fetch_stats(client: KVStoreClient) -> Stats:
 
 
 def _compact_namespace(name: str) -> tuple[str, str]:
-    """(what to show for it, tp) of a namespace string, never its salt. The vLLM connector's
-    `model=ORG/NAME;dtype=...;tp=R/N;pp=...[;salt=...]`: (NAME, R/N); other `key=value;...` strings:
+    """(what to show for it, TP shards) of a namespace string, never its salt. The vLLM connector's
+    `model=ORG/NAME;dtype=...;kv_shards=N[;salt=...]`: (NAME, N); other `key=value;...` strings:
     their parts but the salt; any other string: itself (the table cuts it short with an ellipsis)."""
     fields: dict[str, str] = {}
     for part in name.split(";"):
@@ -134,12 +134,12 @@ def _compact_namespace(name: str) -> tuple[str, str]:
         fields[key] = value
     model = fields.get("model", "").rstrip("/")
     if model:
-        return model.rsplit("/", 1)[-1], fields.get("tp", "-")
-    return ";".join(f"{k}={v}" for k, v in fields.items() if k != "salt"), fields.get("tp", "-")
+        return model.rsplit("/", 1)[-1], fields.get("kv_shards", "-")
+    return ";".join(f"{k}={v}" for k, v in fields.items() if k != "salt"), fields.get("kv_shards", "-")
 
 
 def _namespace_table(stats: Stats, width: int | None) -> Table:
-    """One row per namespace. In `width` columns: short id, model, TP rank and the main figures;
+    """One row per namespace. In `width` columns: short id, model, TP shards and the main figures;
     width None (--wide): the full namespace string and every figure in full, however wide."""
     from rich.table import Table
 
@@ -152,7 +152,7 @@ def _namespace_table(stats: Stats, width: int | None) -> Table:
                 for ns in stats.namespaces]
         left, room, caption = 2, None, None
     else:
-        headers = ("id", "namespace", "tp", "blocks", "used", "hit%", "stored", "loaded")
+        headers = ("id", "namespace", "shards", "blocks", "used", "hit%", "stored", "loaded")
         rows = [(ns.short_id, *_compact_namespace(ns.namespace), _count(ns.blocks), _human(ns.used_bytes),
                  _percent(ns), _count(ns.stored_blocks), _count(ns.loaded_blocks)) for ns in stats.namespaces]
         widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
@@ -206,7 +206,7 @@ def _console(wide: bool) -> Console:
 @click.option("--wide", is_flag=True, help="Full namespace strings and every per-namespace figure.")
 @click.option("--watch", type=float, default=None, metavar="SECONDS", help="Refresh every SECONDS.")
 def stats(socket: str, as_json: bool, wide: bool, watch: float | None) -> None:
-    """Pool use, hits, stores and loads: total and per namespace (namespaces by model, TP rank and a
+    """Pool use, hits, stores and loads: total and per namespace (namespaces by model, TP shards and a
     short id; --wide for their full strings)."""
     from kvstore_service.stats import to_json_dict
 

