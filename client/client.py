@@ -198,6 +198,7 @@ class _Submit:
     keys: bytes
     key_size: int
     block_ids: Sequence[int]
+    partial_tail: bool = False
 
 
 class Session:
@@ -317,15 +318,17 @@ class Session:
 
     # -- jobs ------------------------------------------------------------------------------------
 
-    def store(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        """Queue a copy engine -> pool; returns the job id at once."""
-        return self._submit(True, keys, block_ids)
+    def store(self, keys: Sequence[bytes], block_ids: Sequence[int], partial_tail: bool = False) -> int:
+        """Queue a copy engine -> pool; returns the job id at once. `partial_tail`: the last key is a
+        prompt's partial last block, which the pool evicts before full blocks."""
+        return self._submit(True, keys, block_ids, partial_tail)
 
     def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
         """Queue a copy pool -> engine; returns the job id at once."""
         return self._submit(False, keys, block_ids)
 
-    def _submit(self, is_store: bool, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
+    def _submit(self, is_store: bool, keys: Sequence[bytes], block_ids: Sequence[int],
+                partial_tail: bool = False) -> int:
         if self.memory is None:
             raise FailedPrecondition("this session registered no KV memory")
         job_id = next(self._job_ids)
@@ -335,7 +338,7 @@ class Session:
                 self._done.append(Completion(job_id, 0, max(len(keys), 1)))
                 return job_id
             self._pending[job_id] = self.session_id
-        self._submits.put(_Submit(job_id, is_store, packed, size, block_ids))
+        self._submits.put(_Submit(job_id, is_store, packed, size, block_ids, partial_tail))
         return job_id
 
     def _send_loop(self) -> None:
@@ -349,7 +352,8 @@ class Session:
             if session_id is None:
                 continue  # failed already (disconnect)
             request = pb.TransferRequest(session_id=session_id, job_id=item.job_id, keys=item.keys,
-                                         key_size=item.key_size, block_ids=item.block_ids)
+                                         key_size=item.key_size, block_ids=item.block_ids,
+                                         partial_tail=item.partial_tail)
             try:
                 (stub.Store if item.is_store else stub.Load)(request, timeout=self.client.timeout)
             except grpc.RpcError as e:

@@ -161,6 +161,7 @@ class Transfer:
     req_id: str
     keys: list[bytes]
     block_ids: list[int]
+    partial_tail: bool = False  # store: the last key is the prompt's partial last block
 
 
 @dataclass
@@ -342,11 +343,18 @@ class KVStoreConnector(KVConnectorBase_V1):
 
 @dataclass
 class _Lookup:
-    end: int  # blocks [0, end) were looked up
+    keys: list[bytes]  # looked up: the full blocks' hashes, then the prompt's partial tail's key if any
+    tail: int  # tokens of the tail key (0: none)
     future: Future[tuple[int, bytes]] | None
-    hits: int = 0  # leading blocks present
+    hits: int = 0  # leading keys present
     lease_id: bytes = b""
     start: int = 0  # vLLM's local hit (blocks) when we last answered: the load starts there
+
+    def cached_tokens(self, block_size: int) -> int:
+        """Tokens the present keys hold."""
+        if self.tail and self.hits == len(self.keys):
+            return (self.hits - 1) * block_size + self.tail
+        return self.hits * block_size
 
 
 class _Scheduler:
@@ -355,6 +363,7 @@ class _Scheduler:
     def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings, namespace: str) -> None:
         self.settings = settings
         self.block_size = vllm_config.cache_config.block_size
+        self.hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
         self.namespace = namespace  # one for every TP rank: a hit means every rank's shard is in
         self.client = KVStoreClient(settings.socket, timeout=settings.timeout_s)
         self.session: Session = self.client.session(namespace or "off", None, engine_id="vllm-scheduler",
@@ -366,6 +375,7 @@ class _Scheduler:
         self.had_stores: set[str] = set()
         self.load_failed: set[str] = set()  # requests whose load failed: recompute, never offer again
         self.load_block_ids: dict[str, set[int]] = {}
+        self.tails_done: set[str] = set()  # requests whose prompt tail is stored or was loaded
         self.unavailable_warned = False
         self.lookup_errors = 0
 
@@ -382,22 +392,24 @@ class _Scheduler:
         req_id = request.request_id
         self.requests.setdefault(req_id, request)
         start = num_computed_tokens // self.block_size
-        # Never claim the last prompt token: vLLM must compute at least one token.
-        end = min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
-        if not self.settings.load or end <= start or req_id in self.load_failed:
+        full = len(request.block_hashes)
+        if not self.settings.load or req_id in self.load_failed:
             return 0, False
-        # The lookup covers the whole prefix [0, end) and is asked once per request: vLLM's local
-        # hit (`start`) can move between calls while blocks churn, and a lookup keyed on it would
-        # be asked afresh forever.
+        # The lookup covers the whole prompt (its full blocks and its partial tail) and is asked once
+        # per request: vLLM's local hit (`start`) can move between calls while blocks churn, and a
+        # lookup keyed on it would be asked afresh forever.
         state = self.lookups.get(req_id)
-        if state is None or state.end != end:
+        if state is None or len(state.keys) - (1 if state.tail else 0) != full:
             if state is not None:
                 self._release(state)
-            if not self._available():
+            keys: list[bytes] = list(request.block_hashes)
+            tail = self._tail(request)
+            if tail is not None:
+                keys.append(tail[0])
+            if len(keys) <= start or not self._available():
                 return 0, False
-            future = self.session.lookup_future(request.block_hashes[:end], lease=True,
-                                                lease_ttl_ms=self.settings.lease_ttl_ms)
-            self.lookups[req_id] = _Lookup(end, future)
+            future = self.session.lookup_future(keys, lease=True, lease_ttl_ms=self.settings.lease_ttl_ms)
+            self.lookups[req_id] = _Lookup(keys, tail[1] if tail is not None else 0, future)
             return None, False
         if state.future is not None:
             if not state.future.done():
@@ -409,21 +421,49 @@ class _Scheduler:
                 log.warning("kvstore lookup failed (%s); recomputing", e)
             state.future = None
         state.start = start
-        if state.hits <= start:
+        # Every cached token but the last: vLLM computes at least one token (a full hit loads the
+        # last block whole and recomputes only its final token).
+        cached = min(state.cached_tokens(self.block_size), request.num_tokens - 1)
+        if cached <= num_computed_tokens:
             return 0, False
-        return (state.hits - start) * self.block_size, True
+        return cached - num_computed_tokens, True
+
+    def _tail(self, request: Request) -> tuple[bytes, int] | None:
+        """(key, tokens) of a fresh prompt's partial last block: the hash vLLM's block hasher would
+        give it (parent hash, its token ids, the same extra keys: LoRA, multimodal inputs,
+        cache_salt). Its token tuple is shorter than a full block's, so it never equals one's key."""
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
+
+        full, end = len(request.block_hashes), request.num_prompt_tokens
+        start = full * self.block_size
+        if request.num_tokens != end or not 0 < end - start < self.block_size:
+            return None  # no partial tail, or not a fresh prompt (resumed with output tokens)
+        mm_index = 0
+        if request.mm_features:
+            from vllm.multimodal.utils import get_mm_features_in_window
+
+            mm_index, _ = get_mm_features_in_window(request.mm_features, start, end)
+        extra, _ = generate_block_hash_extra_keys(request, start, end, mm_index)
+        parent = request.block_hashes[-1] if full else None
+        key = hash_block_tokens(get_hash_fn_by_name(self.hash_algo), parent, request.all_token_ids[start:end], extra)
+        return key, end - start
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         req_id = request.request_id
         state = self.lookups.get(req_id)
         if num_external_tokens == 0 or state is None:
             return
-        count = num_external_tokens // self.block_size
+        count = -(-num_external_tokens // self.block_size)  # the last one may be loaded for part of its tokens
         block_ids = blocks.get_block_ids()[0][state.start : state.start + count]
-        keys = request.block_hashes[state.start : state.start + count]
-        self.loads.append(Transfer(req_id, list(keys), list(block_ids)))
+        keys = state.keys[state.start : state.start + count]
+        self.loads.append(Transfer(req_id, keys, list(block_ids)))
         self.load_block_ids[req_id] = set(block_ids)
-        self.stored_upto[req_id] = max(self.stored_upto.get(req_id, 0), state.start + count)
+        # Loaded full blocks need no store; a loaded tail's block does once output tokens fill it.
+        loaded_full = min(state.start + count, len(request.block_hashes))
+        self.stored_upto[req_id] = max(self.stored_upto.get(req_id, 0), loaded_full)
+        if state.tail and state.start + count == len(state.keys):
+            self.tails_done.add(req_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         meta = KVStoreConnectorMetadata(loads=self.loads)
@@ -440,27 +480,40 @@ class _Scheduler:
             return meta
         block_state = scheduler_output.kv_connector_block_state
         if self.settings.store and block_state is not None:
-            size, requests, stored_upto = self.block_size, self.requests, self.stored_upto
+            requests = self.requests
             for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
                 request = requests.get(req_id)
-                if request is None:
-                    continue
-                computed = request.num_computed_tokens
-                first = stored_upto.get(req_id)
-                if first is None:  # blocks vLLM had cached locally when the request arrived
-                    first = stored_upto[req_id] = computed // size
-                # Full blocks computed once this step's forward is done (most steps: none new).
-                done = (computed + scheduled) // size
-                if done <= first:
-                    continue
-                done = min(done, len(request.block_hashes))  # ... and hashed
-                ids = block_state.get_block_ids(req_id) if done > first else None
-                if ids is None:
-                    continue
-                meta.stores.append(Transfer(req_id, list(request.block_hashes[first:done]), list(ids[0][first:done])))
-                stored_upto[req_id] = done
-                self.had_stores.add(req_id)
+                if request is not None:
+                    self._plan_store(request, scheduled, block_state, meta.stores)
         return meta
+
+    def _plan_store(self, request: Request, scheduled: int, block_state: Any, stores: list[Transfer]) -> None:
+        """The blocks of a request whose KV this step's forward completes: full blocks (most steps:
+        none new), and the prompt's partial tail in the step that finishes the prompt."""
+        req_id, size = request.request_id, self.block_size
+        computed = request.num_computed_tokens
+        first = self.stored_upto.get(req_id)
+        if first is None:  # blocks vLLM had cached locally when the request arrived
+            first = self.stored_upto[req_id] = computed // size
+        done = (computed + scheduled) // size
+        tail = computed < request.num_prompt_tokens <= computed + scheduled and req_id not in self.tails_done
+        if done <= first and not tail:
+            return
+        done = min(done, len(request.block_hashes))  # ... and hashed
+        ids = block_state.get_block_ids(req_id)
+        if ids is None:
+            return
+        keys: list[bytes] = list(request.block_hashes[first:done])
+        block_ids = list(ids[0][first:done])
+        tail_key = self._tail(request) if tail else None
+        if tail_key is not None:
+            keys.append(tail_key[0])
+            block_ids.append(ids[0][request.num_prompt_tokens // size])
+            self.tails_done.add(req_id)
+        if keys:
+            stores.append(Transfer(req_id, keys, block_ids, tail_key is not None))
+            self.had_stores.add(req_id)
+        self.stored_upto[req_id] = max(first, done)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if not connector_output.finished_recving:
@@ -484,6 +537,7 @@ class _Scheduler:
         self.stored_upto.pop(req_id, None)
         self.load_failed.discard(req_id)
         self.load_block_ids.pop(req_id, None)
+        self.tails_done.discard(req_id)
         if req_id in self.had_stores:
             self.had_stores.discard(req_id)
             return True
@@ -579,13 +633,15 @@ class _Worker:
             return  # off: nothing stored, and nothing keeps a finished request's blocks
         if self.sharding.replicas > 1:  # replicas of a shard split its stores
             rank, sharding = self.rank, self.sharding
-            stores = [Transfer(t.req_id, *map(list, zip(*kept, strict=True))) for t in stores
+            stores = [Transfer(t.req_id, [k for k, _ in kept], [b for _, b in kept],
+                               t.partial_tail and kept[-1][0] == t.keys[-1])
+                      for t in stores
                       if (kept := [(k, b) for k, b in zip(t.keys, t.block_ids, strict=True)
                                    if sharding.stores(rank, b)])]
         if stores and self.device is not None:
             synchronize_before_store(self.device)  # the daemon may read the blocks as soon as a job arrives
         for t in stores:
-            job = self.session.store(t.keys, t.block_ids)
+            job = self.session.store(t.keys, t.block_ids, t.partial_tail)
             self.store_jobs[job] = t.req_id
             self.stores_left[t.req_id] = self.stores_left.get(t.req_id, 0) + 1
             self.had_stores.add(t.req_id)

@@ -9,8 +9,10 @@ restart.
 
 A block is WRITING while its store copy runs (invisible to lookups and loads) and COMMITTED after.
 Pinned blocks (leased, being loaded or sealed) and WRITING blocks are never evicted; the rest go
-least recently used first, per payload size. A block removed while pinned is DOOMED: its slot is
-freed at the last unpin.
+least recently used first, per payload size; prompts' partial last blocks (tails) before full ones:
+a tail serves only an exact repeat of its prompt, and measured on this index (benchmarks/
+bench_tails.py) evicting tails first serves more of the prompts' tokens from a pool too small for
+them. A block removed while pinned is DOOMED: its slot is freed at the last unpin.
 
 Tensor parallelism: a namespace with `shards` > 1 keeps one slot per key holding every TP shard's
 part (engine r writes part r). The block stays WRITING until every part is in, so one lookup answers
@@ -102,6 +104,7 @@ class Block:
     # Sharded namespaces, while WRITING: bit r set when shard r's part is in / being copied.
     shards_in: int = 0
     shards_copying: int = 0
+    tail: bool = False  # a prompt's partial last block: evicted before full blocks
 
     @property
     def ref(self) -> SlotRef:
@@ -132,6 +135,7 @@ class BlockIndex:
         self.count = 0
         self.evictions = 0
         self._lru: dict[int, OrderedDict[Block, None]] = {}  # payload size -> committed blocks, oldest first
+        self._tails: dict[int, OrderedDict[Block, None]] = {}  # ... the tails among them: evicted first
         self._by_segment: dict[int, dict[int, Block]] = {}
 
     # -- namespaces ------------------------------------------------------------------------------
@@ -183,17 +187,27 @@ class BlockIndex:
                 self._free(block)
 
     def _touch(self, block: Block) -> None:
-        lru = self._lru.get(block.namespace.block_bytes)
+        lru = (self._tails if block.tail else self._lru).get(block.namespace.block_bytes)
         if lru is not None and block in lru:
             lru.move_to_end(block)
 
+    def _recency(self, block: Block) -> OrderedDict[Block, None]:
+        """The LRU list the block belongs in."""
+        return (self._tails if block.tail else self._lru).setdefault(block.namespace.block_bytes, OrderedDict())
+
     # -- stores ----------------------------------------------------------------------------------
 
-    def prepare_store(self, ns: Namespace, keys: list[bytes], shard: int = 0) -> StorePlan:
+    def prepare_store(self, ns: Namespace, keys: list[bytes], shard: int = 0, tails: int = 0) -> StorePlan:
         """Sort a chunk's keys: present, being written by another store, or new; reserve a WRITING
-        slot for each new key (evicting if needed) until the pool runs out."""
-        if ns.shards > 1:
-            return self._prepare_shard_store(ns, keys, 1 << shard)
+        slot for each new key (evicting if needed) until the pool runs out. The last `tails` keys
+        are prompts' partial last blocks."""
+        plan = self._prepare_shard_store(ns, keys, 1 << shard) if ns.shards > 1 else self._prepare(ns, keys)
+        if tails:
+            for i, block in zip(plan.reserved, plan.blocks, strict=True):
+                block.tail = i >= len(keys) - tails
+        return plan
+
+    def _prepare(self, ns: Namespace, keys: list[bytes]) -> StorePlan:
         present: list[int] = []
         in_flight: list[tuple[int, Block]] = []
         committed, writing = ns._committed, ns._writing
@@ -283,6 +297,9 @@ class BlockIndex:
             block.state = BlockState.COMMITTED
         ns._committed.update(zip(map(_key, done), done, strict=True))
         self._lru.setdefault(ns.block_bytes, OrderedDict()).update(dict.fromkeys(done))
+        if done[-1:] and done[-1].tail:  # (a chunk's tail is its last block)
+            self._lru[ns.block_bytes].pop(done[-1])
+            self._recency(done[-1])[done[-1]] = None
         ns.counters.stored_blocks += len(done)
         return done
 
@@ -290,7 +307,6 @@ class BlockIndex:
         ns = blocks[0].namespace
         full = (1 << ns.shards) - 1
         done: list[Block] = []
-        lru = self._lru.setdefault(ns.block_bytes, OrderedDict())
         for block in blocks:
             if not self._present(block):
                 continue  # dropped while copied
@@ -301,6 +317,7 @@ class BlockIndex:
                 done.append(block)
             elif not block.shards_copying:
                 if block.shards_in:  # waiting for the other shards: evictable meanwhile, as recent
+                    lru = self._recency(block)
                     lru.pop(block, None)
                     lru[block] = None
                 else:
@@ -309,6 +326,7 @@ class BlockIndex:
             del ns._writing[block.key]
             block.state = BlockState.COMMITTED
             ns._committed[block.key] = block
+            lru = self._recency(block)
             lru.pop(block, None)
             lru[block] = None
         ns.counters.stored_blocks += len(done)
@@ -394,7 +412,7 @@ class BlockIndex:
     def _unlist(self, block: Block) -> None:
         del _home(block)[block.key]
         self.count -= 1
-        lru = self._lru.get(block.namespace.block_bytes)
+        lru = (self._tails if block.tail else self._lru).get(block.namespace.block_bytes)
         if lru is not None:
             lru.pop(block, None)
 
@@ -414,15 +432,14 @@ class BlockIndex:
         self._drop(block)
 
     def _evict_for(self, payload_size: int) -> SlotRef | None:
-        """Free a slot of this size: evict the LRU unpinned block of the same size, else empty
-        a whole segment of another size whose blocks are all evictable."""
-        lru = self._lru.get(payload_size)
-        if lru:
-            for block in lru:
+        """Free a slot of this size: evict the LRU unpinned block of the same size (tails first),
+        else empty a whole segment of another size whose blocks are all evictable."""
+        for lru in (self._tails.get(payload_size), self._lru.get(payload_size)):
+            for block in lru or ():
                 if self._evictable(block):
                     self._evict(block)
                     return self.pool.allocate(payload_size)
-        for size, other in self._lru.items():
+        for size, other in chain(self._tails.items(), self._lru.items()):
             if size == payload_size:
                 continue
             for block in other:

@@ -84,6 +84,7 @@ class Job:
     keys: list[bytes]
     block_ids: list[int]
     ok: list[bool]
+    partial_tail: bool = False  # store: the last key is a prompt's partial last block
     # store: keys another job is writing; this job is done when those are (dedupe without lying)
     waits: list[tuple[int, asyncio.Future[bool]]] = field(default_factory=list)
     error: str = ""
@@ -141,7 +142,7 @@ class Jobs:
     # -- submit and poll -------------------------------------------------------------------------
 
     def submit(self, session: EngineSession, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int],
-               is_store: bool) -> Job:
+               is_store: bool, partial_tail: bool = False) -> Job:
         keys, block_ids = list(keys), list(block_ids)  # (block_ids may be a protobuf container: slow to index)
         if len(keys) != len(block_ids):
             raise invalid(f"{len(keys)} keys but {len(block_ids)} block ids")
@@ -166,7 +167,7 @@ class Jobs:
         if len(session.jobs) >= self.config.max_inflight_jobs:
             raise KVError("RESOURCE_EXHAUSTED", f"{len(session.jobs)} jobs in flight (max)")
 
-        job = Job(job_id, is_store, session, keys, block_ids, [False] * len(keys))
+        job = Job(job_id, is_store, session, keys, block_ids, [False] * len(keys), partial_tail)
         session.jobs[slot] = job
         task = asyncio.get_running_loop().create_task(self._run(job))
         session.tasks.add(task)
@@ -256,7 +257,8 @@ class Jobs:
         """Slots for the chunk's new keys; keys present already are done, keys another job is
         writing are done when that job's copy is."""
         shard = job.session.layout.shard
-        plan = self.index.prepare_store(job.session.namespace, job.keys[part.start:part.stop], shard)
+        tails = 1 if job.partial_tail and part.stop == len(job.keys) else 0
+        plan = self.index.prepare_store(job.session.namespace, job.keys[part.start:part.stop], shard, tails)
         for i in plan.present:
             job.ok[part.start + i] = True
         for i, block in plan.in_flight:

@@ -147,7 +147,8 @@ class Servicer(pb_grpc.KVStoreServicer):
         check_keys(request.keys, request.key_size)
         session = self.daemon.sessions.engine(request.session_id)
         keys = list(unpack_keys(request.keys, request.key_size))
-        job = self.daemon.jobs.submit(session, request.job_id, keys, request.block_ids, is_store)
+        job = self.daemon.jobs.submit(session, request.job_id, keys, request.block_ids, is_store,
+                                      is_store and request.partial_tail)
         return pb.TransferResponse(job_id=job.job_id)
 
     async def Poll(self, request: pb.PollRequest, context: Any) -> pb.PollResponse:

@@ -225,3 +225,23 @@ def test_sharded_namespaces_keep_their_shard_count(pool: Pool) -> None:
     index.namespace("tp2", BLOCK, shards=2)
     with pytest.raises(ValueError, match="in 2 shard"):
         index.namespace("tp2", BLOCK, shards=4)
+
+
+def test_tails_are_evicted_before_full_blocks(pool: Pool) -> None:
+    """A prompt's partial last block serves only an exact repeat of the prompt: under pressure it goes
+    before any full block, however recently used (benchmarks/bench_tails.py measured the policy)."""
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", BLOCK)
+    capacity = 4 * pool.slots_per_segment(BLOCK)
+    tail_keys = keys_of(2, tag=1)
+    for key in tail_keys:  # two prompts: one full block and its tail each
+        plan = index.prepare_store(ns, [b"full" + key[4:], key], tails=1)
+        assert [b.tail for b in plan.blocks] == [False, True]
+        index.complete_store(plan.blocks, ok=True)
+    index.pin(index.lookup(ns, b"".join(tail_keys), 32))  # the tails are the most recently used...
+    index.unpin(ns._committed[k] for k in tail_keys)
+    fill = index.prepare_store(ns, keys_of(capacity - 4 + 2, tag=2))  # ... yet they go first
+    assert fill.refused == 0 and index.evictions == 2
+    index.complete_store(fill.blocks, ok=True)
+    assert index.lookup(ns, b"".join(tail_keys), 32) == []
+    assert all(b"full" + k[4:] in ns._committed for k in tail_keys)

@@ -82,7 +82,8 @@ def test_derived_figures() -> None:
     ns = stats.namespaces[0]
     assert ns.hit_rate == ns.hits / (ns.hits + ns.misses)
     assert ns.short_id == namespace_id(LONG_NAMESPACE) and len(ns.short_id) == 8
-    assert namespace_id("model=x;kv_shards=1") == namespace_id("model=x;kv_shards=1") != namespace_id("model=x;kv_shards=2")
+    one, two = "model=x;kv_shards=1", "model=x;kv_shards=2"
+    assert namespace_id(one) == namespace_id(one) != namespace_id(two)
     assert to_json_dict(stats)["hit_rate"] == 0.75
     with pytest.raises(dataclasses.FrozenInstanceError):
         stats.hits = 1  # type: ignore[misc]

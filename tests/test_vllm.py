@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from support import VLLM_SCRIPTS
+from support.daemon import wait_for
 from support.vllm.tiny_model import build_tiny_model
 
 from kvstore_service.pool import sealed_blocks
@@ -89,24 +90,30 @@ def test_outputs_identical_with_connector_and_restart_loads_from_sidecar(model, 
     a = run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon))
     assert outputs(a) == outputs(reference)  # 1. the connector does not change greedy outputs
     stats = daemon.client().stats()
-    assert stats.blocks == 3  # the shared 3-block prefix, stored once (the suffixes end in partial blocks)
-    assert stats.stored_blocks == 3
+    # The shared 3-block prefix, stored once, and each prompt's partial last block (its own suffix).
+    assert stats.blocks == 3 + 4
+    assert stats.stored_blocks == 3 + 4
 
     # 2. A is gone; a fresh engine B (scheduler and worker in separate processes, as deployed)
     # loads the prefix from the sidecar instead of computing it.
     b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon), "--multiproc")
     assert outputs(b) == outputs(reference)
-    assert b["requests"][0]["num_cached_tokens"] == 3 * BLOCK  # the first request had nothing local
-    assert external_hits(b) >= 3 * BLOCK
+    # The first request had nothing local: all its prompt but the last token came from the sidecar.
+    assert b["requests"][0]["num_cached_tokens"] == len(prompts[0]) - 1
+    assert external_hits(b) >= len(prompts[0]) - 1
     stats = daemon.client().stats()
     assert stats.loaded_blocks >= 3 and stats.hits >= 3
     assert stats.engines == 0 and stats.leases == 0 and stats.jobs_in_flight == 0  # nothing leaked
 
 
-def _corrupt_pool(pool_path: str) -> int:
-    """Test-only path: overwrite every sealed block's bytes in the pool file."""
-    blocks = list(sealed_blocks(pool_path))
-    with open(pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as data:
+def _corrupt_pool(daemon) -> int:
+    """Test-only path: overwrite every block's bytes in the pool file, once all are sealed (seals
+    are deferred while copies run)."""
+    client = daemon.client()
+    assert wait_for(lambda: client.stats().unsealed_blocks == 0, timeout=30)
+    client.close()
+    blocks = list(sealed_blocks(daemon.pool_path))
+    with open(daemon.pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as data:
         for header, offset in blocks:
             data[offset : offset + header.payload_len] = os.urandom(header.payload_len)
     return len(blocks)
@@ -117,7 +124,7 @@ def test_loaded_kv_is_really_used(model, prompts, reference, daemon_factory, tmp
     # restart test above cannot pass by recomputing.
     daemon = daemon_factory("--verify-loads", "0").start()
     run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon))
-    assert _corrupt_pool(daemon.pool_path) == 3
+    assert _corrupt_pool(daemon) == 3 + 4  # the shared prefix and each prompt's tail
     b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon))
     assert external_hits(b) >= 3 * BLOCK
     assert outputs(b) != outputs(reference)
@@ -128,7 +135,7 @@ def test_corrupt_block_is_detected_and_recomputed(model, prompts, reference, dae
     # outputs stay right and the bad blocks are dropped.
     daemon = daemon_factory("--verify-loads", "1").start()
     run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon))
-    assert _corrupt_pool(daemon.pool_path) == 3
+    assert _corrupt_pool(daemon) == 3 + 4  # the shared prefix and each prompt's tail
     b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon))
     assert outputs(b) == outputs(reference)
     stats = daemon.client().stats()
@@ -173,7 +180,7 @@ def test_two_engines_share_a_prefix(model, daemon, tmp_path) -> None:
     finish(a, tmp_path / "a.json")
     assert b["requests"][0]["num_cached_tokens"] == 4 * BLOCK
     stats = client.stats()
-    assert stats.blocks == 4  # one copy of the shared prefix, not one per engine
+    assert stats.blocks == 4 + 4  # one copy of the shared prefix, not one per engine; each prompt's tail
     ref_b = run_engine(model, prompts_b, tmp_path / "ref_b.json")
     assert outputs(b) == outputs(ref_b)
 
@@ -224,16 +231,18 @@ def test_tp2_engines_store_one_block_per_key_and_load_on_both_ranks(model, promp
     stats = daemon.client().stats()
     (ns,) = stats.namespaces
     assert "kv_shards=2" in ns.namespace and "tp=" not in ns.namespace  # one namespace for the TP group
-    # One slot per block holding both ranks' shards: the pool holds the sum of the shards, once.
-    assert (ns.blocks, ns.block_bytes) == (3, 2 * RANK_BLOCK_BYTES)
-    assert stats.used_bytes == 3 * 2 * RANK_BLOCK_BYTES
+    # One slot per block (the shared prefix, each prompt's tail) holding both ranks' shards: the pool
+    # holds the sum of the shards, once.
+    assert (ns.blocks, ns.block_bytes) == (3 + 4, 2 * RANK_BLOCK_BYTES)
+    assert stats.used_bytes == (3 + 4) * 2 * RANK_BLOCK_BYTES
 
     b = run_tp2(model, prompts, tmp_path / "b.json", connector_config(daemon))  # a fresh engine
     assert outputs(b) == outputs(reference)
-    assert external_hits(b) >= 3 * BLOCK  # one scheduler lookup answers for both ranks
+    assert external_hits(b) >= len(prompts[0]) - 1  # one scheduler lookup answers for both ranks
     stats = daemon.client().stats()
-    # Each of the 4 requests (scheduled in one step) found the 3 prefix blocks; both ranks loaded them.
-    assert stats.hits == 4 * 3 and stats.loaded_blocks == 2 * stats.hits
+    # Each of the 4 requests (scheduled in one step) found the 3 prefix blocks and its tail; both ranks
+    # loaded them.
+    assert stats.hits == 4 * (3 + 1) and stats.loaded_blocks == 2 * stats.hits
     assert stats.failed_load_blocks == 0 and stats.engines == 0 and stats.leases == 0
 
 
@@ -256,3 +265,35 @@ def test_tp2_under_constant_eviction_loads_never_fail(model, daemon_factory, tmp
     assert stats.loaded_blocks == 2 * stats.hits  # every block a lookup found, each rank loaded
     print(f"TP=2 under eviction: {stats.loaded_blocks // 2} blocks loaded per rank, {stats.evictions} evictions, "
           f"{stats.failed_load_blocks} failed loads, {stats.namespaces[0].block_bytes} pool bytes per block")
+
+
+# -- every cached token but one ------------------------------------------------------------------
+
+
+def test_a_restarted_engine_loads_all_but_the_last_token_of_any_prompt(model, daemon, tmp_path) -> None:
+    """Prompt lengths a multiple of the block size, one more, one less, and others: the full blocks
+    and the partial last block are stored; a fresh engine computes only each prompt's last token."""
+    rng = random.Random(11)
+    lengths = [2 * BLOCK, 2 * BLOCK + 1, 2 * BLOCK - 1, BLOCK - 50, rng.randrange(300, 700), rng.randrange(300, 700)]
+    prompts = [random.Random(100 + i).choices(range(3, 2000), k=n) for i, n in enumerate(lengths)]
+    reference = run_engine(model, prompts, tmp_path / "ref.json")
+    run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon))
+    b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon))
+    assert outputs(b) == outputs(reference)
+    assert [r["num_cached_tokens"] for r in b["requests"]] == [n - 1 for n in lengths]
+    assert daemon.client().stats().failed_load_blocks == 0
+
+
+def test_prompts_that_differ_inside_the_tail_never_take_each_others(model, daemon, tmp_path) -> None:
+    prefix = random.Random(12).choices(range(3, 2000), k=2 * BLOCK)
+    tail = random.Random(13).choices(range(3, 2000), k=40)
+    stored = prefix + tail
+    other = prefix + tail[:-1] + [tail[-1] + 1]  # the same tail but for its last token
+    shorter = prefix + tail[:20]  # a prefix of the stored tail
+    run_engine(model, [stored], tmp_path / "a.json", connector_config(daemon))
+    prompts = [other, shorter, stored]
+    reference = run_engine(model, prompts, tmp_path / "ref.json", None, "--mode", "sequential")
+    b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon), "--mode", "sequential")
+    assert outputs(b) == outputs(reference)
+    # Only the stored prompt finds its tail; the others find the shared full blocks only.
+    assert [r["num_cached_tokens"] for r in b["requests"]] == [2 * BLOCK, 2 * BLOCK, len(stored) - 1]
