@@ -363,7 +363,9 @@ class _Scheduler:
     def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings, namespace: str) -> None:
         self.settings = settings
         self.block_size = vllm_config.cache_config.block_size
-        self.hash_algo = vllm_config.cache_config.prefix_caching_hash_algo
+        from vllm.utils.hashing import get_hash_fn_by_name
+
+        self.hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
         self.namespace = namespace  # one for every TP rank: a hit means every rank's shard is in
         self.client = KVStoreClient(settings.socket, timeout=settings.timeout_s)
         self.session: Session = self.client.session(namespace or "off", None, engine_id="vllm-scheduler",
@@ -432,7 +434,6 @@ class _Scheduler:
         """(key, tokens) of a fresh prompt's partial last block: the hash vLLM's block hasher would
         give it (parent hash, its token ids, the same extra keys: LoRA, multimodal inputs,
         cache_salt). Its token tuple is shorter than a full block's, so it never equals one's key."""
-        from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
 
         full, end = len(request.block_hashes), request.num_prompt_tokens
@@ -446,7 +447,7 @@ class _Scheduler:
             mm_index, _ = get_mm_features_in_window(request.mm_features, start, end)
         extra, _ = generate_block_hash_extra_keys(request, start, end, mm_index)
         parent = request.block_hashes[-1] if full else None
-        key = hash_block_tokens(get_hash_fn_by_name(self.hash_algo), parent, request.all_token_ids[start:end], extra)
+        key = hash_block_tokens(self.hash_fn, parent, request.all_token_ids[start:end], extra)
         return key, end - start
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:

@@ -530,3 +530,28 @@ def test_round_trip_through_the_daemon(daemon, case: tuple) -> None:
 def test_ascend_tuples_round_trip_through_the_daemon(daemon, ratio: int) -> None:
     """vllm-ascend's shape: 7 separate allocations, each its own memfd mapped by the daemon."""
     round_trip(daemon, ascend_config(3), ascend_caches(3, ratio, heads_first=True), f"ascend-{ratio}", seed=ratio)
+
+
+def test_a_cache_that_cannot_be_described_leaves_the_connector_off(daemon, caplog) -> None:
+    """Never a guess: the worker logs why, registers nothing, stores nothing, and fails every load it
+    is asked for (vLLM recomputes those blocks) while reporting the request done."""
+    from kvstore_client.vllm import ConnectorSettings, Transfer, _Worker
+
+    names = layer_names(4)
+    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32,
+                               sliding_window=32)
+    config = plan("LBNHC", 4, groups=[KVCacheGroupSpec(names[:2], SPEC), KVCacheGroupSpec(names[2:], window)])
+    worker = _Worker(vllm_config(), config, ConnectorSettings(socket=daemon.socket), "hybrid", rank=0)
+    try:
+        with caplog.at_level("ERROR", logger="kvstore_client.vllm"):
+            worker.register(allocate(config, 1))
+        assert worker.session is None
+        assert "kvstore connector off for this engine (vLLM recomputes): the KV cache has 2 KV cache groups" \
+            in caplog.text
+        worker.start_stores([Transfer("a", [b"k" * 32], [1])])
+        worker.start_loads([Transfer("b", [b"k" * 32, b"j" * 32], [2, 3])])
+        results = worker.transfer_results(set())
+        assert results.finished_recving == {"b"} and worker.take_load_errors() == {2, 3}
+        assert daemon.client().stats().engines == 0 and daemon.client().stats().blocks == 0
+    finally:
+        worker.close()

@@ -179,14 +179,18 @@ def test_replicas_split_the_stores_of_their_shard() -> None:
     class Recorder:
         def __init__(self) -> None:
             self.stored: list[tuple[bytes, int]] = []
+            self.tails: list[bytes] = []
 
-        def store(self, keys: list[bytes], block_ids: list[int]) -> int:
+        def store(self, keys: list[bytes], block_ids: list[int], partial_tail: bool = False) -> int:
             self.stored += zip(keys, block_ids, strict=True)
+            self.tails += keys[-1:] if partial_tail else []
             return len(self.stored)
 
     keys = [key_of("replicas", i) for i in range(9)]
-    transfers = [connector.Transfer("a", keys[:5], [7, 3, 8, 1, 2]), connector.Transfer("b", keys[5:], [4, 6, 5, 0])]
-    stored = []
+    # b's last key is its prompt's partial last block: only the replica that stores it says so.
+    transfers = [connector.Transfer("a", keys[:5], [7, 3, 8, 1, 2]),
+                 connector.Transfer("b", keys[5:], [4, 6, 5, 0], partial_tail=True)]
+    stored, tails = [], []
     for rank in (2, 3):  # the replicas of shard 1
         worker = connector._Worker(vllm_config, kv_cache_config, connector.ConnectorSettings(socket="/nowhere"),
                                    "ns", rank)
@@ -194,5 +198,7 @@ def test_replicas_split_the_stores_of_their_shard() -> None:
         worker.start_stores(transfers)
         assert all(b % 2 == rank % 2 for _, b in worker.session.stored)
         stored += worker.session.stored
+        tails += worker.session.tails
         worker.client.close()
     assert sorted(stored) == sorted(zip(keys, [7, 3, 8, 1, 2, 4, 6, 5, 0], strict=True))
+    assert tails == [keys[-1]]
