@@ -199,7 +199,7 @@ def engine_main(spec_path: str, out_path: str) -> int:
     elif spec["mode"] == "ab":
         # One connector engine, rounds alternating the connector's lookups+stores on and off (fresh prompts).
         assert recorder is not None
-        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler  # uniproc: the _Scheduler
+        sched = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler  # uniproc: its Scheduler
         full = sched.settings
         result["rounds"] = []
         for rnd in spec["rounds"]:

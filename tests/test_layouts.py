@@ -487,9 +487,10 @@ def round_trip(daemon, config: KVCacheConfig, kv_caches: dict, namespace: str, s
     """Register the cache with the connector's worker code, store random manager blocks, load them into other
     block ids: every byte of the loaded blocks is what vLLM's views hold for the stored ones (kernel rows
     included), and no other byte of the KV memory changed (padding included)."""
-    from kvstore_client.vllm import ConnectorSettings, _Worker
+    from kvstore_client.vllm.common import ConnectorSettings
+    from kvstore_client.vllm.worker import Worker
 
-    worker = _Worker(vllm_config(), config, ConnectorSettings(socket=daemon.socket), namespace, rank=0)
+    worker = Worker(vllm_config(), config, ConnectorSettings(socket=daemon.socket), namespace, rank=0)
     worker.register(kv_caches)
     session = worker.session
     assert session is not None, "the worker refused a cache the layout module describes"
@@ -535,13 +536,14 @@ def test_ascend_tuples_round_trip_through_the_daemon(daemon, ratio: int) -> None
 def test_a_cache_that_cannot_be_described_leaves_the_connector_off(daemon, caplog) -> None:
     """Never a guess: the worker logs why, registers nothing, stores nothing, and fails every load it
     is asked for (vLLM recomputes those blocks) while reporting the request done."""
-    from kvstore_client.vllm import ConnectorSettings, Transfer, _Worker
+    from kvstore_client.vllm.common import ConnectorSettings, Transfer
+    from kvstore_client.vllm.worker import Worker
 
     names = layer_names(4)
     window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32,
                                sliding_window=32)
     config = plan("LBNHC", 4, groups=[KVCacheGroupSpec(names[:2], SPEC), KVCacheGroupSpec(names[2:], window)])
-    worker = _Worker(vllm_config(), config, ConnectorSettings(socket=daemon.socket), "hybrid", rank=0)
+    worker = Worker(vllm_config(), config, ConnectorSettings(socket=daemon.socket), "hybrid", rank=0)
     try:
         with caplog.at_level("ERROR", logger="kvstore_client.vllm"):
             worker.register(allocate(config, 1))

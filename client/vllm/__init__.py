@@ -1,0 +1,186 @@
+"""vLLM 0.32 KV connector: offload KV blocks to the kvstore sidecar and load them back.
+
+    --kv-transfer-config '{"kv_connector": "KVStoreConnector",
+                           "kv_connector_module_path": "kvstore_client.vllm", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"socket": "/run/kvstore/kvstore.sock"}}'
+
+Scheduler side (no tensors): looks a request's block hashes up in the sidecar asynchronously
+(`get_num_new_matched_tokens` answers None, "ask again", until the reply is in), pins the hits with a
+lease, pairs keys with the engine blocks vLLM allocates, and plans each step's loads and stores.
+Worker side: moves the KV cache into shared memory (CPU) and registers it, submits the planned jobs
+without waiting, and polls their completions from shared memory in the steps that have jobs in
+flight. No RPC is ever made on the engine's step loop (lookups and lease releases run on the
+session's background thread); if the sidecar is down, lookups miss, loads fail (vLLM recomputes)
+and stores are dropped, and the connector reconnects on its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvstore_client.layouts import UnsupportedKVCache
+from kvstore_client.vllm.common import (
+    IDLE_WAIT_S,
+    ConnectorSettings,
+    KVStoreConnectorMetadata,
+    KVStoreConnectorStats,
+    namespace_for,
+    unsupported,
+)
+from kvstore_client.vllm.scheduler import Scheduler
+from kvstore_client.vllm.worker import Worker
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class KVStoreConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        if transfer is None:  # vLLM creates a connector only from a kv_transfer_config
+            raise ValueError("KVStoreConnector needs vllm_config.kv_transfer_config")
+        self.settings = ConnectorSettings.from_extra_config(dict(transfer.kv_connector_extra_config or {}))
+        # A cache miss is never fatal: a block that fails to load is recomputed.
+        transfer.kv_load_failure_policy = "recompute"
+        try:
+            why = unsupported(vllm_config)
+            namespace = "" if why else namespace_for(vllm_config, kv_cache_config, self.settings.tenant_salt)
+        except (UnsupportedKVCache, ValueError) as e:
+            why = str(e)
+        if why:
+            log.error("kvstore connector off for this engine (vLLM recomputes): %s", why)
+            self.settings = replace(self.settings, load=False, store=False)
+        self.scheduler: Scheduler | None = None
+        self.worker: Worker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = Scheduler(vllm_config, self.settings, namespace)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            self.worker = Worker(vllm_config, kv_cache_config, self.settings, namespace,
+                                  get_tensor_model_parallel_rank())
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The layout to ask vLLM for (setting kv_layout); vLLM keeps its own where the attention
+        backend does not support it (the CPU backend has LBHNC only)."""
+        transfer = vllm_config.kv_transfer_config
+        extra = dict(transfer.kv_connector_extra_config or {}) if transfer is not None else {}
+        return ConnectorSettings.from_extra_config(extra).kv_layout or None
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped store is a future miss, never a correctness problem
+
+    # scheduler side
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def on_new_request(self, request: Request) -> None:
+        if self.scheduler is not None:
+            self.scheduler.requests[request.request_id] = request
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.scheduler is not None:
+            self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request), None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVStoreConnectorStats(data=dict(data) if data else {})
+
+    # worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register(kv_caches)
+
+    def _meta(self) -> KVStoreConnectorMetadata:
+        meta = self._connector_metadata
+        assert isinstance(meta, KVStoreConnectorMetadata)
+        return meta
+
+    def has_connector_metadata(self) -> bool:
+        # Always False: vLLM's attention layers then skip wait_for_layer_load/save_kv_layer, two
+        # calls per layer and step (~50 µs a step) that have nothing to do here. In vLLM 0.32 only
+        # those layer hooks ask; this connector reads its metadata with _meta().
+        return False
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self.worker is not None and isinstance(kv_connector_metadata, KVStoreConnectorMetadata)
+        if kv_connector_metadata.preempted:
+            self.worker.flush(kv_connector_metadata.preempted)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self.worker is not None
+        loads = self._meta().loads
+        if loads:
+            self.worker.start_loads(loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass  # loads finish before the request is scheduled (asynchronous loading)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        pass  # whole blocks are stored after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        stores = self._meta().stores
+        if stores:
+            self.worker.start_stores(stores)  # submits and returns: never waits for the copies
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self.worker is not None
+        if self._meta().idle_wait:
+            time.sleep(IDLE_WAIT_S)
+        return self.worker.transfer_results(finished_req_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self.worker.take_stats() if self.worker is not None else None
+
+    def shutdown(self) -> None:
+        for side in (self.scheduler, self.worker):
+            if side is not None:
+                side.close()

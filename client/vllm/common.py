@@ -1,0 +1,171 @@
+"""What the connector's two sides share: settings, the engine's identity (namespace, TP sharding),
+the scheduler -> worker metadata and the worker's stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvstore_client.layouts import KV_TUPLES, UnsupportedKVCache, heads_first
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+PREEMPTION_WAIT_S = 30.0
+# A step with nothing to compute while the connector waits on the sidecar sleeps this long: vLLM
+# spins such steps back to back, and the spinning thread holds the GIL and a core that the
+# lookup/submit threads and the daemon's copies need.
+IDLE_WAIT_S = 0.0005
+
+
+# -- settings and identity ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    socket: str | None = None
+    tenant_salt: str = ""
+    timeout_s: float = 5.0
+    lease_ttl_ms: int = 120_000
+    store: bool = True  # offload newly computed full blocks (eagerly, each step)
+    load: bool = True
+    # The KV cache layout asked of vLLM where the attention backend allows it: block-outermost gives
+    # one run of every layer per block (large copies). "" lets vLLM choose.
+    kv_layout: str = "BLHNC"
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        known = set(cls.__dataclass_fields__)
+        unknown = set(extra) - known
+        if unknown:
+            raise ValueError(f"unknown kvstore connector settings {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**extra)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How TP ranks split the KV: ranks holding identical KV (MLA latents; KV heads fewer than ranks)
+    are `replicas` of one shard; the namespace's blocks have `shards` parts."""
+
+    replicas: int
+    shards: int
+
+    @classmethod
+    def of(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> Sharding:
+        tp = vllm_config.parallel_config.tensor_parallel_size
+        replicas = getattr(kv_cache_config, "kv_tp_replicas", 1) or 1
+        if tp % replicas:
+            raise ValueError(f"kv_tp_replicas {replicas} does not divide the TP size {tp}")
+        return cls(replicas, tp // replicas)
+
+    def shard(self, tp_rank: int) -> int:
+        return tp_rank // self.replicas
+
+    def stores(self, tp_rank: int, block_id: int) -> bool:
+        """Replicas split the stores of their shard: each stores the blocks `block_id % replicas`
+        names, so an MLA latent is stored once, the work spread over the ranks."""
+        return block_id % self.replicas == tp_rank % self.replicas
+
+
+def page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:
+    """How a page's bytes are ordered in the pool: by head then token (HNC), by token then head
+    (NHC), or vllm-ascend's K and V tensors. Layouts that differ only in where the layer and block
+    axes sit give the same pool bytes (kvstore_client.layouts), so they share a namespace."""
+    from vllm.platforms import current_platform
+
+    if current_platform.device_type == "npu":
+        return KV_TUPLES.lower()
+    layout = (kv_cache_config.kv_cache_layout if kv_cache_config is not None else None) \
+        or vllm_config.cache_config.kv_cache_layout
+    if layout is None:
+        raise UnsupportedKVCache("the KV cache layout is not resolved")
+    return "HNC" if heads_first(layout) else "NHC"
+
+
+def namespace_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tenant_salt: str) -> str:
+    """Blocks are shareable exactly when model, KV page format, hashing, TP sharding and tenant match:
+    every rank of an engine (and the scheduler) names the same namespace; a block holds every shard."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    parallel = vllm_config.parallel_config
+    dtype = cache.cache_dtype if cache.cache_dtype != "auto" else str(model.dtype).removeprefix("torch.")
+    parts = [
+        f"model={model.model}",
+        f"dtype={dtype}",
+        f"block={cache.block_size}",
+        f"layers={model.get_num_layers(parallel)}",
+        f"kv_heads={model.get_num_kv_heads(parallel)}",
+        f"head={model.get_head_size()}",
+        f"hash={cache.prefix_caching_hash_algo}",
+        f"page={page_format(vllm_config, kv_cache_config)}",
+        f"kv_shards={Sharding.of(vllm_config, kv_cache_config).shards}",
+    ]
+    if tenant_salt:
+        parts.append(f"salt={tenant_salt}")
+    return ";".join(parts)
+
+
+def unsupported(vllm_config: VllmConfig) -> str:
+    """Why the connector cannot serve this engine ("" if it can)."""
+    parallel = vllm_config.parallel_config
+    others = {"pipeline": parallel.pipeline_parallel_size, "decode context": parallel.decode_context_parallel_size,
+              "prefill context": getattr(parallel, "prefill_context_parallel_size", 1)}
+    used = [f"{name} parallel size {size}" for name, size in others.items() if size > 1]
+    return f"{', '.join(used)}: only tensor parallelism is supported" if used else ""
+
+
+# -- scheduler -> worker ------------------------------------------------------------------------
+
+
+@dataclass
+class Transfer:
+    req_id: str
+    keys: list[bytes]
+    block_ids: list[int]
+    partial_tail: bool = False  # store: the last key is the prompt's partial last block
+
+
+@dataclass
+class KVStoreConnectorMetadata(KVConnectorMetadata):
+    loads: list[Transfer] = field(default_factory=list)
+    stores: list[Transfer] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+    idle_wait: bool = False  # nothing scheduled while lookups or loads are in flight: sleep IDLE_WAIT_S
+
+
+# -- stats --------------------------------------------------------------------------------------
+
+
+@dataclass
+class KVStoreConnectorStats(KVConnectorStats):
+    """Worker-side counters per logging interval, summed across workers."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {"loaded_blocks": 0, "load_failed_blocks": 0, "stored_blocks": 0, "store_failed_blocks": 0,
+                     "load_seconds": [], "sidecar_unavailable": 0}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key, value in other.data.items():
+            if isinstance(value, list):
+                self.data.setdefault(key, []).extend(value)
+            else:
+                self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        delays = sorted(self.data.get("load_seconds", []))
+        out: dict[str, int | float] = {k: v for k, v in self.data.items() if not isinstance(v, list)}
+        out["load_delay_p50_ms"] = 1000 * delays[len(delays) // 2] if delays else 0.0
+        out["load_delay_max_ms"] = 1000 * delays[-1] if delays else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(v for v in self.data.values())

@@ -1,0 +1,196 @@
+"""The connector's worker side: moves bytes (registers the KV memory, submits jobs, reports completions)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from kvstore_client.client import KVStoreClient, Session
+from kvstore_client.device import export_kv_memory, synchronize_before_store
+from kvstore_client.layouts import UnsupportedKVCache, describe_kv_cache
+from kvstore_client.protocol.completion import Completion
+from kvstore_client.shm import SharedKVMemory, move_to_shared_memory, shared_memory_spec
+from kvstore_client.vllm.common import (
+    PREEMPTION_WAIT_S,
+    ConnectorSettings,
+    KVStoreConnectorStats,
+    Sharding,
+    Transfer,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(__name__)
+
+
+class Worker:
+    """Moves bytes: registers the KV memory, submits jobs, reports completions."""
+
+    def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, settings: ConnectorSettings,
+                 namespace: str, rank: int) -> None:
+        self.settings = settings
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.namespace = namespace  # "": the connector is off for this engine
+        self.rank = rank  # in the TP group
+        self.sharding = Sharding.of(vllm_config, kv_cache_config) if namespace else Sharding(1, 1)
+        self.client = KVStoreClient(settings.socket, timeout=settings.timeout_s)
+        self.session: Session | None = None  # None: the connector is off for this engine
+        self.device: torch.device | None = None
+        self.memories: list[SharedKVMemory] = []
+        self.refused_loads: set[str] = set()  # loads planned while off: failed, reported as done
+        self.load_jobs: dict[int, tuple[str, list[int], float]] = {}  # job -> request, block ids, submit time
+        self.store_jobs: dict[int, str] = {}  # job -> request
+        self.loads_left: dict[str, int] = {}
+        self.stores_left: dict[str, int] = {}
+        self.finished_waiting: set[str] = set()  # finished requests whose stores are in flight
+        self.had_stores: set[str] = set()
+        self.load_errors: set[int] = set()
+        self.stats = KVStoreConnectorStats()
+        self.stats_changed = False  # spares the per-step is_empty() scan of the counters
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor | tuple[torch.Tensor, ...]]) -> None:
+        """Describe the KV memory from vLLM's own placement (kvstore_client.layouts) and register it;
+        what cannot be described exactly leaves the connector off (vLLM recomputes), never guessing."""
+        if not self.namespace:
+            return
+        try:
+            layout = self.vllm_config.cache_config.kv_cache_layout
+            description = describe_kv_cache(self.kv_cache_config, kv_caches, layout)
+        except UnsupportedKVCache as e:
+            log.error("kvstore connector off for this engine (vLLM recomputes): %s", e)
+            return
+        regions = [(r.offset, r.block_stride, r.block_bytes, r.memory) for r in description.regions]
+        self.device = description.memories[0].device
+        if self.device.type == "cpu":
+            # The daemon maps shared-memory files: move the KV allocations there, in place (every tensor
+            # vLLM holds of them, also of layers that share another layer's cache).
+            addresses = [m.untyped_storage().data_ptr() for m in description.memories]
+            tensors = [t for v in kv_caches.values() for t in (v if isinstance(v, (tuple, list)) else (v,))]
+            moved = move_to_shared_memory(tensors)
+            self.memories = [moved[a] for a in addresses]
+            spec = shared_memory_spec(self.memories, description.num_blocks, regions)
+        else:  # cuda/npu: the daemon opens the allocations by IPC
+            spec = export_kv_memory(description.memories, description.num_blocks, regions)
+        spec = replace(spec, shards=self.sharding.shards, shard=self.sharding.shard(self.rank))
+        self.session = self.client.session(self.namespace, spec, engine_id=f"vllm-worker-tp{self.rank}", wait=False)
+        log.info("kvstore: registered %s KV cache (%d regions in %d allocations, %d blocks, shard %d of %d) in "
+                 "namespace %s", description.layout, len(regions), len(description.memories), spec.num_blocks,
+                 spec.shard, spec.shards, self.namespace)
+
+    def start_loads(self, loads: list[Transfer]) -> None:
+        if self.session is None:  # off: every planned load fails (vLLM recomputes those blocks)
+            for t in loads:
+                self.load_errors.update(t.block_ids)
+                self.refused_loads.add(t.req_id)
+            return
+        for t in loads:
+            job = self.session.load(t.keys, t.block_ids)
+            self.load_jobs[job] = (t.req_id, t.block_ids, time.monotonic())
+            self.loads_left[t.req_id] = self.loads_left.get(t.req_id, 0) + 1
+
+    def start_stores(self, stores: list[Transfer]) -> None:
+        if self.session is None:
+            return  # off: nothing stored, and nothing keeps a finished request's blocks
+        if self.sharding.replicas > 1:  # replicas of a shard split its stores
+            rank, sharding = self.rank, self.sharding
+            stores = [Transfer(t.req_id, [k for k, _ in kept], [b for _, b in kept],
+                               t.partial_tail and kept[-1][0] == t.keys[-1])
+                      for t in stores
+                      if (kept := [(k, b) for k, b in zip(t.keys, t.block_ids, strict=True)
+                                   if sharding.stores(rank, b)])]
+        if stores and self.device is not None:
+            synchronize_before_store(self.device)  # the daemon may read the blocks as soon as a job arrives
+        for t in stores:
+            job = self.session.store(t.keys, t.block_ids, t.partial_tail)
+            self.store_jobs[job] = t.req_id
+            self.stores_left[t.req_id] = self.stores_left.get(t.req_id, 0) + 1
+            self.had_stores.add(t.req_id)
+
+    def flush(self, preempted: set[str]) -> None:
+        """A preempted request's blocks may be reused right away: its stores must finish first."""
+        jobs = [j for j, r in self.store_jobs.items() if r in preempted]
+        if jobs and self.session is not None:
+            try:
+                for completion in self.session.wait(jobs, timeout=PREEMPTION_WAIT_S).values():
+                    self._completed(completion)
+            except TimeoutError:
+                log.error("kvstore: stores of preempted requests did not finish in %ss", PREEMPTION_WAIT_S)
+
+    def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Requests whose loads are all done (recving) and finished requests whose stores are (sending)."""
+        results = KVConnectorTransferResults()
+        if self.session is None:
+            results.finished_recving.update(self.refused_loads)
+            self.refused_loads.clear()
+            return results
+        if not self.session.connected:
+            self.stats.data["sidecar_unavailable"] = 1
+            self.stats_changed = True
+        # Every job is in load_jobs/store_jobs until its completion is seen: with none, and no
+        # request waiting for its stores, there is nothing to poll (most decode steps).
+        if not (self.load_jobs or self.store_jobs or self.finished_waiting or finished_req_ids):
+            return results
+        for completion in self.session.poll():
+            loaded = self._completed(completion)
+            if loaded is not None:
+                results.finished_recving.add(loaded)
+        if finished_req_ids:
+            self.finished_waiting.update(r for r in finished_req_ids if r in self.had_stores)
+        if self.finished_waiting:
+            sending = results.finished_sending
+            sending.update(r for r in self.finished_waiting if r not in self.stores_left)
+            self.finished_waiting -= sending
+            self.had_stores -= sending
+        return results
+
+    def _completed(self, c: Completion) -> str | None:
+        """Account for a finished job; returns the request whose loads are now all done, if any."""
+        self.stats_changed = True
+        if c.job_id in self.load_jobs:
+            req_id, block_ids, submitted = self.load_jobs.pop(c.job_id)
+            self.stats.data["load_seconds"].append(time.monotonic() - submitted)
+            if c.ok:
+                self.stats.data["loaded_blocks"] += c.blocks_ok
+            else:
+                # Which blocks failed is not in the completion word: recompute them all.
+                self.load_errors.update(block_ids)
+                self.stats.data["load_failed_blocks"] += len(block_ids)
+            self.loads_left[req_id] -= 1
+            if self.loads_left[req_id] == 0:
+                del self.loads_left[req_id]
+                return req_id
+        elif c.job_id in self.store_jobs:
+            req_id = self.store_jobs.pop(c.job_id)
+            self.stats.data["stored_blocks"] += c.blocks_ok
+            self.stats.data["store_failed_blocks"] += c.blocks_failed
+            self.stores_left[req_id] -= 1
+            if self.stores_left[req_id] == 0:
+                del self.stores_left[req_id]
+        return None
+
+    def take_load_errors(self) -> set[int]:
+        errors, self.load_errors = self.load_errors, set()
+        return errors
+
+    def take_stats(self) -> KVStoreConnectorStats | None:
+        if not self.stats_changed:
+            return None
+        self.stats_changed = False
+        stats, self.stats = self.stats, KVStoreConnectorStats()
+        return None if stats.is_empty() else stats
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.session.close()
+        self.client.close()
+        for memory in self.memories:
+            memory.close()  # the engine's KV tensors keep their own mapping
