@@ -67,6 +67,8 @@ class Config(BaseSettings):
         MAX_MEMORIES, ge=1, le=MAX_MEMORIES, description="Most KV allocations one session registers "
         f"(vllm-ascend: a K and a V tensor per layer); at most {MAX_MEMORIES}, what one SCM_RIGHTS message "
         "carries for cpu memfds.")
+    max_shards: int = Field(
+        256, ge=1, le=4096, description="Most TP shards of a namespace's blocks (a block holds one part per shard).")
     max_inflight_jobs: int = Field(1024, ge=1, description="Most unfinished jobs per session.")
     max_request_bytes: ByteSize = Field(ByteSize(64 << 20), description="Largest gRPC message accepted.")
     verify_loads: float = Field(

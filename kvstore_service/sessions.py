@@ -167,6 +167,8 @@ class Sessions:
         memories = len(request.memory_sizes)
         if not memories or len(request.handles) != memories:
             raise invalid("an engine registration needs at least one KV memory")
+        if layout.shards > self.config.max_shards:
+            raise invalid(f"layout: {layout.shards} TP shards, more than --max-shards {self.config.max_shards}")
         layout.check(list(request.memory_sizes))
         extents = layout.extents(memories)
         if sum(extents) > self.config.max_session_memory:

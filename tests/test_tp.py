@@ -92,13 +92,18 @@ def test_a_block_is_visible_once_every_rank_stored_its_shard(tp2) -> None:
 
 
 def test_a_shard_of_another_size_or_rank_count_is_refused(tp2) -> None:
-    from kvstore_client.errors import FailedPrecondition
+    from kvstore_client.errors import FailedPrecondition, InvalidArgument
 
     client, _ = tp2
     memory, spec = block_cache(NUM_BLOCKS, PART)
     try:
         with pytest.raises(FailedPrecondition, match="layout mismatch"):
             client.session("tp2", replace(spec, shards=4, shard=1))
+        with pytest.raises(InvalidArgument, match="shard 2 is not one of the namespace's 2 shards"):
+            client.session("tp2", replace(spec, shards=2, shard=2))
+        with pytest.raises(InvalidArgument, match="257 TP shards, more than --max-shards 256"):
+            client.session("many", replace(spec, shards=257, shard=0))
+        assert client.stats().engines == 2  # only the fixture's ranks
     finally:
         memory.close()
 
