@@ -187,13 +187,19 @@ class BlockIndex:
                 self._free(block)
 
     def _touch(self, block: Block) -> None:
-        lru = (self._tails if block.tail else self._lru).get(block.namespace.block_bytes)
+        lru = self._lru_of(block)
         if lru is not None and block in lru:
             lru.move_to_end(block)
 
-    def _recency(self, block: Block) -> OrderedDict[Block, None]:
-        """The LRU list the block belongs in."""
-        return (self._tails if block.tail else self._lru).setdefault(block.namespace.block_bytes, OrderedDict())
+    def _lru_of(self, block: Block) -> OrderedDict[Block, None] | None:
+        """The LRU list the block belongs in (tails have their own), if there is one yet."""
+        return (self._tails if block.tail else self._lru).get(block.namespace.block_bytes)
+
+    def _make_recent(self, block: Block) -> None:
+        """Put the block at the end (most recent) of its LRU list, whether it is on it or not."""
+        lru = (self._tails if block.tail else self._lru).setdefault(block.namespace.block_bytes, OrderedDict())
+        lru[block] = None
+        lru.move_to_end(block)
 
     # -- stores ----------------------------------------------------------------------------------
 
@@ -286,7 +292,7 @@ class BlockIndex:
             return self._complete_shard_store(blocks, ok, 1 << shard)
         if not ok:
             for block in blocks:
-                if self._present(block):
+                if self.present(block):
                     self._drop(block)
             return []
         ns = blocks[0].namespace
@@ -296,10 +302,10 @@ class BlockIndex:
             del writing[block.key]
             block.state = BlockState.COMMITTED
         ns._committed.update(zip(map(_key, done), done, strict=True))
-        self._lru.setdefault(ns.block_bytes, OrderedDict()).update(dict.fromkeys(done))
-        if done[-1:] and done[-1].tail:  # (a chunk's tail is its last block)
-            self._lru[ns.block_bytes].pop(done[-1])
-            self._recency(done[-1])[done[-1]] = None
+        tail = done[-1] if done and done[-1].tail else None  # (a chunk's tail is its last block)
+        self._lru.setdefault(ns.block_bytes, OrderedDict()).update(dict.fromkeys(done[:-1] if tail else done))
+        if tail is not None:
+            self._make_recent(tail)
         ns.counters.stored_blocks += len(done)
         return done
 
@@ -308,7 +314,7 @@ class BlockIndex:
         full = (1 << ns.shards) - 1
         done: list[Block] = []
         for block in blocks:
-            if not self._present(block):
+            if not self.present(block):
                 continue  # dropped while copied
             block.shards_copying &= ~bit
             if ok:
@@ -317,29 +323,21 @@ class BlockIndex:
                 done.append(block)
             elif not block.shards_copying:
                 if block.shards_in:  # waiting for the other shards: evictable meanwhile, as recent
-                    lru = self._recency(block)
-                    lru.pop(block, None)
-                    lru[block] = None
+                    self._make_recent(block)
                 else:
                     self._drop(block)
         for block in done:
             del ns._writing[block.key]
             block.state = BlockState.COMMITTED
             ns._committed[block.key] = block
-            lru = self._recency(block)
-            lru.pop(block, None)
-            lru[block] = None
+            self._make_recent(block)
         ns.counters.stored_blocks += len(done)
         return done
-
-    def present(self, block: Block) -> bool:
-        """The block is still in the index (not dropped, evicted or replaced)."""
-        return self._present(block)
 
     def hold_for_seal(self, blocks: list[Block]) -> list[Block]:
         """Those of these committed blocks still present, pinned (their slots must not be reused
         while their checksums are taken): `seal` them."""
-        held = [b for b in blocks if self._present(b)]
+        held = [b for b in blocks if self.present(b)]
         for block in held:  # (not touched: a seal is no use)
             block.pins += 1
         return held
@@ -348,7 +346,7 @@ class BlockIndex:
         """Their checksums are taken and sealed into their slot headers (None: that failed). Unpins
         them; a block dropped meanwhile gets its header invalidated (its slot was still ours)."""
         for n, block in enumerate(blocks):
-            if not self._present(block):
+            if not self.present(block):
                 self.pool.invalidate(block.ref)
             elif checksums is not None:
                 block.checksum = checksums[n]
@@ -390,7 +388,8 @@ class BlockIndex:
             self._drop(block)
         return len(victims)
 
-    def _present(self, block: Block) -> bool:
+    def present(self, block: Block) -> bool:
+        """The block is still in the index (not dropped, evicted or replaced)."""
         return _home(block).get(block.key) is block
 
     def _drop(self, block: Block) -> None:
@@ -400,7 +399,7 @@ class BlockIndex:
 
     def _discard(self, block: Block) -> None:
         """Remove a bad block at once; its slot is freed when the last pin goes."""
-        if not self._present(block):
+        if not self.present(block):
             return
         if block.pins == 0:
             self._drop(block)
@@ -412,7 +411,7 @@ class BlockIndex:
     def _unlist(self, block: Block) -> None:
         del _home(block)[block.key]
         self.count -= 1
-        lru = (self._tails if block.tail else self._lru).get(block.namespace.block_bytes)
+        lru = self._lru_of(block)
         if lru is not None:
             lru.pop(block, None)
 

@@ -110,6 +110,14 @@ class Scheduler:
             return 0, False
         return cached - num_computed_tokens, True
 
+    def _tail_key(self, request: Request) -> bytes | None:
+        """The key of the prompt's partial last block: the one its lookup hashed, if it had one."""
+        state = self.lookups.get(request.request_id)
+        if state is not None and state.tail:
+            return state.keys[-1]
+        tail = self._tail(request)
+        return tail[0] if tail is not None else None
+
     def _tail(self, request: Request) -> tuple[bytes, int] | None:
         """(key, tokens) of a fresh prompt's partial last block: the hash vLLM's block hasher would
         give it (parent hash, its token ids, the same extra keys: LoRA, multimodal inputs,
@@ -186,9 +194,9 @@ class Scheduler:
             return
         keys: list[bytes] = list(request.block_hashes[first:done])
         block_ids = list(ids[0][first:done])
-        tail_key = self._tail(request) if tail else None
+        tail_key = self._tail_key(request) if tail else None
         if tail_key is not None:
-            keys.append(tail_key[0])
+            keys.append(tail_key)
             block_ids.append(ids[0][request.num_prompt_tokens // size])
             self.tails_done.add(req_id)
         if keys:

@@ -101,12 +101,7 @@ class Worker:
         if self.session is None:
             return  # off: nothing stored, and nothing keeps a finished request's blocks
         if self.sharding.replicas > 1:  # replicas of a shard split its stores
-            rank, sharding = self.rank, self.sharding
-            stores = [Transfer(t.req_id, [k for k, _ in kept], [b for _, b in kept],
-                               t.partial_tail and kept[-1][0] == t.keys[-1])
-                      for t in stores
-                      if (kept := [(k, b) for k, b in zip(t.keys, t.block_ids, strict=True)
-                                   if sharding.stores(rank, b)])]
+            stores = [mine for t in stores if (mine := self._my_part(t)) is not None]
         if stores and self.device is not None:
             synchronize_before_store(self.device)  # the daemon may read the blocks as soon as a job arrives
         for t in stores:
@@ -114,6 +109,14 @@ class Worker:
             self.store_jobs[job] = t.req_id
             self.stores_left[t.req_id] = self.stores_left.get(t.req_id, 0) + 1
             self.had_stores.add(t.req_id)
+
+    def _my_part(self, t: Transfer) -> Transfer | None:
+        """The blocks of a store this replica stores (those its replica index names), if any."""
+        kept = [i for i, b in enumerate(t.block_ids) if self.sharding.stores(self.rank, b)]
+        if not kept:
+            return None
+        return Transfer(t.req_id, [t.keys[i] for i in kept], [t.block_ids[i] for i in kept],
+                        t.partial_tail and kept[-1] == len(t.keys) - 1)
 
     def flush(self, preempted: set[str]) -> None:
         """A preempted request's blocks may be reused right away: its stores must finish first."""
