@@ -240,9 +240,11 @@ def test_tp2_engines_store_one_block_per_key_and_load_on_both_ranks(model, promp
     assert outputs(b) == outputs(reference)
     assert external_hits(b) >= len(prompts[0]) - 1  # one scheduler lookup answers for both ranks
     stats = daemon.client().stats()
-    # Each of the 4 requests (scheduled in one step) found the 3 prefix blocks and its tail; both ranks
-    # loaded them.
-    assert stats.hits == 4 * (3 + 1) and stats.loaded_blocks == 2 * stats.hits
+    # Each of the 4 requests found the 3 prefix blocks and its tail. Both ranks load every block the
+    # engine loads: at least each tail and the prefix once; a request vLLM schedules a step later
+    # finds the prefix in vLLM's own cache by then and loads only its tail.
+    assert stats.hits == 4 * (3 + 1)
+    assert stats.loaded_blocks % 2 == 0 and 2 * (3 + 4) <= stats.loaded_blocks <= 2 * stats.hits
     assert stats.failed_load_blocks == 0 and stats.engines == 0 and stats.leases == 0
 
 
