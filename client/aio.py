@@ -20,7 +20,15 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvstore_client.client import MAX_MESSAGE, MemorySpec, pack_keys, peer_handshake, registration, target_for
+from kvstore_client.client import (
+    MAX_MESSAGE,
+    MemorySpec,
+    identity_token,
+    pack_keys,
+    peer_handshake,
+    registration,
+    target_for,
+)
 from kvstore_client.errors import from_rpc_error
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
@@ -50,16 +58,19 @@ class AsyncKVStoreClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def stats(self) -> pb.StatsResponse:
-        return await self.call(self.stub.Stats, pb.StatsRequest())
+        token = await asyncio.to_thread(identity_token, self.target)
+        return await self.call(self.stub.Stats, pb.StatsRequest(peer_token=token))
 
-    async def clear(self, namespace: str = "") -> int:
+    async def clear(self, namespace: str = "", tenant: str = "") -> int:
         token = await asyncio.to_thread(peer_handshake, self.target)
-        return (await self.call(self.stub.Clear, pb.ClearRequest(namespace=namespace, peer_token=token))).cleared_blocks
+        request = pb.ClearRequest(namespace=namespace, tenant=tenant, peer_token=token)
+        return (await self.call(self.stub.Clear, request)).cleared_blocks
 
     async def lookup(self, namespace: str, keys: Sequence[bytes]) -> int:
         packed, size = pack_keys(keys)
-        return (await self.call(self.stub.Lookup, pb.LookupRequest(namespace=namespace, keys=packed,
-                                                                   key_size=size))).hits
+        token = await asyncio.to_thread(peer_handshake, self.target)
+        request = pb.LookupRequest(namespace=namespace, keys=packed, key_size=size, peer_token=token)
+        return (await self.call(self.stub.Lookup, request)).hits
 
     async def session(self, namespace: str, memory: MemorySpec | None = None, engine_id: str = "",
                       completion_slots: int = 1024) -> AsyncSession:

@@ -57,13 +57,13 @@ def peer_handshake(target: str, fds: Sequence[int] = (), timeout: float = 5.0) -
     """Tell the daemon who we are (it reads SO_PEERCRED on `<socket>.cred`) and hand it our shared
     memory (`fds`, by SCM_RIGHTS); returns the token to name in Register/Clear, or b"" for a daemon
     reached over TCP."""
-    if not target.startswith("unix://"):
+    if not target.startswith("unix:"):
         return b""
     token = secrets.token_bytes(16)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout)
         try:
-            sock.connect(target.removeprefix("unix://") + ".cred")
+            sock.connect(target.removeprefix("unix://").removeprefix("unix:") + ".cred")
             socket.send_fds(sock, [token], list(fds))
             reply = sock.recv(1)
         except OSError as e:
@@ -73,6 +73,14 @@ def peer_handshake(target: str, fds: Sequence[int] = (), timeout: float = 5.0) -
     if reply != b"\x00":
         raise ResourceExhausted("RESOURCE_EXHAUSTED: the daemon refused the handshake (more than 2 descriptors?)")
     return token
+
+
+def identity_token(target: str) -> bytes:
+    """A handshake token that says who we are, or b"" where the daemon does not accept our uid."""
+    try:
+        return peer_handshake(target)
+    except PermissionDenied:
+        return b""
 
 
 def registration(target: str, engine_id: str, namespace: str, memory: MemorySpec | None,
@@ -171,15 +179,20 @@ class KVStoreClient:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def stats(self) -> pb.StatsResponse:
-        return self.call(self.stub.Stats, pb.StatsRequest())
+        """Daemon-wide figures, and the namespaces of our tenant (every tenant's for admins)."""
+        return self.call(self.stub.Stats, pb.StatsRequest(peer_token=identity_token(self.target)))
 
-    def clear(self, namespace: str = "") -> int:
-        request = pb.ClearRequest(namespace=namespace, peer_token=peer_handshake(self.target))
+    def clear(self, namespace: str = "", tenant: str = "") -> int:
+        """Drop the unpinned blocks of one of our tenant's namespaces (all of them: namespace "");
+        admins may name another tenant, or none to clear every tenant's blocks."""
+        request = pb.ClearRequest(namespace=namespace, tenant=tenant, peer_token=peer_handshake(self.target))
         return self.call(self.stub.Clear, request).cleared_blocks
 
     def lookup(self, namespace: str, keys: Sequence[bytes]) -> int:
         packed, size = pack_keys(keys)
-        return self.call(self.stub.Lookup, pb.LookupRequest(namespace=namespace, keys=packed, key_size=size)).hits
+        request = pb.LookupRequest(namespace=namespace, keys=packed, key_size=size,
+                                   peer_token=peer_handshake(self.target))
+        return self.call(self.stub.Lookup, request).hits
 
     def session(self, namespace: str, memory: MemorySpec | None = None, engine_id: str = "",
                 completion_slots: int = 1024, wait: bool = True) -> Session:

@@ -50,11 +50,19 @@ def _config_options(func: Any) -> Any:
         hint = hints[name]
         if hint is bool:
             func = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)(func)
+        elif typing.get_origin(hint) is dict:
+            func = click.option(flag, name, default=None, type=_json_or_yaml, help=help_text)(func)
         elif typing.get_origin(hint) is list:
             func = click.option(flag, name, multiple=True, type=typing.get_args(hint)[0], help=help_text)(func)
         else:
             func = click.option(flag, name, default=None, help=help_text)(func)
     return func
+
+
+def _json_or_yaml(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text)  # (JSON is YAML)
 
 
 @main.command()
@@ -159,11 +167,18 @@ def _namespace_table(stats: Stats, width: int | None) -> Table:
         # No box: two spaces between columns; the namespace column gets what the others leave.
         room = max(len(headers[1]), width - (sum(widths) - widths[1]) - 2 * (len(headers) - 1))
         left, caption = 3, "full namespace strings: kvstore stats --wide"
+    name_col = 1
+    if any(ns.tenant for ns in stats.namespaces):  # (an admin's view of several tenants)
+        headers = (headers[0], "tenant", *headers[1:])
+        rows = [(row[0], ns.tenant, *row[1:]) for row, ns in zip(rows, stats.namespaces, strict=True)]
+        left, name_col = left + 1, 2
+        if room is not None:
+            room = max(len(headers[2]), room - 2 - max(len(r[1]) for r in [headers, *rows]))
     table = Table(title="namespaces", caption=caption, box=None, pad_edge=False, title_justify="left",
                   caption_justify="left", header_style="bold underline")
     for i, header in enumerate(headers):
         table.add_column(header, no_wrap=True, justify="left" if i < left else "right",
-                         overflow="ellipsis", max_width=room if i == 1 else None)
+                         overflow="ellipsis", max_width=room if i == name_col else None)
     for row in rows:
         table.add_row(*row)
     return table
@@ -262,10 +277,12 @@ def health(socket: str) -> None:
 @main.command()
 @socket_option
 @click.option("--namespace", "-n", default="", help="Only this namespace (default: all).")
-def clear(socket: str, namespace: str) -> None:
-    """Drop the cached blocks (pinned blocks stay)."""
+@click.option("--tenant", default="", help="Admins: the tenant to clear in (default: all tenants, or with "
+              "--namespace the admin's own).")
+def clear(socket: str, namespace: str, tenant: str) -> None:
+    """Drop your tenant's cached blocks (pinned blocks stay)."""
     with _daemon(socket) as client:
-        n = client.clear(namespace)
+        n = client.clear(namespace, tenant)
     click.echo(f"cleared {n} blocks")
 
 

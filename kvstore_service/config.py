@@ -6,18 +6,28 @@ field descriptions below, and every field is also read from `KVSTORE_<FIELD>`.
 
 from __future__ import annotations
 
+import re
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import ByteSize, Field, field_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from kvstore_client.protocol import DEFAULT_SOCKET, MAX_MEMORIES
 
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 # The --config file's settings while Config.load builds a Config (read by settings_customise_sources).
 _file_values: ContextVar[dict[str, Any] | None] = ContextVar("kvstore_config_file_values", default=None)
+
+
+class Tenant(BaseModel):
+    """Who belongs to a tenant: unix uids (the handshake's SO_PEERCRED) and mTLS client names."""
+
+    model_config = ConfigDict(extra="forbid")
+    uids: list[int] = Field(default_factory=list)
+    tls_names: list[str] = Field(default_factory=list)
 
 
 class Config(BaseSettings):
@@ -29,6 +39,13 @@ class Config(BaseSettings):
     allowed_uids: list[int] = Field(
         default_factory=list, description="Peer uids allowed on the unix socket (SO_PEERCRED); empty: any."
     )
+    tenants: dict[str, Tenant] = Field(
+        default_factory=dict, description="Tenants, as JSON or YAML: {name: {uids: [...], tls_names: [...]}}. Each "
+        "sees and shares only its own blocks; a caller in no tenant is refused. None: one tenant for all.")
+    admin_uids: list[int] = Field(
+        default_factory=list, description="Uids that see every tenant's stats and may clear any tenant's blocks.")
+    admin_tls_names: list[str] = Field(
+        default_factory=list, description="mTLS client names (certificate CN/SAN) with the rights of --admin-uids.")
     tcp: str = Field("", description="Also listen on this TCP host:port (needs TLS or --insecure).")
     insecure: bool = Field(False, description="Allow plaintext TCP (logs a warning).")
     tls_cert: str = Field("", description="PEM server certificate for TCP.")
@@ -87,6 +104,28 @@ class Config(BaseSettings):
     max_handshakes: int = Field(
         256, ge=1, description="Most handshakes in progress on <socket>.cred in all; more are refused at once."
     )
+
+    @field_validator("tenants")
+    @classmethod
+    def _tenant_names(cls, value: dict[str, Tenant]) -> dict[str, Tenant]:
+        owners: dict[str, str] = {}
+        for name, tenant in value.items():
+            if not TENANT_NAME.fullmatch(name):
+                raise ValueError(f"tenant name {name!r}: use 1-63 letters, digits, '_', '.', '-' (a letter or digit "
+                                 "first)")
+            for who in [f"uid {u}" for u in tenant.uids] + [f"TLS name {n!r}" for n in tenant.tls_names]:
+                if who in owners:
+                    raise ValueError(f"{who} is in two tenants ({owners[who]!r} and {name!r})")
+                owners[who] = name
+        return value
+
+    @model_validator(mode="after")
+    def _tcp_callers_identified(self) -> Config:
+        rules = self.tenants or self.allowed_uids or self.admin_uids or self.admin_tls_names
+        if self.tcp and rules and not self.tls_client_ca:
+            raise ValueError("--tcp with --tenants, --allowed-uids or admins needs --tls-client-ca (mTLS): a TCP "
+                             "caller has no uid, only a client certificate can say who it is")
+        return self
 
     @field_validator("socket_mode")
     @classmethod

@@ -35,6 +35,7 @@ from kvstore_service.pool import Pool, PoolFullError
 from kvstore_service.server import GrpcServer
 from kvstore_service.sessions import EngineSession, Sessions, open_backend
 from kvstore_service.stats import NamespaceStats, Stats
+from kvstore_service.tenants import Caller, Tenancy, scoped, split
 
 log = logging.getLogger(__name__)
 # A copy thread needs the GIL briefly between native copies while the event loop plans the next
@@ -69,15 +70,20 @@ class Daemon:
         if self.recovered:
             log.info("re-attached pool %s: %d blocks recovered", config.pool_path, self.recovered)
 
-    def stats(self) -> Stats:
+    def stats(self, caller: Caller | None = None) -> Stats:
+        """The daemon-wide figures, and the namespaces `caller` may see (None: all of them). A
+        namespace recovered from the pool whose name no engine has given yet is shown to admins only."""
         engines = [s for s in self.sessions.by_id.values() if isinstance(s, EngineSession)]
-        namespaces = [
-            NamespaceStats(namespace=ns.name or f"(recovered {ns.ns_hash.hex()[:12]})", blocks=ns.blocks,
-                           used_bytes=ns.blocks * ns.block_bytes, block_bytes=ns.block_bytes, hits=c.hits,
-                           misses=c.misses, stored_blocks=c.stored_blocks, loaded_blocks=c.loaded_blocks,
-                           evictions=c.evictions, engines=sum(1 for s in engines if s.namespace is ns))
-            for ns in self.index.namespaces.values() for c in (ns.counters,)
-        ]
+        namespaces = []
+        for ns in self.index.namespaces.values():
+            tenant, name = split(ns.name) if ns.name else ("", f"(recovered {ns.ns_hash.hex()[:12]})")
+            c = ns.counters
+            namespaces.append(NamespaceStats(
+                namespace=name, blocks=ns.blocks, used_bytes=ns.blocks * ns.block_bytes, block_bytes=ns.block_bytes,
+                hits=c.hits, misses=c.misses, stored_blocks=c.stored_blocks, loaded_blocks=c.loaded_blocks,
+                evictions=c.evictions, engines=sum(1 for s in engines if s.namespace is ns), tenant=tenant))
+        visible = [n for n, ns in zip(namespaces, self.index.namespaces.values(), strict=True)
+                   if caller is None or caller.admin or (ns.name and split(ns.name)[0] == caller.tenant)]
         return Stats(
             capacity_bytes=self.pool.capacity, used_bytes=sum(n.used_bytes for n in namespaces),
             blocks=self.index.count, hits=sum(n.hits for n in namespaces), misses=sum(n.misses for n in namespaces),
@@ -87,9 +93,21 @@ class Daemon:
             jobs_in_flight=sum(len(s.jobs) for s in engines), failed_blocks=self.jobs.failed_blocks,
             store_failures_pool_full=self.jobs.store_failures_pool_full,
             lease_expiries=self.sessions.lease_expiries, corrupt_blocks=self.jobs.corrupt_blocks,
-            uptime_s=int(time.monotonic() - self.started), namespaces=namespaces, daemon_version=__version__,
+            uptime_s=int(time.monotonic() - self.started), namespaces=visible, daemon_version=__version__,
             unsealed_blocks=self.jobs.unsealed_blocks, failed_load_blocks=self.jobs.failed_load_blocks,
         )
+
+    def clear(self, tenant: str | None, namespace: str) -> int:
+        """Drop the unpinned blocks of a tenant's namespace, of all its namespaces (`namespace` empty),
+        or of every namespace (`tenant` None)."""
+        if namespace:
+            assert tenant is not None
+            ns = self.index.find_namespace(scoped(tenant, namespace))
+            return self.index.clear(ns) if ns is not None else 0
+        if tenant is None:
+            return self.index.clear()
+        return sum(self.index.clear(ns) for ns in list(self.index.namespaces.values())
+                   if ns.name and split(ns.name)[0] == tenant)
 
     async def housekeeping(self, creds: PeerCredServer) -> None:
         while True:
@@ -168,9 +186,10 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
                          "on its pool", error.device, error)
         failed.append(error)
         stopping.set()
-    creds = PeerCredServer(config.socket + ".cred", config.allowed_uids, config.handshake_timeout_s,
+    tenancy = Tenancy(config)
+    creds = PeerCredServer(config.socket + ".cred", sorted(tenancy.handshake_uids()), config.handshake_timeout_s,
                            config.max_handshakes_per_uid, config.max_handshakes)
-    server = GrpcServer(config, stopping, creds)
+    server = GrpcServer(config, stopping, creds, tenancy)
     _prepare_socket(config.socket)
     server.listen(f"unix://{config.socket}")
     if config.tcp:

@@ -15,7 +15,18 @@ from prometheus_client.registry import Collector
 
 from kvstore_service.stats import NamespaceStats, Stats
 
+# Per-namespace series: the tenant, the model and a short hash of the namespace, never the namespace
+# itself (it may carry a tenant's salt), whoever scrapes /metrics.
+NAMESPACE_LABELS = ["tenant", "model", "namespace_id"]
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+def model_of(namespace: str) -> str:
+    """The `model=` part of a connector's namespace ("" for other names)."""
+    for part in namespace.split(";"):
+        if part.startswith("model="):
+            return part.removeprefix("model=")
+    return ""
 
 
 class Metrics:
@@ -72,24 +83,25 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily("kvstore_corrupt_blocks", "Blocks dropped after a checksum mismatch.",
                                   value=s.corrupt_blocks)
         per_ns: list[tuple[GaugeMetricFamily | CounterMetricFamily, Callable[[NamespaceStats], int]]] = [
-            (GaugeMetricFamily("kvstore_blocks", "Blocks in the pool.", labels=["namespace"]),
+            (GaugeMetricFamily("kvstore_blocks", "Blocks in the pool.", labels=NAMESPACE_LABELS),
              lambda ns: ns.blocks),
-            (GaugeMetricFamily("kvstore_namespace_used_bytes", "Pool bytes per namespace.", labels=["namespace"]),
+            (GaugeMetricFamily("kvstore_namespace_used_bytes", "Pool bytes per namespace.", labels=NAMESPACE_LABELS),
              lambda ns: ns.used_bytes),
-            (CounterMetricFamily("kvstore_lookup_hits", "Looked-up blocks found.", labels=["namespace"]),
+            (CounterMetricFamily("kvstore_lookup_hits", "Looked-up blocks found.", labels=NAMESPACE_LABELS),
              lambda ns: ns.hits),
-            (CounterMetricFamily("kvstore_lookup_misses", "Looked-up blocks missing.", labels=["namespace"]),
+            (CounterMetricFamily("kvstore_lookup_misses", "Looked-up blocks missing.", labels=NAMESPACE_LABELS),
              lambda ns: ns.misses),
-            (CounterMetricFamily("kvstore_stored_blocks", "Blocks stored.", labels=["namespace"]),
+            (CounterMetricFamily("kvstore_stored_blocks", "Blocks stored.", labels=NAMESPACE_LABELS),
              lambda ns: ns.stored_blocks),
-            (CounterMetricFamily("kvstore_loaded_blocks", "Blocks loaded.", labels=["namespace"]),
+            (CounterMetricFamily("kvstore_loaded_blocks", "Blocks loaded.", labels=NAMESPACE_LABELS),
              lambda ns: ns.loaded_blocks),
-            (CounterMetricFamily("kvstore_evictions", "Blocks evicted (LRU).", labels=["namespace"]),
+            (CounterMetricFamily("kvstore_evictions", "Blocks evicted (LRU).", labels=NAMESPACE_LABELS),
              lambda ns: ns.evictions),
         ]
         for ns in s.namespaces:
+            labels = [ns.tenant, model_of(ns.namespace), ns.short_id]
             for family, value in per_ns:
-                family.add_metric([ns.namespace], value(ns))
+                family.add_metric(labels, value(ns))
         yield from (family for family, _ in per_ns)
         yield CounterMetricFamily("kvstore_stored_bytes", "Bytes stored.", value=s.stored_bytes)
         yield CounterMetricFamily("kvstore_loaded_bytes", "Bytes loaded.", value=s.loaded_bytes)

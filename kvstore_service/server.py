@@ -20,8 +20,9 @@ from kvstore_service.errors import KVError, invalid
 from kvstore_service.index import unpack_keys
 from kvstore_service.layout import Layout, Region
 from kvstore_service.peercred import Handshake, PeerCredServer, close_fds
-from kvstore_service.sessions import EngineSession, Registration
+from kvstore_service.sessions import EngineSession, Registration, Session
 from kvstore_service.stats import to_proto
+from kvstore_service.tenants import Caller, Tenancy, check_namespace, scoped
 
 if TYPE_CHECKING:
     from kvstore_service.daemon import Daemon
@@ -43,7 +44,7 @@ def layout_of(message: pb.KVLayout) -> Layout:
                   max(1, message.shards), message.shard)
 
 
-def registration_of(request: pb.RegisterRequest) -> Registration:
+def registration_of(request: pb.RegisterRequest, caller: Caller) -> Registration:
     memories = request.memories
     backends = {m.backend or "cpu" for m in memories}
     devices = {m.device for m in memories}
@@ -52,6 +53,7 @@ def registration_of(request: pb.RegisterRequest) -> Registration:
                       "one session registers the memory of one device")
     return Registration(
         protocol_version=request.protocol_version, engine_id=request.engine_id, namespace=request.namespace,
+        tenant=caller.member("register"), owner=caller.principal,
         layout=layout_of(request.layout) if request.HasField("layout") else None,
         backend=backends.pop() if backends else "cpu", handles=tuple(m.handle for m in memories),
         memory_sizes=tuple(m.size for m in memories), device=devices.pop() if devices else 0,
@@ -59,10 +61,11 @@ def registration_of(request: pb.RegisterRequest) -> Registration:
 
 
 class Servicer(pb_grpc.KVStoreServicer):
-    def __init__(self, stopping: asyncio.Event, creds: PeerCredServer) -> None:
+    def __init__(self, stopping: asyncio.Event, creds: PeerCredServer, tenancy: Tenancy) -> None:
         self._daemon: Daemon | None = None  # None while the pool is set up
         self.stopping = stopping
         self.creds = creds
+        self.tenancy = tenancy
         self._cleanups: set[asyncio.Task[None]] = set()
 
     @property
@@ -71,17 +74,22 @@ class Servicer(pb_grpc.KVStoreServicer):
             raise KVError("UNAVAILABLE", "the daemon is starting (setting up the pool); retry shortly")
         return self._daemon
 
-    def _authorize(self, token: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Handshake | None:
-        """Unix-socket callers of Register/Clear are known by SO_PEERCRED; with --allowed-uids they must
-        be. TCP callers are authenticated by TLS instead."""
+    def _identify(self, token: bytes, context: Any, required: bool = False) -> tuple[Caller, Handshake | None]:
+        """Who calls: on the unix socket the handshake named by `token` (SO_PEERCRED), over TCP the
+        client certificate (tenants.py). `required`: a unix caller must have done the handshake."""
         handshake = self.creds.take(token) if token else None
-        if handshake is None and self.creds.allowed_uids and context.peer().startswith("unix:"):
-            raise KVError("PERMISSION_DENIED", "this daemon serves only --allowed-uids, and the caller's "
-                          "credentials were not verified (missing or expired peer_token)")
-        return handshake
+        if handshake is None and context.peer().startswith("unix:") and (required or self.tenancy.restricted):
+            raise KVError("PERMISSION_DENIED", "the caller's credentials were not verified (missing or expired "
+                          "peer_token: do the <socket>.cred handshake first)")
+        return self.tenancy.identify(handshake.cred if handshake else None, context), handshake
+
+    def _session(self, session_id: bytes, context: Any) -> Session:
+        session = self.daemon.sessions.get(session_id)
+        self.tenancy.check_session(session.owner, context)
+        return session
 
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
-        handshake = self._authorize(request.peer_token, context)
+        caller, handshake = self._identify(request.peer_token, context, required=True)
         config = self.daemon.config
         try:  # limits first, before building anything from the request
             if len(request.layout.regions) > config.max_layout_regions:
@@ -90,7 +98,7 @@ class Servicer(pb_grpc.KVStoreServicer):
             if len(request.memories) > config.max_session_memories:
                 raise invalid(f"{len(request.memories)} KV memories, more than --max-session-memories "
                               f"{config.max_session_memories}")
-            registration = registration_of(request)
+            registration = registration_of(request, caller)
         except KVError:
             if handshake is not None:
                 close_fds(handshake.fds)
@@ -104,7 +112,7 @@ class Servicer(pb_grpc.KVStoreServicer):
 
     async def Attach(self, request: pb.AttachRequest, context: Any) -> AsyncIterator[pb.SessionEvent]:
         sessions = self.daemon.sessions
-        session = sessions.attach(request.session_id)
+        session = sessions.attach(self._session(request.session_id, context))
         try:
             yield pb.SessionEvent(attached=pb.Attached(daemon_boot_id=self.daemon.boot_id))
             stopping = asyncio.ensure_future(self.stopping.wait())
@@ -124,35 +132,51 @@ class Servicer(pb_grpc.KVStoreServicer):
 
     async def Unregister(self, request: pb.UnregisterRequest, context: Any) -> pb.UnregisterResponse:
         sessions = self.daemon.sessions
-        await sessions.end(sessions.get(request.session_id))
+        await sessions.end(self._session(request.session_id, context))
         return pb.UnregisterResponse()
 
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         check_keys(request.keys, request.key_size)  # kept packed: the lookup slices only what it walks
-        hits, lease_id = self.daemon.sessions.lookup(request.session_id, request.namespace, request.keys,
-                                                     request.key_size, request.lease, request.lease_ttl_ms)
+        session: Session | None = None
+        name = ""
+        if request.session_id:
+            session = self._session(request.session_id, context)
+            if request.namespace:
+                name = scoped(session.tenant, request.namespace)
+        else:
+            if request.lease:
+                raise invalid("a lease needs a session")
+            if not request.namespace:
+                raise invalid("lookup needs a session or a namespace")
+            check_namespace(request.namespace, self.daemon.config.max_namespace_bytes)
+            caller, handshake = self._identify(request.peer_token, context)
+            if handshake is not None:
+                close_fds(handshake.fds)
+            name = scoped(caller.member("look up blocks"), request.namespace)
+        hits, lease_id = self.daemon.sessions.lookup(session, name, request.keys, request.key_size,
+                                                     request.lease, request.lease_ttl_ms)
         return pb.LookupResponse(hits=hits, lease_id=lease_id)
 
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Any) -> pb.ReleaseLeaseResponse:
-        self.daemon.sessions.release_lease(request.session_id, request.lease_id)
+        self.daemon.sessions.release_lease(self._session(request.session_id, context), request.lease_id)
         return pb.ReleaseLeaseResponse()
 
     async def Store(self, request: pb.TransferRequest, context: Any) -> pb.TransferResponse:
-        return self._submit(request, is_store=True)
+        return self._submit(request, context, is_store=True)
 
     async def Load(self, request: pb.TransferRequest, context: Any) -> pb.TransferResponse:
-        return self._submit(request, is_store=False)
+        return self._submit(request, context, is_store=False)
 
-    def _submit(self, request: pb.TransferRequest, is_store: bool) -> pb.TransferResponse:
+    def _submit(self, request: pb.TransferRequest, context: Any, is_store: bool) -> pb.TransferResponse:
         check_keys(request.keys, request.key_size)
-        session = self.daemon.sessions.engine(request.session_id)
+        session = self.daemon.sessions.engine(self._session(request.session_id, context))
         keys = list(unpack_keys(request.keys, request.key_size))
         job = self.daemon.jobs.submit(session, request.job_id, keys, request.block_ids, is_store,
                                       is_store and request.partial_tail)
         return pb.TransferResponse(job_id=job.job_id)
 
     async def Poll(self, request: pb.PollRequest, context: Any) -> pb.PollResponse:
-        session = self.daemon.sessions.get(request.session_id)
+        session = self._session(request.session_id, context)
         if not isinstance(session, EngineSession):
             return pb.PollResponse()  # a lookup session runs no jobs
         results = await self.daemon.jobs.poll(session, min(request.wait_ms, 60_000))
@@ -165,17 +189,28 @@ class Servicer(pb_grpc.KVStoreServicer):
         return pb.PollResponse(jobs=jobs)
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
-        return to_proto(self.daemon.stats())
-
-    async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
-        handshake = self._authorize(request.peer_token, context)
+        # Anyone may ask for the daemon-wide figures; the namespaces shown depend on who asks.
+        handshake = self.creds.take(request.peer_token) if request.peer_token else None
         if handshake is not None:
             close_fds(handshake.fds)
-        index = self.daemon.index
-        if not request.namespace:
-            return pb.ClearResponse(cleared_blocks=index.clear())
-        ns = index.find_namespace(request.namespace)
-        return pb.ClearResponse(cleared_blocks=index.clear(ns) if ns is not None else 0)
+        return to_proto(self.daemon.stats(self.tenancy.identify(handshake.cred if handshake else None, context)))
+
+    async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
+        caller, handshake = self._identify(request.peer_token, context)
+        if handshake is not None:
+            close_fds(handshake.fds)
+        tenant: str | None = request.tenant  # None: every tenant's
+        if not caller.admin:
+            if tenant and tenant != caller.tenant:
+                raise KVError("PERMISSION_DENIED", f"only admins (--admin-uids) may clear tenant {tenant!r}'s blocks")
+            tenant = caller.member("clear blocks")
+        elif not tenant and request.namespace:
+            if caller.tenant is None:
+                raise invalid("name the tenant whose namespace to clear")
+            tenant = caller.tenant
+        elif not tenant:
+            tenant = None
+        return pb.ClearResponse(cleared_blocks=self.daemon.clear(tenant, request.namespace))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -238,7 +273,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 class GrpcServer:
     """The gRPC server with the KVStore and health services; answers UNAVAILABLE until `serve`."""
 
-    def __init__(self, config: Config, stopping: asyncio.Event, creds: PeerCredServer) -> None:
+    def __init__(self, config: Config, stopping: asyncio.Event, creds: PeerCredServer, tenancy: Tenancy) -> None:
         options = [("grpc.max_receive_message_length", int(config.max_request_bytes)),
                    ("grpc.max_send_message_length", int(config.max_request_bytes)),
                    ("grpc.so_reuseport", 0)]
@@ -246,7 +281,7 @@ class GrpcServer:
         self.server = grpc.aio.server(interceptors=[self.errors], options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.servicer = Servicer(stopping, creds)
+        self.servicer = Servicer(stopping, creds, tenancy)
         pb_grpc.add_KVStoreServicer_to_server(self.servicer, self.server)
 
     def listen(self, target: str, credentials: grpc.ServerCredentials | None = None) -> None:

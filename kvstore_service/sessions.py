@@ -27,6 +27,7 @@ from kvstore_service.index import Block, BlockIndex, Namespace
 from kvstore_service.layout import Layout
 from kvstore_service.peercred import PeerCred, close_fds
 from kvstore_service.pool import Pool
+from kvstore_service.tenants import UNIX, check_namespace, scoped, split
 
 if TYPE_CHECKING:
     from kvstore_service.jobs import Job, JobResult
@@ -64,8 +65,10 @@ class Session:
 
     session_id: bytes
     engine_id: str
-    namespace_name: str
+    tenant: str
+    namespace_name: str  # the index's name: the tenant's (tenants.scoped)
     namespace: Namespace | None  # None until some engine registers memory in it
+    owner: str  # the caller that registered it (tenants.Caller.principal); only it may use the session
     peer: PeerCred | None  # pid/uid from SO_PEERCRED when the client did the handshake
     attached: bool = False
     closed: bool = False
@@ -95,13 +98,15 @@ class Registration:
 
     protocol_version: int
     engine_id: str
-    namespace: str
+    namespace: str  # the client's name (the tenant's namespace)
     layout: Layout | None = None
     backend: str = "cpu"
     handles: tuple[bytes, ...] = ()  # one per KV memory (cpu: empty handles, the memfds come by handshake)
     memory_sizes: tuple[int, ...] = ()
     device: int = 0
     completion_slots: int = 0
+    tenant: str = ""
+    owner: str = UNIX  # the caller (tenants.Caller.principal)
 
 
 class Sessions:
@@ -136,19 +141,19 @@ class Sessions:
                 raise KVError("FAILED_PRECONDITION",
                               f"client speaks protocol {request.protocol_version}, this daemon speaks "
                               f"{PROTOCOL_VERSION}; upgrade the client or the daemon so both match")
-            self._check_namespace(request.namespace)
-            if peer is not None:
-                mine = sum(1 for x in self.by_id.values() if x.peer is not None and x.peer.uid == peer.uid)
-                if mine >= self.config.max_sessions_per_uid:
-                    raise KVError("RESOURCE_EXHAUSTED", f"uid {peer.uid} already has {mine} sessions "
-                                  f"(--max-sessions-per-uid {self.config.max_sessions_per_uid})")
+            check_namespace(request.namespace, self.config.max_namespace_bytes)
+            mine = sum(1 for x in self.by_id.values() if x.owner == request.owner)
+            if mine >= self.config.max_sessions_per_uid:
+                raise KVError("RESOURCE_EXHAUSTED", f"{request.owner} already has {mine} sessions "
+                              f"(--max-sessions-per-uid {self.config.max_sessions_per_uid})")
             if len(self.by_id) + self._registering >= self.config.max_sessions:
                 raise KVError("RESOURCE_EXHAUSTED",
                               f"the daemon already has {len(self.by_id) + self._registering} sessions (max)")
             if request.layout is None:
+                name = scoped(request.tenant, request.namespace)
                 session = Session(session_id=secrets.token_bytes(16), engine_id=request.engine_id,
-                                  namespace_name=request.namespace, peer=peer,
-                                  namespace=self.index.find_namespace(request.namespace))
+                                  tenant=request.tenant, namespace_name=name, owner=request.owner, peer=peer,
+                                  namespace=self.index.find_namespace(name))
             else:
                 self._registering += 1
                 try:
@@ -181,7 +186,8 @@ class Sessions:
         if len(fds) != wanted:
             raise invalid(f"registering {memories} {request.backend} KV memories needs {wanted} shared-memory "
                           f"descriptor(s) from the <socket>.cred handshake, got {len(fds)}")
-        self._check_block_size(request.namespace, layout)
+        name = scoped(request.tenant, request.namespace)
+        self._check_block_size(name, layout)
         if self.pool.slots_per_segment(layout.slot_bytes) < 1:
             raise KVError("FAILED_PRECONDITION",
                           f"a {layout.slot_bytes}-byte block is larger than a pool segment "
@@ -198,8 +204,8 @@ class Sessions:
                 mappings.append(await self.off_loop(backend.map, request.handles[i], extents[i], request.device, fd))
             # Only a registration that got this far creates the namespace (another one may have
             # created it meanwhile, with other blocks).
-            self._check_block_size(request.namespace, layout)
-            namespace = self.index.namespace(request.namespace, layout.slot_bytes, layout.shards)
+            self._check_block_size(name, layout)
+            namespace = self.index.namespace(name, layout.slot_bytes, layout.shards)
         except BaseException as e:
             channel.close()
             for mapping in mappings:
@@ -207,22 +213,15 @@ class Sessions:
             if isinstance(e, (ValueError, OSError)):
                 raise invalid(str(e)) from None
             raise
-        return EngineSession(session_id=secrets.token_bytes(16), engine_id=request.engine_id,
-                             namespace_name=request.namespace, peer=peer, namespace=namespace,
+        return EngineSession(session_id=secrets.token_bytes(16), engine_id=request.engine_id, tenant=request.tenant,
+                             namespace_name=name, owner=request.owner, peer=peer, namespace=namespace,
                              layout=layout, backend=backend, mappings=mappings, channel=channel)
 
-    def _check_namespace(self, namespace: str) -> None:
-        if not namespace:
-            raise invalid("namespace is empty")
-        size = len(namespace.encode())
-        if size > self.config.max_namespace_bytes:
-            raise invalid(f"namespace is {size} bytes, more than --max-namespace-bytes "
-                          f"{self.config.max_namespace_bytes}")
-
-    def _check_block_size(self, namespace: str, layout: Layout) -> None:
-        existing = self.index.find_namespace(namespace)
+    def _check_block_size(self, name: str, layout: Layout) -> None:
+        existing = self.index.find_namespace(name)
         if existing is None:
             return
+        namespace = split(name)[1]
         if existing.block_bytes != layout.slot_bytes:
             raise KVError("FAILED_PRECONDITION",
                           f"layout mismatch: namespace {namespace!r} holds {existing.block_bytes}-byte "
@@ -253,14 +252,14 @@ class Sessions:
             raise KVError("NOT_FOUND", f"unknown or ended session {session_id.hex() or '(empty)'}; register again")
         return session
 
-    def engine(self, session_id: bytes) -> EngineSession:
-        session = self.get(session_id)
+    @staticmethod
+    def engine(session: Session) -> EngineSession:
         if not isinstance(session, EngineSession):
             raise KVError("FAILED_PRECONDITION", "this session registered no KV memory (lookup-only)")
         return session
 
-    def attach(self, session_id: bytes) -> Session:
-        session = self.get(session_id)
+    @staticmethod
+    def attach(session: Session) -> Session:
         if session.attached:
             raise KVError("ALREADY_EXISTS", "the session already has an Attach stream")
         session.attached = True
@@ -305,24 +304,20 @@ class Sessions:
 
     # -- lookups and leases ----------------------------------------------------------------------
 
-    def lookup(self, session_id: bytes, namespace: str, keys: bytes, key_size: int, lease: bool,
+    def lookup(self, session: Session | None, namespace: str, keys: bytes, key_size: int, lease: bool,
                ttl_ms: int) -> tuple[int, bytes]:
-        """How many of the leading keys (packed, `key_size` bytes each) are in the pool; with `lease`,
-        those blocks are pinned until the lease is released or expires."""
-        session: Session | None = None
-        if session_id:
-            session = self.get(session_id)
+        """How many of the leading keys (packed, `key_size` bytes each) are in the pool: in the session's
+        namespace, or without one in `namespace` (the index's name); with `lease` (a session's), those
+        blocks are pinned until the lease is released or expires."""
+        if session is not None:
             if namespace and namespace != session.namespace_name:
                 raise KVError("PERMISSION_DENIED", "a session can only look up its own namespace")
             if session.namespace is None:
                 session.namespace = self.index.find_namespace(session.namespace_name)
             ns = session.namespace
+        elif lease:
+            raise invalid("a lease needs a session")
         else:
-            if lease:
-                raise invalid("a lease needs a session")
-            if not namespace:
-                raise invalid("lookup needs a session or a namespace")
-            self._check_namespace(namespace)
             ns = self.index.find_namespace(namespace)
         if lease:
             self._check_lease(session, ttl_ms)
@@ -342,8 +337,7 @@ class Sessions:
             raise KVError("RESOURCE_EXHAUSTED", f"the session holds {len(session.leases)} leases "
                           f"(--max-leases-per-session {self.config.max_leases_per_session}); release some")
 
-    def release_lease(self, session_id: bytes, lease_id: bytes) -> None:
-        session = self.get(session_id)
+    def release_lease(self, session: Session, lease_id: bytes) -> None:
         lease = session.leases.get(lease_id)
         if lease is None:
             raise KVError("NOT_FOUND", f"unknown or expired lease {lease_id.hex() or '(empty)'}")

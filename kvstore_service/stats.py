@@ -45,6 +45,7 @@ class NamespaceStats:
     loaded_blocks: int
     evictions: int
     engines: int
+    tenant: str
 
     @property
     def hit_rate(self) -> float:

@@ -130,7 +130,8 @@ def test_register_errors(setup, tmp_path) -> None:
         expect(grpc.StatusCode.INVALID_ARGUMENT, "unknown backend 'tpu'", stub.Register, bad)
         expect(grpc.StatusCode.INVALID_ARGUMENT, "namespace is empty", stub.Register, register(namespace=""))
         expect(grpc.StatusCode.INVALID_ARGUMENT, "needs 2 shared-memory descriptor(s)", stub.Register,
-               register(peer_token=b""))
+               register(fds=[]))
+        expect(grpc.StatusCode.PERMISSION_DENIED, "peer_token", stub.Register, register(peer_token=b""))
         # Memory that could shrink under the daemon's mapping is refused.
         plain = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT)
         os.ftruncate(plain, spec.sizes[0])
@@ -198,16 +199,18 @@ def test_too_many_sessions(daemon_factory) -> None:
 
 
 def test_layout_with_too_many_regions_is_refused_before_it_is_built(setup) -> None:
-    _, _, _, stub = setup
+    daemon, _, _, stub = setup
+    target = f"unix://{daemon.socket}"
     layout = pb.KVLayout(num_blocks=1, regions=[pb.Region(offset=i, block_stride=1, block_bytes=1)
                                                 for i in range(4097)])
     expect(grpc.StatusCode.INVALID_ARGUMENT, "the layout has 4097 regions, more than --max-layout-regions 4096",
            stub.Register, pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, namespace="many", layout=layout,
-                                             completion_slots=8,
+                                             completion_slots=8, peer_token=peer_handshake(target),
                                              memories=[pb.MemoryHandle(backend="cpu", size=1 << 20)]))
     too_many = [pb.MemoryHandle(backend="cuda", size=1 << 20)] * 253
     expect(grpc.StatusCode.INVALID_ARGUMENT, "253 KV memories, more than --max-session-memories 252",
            stub.Register, pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, namespace="many",
                                              layout=pb.KVLayout(num_blocks=1, regions=[pb.Region(block_bytes=1)]),
-                                             completion_slots=8, memories=too_many))
+                                             completion_slots=8, memories=too_many,
+                                             peer_token=peer_handshake(target)))
     assert stub.Stats(pb.StatsRequest(), timeout=10).engines == 1  # only the fixture's engine

@@ -235,7 +235,7 @@ def test_pool_full_fails_the_blocks_that_got_no_slot(tmp_path: Path) -> None:
         lookup = await core.lookup_session()
         assert await finish(core.jobs, engine, 1, keys_of(capacity), list(range(capacity)), True) == (capacity, 0)
         await asyncio.sleep(0.05)
-        hits, _ = core.sessions.lookup(lookup.session_id, "", b"".join(keys_of(capacity)), 32, True, 60_000)
+        hits, _ = core.sessions.lookup(lookup, "", b"".join(keys_of(capacity)), 32, True, 60_000)
         assert hits == capacity  # all leased: nothing can be evicted
         assert await finish(core.jobs, engine, 2, keys_of(3, 1), [0, 1, 2], True) == (0, 3)
         assert core.jobs.store_failures_pool_full == 3
@@ -337,7 +337,7 @@ def test_a_lookup_session_cannot_run_jobs(tmp_path: Path) -> None:
         lookup = await core.lookup_session()
         assert type(lookup) is Session
         with pytest.raises(KVError, match="lookup-only") as info:
-            core.sessions.engine(lookup.session_id)
+            core.sessions.engine(lookup)
         assert info.value.code == "FAILED_PRECONDITION"
 
     run(tmp_path, body)
@@ -380,15 +380,15 @@ def test_a_lease_keeps_its_blocks_from_eviction_until_released(tmp_path: Path) -
         capacity = len(core.pool.segments) * core.pool.slots_per_segment(BLOCK)
         await finish(core.jobs, engine, 1, keys_of(4), [0, 1, 2, 3], True)
         await asyncio.sleep(0.05)
-        hits, lease = core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(4)), 32, True, 60_000)
+        hits, lease = core.sessions.lookup(scheduler, "", b"".join(keys_of(4)), 32, True, 60_000)
         assert hits == 4 and lease
         await finish(core.jobs, engine, 2, keys_of(capacity, 1), list(range(capacity)), True)  # evicts others
-        assert core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(4)), 32, False, 0)[0] == 4
-        core.sessions.release_lease(scheduler.session_id, lease)
+        assert core.sessions.lookup(scheduler, "", b"".join(keys_of(4)), 32, False, 0)[0] == 4
+        core.sessions.release_lease(scheduler, lease)
         with pytest.raises(KVError, match="unknown or expired lease"):
-            core.sessions.release_lease(scheduler.session_id, lease)
+            core.sessions.release_lease(scheduler, lease)
         await finish(core.jobs, engine, 3, keys_of(capacity, 2), list(range(capacity)), True)
-        assert core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(4)), 32, False, 0)[0] == 0
+        assert core.sessions.lookup(scheduler, "", b"".join(keys_of(4)), 32, False, 0)[0] == 0
 
     run(tmp_path, body, pool_blocks=30)
 
@@ -397,7 +397,7 @@ def test_leases_expire(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
         engine, scheduler = await core.engine(), await core.lookup_session()
         await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
-        core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(2)), 32, True, 1)
+        core.sessions.lookup(scheduler, "", b"".join(keys_of(2)), 32, True, 1)
         await asyncio.sleep(0.01)
         assert core.sessions.expire_leases() == 1 and core.sessions.lease_expiries == 1
         assert not scheduler.leases
@@ -409,7 +409,7 @@ def test_ending_a_session_waits_for_its_copies_then_unmaps(tmp_path: Path) -> No
     async def body(core: Core) -> None:
         engine, scheduler = await core.engine(), await core.lookup_session()
         await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
-        core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(2)), 32, True, 60_000)
+        core.sessions.lookup(scheduler, "", b"".join(keys_of(2)), 32, True, 60_000)
         core.backend.gate.clear()
         core.jobs.submit(engine, 2, keys_of(2), [4, 5], False)
         ending = asyncio.ensure_future(core.sessions.end(engine))
@@ -434,7 +434,7 @@ def test_slow_device_calls_never_stall_other_sessions(tmp_path: Path) -> None:
         slowest = 0.0
         while not work.done():
             t0 = time.monotonic()
-            core.sessions.lookup(scheduler.session_id, "", b"".join(keys_of(4)), 32, False, 0)
+            core.sessions.lookup(scheduler, "", b"".join(keys_of(4)), 32, False, 0)
             await asyncio.sleep(0.01)
             slowest = max(slowest, time.monotonic() - t0)
         return slowest
@@ -459,24 +459,23 @@ def test_every_limit_on_what_a_client_sends_is_enforced(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
         with pytest.raises(KVError, match="namespace is 1025 bytes, more than --max-namespace-bytes 1024"):
             await core.lookup_session("n" * 1025)
-        with pytest.raises(KVError, match="more than --max-namespace-bytes"):
-            core.sessions.lookup(b"", "n" * 1025, b"", 32, False, 0)
         engine, scheduler = await core.engine(), await core.lookup_session()
         await finish(core.jobs, engine, 1, keys_of(1), [0], True)
         with pytest.raises(KVError, match="lease_ttl_ms 600001 is longer than --max-lease-ttl-s 600"):
-            core.sessions.lookup(scheduler.session_id, "", keys_of(1)[0], 32, True, 600_001)
+            core.sessions.lookup(scheduler, "", keys_of(1)[0], 32, True, 600_001)
         for _ in range(3):
-            core.sessions.lookup(scheduler.session_id, "", keys_of(1)[0], 32, True, 60_000)
+            core.sessions.lookup(scheduler, "", keys_of(1)[0], 32, True, 60_000)
         with pytest.raises(KVError, match="holds 3 leases .--max-leases-per-session 3.") as info:
-            core.sessions.lookup(scheduler.session_id, "", keys_of(1)[0], 32, True, 60_000)
+            core.sessions.lookup(scheduler, "", keys_of(1)[0], 32, True, 60_000)
         assert info.value.code == "RESOURCE_EXHAUSTED"
         peer = PeerCred(pid=1, uid=4242, gid=4242)
         for _ in range(2):
-            await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns"), peer)
-        with pytest.raises(KVError, match="uid 4242 already has 2 sessions .--max-sessions-per-uid 2.") as info:
-            await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns"), peer)
+            await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns", owner="uid:4242"), peer)
+        with pytest.raises(KVError, match="uid:4242 already has 2 sessions .--max-sessions-per-uid 2.") as info:
+            await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns", owner="uid:4242"), peer)
         assert info.value.code == "RESOURCE_EXHAUSTED"
-        await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns"), PeerCred(pid=2, uid=4343, gid=1))
+        await core.sessions.register(Registration(PROTOCOL_VERSION, "e", "ns", owner="uid:4343"),
+                                     PeerCred(pid=2, uid=4343, gid=1))
 
     run(tmp_path, body, max_leases_per_session=3, max_sessions_per_uid=2)
 
@@ -531,9 +530,9 @@ def test_lookup_rules(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
         scheduler = await core.lookup_session("mine")
         with pytest.raises(KVError, match="only look up its own namespace"):
-            core.sessions.lookup(scheduler.session_id, "theirs", b"", 32, False, 0)
+            core.sessions.lookup(scheduler, "theirs", b"", 32, False, 0)
         with pytest.raises(KVError, match="a lease needs a session"):
-            core.sessions.lookup(b"", "mine", b"", 32, True, 0)
-        assert core.sessions.lookup(b"", "nobody", keys_of(1)[0], 32, False, 0) == (0, b"")
+            core.sessions.lookup(None, "mine", b"", 32, True, 0)
+        assert core.sessions.lookup(None, "nobody", keys_of(1)[0], 32, False, 0) == (0, b"")
 
     run(tmp_path, body)

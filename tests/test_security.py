@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -14,10 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
+from support.pki import free_port, make_pki, tls_client
 
 from kvstore_client import KVStoreClient, PermissionDenied, Unavailable
 from kvstore_client.protocol import PROTOCOL_VERSION
@@ -50,7 +44,7 @@ def test_uid_not_allowed_is_refused(daemon_factory) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.Register(pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, namespace="n"), timeout=5)
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert "allowed-uids" in info.value.details()
+    assert "peer_token" in info.value.details()
     assert client.health() == "SERVING"  # read-only calls still answer
 
 
@@ -61,71 +55,24 @@ def test_allowed_uid_is_served(daemon_factory) -> None:
     assert client.clear() == 0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _cert(subject: str, issuer_key, issuer_name, key, ca: bool = False) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder()
-               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-               .issuer_name(issuer_name or x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-    if not ca:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
-
-
-def _pem(obj) -> bytes:
-    if isinstance(obj, x509.Certificate):
-        return obj.public_bytes(serialization.Encoding.PEM)
-    return obj.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
-
-
 @pytest.fixture
 def pki(tmp_path: Path) -> dict[str, bytes | str]:
-    files: dict[str, bytes | str] = {}
-    cas = {}
-    for name in ("ca", "rogue_ca"):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cas[name] = (key, _cert(name, key, None, key, ca=True))
-    for name, ca in (("server", "ca"), ("client", "ca"), ("rogue", "rogue_ca")):
-        key = ec.generate_private_key(ec.SECP256R1())
-        ca_key, ca_cert = cas[ca]
-        files[name] = _pem(_cert(name, ca_key, ca_cert.subject, key))
-        files[name + "_key"] = _pem(key)
-    files["ca"] = _pem(cas["ca"][1])
-    for name in ("server", "server_key", "ca"):
-        (tmp_path / f"{name}.pem").write_bytes(files[name])  # type: ignore[arg-type]
-        files[name + "_path"] = str(tmp_path / f"{name}.pem")
-    return files
-
-
-def _tls_client(port: int, pki: dict, cert: str | None) -> KVStoreClient:
-    creds = grpc.ssl_channel_credentials(root_certificates=pki["ca"], private_key=pki[cert + "_key"] if cert else None,
-                                         certificate_chain=pki[cert] if cert else None)
-    return KVStoreClient(f"dns:localhost:{port}", timeout=5, credentials=creds)
+    return make_pki(tmp_path)
 
 
 def test_mtls(daemon_factory, pki) -> None:
-    port = _free_port()
+    port = free_port()
     daemon = daemon_factory("--tcp", f"127.0.0.1:{port}", "--tls-cert", pki["server_path"], "--tls-key",
                             pki["server_key_path"], "--tls-client-ca", pki["ca_path"]).start()
-    assert _tls_client(port, pki, "client").stats().capacity_bytes > 0
+    assert tls_client(port, pki, "client").stats().capacity_bytes > 0
     for cert in ("rogue", None):  # a certificate from another CA, or none: refused
         with pytest.raises(Unavailable):
-            _tls_client(port, pki, cert).stats()
+            tls_client(port, pki, cert).stats()
     assert daemon.client().health() == "SERVING"
 
 
 def test_tcp_needs_tls_or_insecure(daemon_factory, tmp_path) -> None:
-    port = _free_port()
+    port = free_port()
     out = subprocess.run([sys.executable, "-m", "kvstore_service", "serve", "--socket", str(tmp_path / "s.sock"),
                           "--pool-path", f"/dev/shm/kvstore-test-tcp-{port}", "--pool-size", "16MiB",
                           "--segment-size", "4MiB", "--tcp", f"127.0.0.1:{port}"],

@@ -89,18 +89,27 @@ def test_derived_figures() -> None:
         stats.hits = 1  # type: ignore[misc]
 
 
-def test_compact_table_fits_any_namespace_in_80_columns() -> None:
+def text_of(stats: Stats) -> str:
     from rich.console import Console
 
     from kvstore_service.cli import _render_stats
 
-    stats = _sample()
     console = Console(width=80, record=True, file=io.StringIO())
     console.print(_render_stats(stats, console.width))
-    text = console.export_text()
-    assert max(len(line) for line in text.splitlines()) <= 80
-    assert "Llama-3.1-8B-Instruct" in text and " 4 " in text and namespace_id(LONG_NAMESPACE) in text
-    assert "tenant-secret" not in text and "(recovered" in text
+    return console.export_text()
+
+
+def test_compact_table_fits_any_namespace_in_80_columns() -> None:
+    admin_view = _sample()  # several tenants: a tenant column
+    tenant_view = dataclasses.replace(admin_view, namespaces=[dataclasses.replace(ns, tenant="")
+                                                              for ns in admin_view.namespaces])
+    for text in (text_of(tenant_view), text_of(admin_view)):
+        assert max(len(line) for line in text.splitlines()) <= 80
+        assert " 4 " in text and namespace_id(LONG_NAMESPACE) in text
+        assert "tenant-secret" not in text
+    assert "Llama-3.1-8B-Instruct" in text_of(tenant_view) and "(recovered" in text_of(tenant_view)
+    assert " tenant " not in text_of(tenant_view)
+    assert " tenant " in text_of(admin_view) and "tenant-10" in text_of(admin_view)
 
 
 def test_the_daemon_loads_only_the_protocol_of_the_client_and_no_torch() -> None:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"S\n\x06Region\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06memory\x18\x04 \x01(\r\"b\n\x08KVLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12#\n\x07regions\x18\x02 \x03(\x0b\x32\x12.kvstore.v1.Region\x12\x0e\n\x06shards\x18\x03 \x01(\r\x12\r\n\x05shard\x18\x04 \x01(\r\"M\n\x0cMemoryHandle\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\r\"\xd7\x01\n\x0fRegisterRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.kvstore.v1.KVLayout\x12*\n\x08memories\x18\x05 \x03(\x0b\x32\x18.kvstore.v1.MemoryHandle\x12\x18\n\x10\x63ompletion_slots\x18\x07 \x01(\r\x12\x12\n\npeer_token\x18\x08 \x01(\x0cJ\x04\x08\x06\x10\x07\"\x86\x01\n\x10RegisterResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x19\n\x11max_inflight_jobs\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x61\x65mon_boot_id\x18\x05 \x01(\x0c\"#\n\rAttachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"k\n\x0cSessionEvent\x12(\n\x08\x61ttached\x18\x01 \x01(\x0b\x32\x14.kvstore.v1.AttachedH\x00\x12(\n\x08shutdown\x18\x02 \x01(\x0b\x32\x14.kvstore.v1.ShutdownH\x00\x42\x07\n\x05\x65vent\"\"\n\x08\x41ttached\x12\x16\n\x0e\x64\x61\x65mon_boot_id\x18\x01 \x01(\x0c\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\'\n\x11UnregisterRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"\x14\n\x12UnregisterResponse\"{\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x10\n\x08key_size\x18\x04 \x01(\r\x12\r\n\x05lease\x18\x05 \x01(\x08\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\"0\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x0c\";\n\x13ReleaseLeaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x10\n\x08lease_id\x18\x02 \x01(\x0c\"\x16\n\x14ReleaseLeaseResponse\"~\n\x0fTransferRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0e\n\x06job_id\x18\x02 \x01(\x04\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x10\n\x08key_size\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\x04\x12\x14\n\x0cpartial_tail\x18\x06 \x01(\x08\"\"\n\x10TransferResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\"2\n\x0bPollRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"N\n\tJobResult\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12\x10\n\x08is_store\x18\x02 \x01(\x08\x12\x10\n\x08\x62lock_ok\x18\x03 \x03(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"3\n\x0cPollResponse\x12#\n\x04jobs\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.JobResult\"\x0e\n\x0cStatsRequest\"\xcc\x01\n\x0eNamespaceStats\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x15\n\rstored_blocks\x18\x07 \x01(\x04\x12\x15\n\rloaded_blocks\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x0f\n\x07\x65ngines\x18\n \x01(\r\"\xdb\x03\n\rStatsResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x15\n\rstored_blocks\x18\x06 \x01(\x04\x12\x15\n\rloaded_blocks\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x0f\n\x07\x65ngines\x18\t \x01(\r\x12\x0e\n\x06leases\x18\n \x01(\r\x12\x16\n\x0ejobs_in_flight\x18\x0b \x01(\r\x12\x15\n\rfailed_blocks\x18\x0c \x01(\x04\x12 \n\x18store_failures_pool_full\x18\r \x01(\x04\x12\x16\n\x0elease_expiries\x18\x0e \x01(\x04\x12\x16\n\x0e\x63orrupt_blocks\x18\x0f \x01(\x04\x12\x10\n\x08uptime_s\x18\x10 \x01(\x04\x12.\n\nnamespaces\x18\x11 \x03(\x0b\x32\x1a.kvstore.v1.NamespaceStats\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x12 \x01(\t\x12\x17\n\x0funsealed_blocks\x18\x13 \x01(\x04\x12\x1a\n\x12\x66\x61iled_load_blocks\x18\x14 \x01(\x04\"5\n\x0c\x43learRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\npeer_token\x18\x02 \x01(\x0c\"\'\n\rClearResponse\x12\x16\n\x0e\x63leared_blocks\x18\x01 \x01(\x04*Q\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x1c\n\x18PROTOCOL_VERSION_CURRENT\x10\x02\x32\xb0\x05\n\x07KVStore\x12\x45\n\x08Register\x12\x1b.kvstore.v1.RegisterRequest\x1a\x1c.kvstore.v1.RegisterResponse\x12?\n\x06\x41ttach\x12\x19.kvstore.v1.AttachRequest\x1a\x18.kvstore.v1.SessionEvent0\x01\x12K\n\nUnregister\x12\x1d.kvstore.v1.UnregisterRequest\x1a\x1e.kvstore.v1.UnregisterResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12Q\n\x0cReleaseLease\x12\x1f.kvstore.v1.ReleaseLeaseRequest\x1a .kvstore.v1.ReleaseLeaseResponse\x12\x42\n\x05Store\x12\x1b.kvstore.v1.TransferRequest\x1a\x1c.kvstore.v1.TransferResponse\x12\x41\n\x04Load\x12\x1b.kvstore.v1.TransferRequest\x1a\x1c.kvstore.v1.TransferResponse\x12\x39\n\x04Poll\x12\x17.kvstore.v1.PollRequest\x1a\x18.kvstore.v1.PollResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12<\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x19.kvstore.v1.ClearResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvstore/v1/kvstore.proto\x12\nkvstore.v1\"S\n\x06Region\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x14\n\x0c\x62lock_stride\x18\x02 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x03 \x01(\x04\x12\x0e\n\x06memory\x18\x04 \x01(\r\"b\n\x08KVLayout\x12\x12\n\nnum_blocks\x18\x01 \x01(\x04\x12#\n\x07regions\x18\x02 \x03(\x0b\x32\x12.kvstore.v1.Region\x12\x0e\n\x06shards\x18\x03 \x01(\r\x12\r\n\x05shard\x18\x04 \x01(\r\"M\n\x0cMemoryHandle\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0e\n\x06handle\x18\x02 \x01(\x0c\x12\x0c\n\x04size\x18\x03 \x01(\x04\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\r\"\xd7\x01\n\x0fRegisterRequest\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\x11\n\tnamespace\x18\x03 \x01(\t\x12$\n\x06layout\x18\x04 \x01(\x0b\x32\x14.kvstore.v1.KVLayout\x12*\n\x08memories\x18\x05 \x03(\x0b\x32\x18.kvstore.v1.MemoryHandle\x12\x18\n\x10\x63ompletion_slots\x18\x07 \x01(\r\x12\x12\n\npeer_token\x18\x08 \x01(\x0cJ\x04\x08\x06\x10\x07\"\x86\x01\n\x10RegisterResponse\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x04\x12\x19\n\x11max_inflight_jobs\x18\x03 \x01(\r\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x04 \x01(\t\x12\x16\n\x0e\x64\x61\x65mon_boot_id\x18\x05 \x01(\x0c\"#\n\rAttachRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"k\n\x0cSessionEvent\x12(\n\x08\x61ttached\x18\x01 \x01(\x0b\x32\x14.kvstore.v1.AttachedH\x00\x12(\n\x08shutdown\x18\x02 \x01(\x0b\x32\x14.kvstore.v1.ShutdownH\x00\x42\x07\n\x05\x65vent\"\"\n\x08\x41ttached\x12\x16\n\x0e\x64\x61\x65mon_boot_id\x18\x01 \x01(\x0c\"\x1a\n\x08Shutdown\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\'\n\x11UnregisterRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\"\x14\n\x12UnregisterResponse\"\x8f\x01\n\rLookupRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x11\n\tnamespace\x18\x02 \x01(\t\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x10\n\x08key_size\x18\x04 \x01(\r\x12\r\n\x05lease\x18\x05 \x01(\x08\x12\x14\n\x0clease_ttl_ms\x18\x06 \x01(\r\x12\x12\n\npeer_token\x18\x07 \x01(\x0c\"0\n\x0eLookupResponse\x12\x0c\n\x04hits\x18\x01 \x01(\r\x12\x10\n\x08lease_id\x18\x02 \x01(\x0c\";\n\x13ReleaseLeaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x10\n\x08lease_id\x18\x02 \x01(\x0c\"\x16\n\x14ReleaseLeaseResponse\"~\n\x0fTransferRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0e\n\x06job_id\x18\x02 \x01(\x04\x12\x0c\n\x04keys\x18\x03 \x01(\x0c\x12\x10\n\x08key_size\x18\x04 \x01(\r\x12\x11\n\tblock_ids\x18\x05 \x03(\x04\x12\x14\n\x0cpartial_tail\x18\x06 \x01(\x08\"\"\n\x10TransferResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\"2\n\x0bPollRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x0c\x12\x0f\n\x07wait_ms\x18\x02 \x01(\r\"N\n\tJobResult\x12\x0e\n\x06job_id\x18\x01 \x01(\x04\x12\x10\n\x08is_store\x18\x02 \x01(\x08\x12\x10\n\x08\x62lock_ok\x18\x03 \x03(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"3\n\x0cPollResponse\x12#\n\x04jobs\x18\x01 \x03(\x0b\x32\x15.kvstore.v1.JobResult\"\"\n\x0cStatsRequest\x12\x12\n\npeer_token\x18\x01 \x01(\x0c\"\xdc\x01\n\x0eNamespaceStats\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x13\n\x0b\x62lock_bytes\x18\x04 \x01(\x04\x12\x0c\n\x04hits\x18\x05 \x01(\x04\x12\x0e\n\x06misses\x18\x06 \x01(\x04\x12\x15\n\rstored_blocks\x18\x07 \x01(\x04\x12\x15\n\rloaded_blocks\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x0f\n\x07\x65ngines\x18\n \x01(\r\x12\x0e\n\x06tenant\x18\x0b \x01(\t\"\xdb\x03\n\rStatsResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x04\x12\x0c\n\x04hits\x18\x04 \x01(\x04\x12\x0e\n\x06misses\x18\x05 \x01(\x04\x12\x15\n\rstored_blocks\x18\x06 \x01(\x04\x12\x15\n\rloaded_blocks\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x0f\n\x07\x65ngines\x18\t \x01(\r\x12\x0e\n\x06leases\x18\n \x01(\r\x12\x16\n\x0ejobs_in_flight\x18\x0b \x01(\r\x12\x15\n\rfailed_blocks\x18\x0c \x01(\x04\x12 \n\x18store_failures_pool_full\x18\r \x01(\x04\x12\x16\n\x0elease_expiries\x18\x0e \x01(\x04\x12\x16\n\x0e\x63orrupt_blocks\x18\x0f \x01(\x04\x12\x10\n\x08uptime_s\x18\x10 \x01(\x04\x12.\n\nnamespaces\x18\x11 \x03(\x0b\x32\x1a.kvstore.v1.NamespaceStats\x12\x16\n\x0e\x64\x61\x65mon_version\x18\x12 \x01(\t\x12\x17\n\x0funsealed_blocks\x18\x13 \x01(\x04\x12\x1a\n\x12\x66\x61iled_load_blocks\x18\x14 \x01(\x04\"E\n\x0c\x43learRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\npeer_token\x18\x02 \x01(\x0c\x12\x0e\n\x06tenant\x18\x03 \x01(\t\"\'\n\rClearResponse\x12\x16\n\x0e\x63leared_blocks\x18\x01 \x01(\x04*Q\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x1c\n\x18PROTOCOL_VERSION_CURRENT\x10\x02\x32\xb0\x05\n\x07KVStore\x12\x45\n\x08Register\x12\x1b.kvstore.v1.RegisterRequest\x1a\x1c.kvstore.v1.RegisterResponse\x12?\n\x06\x41ttach\x12\x19.kvstore.v1.AttachRequest\x1a\x18.kvstore.v1.SessionEvent0\x01\x12K\n\nUnregister\x12\x1d.kvstore.v1.UnregisterRequest\x1a\x1e.kvstore.v1.UnregisterResponse\x12?\n\x06Lookup\x12\x19.kvstore.v1.LookupRequest\x1a\x1a.kvstore.v1.LookupResponse\x12Q\n\x0cReleaseLease\x12\x1f.kvstore.v1.ReleaseLeaseRequest\x1a .kvstore.v1.ReleaseLeaseResponse\x12\x42\n\x05Store\x12\x1b.kvstore.v1.TransferRequest\x1a\x1c.kvstore.v1.TransferResponse\x12\x41\n\x04Load\x12\x1b.kvstore.v1.TransferRequest\x1a\x1c.kvstore.v1.TransferResponse\x12\x39\n\x04Poll\x12\x17.kvstore.v1.PollRequest\x1a\x18.kvstore.v1.PollResponse\x12<\n\x05Stats\x12\x18.kvstore.v1.StatsRequest\x1a\x19.kvstore.v1.StatsResponse\x12<\n\x05\x43lear\x12\x18.kvstore.v1.ClearRequest\x1a\x19.kvstore.v1.ClearResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvstore.v1.kvstore_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=2338
-  _globals['_PROTOCOLVERSION']._serialized_end=2419
+  _globals['_PROTOCOLVERSION']._serialized_start=2411
+  _globals['_PROTOCOLVERSION']._serialized_end=2492
   _globals['_REGION']._serialized_start=40
   _globals['_REGION']._serialized_end=123
   _globals['_KVLAYOUT']._serialized_start=125
@@ -55,34 +55,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UNREGISTERREQUEST']._serialized_end=908
   _globals['_UNREGISTERRESPONSE']._serialized_start=910
   _globals['_UNREGISTERRESPONSE']._serialized_end=930
-  _globals['_LOOKUPREQUEST']._serialized_start=932
-  _globals['_LOOKUPREQUEST']._serialized_end=1055
-  _globals['_LOOKUPRESPONSE']._serialized_start=1057
-  _globals['_LOOKUPRESPONSE']._serialized_end=1105
-  _globals['_RELEASELEASEREQUEST']._serialized_start=1107
-  _globals['_RELEASELEASEREQUEST']._serialized_end=1166
-  _globals['_RELEASELEASERESPONSE']._serialized_start=1168
-  _globals['_RELEASELEASERESPONSE']._serialized_end=1190
-  _globals['_TRANSFERREQUEST']._serialized_start=1192
-  _globals['_TRANSFERREQUEST']._serialized_end=1318
-  _globals['_TRANSFERRESPONSE']._serialized_start=1320
-  _globals['_TRANSFERRESPONSE']._serialized_end=1354
-  _globals['_POLLREQUEST']._serialized_start=1356
-  _globals['_POLLREQUEST']._serialized_end=1406
-  _globals['_JOBRESULT']._serialized_start=1408
-  _globals['_JOBRESULT']._serialized_end=1486
-  _globals['_POLLRESPONSE']._serialized_start=1488
-  _globals['_POLLRESPONSE']._serialized_end=1539
-  _globals['_STATSREQUEST']._serialized_start=1541
-  _globals['_STATSREQUEST']._serialized_end=1555
-  _globals['_NAMESPACESTATS']._serialized_start=1558
-  _globals['_NAMESPACESTATS']._serialized_end=1762
-  _globals['_STATSRESPONSE']._serialized_start=1765
-  _globals['_STATSRESPONSE']._serialized_end=2240
-  _globals['_CLEARREQUEST']._serialized_start=2242
-  _globals['_CLEARREQUEST']._serialized_end=2295
-  _globals['_CLEARRESPONSE']._serialized_start=2297
-  _globals['_CLEARRESPONSE']._serialized_end=2336
-  _globals['_KVSTORE']._serialized_start=2422
-  _globals['_KVSTORE']._serialized_end=3110
+  _globals['_LOOKUPREQUEST']._serialized_start=933
+  _globals['_LOOKUPREQUEST']._serialized_end=1076
+  _globals['_LOOKUPRESPONSE']._serialized_start=1078
+  _globals['_LOOKUPRESPONSE']._serialized_end=1126
+  _globals['_RELEASELEASEREQUEST']._serialized_start=1128
+  _globals['_RELEASELEASEREQUEST']._serialized_end=1187
+  _globals['_RELEASELEASERESPONSE']._serialized_start=1189
+  _globals['_RELEASELEASERESPONSE']._serialized_end=1211
+  _globals['_TRANSFERREQUEST']._serialized_start=1213
+  _globals['_TRANSFERREQUEST']._serialized_end=1339
+  _globals['_TRANSFERRESPONSE']._serialized_start=1341
+  _globals['_TRANSFERRESPONSE']._serialized_end=1375
+  _globals['_POLLREQUEST']._serialized_start=1377
+  _globals['_POLLREQUEST']._serialized_end=1427
+  _globals['_JOBRESULT']._serialized_start=1429
+  _globals['_JOBRESULT']._serialized_end=1507
+  _globals['_POLLRESPONSE']._serialized_start=1509
+  _globals['_POLLRESPONSE']._serialized_end=1560
+  _globals['_STATSREQUEST']._serialized_start=1562
+  _globals['_STATSREQUEST']._serialized_end=1596
+  _globals['_NAMESPACESTATS']._serialized_start=1599
+  _globals['_NAMESPACESTATS']._serialized_end=1819
+  _globals['_STATSRESPONSE']._serialized_start=1822
+  _globals['_STATSRESPONSE']._serialized_end=2297
+  _globals['_CLEARREQUEST']._serialized_start=2299
+  _globals['_CLEARREQUEST']._serialized_end=2368
+  _globals['_CLEARRESPONSE']._serialized_start=2370
+  _globals['_CLEARRESPONSE']._serialized_end=2409
+  _globals['_KVSTORE']._serialized_start=2495
+  _globals['_KVSTORE']._serialized_end=3183
 # @@protoc_insertion_point(module_scope)

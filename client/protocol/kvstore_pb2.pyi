@@ -119,20 +119,22 @@ class UnregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "namespace", "keys", "key_size", "lease", "lease_ttl_ms")
+    __slots__ = ("session_id", "namespace", "keys", "key_size", "lease", "lease_ttl_ms", "peer_token")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     KEY_SIZE_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
+    PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     namespace: str
     keys: bytes
     key_size: int
     lease: bool
     lease_ttl_ms: int
-    def __init__(self, session_id: _Optional[bytes] = ..., namespace: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ...) -> None: ...
+    peer_token: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., peer_token: _Optional[bytes] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hits", "lease_id")
@@ -203,11 +205,13 @@ class PollResponse(_message.Message):
     def __init__(self, jobs: _Optional[_Iterable[_Union[JobResult, _Mapping]]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("peer_token",)
+    PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    peer_token: bytes
+    def __init__(self, peer_token: _Optional[bytes] = ...) -> None: ...
 
 class NamespaceStats(_message.Message):
-    __slots__ = ("namespace", "blocks", "used_bytes", "block_bytes", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines")
+    __slots__ = ("namespace", "blocks", "used_bytes", "block_bytes", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines", "tenant")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +222,7 @@ class NamespaceStats(_message.Message):
     LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     ENGINES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     blocks: int
     used_bytes: int
@@ -228,7 +233,8 @@ class NamespaceStats(_message.Message):
     loaded_blocks: int
     evictions: int
     engines: int
-    def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines", "leases", "jobs_in_flight", "failed_blocks", "store_failures_pool_full", "lease_expiries", "corrupt_blocks", "uptime_s", "namespaces", "daemon_version", "unsealed_blocks", "failed_load_blocks")
@@ -275,12 +281,14 @@ class StatsResponse(_message.Message):
     def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., leases: _Optional[int] = ..., jobs_in_flight: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., store_failures_pool_full: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., uptime_s: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., unsealed_blocks: _Optional[int] = ..., failed_load_blocks: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
-    __slots__ = ("namespace", "peer_token")
+    __slots__ = ("namespace", "peer_token", "tenant")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     peer_token: bytes
-    def __init__(self, namespace: _Optional[str] = ..., peer_token: _Optional[bytes] = ...) -> None: ...
+    tenant: str
+    def __init__(self, namespace: _Optional[str] = ..., peer_token: _Optional[bytes] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class ClearResponse(_message.Message):
     __slots__ = ("cleared_blocks",)
