@@ -317,7 +317,8 @@ def test_tcp_insecure(chart):
 
 def test_settings_and_socket_access(chart):
     values = {
-        "settings": {"copy_threads": 4, "verify_loads": 0.25, "fresh": True, "max_request_bytes": "128MiB"},
+        "settings": {"copy_threads": 4, "verify_loads": 0.25, "fresh": True, "max_request_bytes": "128MiB",
+                     "tenants": {"team-a": {"uids": [1000]}}, "admin_uids": [0]},
         "socket": {"dir": "/var/run/kv", "name": "d.sock", "group": 2000, "allowedUids": [0, 1000]},
         "extraEnv": [{"name": "EXTRA", "value": "1"}],
     }
@@ -332,6 +333,8 @@ def test_settings_and_socket_access(chart):
     assert variables["KVSTORE_SOCKET"] == "/var/run/kv/d.sock"
     assert variables["KVSTORE_SOCKET_GROUP"] == "2000"
     assert json.loads(variables["KVSTORE_ALLOWED_UIDS"]) == [0, 1000]
+    assert json.loads(variables["KVSTORE_TENANTS"]) == {"team-a": {"uids": [1000]}}
+    assert json.loads(variables["KVSTORE_ADMIN_UIDS"]) == [0]
     assert variables["EXTRA"] == "1"
     assert volume_at(spec, container, "/var/run/kv")["hostPath"]["path"] == "/var/run/kv"
     assert container["livenessProbe"]["exec"]["command"] == [
