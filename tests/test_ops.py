@@ -18,6 +18,7 @@ from support.engine import Engine, kvstore, store_blocks
 from kvstore_client import InvalidArgument
 from kvstore_service import native
 from kvstore_service.config import Config
+from kvstore_service.stats import namespace_id
 
 KB64 = 64 * 1024
 
@@ -95,11 +96,12 @@ def test_prometheus_metrics(daemon_factory) -> None:
     with pytest.raises(InvalidArgument):
         client.lookup("metrics-ns", [b"short"])
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    labels = f'model="",namespace_id="{namespace_id("metrics-ns")}",tenant=""'  # never the namespace string
     expected = [
-        'kvstore_blocks{namespace="metrics-ns"} 4.0',
-        'kvstore_stored_blocks_total{namespace="metrics-ns"} 4.0',
-        'kvstore_lookup_hits_total{namespace="metrics-ns"} 1.0',
-        'kvstore_lookup_misses_total{namespace="metrics-ns"} 1.0',
+        f'kvstore_blocks{{{labels}}} 4.0',
+        f'kvstore_stored_blocks_total{{{labels}}} 4.0',
+        f'kvstore_lookup_hits_total{{{labels}}} 1.0',
+        f'kvstore_lookup_misses_total{{{labels}}} 1.0',
         'kvstore_job_duration_seconds_count{kind="store"} 1.0',
         f'kvstore_copied_bytes_total{{kind="store"}} {4.0 * KB64}',
         'kvstore_rpc_errors_total{code="INVALID_ARGUMENT"} 1.0',

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import secrets
 import socket
 import time
@@ -493,6 +494,24 @@ def _raw(t: Target, case: Case) -> list[str]:
     return _expect(code, WELL_DEFINED, f"raw bytes {case.raw!r} to {case.method}")
 
 
+def _register_allowed(f: dict, size: int, good: bool) -> set[Code]:
+    """The order of the daemon's checks decides which status a request with several faults gets."""
+    layout, slots = f["layout"], f["completion_slots"]
+    if f["token"] != "fresh":  # Register on the unix socket needs the caller's handshake
+        return {Code.PERMISSION_DENIED}
+    if f["protocol_version"] != PROTOCOL_VERSION:
+        return {Code.FAILED_PRECONDITION}
+    if not f["namespace"] or _CONTROL.search(f["namespace"]):
+        return {Code.INVALID_ARGUMENT}
+    if layout is None:
+        return {Code.OK, Code.RESOURCE_EXHAUSTED}
+    if not _layout_fits(layout, size) or not 0 < slots <= 65536:
+        return {Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED}
+    if f["backend"] in ("", "cpu") and not good:
+        return {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED}
+    return WELL_DEFINED
+
+
 def _register(t: Target, f: dict) -> list[str]:
     slots = f["completion_slots"]
     token = t.token(f["token"], f["fds"], slots)
@@ -512,20 +531,7 @@ def _register(t: Target, f: dict) -> list[str]:
     # The daemon takes the completion channel, then one descriptor per KV memory (here: one).
     handed = f["fds"] if f["token"] == "fresh" else []
     good = handed == ["channel", "kv"]
-    # The order of the daemon's checks decides which status a request with several faults gets.
-    if f["protocol_version"] != PROTOCOL_VERSION:
-        allowed = {Code.FAILED_PRECONDITION}
-    elif not f["namespace"]:
-        allowed = {Code.INVALID_ARGUMENT}
-    elif layout is None:
-        allowed = {Code.OK, Code.RESOURCE_EXHAUSTED}
-    elif not _layout_fits(layout, size) or not 0 < slots <= 65536:
-        allowed = {Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED}
-    elif f["backend"] in ("", "cpu") and not good:
-        allowed = {Code.INVALID_ARGUMENT, Code.FAILED_PRECONDITION, Code.RESOURCE_EXHAUSTED}
-    else:
-        allowed = WELL_DEFINED
-    problems = _expect(code, allowed, what)
+    problems = _expect(code, _register_allowed(f, size, good), what)
     if code == Code.OK and layout is not None and f["backend"] in ("", "cpu") and not good:
         problems.append(f"{what} | accepted without a sealed completion channel and KV memfd")
     if code == Code.OK:
@@ -558,6 +564,9 @@ def _handshake(t: Target, f: dict) -> list[str]:
     if t.handshake(secrets.token_bytes(16), []) != b"\x00":
         problems.append(f"Handshake {f} | the next handshake was not accepted")
     return problems
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")  # refused in namespaces (tenants.py)
 
 
 def _layout_fits(layout: dict, memory_size: int) -> bool:
@@ -612,7 +621,7 @@ def _lookup_allowed(f: dict, session_id: bytes, state: str, keys: list[bytes] | 
         if f["lease"] and f["lease_ttl_ms"] > MAX_LEASE_TTL_MS:
             return {Code.INVALID_ARGUMENT}
         return {Code.OK}
-    if f["lease"] or not ns or len(ns.encode()) > MAX_NAMESPACE_BYTES:
+    if f["lease"] or not ns or len(ns.encode()) > MAX_NAMESPACE_BYTES or _CONTROL.search(ns):
         return {Code.INVALID_ARGUMENT}
     return {Code.OK}
 
