@@ -198,7 +198,7 @@ def _render_stats(stats: Stats, width: int, wide: bool = False) -> RenderableTyp
         ("engines / leases / jobs in flight", f"{stats.engines} / {stats.leases} / {stats.jobs_in_flight}"),
         ("failed blocks (loads) / corrupt",
          f"{stats.failed_blocks} ({stats.failed_load_blocks}) / {stats.corrupt_blocks}"),
-        ("blocks waiting for a seal", str(stats.unsealed_blocks)),
+        ("blocks waiting for a seal / recovered, unverified", f"{stats.unsealed_blocks} / {stats.unverified_blocks}"),
         ("uptime", f"{stats.uptime_s} s (daemon {stats.daemon_version})"),
     ]
     for k, v in rows:

@@ -95,6 +95,7 @@ class Daemon:
             lease_expiries=self.sessions.lease_expiries, corrupt_blocks=self.jobs.corrupt_blocks,
             uptime_s=int(time.monotonic() - self.started), namespaces=visible, daemon_version=__version__,
             unsealed_blocks=self.jobs.unsealed_blocks, failed_load_blocks=self.jobs.failed_load_blocks,
+            unverified_blocks=self.index.unverified_blocks,
         )
 
     def clear(self, tenant: str | None, namespace: str) -> int:
@@ -212,7 +213,7 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     chores = loop.create_task(daemon.housekeeping(creds))
-    daemon.jobs.seal_recovered()
+    daemon.jobs.verify_recovered()
     await server.serve(daemon)
     log.info("kvstore %s serving on %s (pool %s, %d bytes, %d blocks recovered)", __version__, config.socket,
              config.pool_path, daemon.pool.capacity, daemon.recovered)

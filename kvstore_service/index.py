@@ -2,22 +2,27 @@
 
 The event loop owns the index; nothing else touches its maps, and there are no locks. The rest of
 the daemon keeps books through the verbs below, in the order vLLM's offload manager uses them:
-`lookup`; `prepare_store` -> (copy) -> `complete_store`, later `hold_for_seal` -> (checksum) -> `seal`;
-`prepare_load` ->
-(copy) -> `complete_load`; `pin`/`unpin` for leases; `clear`; `recover` and `unsealed` after a
-restart.
+`lookup`; `prepare_store` -> (copy) -> `complete_store`, later `hold` -> (checksum) -> `seal`;
+`prepare_load` -> (copy) -> `complete_load`; `pin`/`unpin` for leases; `clear`; after a restart
+`recover`, then `recovered` -> `hold` -> (checksum) -> `verify`.
 
 A block is WRITING while its store copy runs (invisible to lookups and loads) and COMMITTED after.
-Pinned blocks (leased, being loaded or sealed) and WRITING blocks are never evicted; the rest go
-least recently used first, per payload size; prompts' partial last blocks (tails) before full ones:
-a tail serves only an exact repeat of its prompt, and measured on this index (benchmarks/
+Its slot header is written at its seal, with the checksum taken then, so only sealed blocks survive
+a restart. A block found in the pool by `recover` is RECOVERED: as invisible as a WRITING one until
+`verify` has compared its bytes with the checksum in its header; it then becomes COMMITTED, or it is
+dropped if they differ. A store of its key meanwhile replaces it (the lookup missed it, after all).
+Pinned blocks (leased, being loaded, sealed or verified) and WRITING blocks are never evicted; the
+rest go least recently used first, per payload size; prompts' partial last blocks (tails) before
+full ones: a tail serves only an exact repeat of its prompt, and measured on this index (benchmarks/
 bench_tails.py) evicting tails first serves more of the prompts' tokens from a pool too small for
 them. A block removed while pinned is DOOMED: its slot is freed at the last unpin.
 
 Tensor parallelism: a namespace with `shards` > 1 keeps one slot per key holding every TP shard's
 part (engine r writes part r). The block stays WRITING until every part is in, so one lookup answers
 for all ranks and eviction, leases and Clear act on the whole group. A group some of whose parts
-never came (a rank's store failed or its engine died) is evictable once no copy into it runs.
+never came (a rank's store failed or its engine died) is evictable once no copy into it runs. Its
+header, like any block's, is written at its seal, which follows its commit: a recovered slot holds a
+whole group.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from enum import Enum
 from functools import lru_cache, partial
 from itertools import chain, repeat, takewhile
 
-from kvstore_service.pool import Pool, SlotRef, SlotState
+from kvstore_service.pool import Pool, SlotRef
 
 _first = operator.itemgetter(0)
 _key = operator.attrgetter("key")
@@ -42,7 +47,8 @@ KEYS_PER_UNPACK = 64
 
 class BlockState(Enum):
     WRITING = "writing"  # its store copy runs; its slot header is invalid
-    COMMITTED = "committed"  # every byte is in; lookups and loads see it
+    RECOVERED = "recovered"  # found in the pool after a restart; invisible until its checksum is verified
+    COMMITTED = "committed"  # every byte is in (and verified if recovered); lookups and loads see it
     DOOMED = "doomed"  # removed while pinned; the slot is freed at the last unpin
 
 
@@ -84,10 +90,11 @@ class Namespace:
     # Written by BlockIndex only.
     _committed: dict[bytes, Block] = field(default_factory=dict)
     _writing: dict[bytes, Block] = field(default_factory=dict)
+    _recovered: dict[bytes, Block] = field(default_factory=dict)
 
     @property
     def blocks(self) -> int:
-        return len(self._committed) + len(self._writing)
+        return len(self._committed) + len(self._writing) + len(self._recovered)
 
 
 @dataclass(slots=True, eq=False)
@@ -100,7 +107,7 @@ class Block:
     header: int  # of the slot header in the pool file
     state: BlockState = BlockState.WRITING
     pins: int = 0
-    checksum: int | None = None  # None until computed after the store
+    checksum: int | None = None  # None until taken at the seal; recovered: from the slot header
     # Sharded namespaces, while WRITING: bit r set when shard r's part is in / being copied.
     shards_in: int = 0
     shards_copying: int = 0
@@ -113,8 +120,10 @@ class Block:
 
 def _home(block: Block) -> dict[bytes, Block]:
     """The map of its namespace a present block lives in, by its state."""
-    ns = block.namespace
-    return ns._committed if block.state is BlockState.COMMITTED else ns._writing
+    ns, state = block.namespace, block.state
+    if state is BlockState.COMMITTED:
+        return ns._committed
+    return ns._recovered if state is BlockState.RECOVERED else ns._writing
 
 
 @dataclass(slots=True)
@@ -207,6 +216,9 @@ class BlockIndex:
         """Sort a chunk's keys: present, being written by another store, or new; reserve a WRITING
         slot for each new key (evicting if needed) until the pool runs out. The last `tails` keys
         are prompts' partial last blocks."""
+        if ns._recovered:  # (only until the blocks recovered at a restart are verified)
+            for key in ns._recovered.keys() & keys:
+                self._discard(ns._recovered[key])  # replaced by this store: lookups missed it
         plan = self._prepare_shard_store(ns, keys, 1 << shard) if ns.shards > 1 else self._prepare(ns, keys)
         if tails:
             for i, block in zip(plan.reserved, plan.blocks, strict=True):
@@ -281,11 +293,11 @@ class BlockIndex:
         return blocks
 
     def complete_store(self, blocks: list[Block], ok: bool, shard: int = 0) -> list[Block]:
-        """The copy of these blocks (of one namespace) ended. If `ok`, every byte is in the pool and
-        their STORED headers are written: they are committed (lookups and loads see them). Returns
-        the committed ones; a block dropped while it was written is not among them (its slot is
-        free already), nor is any block of a failed copy. Sharded: a group is committed when its
-        last part is in (its headers are then the caller's to write)."""
+        """The copy of these blocks (of one namespace) ended. If `ok`, every byte is in the pool: they
+        are committed (lookups and loads see them; their headers wait for their seal). Returns the
+        committed ones; a block dropped while it was written is not among them (its slot is free
+        already), nor is any block of a failed copy. Sharded: a group is committed when its last
+        part is in."""
         if not blocks:
             return []
         if blocks[0].namespace.shards > 1:
@@ -334,17 +346,18 @@ class BlockIndex:
         ns.counters.stored_blocks += len(done)
         return done
 
-    def hold_for_seal(self, blocks: list[Block]) -> list[Block]:
-        """Those of these committed blocks still present, pinned (their slots must not be reused
-        while their checksums are taken): `seal` them."""
+    def hold(self, blocks: list[Block]) -> list[Block]:
+        """Those of these blocks still present, pinned (their slots must not be reused while their
+        checksums are taken): `seal` them if committed, `verify` them if recovered."""
         held = [b for b in blocks if self.present(b)]
         for block in held:  # (not touched: a seal is no use)
             block.pins += 1
         return held
 
     def seal(self, blocks: list[Block], checksums: list[int] | None) -> None:
-        """Their checksums are taken and sealed into their slot headers (None: that failed). Unpins
-        them; a block dropped meanwhile gets its header invalidated (its slot was still ours)."""
+        """Their checksums are taken and sealed into their slot headers (None: that failed, and they
+        have no header). Unpins them; a block dropped meanwhile gets its header invalidated (its slot
+        was still ours)."""
         for n, block in enumerate(blocks):
             if not self.present(block):
                 self.pool.invalidate(block.ref)
@@ -352,13 +365,33 @@ class BlockIndex:
                 block.checksum = checksums[n]
         self.unpin(blocks)
 
-    def unsealed(self) -> Iterator[list[Block]]:
-        """Recovered blocks that have no checksum yet (the daemon died before taking it), a list
-        per namespace."""
-        for ns in list(self.namespaces.values()):
-            todo = [b for b in ns._committed.values() if b.checksum is None]
-            if todo:
-                yield todo
+    def recovered(self) -> list[list[Block]]:
+        """The recovered blocks not verified yet, a list per namespace, oldest first."""
+        return [list(ns._recovered.values()) for ns in self.namespaces.values() if ns._recovered]
+
+    @property
+    def unverified_blocks(self) -> int:
+        """Recovered blocks waiting for `verify` (invisible meanwhile)."""
+        return sum(len(ns._recovered) for ns in self.namespaces.values())
+
+    def verify(self, blocks: list[Block], checksums: list[int] | None) -> int:
+        """The checksums of these held, recovered blocks, taken now (None: that failed). A block
+        whose bytes match the checksum taken when it was stored becomes visible (committed); the
+        others are dropped and their headers invalidated. Unpins them. Returns how many differed."""
+        corrupt = 0
+        for n, block in enumerate(blocks):
+            if not self.present(block):  # replaced by a store, evicted or cleared meanwhile
+                continue
+            if checksums is not None and checksums[n] == block.checksum:
+                del block.namespace._recovered[block.key]
+                block.state = BlockState.COMMITTED
+                block.namespace._committed[block.key] = block
+            else:
+                if checksums is not None:
+                    corrupt += 1
+                self._discard(block)
+        self.unpin(blocks)
+        return corrupt
 
     # -- loads -----------------------------------------------------------------------------------
 
@@ -379,10 +412,11 @@ class BlockIndex:
     # -- removal ---------------------------------------------------------------------------------
 
     def clear(self, ns: Namespace | None = None) -> int:
-        """Drop every unpinned committed block and every group missing parts that no copy writes
-        into (of one namespace). Returns how many."""
+        """Drop every unpinned committed or recovered block and every group missing parts that no
+        copy writes into (of one namespace). Returns how many."""
         namespaces = [ns] if ns is not None else list(self.namespaces.values())
-        victims = [b for n in namespaces for b in chain(n._committed.values(), n._writing.values())
+        victims = [b for n in namespaces for b in chain(n._committed.values(), n._writing.values(),
+                                                        n._recovered.values())
                    if self._evictable(b)]
         for block in victims:
             self._drop(block)
@@ -398,7 +432,7 @@ class BlockIndex:
         self._free(block)
 
     def _discard(self, block: Block) -> None:
-        """Remove a bad block at once; its slot is freed when the last pin goes."""
+        """Remove a bad or replaced block at once; its slot is freed when the last pin goes."""
         if not self.present(block):
             return
         if block.pins == 0:
@@ -420,10 +454,10 @@ class BlockIndex:
         self.pool.release(block.ref)
 
     def _evictable(self, block: Block) -> bool:
-        """Committed and unpinned, or a group missing parts that no copy writes into."""
+        """Committed or recovered and unpinned, or a group missing parts that no copy writes into."""
         if block.state is BlockState.WRITING:
             return block.shards_in != 0 and block.shards_copying == 0
-        return block.state is BlockState.COMMITTED and block.pins == 0
+        return block.state is not BlockState.DOOMED and block.pins == 0
 
     def _evict(self, block: Block) -> None:
         block.namespace.counters.evictions += 1
@@ -452,16 +486,16 @@ class BlockIndex:
     # -- restart ---------------------------------------------------------------------------------
 
     def recover(self) -> int:
-        """Rebuild the index from a re-attached pool's slot headers (oldest first, for LRU)."""
+        """Rebuild the index from a re-attached pool's slot headers (oldest first, for LRU). The
+        blocks are RECOVERED: unseen until `verify` checked them against their headers' checksums."""
         found = sorted(self.pool.recover(), key=lambda item: item[1].generation)
         for ref, header in found:
             ns = self.namespaces.get(header.ns_hash)
             if ns is None:
                 ns = self.namespaces[header.ns_hash] = Namespace("", header.ns_hash, header.payload_len, shards=0)
-            checksum = header.checksum if header.state == SlotState.SEALED else None
             block = Block(header.key, ns, ref.segment, ref.slot, self.pool.payload_offset(ref),
-                          self.pool.header_offset(ref), BlockState.COMMITTED, 0, checksum)
-            ns._committed[block.key] = block
+                          self.pool.header_offset(ref), BlockState.RECOVERED, 0, header.checksum)
+            ns._recovered[block.key] = block
             self.count += 1
             self._by_segment.setdefault(block.segment, {})[block.slot] = block
             self._lru.setdefault(ns.block_bytes, OrderedDict())[block] = None

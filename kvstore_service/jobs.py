@@ -9,9 +9,15 @@ cost a third of the CUDA path's speed on an H100). The loop then completes each 
 and publishes the job's completion to the engine's shared-memory channel.
 
 Stored blocks then wait in a queue to be sealed: their checksums taken and written into their slot
-headers, so that loads and a restarted daemon can verify them. Nobody waits on a seal, so seals
-yield to copies: they run when no copy is in flight, or once the oldest has waited SEAL_DEFER_S.
-A burst of stores runs at copy speed; under stores without pause seals take their share.
+headers, so that loads and a restarted daemon can verify them. A slot gets its header only there,
+so a restarted daemon recovers sealed blocks only: one killed before a seal loses that block, whole
+(its store was reported done, but it is a cache). Nobody waits on a seal, so seals yield to copies:
+they run when no copy is in flight, or once the oldest has waited SEAL_DEFER_S. A burst of stores
+runs at copy speed; under stores without pause seals take their share.
+
+After a restart, the blocks recovered from the pool are verified in the background, batch by batch
+on the copy threads: a block becomes visible once its bytes match the checksum in its header, and
+one that differs is dropped and counted in `corrupt_blocks`.
 """
 
 from __future__ import annotations
@@ -50,8 +56,9 @@ MAX_JOB_ID = (1 << 64) - 1  # the completion word holds job_id + 1
 FIRST_CHUNK_BYTES = 16 << 20
 CHUNK_BYTES = 128 << 20
 CHUNK_BLOCKS = 1024
-# Seals go to the copy threads in batches of at most this many bytes, so a copy that arrives
-# meanwhile waits for one short batch at most (~2 ms), and after this long they no longer yield.
+# Seals (and the verification of recovered blocks) go to the copy threads in batches of at most this
+# many bytes, so a copy that arrives meanwhile waits for one short batch at most (~2 ms); after
+# SEAL_DEFER_S seals no longer yield to copies.
 SEAL_BATCH_BYTES = 32 << 20
 SEAL_DEFER_S = 1.0
 
@@ -100,9 +107,6 @@ class Chunk:
     indexes: list[int]  # into the job's keys
     blocks: list[Block]
     plan: TransferPlan
-    headers: array[int] = field(default_factory=lambda: array("Q"))  # store: slot header offsets
-    keys: bytes = b""  # store: the blocks' keys, packed
-    generation: int = 0
     checked: list[int] = field(default_factory=list)  # load: positions in `blocks` verified before the copy
 
 
@@ -122,7 +126,7 @@ class Jobs:
         self.failed_blocks = 0
         self.failed_load_blocks = 0
         self.store_failures_pool_full = 0
-        self.corrupt_blocks = 0
+        self.corrupt_blocks = 0  # failed their checksum: at a load, or when verified after a restart
         self._store_waiters: dict[tuple[Block, int], list[asyncio.Future[bool]]] = {}  # (block, shard)
         self._to_seal: deque[tuple[float, list[Block]]] = deque()  # (queued at, blocks of one namespace)
         self._sealer: asyncio.Task[None] | None = None
@@ -130,6 +134,7 @@ class Jobs:
         self._no_copies = asyncio.Event()
         self._draining = False
         self._sealing = 0  # blocks of the batch being sealed
+        self._verifier: asyncio.Task[None] | None = None
 
     async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run a blocking device call in a thread and await it."""
@@ -270,12 +275,7 @@ class Jobs:
             job.error = "pool full: every block is pinned or being copied"
         if not plan.blocks:
             return None
-        blocks = plan.blocks
-        chunk = self._plan(job, [part.start + i for i in plan.reserved], blocks)
-        chunk.headers = array("Q", [b.header for b in blocks])
-        chunk.keys = b"".join([b.key for b in blocks])
-        chunk.generation = self.pool.next_generation()
-        return chunk
+        return self._plan(job, [part.start + i for i in plan.reserved], plan.blocks)
 
     def _prepare_load(self, job: Job, part: range) -> Chunk | None:
         """Pin the chunk's present blocks; an absent one fails."""
@@ -309,8 +309,8 @@ class Jobs:
         return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_addresses, sizes))
 
     def _copy(self, job: Job, chunk: Chunk) -> list[int]:
-        """Copy thread: move one chunk's bytes. A store then writes the blocks' STORED slot headers;
-        a load first verifies (a sample of) the pool's checksums and skips blocks that fail: it
+        """Copy thread: move one chunk's bytes (a store's blocks get their slot headers at their seal).
+        A load first verifies (a sample of) the pool's checksums and skips blocks that fail: it
         returns their positions. Little Python here: the event loop holds the GIL while it plans."""
         session, plan = job.session, chunk.plan
         ns = session.namespace
@@ -324,9 +324,6 @@ class Jobs:
         if corrupt:
             plan = _without(plan, corrupt, len(chunk.blocks))
         session.backend.copy(session.mappings[0].device, self.pool.base, plan, to_engine=not job.is_store)
-        if job.is_store and ns.shards == 1:  # (a group's headers are written when its last part is in)
-            self.pool.write_headers(chunk.headers, SlotState.STORED, ns.block_bytes, chunk.generation, ns.ns_hash,
-                                    chunk.keys, len(chunk.blocks[0].key))
         return corrupt
 
     def _complete_store(self, job: Job, chunk: Chunk, ok: bool) -> list[Block]:
@@ -338,10 +335,6 @@ class Jobs:
             # This part is in while its group is (other shards may still be on their way).
             for i, block in zip(chunk.indexes, chunk.blocks, strict=True):
                 job.ok[i] = ok and self.index.present(block)
-            if committed:
-                self.pool.write_headers(array("Q", [b.header for b in committed]), SlotState.STORED, ns.block_bytes,
-                                        chunk.generation, ns.ns_hash, b"".join([b.key for b in committed]),
-                                        len(committed[0].key))
         else:
             done = set(committed) if len(committed) < len(chunk.blocks) else None
             for i, block in zip(chunk.indexes, chunk.blocks, strict=True):
@@ -408,7 +401,7 @@ class Jobs:
                 blocks = blocks[:batch]
             else:
                 self._to_seal.popleft()
-            held = self.index.hold_for_seal(blocks)
+            held = self.index.hold(blocks)
             if held:
                 self._sealing = len(held)
                 await self._seal(held)
@@ -436,15 +429,46 @@ class Jobs:
             log.exception("checksum failed; %d blocks will not survive a restart", len(blocks))
         self.index.seal(blocks, checksums)
 
-    def seal_recovered(self) -> None:
-        """Blocks recovered without a checksum (the daemon died before taking it): queue them."""
-        for blocks in self.index.unsealed():
-            self._queue_seal(blocks)
+    # -- verifying recovered blocks --------------------------------------------------------------
+
+    def verify_recovered(self) -> None:
+        """Event loop, once after a restart: check the blocks recovered from the pool in the
+        background. Lookups miss them until they are verified."""
+        recovered = self.index.recovered()
+        if recovered:
+            self._verifier = asyncio.get_running_loop().create_task(self._verify(recovered))
+
+
+    async def _verify(self, recovered: list[list[Block]]) -> None:
+        """Checksum the recovered blocks of each namespace in batches on a copy thread; the index
+        makes those that match their headers' checksums visible and drops the others."""
+        for blocks in recovered:
+            block_bytes = blocks[0].namespace.block_bytes
+            batch = max(1, SEAL_BATCH_BYTES // block_bytes)
+            for start in range(0, len(blocks), batch):
+                held = self.index.hold(blocks[start:start + batch])
+                if not held:
+                    continue
+                offsets = array("Q", (b.offset for b in held))
+                checksums = None
+                try:
+                    checksums = await asyncio.get_running_loop().run_in_executor(
+                        self.executor, native.checksum_blocks, self.pool.base, offsets, block_bytes,
+                        self.config.copy_threads)
+                except Exception:
+                    log.exception("checksum failed; %d recovered blocks dropped unverified", len(held))
+                corrupt = self.index.verify(held, checksums)
+                if corrupt:
+                    self.corrupt_blocks += corrupt
+                    log.warning("%d recovered blocks failed their checksum and were dropped", corrupt)
 
     async def shutdown(self) -> None:
-        """Seal what is queued (a restarted daemon can then verify it), then stop the threads."""
+        """Seal what is queued (a restarted daemon can then verify it), then stop the threads.
+        Recovered blocks not verified yet keep their headers: the next daemon verifies them."""
         self._draining = True
         self._no_copies.set()
+        if self._verifier is not None:
+            self._verifier.cancel()
         if self._sealer is not None:
             await self._sealer
         self.executor.shutdown(wait=True)

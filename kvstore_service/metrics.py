@@ -80,8 +80,11 @@ class _StatsCollector(Collector):
                                   value=s.store_failures_pool_full)
         yield CounterMetricFamily("kvstore_lease_expiries", "Leases that expired before release.",
                                   value=s.lease_expiries)
-        yield CounterMetricFamily("kvstore_corrupt_blocks", "Blocks dropped after a checksum mismatch.",
-                                  value=s.corrupt_blocks)
+        yield CounterMetricFamily("kvstore_corrupt_blocks", "Blocks dropped after a checksum mismatch (at a load, "
+                                  "or when verifying recovered blocks after a restart).", value=s.corrupt_blocks)
+        yield GaugeMetricFamily("kvstore_unverified_blocks", "Blocks recovered from the pool after a restart, not "
+                                "yet checked against their checksums (lookups miss them until then).",
+                                value=s.unverified_blocks)
         per_ns: list[tuple[GaugeMetricFamily | CounterMetricFamily, Callable[[NamespaceStats], int]]] = [
             (GaugeMetricFamily("kvstore_blocks", "Blocks in the pool.", labels=NAMESPACE_LABELS),
              lambda ns: ns.blocks),

@@ -8,8 +8,10 @@ Layout of the pool file (all little-endian):
 A segment serves one payload size at a time (namespaces with equal block size share segments) and
 holds `n` slots: first `n` slot headers of 128 bytes, then `n` payloads. A slot header describes its
 block (namespace hash, key, length, checksum), so a restarted daemon rebuilds the index by scanning
-headers. A header is written only once the block's bytes are all copied, and invalidated before a
-slot is reused: a block torn by a crash has no valid header and is dropped, never served.
+headers. A header is written only once the block's bytes are all copied and their checksum is taken
+(the block's seal), and invalidated before a slot is reused: a block torn by a crash, or not sealed
+yet, has no valid header and is dropped, never served. A recovered block is served only once its
+bytes match its header's checksum again (index.py, jobs.py).
 
 This module knows bytes and offsets only; which key lives where (and LRU, pins) is index.py's job.
 """
@@ -40,9 +42,10 @@ PAYLOAD_ALIGN = 256
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 class SlotState(IntEnum):
-    """A valid slot header's state (a slot whose copy runs has no valid header at all)."""
+    """A valid slot header's state (a slot whose copy runs, or whose block is not sealed yet, has no
+    valid header at all). Headers of state 3 (STORED: written before the checksum, by daemons before
+    verified restarts) are not recovered."""
 
-    STORED = 3  # every byte is in; checksum not taken yet
     SEALED = 2  # with the checksum taken when it was stored
 
 
@@ -321,7 +324,8 @@ class Pool:
         return parse_slot_header(self._mmap, self.segments[ref.segment].header_offset(ref.slot))
 
     def recover(self) -> Iterator[tuple[SlotRef, SlotHeader]]:
-        """After re-attaching: yield committed slots; free torn and empty ones."""
+        """After re-attaching: yield the slots of sealed blocks (whose bytes the caller must still check
+        against their checksums); free torn, unsealed and empty ones."""
         for seg in self.segments:
             if not seg.payload_size:
                 continue
@@ -329,7 +333,7 @@ class Pool:
             for slot in range(seg.slots - 1, -1, -1):
                 ref = SlotRef(seg.index, slot)
                 header = self.read_header(ref)
-                if (header is not None and header.state in (SlotState.STORED, SlotState.SEALED)
+                if (header is not None and header.state == SlotState.SEALED
                         and header.payload_len == seg.payload_size):
                     self._generation = max(self._generation, header.generation)
                     yield ref, header
@@ -344,7 +348,8 @@ class Pool:
 
 def sealed_blocks(path: str) -> Iterator[tuple[SlotHeader, int]]:
     """Read a pool file from outside the daemon (tools, tests): each sealed block's header and
-    the file offset of its payload."""
+    the file offset of its payload; those are the blocks a restarted daemon would recover (and then
+    serve if their payloads still match the headers' checksums)."""
     with open(path, "rb") as f:
         data = mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ)
     try:

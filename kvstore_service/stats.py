@@ -87,6 +87,7 @@ class Stats:
     daemon_version: str
     unsealed_blocks: int
     failed_load_blocks: int
+    unverified_blocks: int
 
     @property
     def hit_rate(self) -> float:

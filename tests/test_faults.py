@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import socket
 import threading
 import time
@@ -73,10 +74,13 @@ def test_engines_killed_mid_job_leave_nothing_behind(daemon_factory) -> None:
 
 
 def test_daemon_killed_mid_traffic_restarts_on_its_pool(daemon_factory) -> None:
-    """The daemon is killed with SIGKILL twice while an engine process stores and loads 64 KiB blocks
-    and another engine has a large store and a load in flight. Restarted on the same pool file, it
-    serves every block whose store completed, byte-exact; a block torn by the kill is never served;
-    the engines' sessions re-register on their own and work again."""
+    """The daemon is killed with SIGKILL twice, with an engine's large store and load in flight, while
+    an engine process stores and loads 64 KiB blocks around the kills. Restarted on the same pool
+    file, it serves every block whose store completed and was sealed, byte-exact; a block torn by the
+    kill is never served; the engines' sessions re-register on their own and work again. (A completed
+    store survives a kill only once sealed: its slot header is written then, with its checksum. The
+    worker counts every completed store it cannot find later as lost, so it is paused, SIGSTOP, while
+    its blocks' seals finish before each kill, and resumed after the restart.)"""
     daemon = daemon_factory(pool_size="160MiB").start()
     engine = ShmEngine.contiguous(daemon.socket, "restart", 96, 64 * KB)
     session = engine.session
@@ -87,6 +91,8 @@ def test_daemon_killed_mid_traffic_restarts_on_its_pool(daemon_factory) -> None:
     try:
         wait_ready(worker)
         time.sleep(0.5)
+        os.kill(worker.pid, signal.SIGSTOP)
+        _sealed(daemon)
         # In flight at the kill: a 3 MiB store and a load into other blocks.
         torn = [key_of("in-flight", i) for i in range(48)]
         engine.fill(torn, list(range(32, 80)))
@@ -97,6 +103,7 @@ def test_daemon_killed_mid_traffic_restarts_on_its_pool(daemon_factory) -> None:
         time.sleep(0.002)
         daemon.kill()
         daemon.start()
+        os.kill(worker.pid, signal.SIGCONT)
 
         done = session.wait([store_job, load_job], timeout=30)  # finished or failed, never lost
         if done[load_job].ok:
@@ -105,22 +112,23 @@ def test_daemon_killed_mid_traffic_restarts_on_its_pool(daemon_factory) -> None:
 
         client = daemon.client()
         assert client.stats().blocks >= 32
-        assert session.lookup(durable)[0] == 32
+        assert wait_for(lambda: session.lookup(durable)[0] == 32)  # (once verified)
         done_load = engine.load(durable, list(range(32, 64)))
         assert done_load.blocks_ok == 32 and engine.corrupt_blocks(durable, list(range(32, 64))) == 0
-        # The store the kill interrupted: each of its blocks is whole or absent, and all are
-        # present if it reported success.
+        # The store the kill interrupted (and never sealed, even if it reported success): each of
+        # its blocks is whole or absent.
         present = [k for k in torn if session.lookup([k])[0] == 1]
-        if done[store_job].ok:
-            assert present == torn
         if present:
             ids = list(range(32, 32 + len(present)))
             assert engine.load(present, ids).blocks_ok == len(present)
             assert engine.corrupt_blocks(present, ids) == 0
 
         time.sleep(0.5)  # the worker works on the new daemon, then it is killed again
+        os.kill(worker.pid, signal.SIGSTOP)
+        _sealed(daemon)
         daemon.kill()
         daemon.start()
+        os.kill(worker.pid, signal.SIGCONT)
         assert wait_for(lambda: session.connected and session.registrations == 3, timeout=20)
         again = [key_of("after", i) for i in range(8)]
         assert engine.store(again, list(range(8))).ok
@@ -128,6 +136,7 @@ def test_daemon_killed_mid_traffic_restarts_on_its_pool(daemon_factory) -> None:
         assert engine.corrupt_blocks(again, list(range(8, 16))) == 0
         time.sleep(1.0)
     finally:
+        os.kill(worker.pid, signal.SIGCONT)
         report = collect(worker, timeout=120)
     # The worker ran through both kills: its jobs in flight failed, nothing it read was wrong, every
     # block it stored was still there, and it worked again after re-registering.
@@ -138,34 +147,68 @@ def test_daemon_killed_mid_traffic_restarts_on_its_pool(daemon_factory) -> None:
     engine.close()
 
 
-def test_completed_store_survives_an_immediate_daemon_kill(daemon_factory) -> None:
-    """Jobs publish a store's completion before the blocks' checksums are sealed (seals wait for idle
-    copy threads), so the STORED header written right after the copy is what makes a completed
-    store survive: a daemon killed right after a large store completed comes back with every block
-    the engine was told is stored."""
+def _hits(session, keys: list[bytes]) -> int:
+    return sum(session.lookup([k])[0] for k in keys)
+
+
+def _sealed(daemon) -> None:
+    """Wait until every stored block is sealed: from then on it survives a daemon kill."""
+    client = daemon.client()
+    try:
+        assert wait_for(lambda: client.stats().unsealed_blocks == 0, timeout=30)
+    finally:
+        client.close()
+
+
+def _recovered(daemon, session, keys: list[bytes]) -> list[bytes]:
+    """Of `keys`, all the pool held, those a restarted daemon serves once it verified every block it
+    recovered (they stay unseen until then): the lookup hits, when they match its block count."""
+    client = daemon.client()
+    try:
+        assert wait_for(lambda: session.connected and _hits(session, keys) == client.stats().blocks, timeout=20)
+    finally:
+        client.close()
+    return [k for k in keys if session.lookup([k])[0]]
+
+
+def test_completed_store_survives_a_daemon_kill_once_sealed(daemon_factory) -> None:
+    """A slot gets its header only at the block's seal, with the checksum a restarted daemon verifies
+    (seals wait for idle copy threads, after the store's completion). A daemon killed right after a
+    large store completed may lose the blocks not sealed yet, each whole: a lost block is not served,
+    a recovered one loads byte-exact. Once `unsealed_blocks` is 0, every block the engine was told is
+    stored survives a kill."""
     daemon = daemon_factory(pool_size="128MiB").start()
-    engine = ShmEngine.contiguous(daemon.socket, "sealed", 96, 512 * KB)
+    engine = ShmEngine.contiguous(daemon.socket, "sealed", 192, 512 * KB)
     session = engine.session
     try:
         keys = [key_of("sealed", i) for i in range(96)]
-        assert engine.store(keys, list(range(96))).ok  # 48 MiB
+        assert engine.store(keys[:48], list(range(48))).ok  # 24 MiB
         daemon.kill()
         daemon.start()
-        assert wait_for(lambda: session.connected, timeout=20)
-        present = sum(session.lookup([k])[0] for k in keys)
-        assert present == len(keys), f"{len(keys) - present} of {len(keys)} completed blocks lost"
-        assert engine.load(keys[:16], list(range(16))).blocks_ok == 16
-        assert engine.corrupt_blocks(keys[:16], list(range(16))) == 0
+        present = _recovered(daemon, session, keys[:48])
+        assert engine.load(keys[:48], list(range(96, 144))).blocks_ok == len(present)
+        ids = [96 + keys.index(k) for k in present]
+        assert engine.corrupt_blocks(present, ids) == 0
+        assert all(engine.read(96 + i) == bytes(512 * KB) for i, k in enumerate(keys[:48]) if k not in present)
+
+        assert engine.store(keys, list(range(96))).ok  # what was lost, stored again, and 24 MiB more
+        _sealed(daemon)
+        daemon.kill()
+        daemon.start()
+        assert _recovered(daemon, session, keys) == keys, "a block whose store completed and was sealed is gone"
+        assert engine.load(keys, list(range(96, 192))).blocks_ok == len(keys)
+        assert engine.corrupt_blocks(keys, list(range(96, 192))) == 0
     finally:
         engine.close()
 
 
-def test_deduplicated_store_is_durable(daemon_factory) -> None:
-    """A store of a key that another store is still writing waits for that block's bytes and header
+def test_deduplicated_store_waits_for_the_bytes_and_is_sealed(daemon_factory) -> None:
+    """A store of a key that another store is still writing waits for that block's bytes
     (prepare_store reports it in flight; the job waits for that copy) before it reports the block
-    ok. Killing the daemon right after the second store completed, while the first one is still
-    copying its later chunks, must not lose the block. The first job is made large and the shared
-    key is in its first chunk; the test skips if the first job still always finished first."""
+    ok: the block then loads byte-exact while the first store still copies its later chunks. The
+    first store seals it with its other blocks, so once the seals are done it survives a daemon kill.
+    The first job is made large and the shared key is in its first chunk; the test skips if the
+    first job still always finished first."""
     daemon = daemon_factory(pool_size="256MiB").start()
     engine = ShmEngine.contiguous(daemon.socket, "dedupe", 200, 512 * KB)
     session = engine.session
@@ -179,10 +222,14 @@ def test_deduplicated_store_is_durable(daemon_factory) -> None:
             if session.channel is None or session.channel.check(first) is not None:
                 session.wait([first])
                 continue  # the first store had already finished: missed the window
+            engine.zero([198])
+            load = session.load(keys[:1], [198])
+            assert session.wait([load])[load].ok and engine.corrupt_blocks(keys[:1], [198]) == 0
+            assert session.wait([first])[first].ok
+            _sealed(daemon)
             daemon.kill()
             daemon.start()
-            assert wait_for(lambda: session.connected, timeout=20)
-            assert session.lookup(keys[:1])[0] == 1, "a block whose store completed is gone after a restart"
+            assert _recovered(daemon, session, keys) == keys, "a sealed block is gone after a restart"
             return
         pytest.skip("the first store always finished before the second one")
     finally:

@@ -1,13 +1,16 @@
 """The pool and the index as plain Python objects (no daemon, no gRPC): slot reservation in bulk,
-prefix lookups over packed keys, headers that survive a re-attach."""
+prefix lookups over packed keys, sealed headers that survive a re-attach and recovered blocks that
+stay unseen until verified."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 
 from kvstore_client.protocol import MAX_KEY
 from kvstore_service import native
-from kvstore_service.index import KEYS_PER_UNPACK, Block, BlockIndex, unpack_keys
+from kvstore_service.index import KEYS_PER_UNPACK, Block, BlockIndex, BlockState, Namespace, unpack_keys
 from kvstore_service.pool import Pool, SlotRef, SlotState, sealed_blocks
 
 MB = 1 << 20
@@ -56,7 +59,7 @@ def test_prepare_store_offsets_and_complete(pool: Pool) -> None:
     assert index.lookup(ns, b"".join(keys_of(5)), 32) == []  # WRITING: invisible
     index.clear(ns)  # (committed blocks only: nothing to drop)
     assert index.complete_store(blocks, ok=True) == blocks
-    held = index.hold_for_seal(blocks)
+    held = index.hold(blocks)
     assert held == blocks and all(b.pins == 1 for b in blocks)  # no slot reused while checksummed
     index.seal(held, [7] * 5)
     assert [b.checksum for b in blocks] == [7] * 5 and all(b.pins == 0 for b in blocks)
@@ -144,26 +147,134 @@ def test_unpack_keys_in_batches_and_tail(count: int, key_size: int) -> None:
     assert list(unpack_keys(b"".join(keys), key_size)) == keys
 
 
-def test_headers_survive_reattach(tmp_path) -> None:
+def seal(pool: Pool, index: BlockIndex, blocks: list[Block]) -> list[int]:
+    """What Jobs does at a seal: checksum the held blocks and write their headers."""
+    held = index.hold(blocks)
+    sums = native.checksum_blocks(pool.base, [b.offset for b in held], held[0].namespace.block_bytes)
+    pool.write_headers([b.header for b in held], SlotState.SEALED, held[0].namespace.block_bytes,
+                       pool.next_generation(), held[0].namespace.ns_hash, b"".join(b.key for b in held),
+                       len(held[0].key), sums)
+    index.seal(held, sums)
+    return sums
+
+
+def reattach(path: str) -> tuple[Pool, BlockIndex, Namespace]:
+    """The pool file opened again by a restarted daemon, its index recovered from the headers."""
+    pool = Pool(path, 4 * MB, MB)
+    index = BlockIndex(pool)
+    assert pool.reattached
+    index.recover()
+    return pool, index, next(iter(index.namespaces.values()))
+
+
+def verify(pool: Pool, index: BlockIndex) -> int:
+    """What Jobs does after a restart: checksum the recovered blocks; how many were dropped."""
+    dropped = 0
+    for blocks in index.recovered():
+        held = index.hold(blocks)
+        dropped += index.verify(held, native.checksum_blocks(pool.base, [b.offset for b in held], BLOCK))
+    return dropped
+
+
+def test_only_sealed_blocks_survive_reattach(tmp_path) -> None:
+    """A slot's header is written at the block's seal, with its checksum: a block committed but not
+    sealed when the daemon died has no header and is not recovered; nor is a STORED header (state 3)
+    that daemons before verified restarts wrote without a checksum."""
     path = str(tmp_path / "pool")
     pool = Pool(path, 4 * MB, MB, fresh=True)
     index = BlockIndex(pool)
     ns = index.namespace("ns", BLOCK)
-    blocks = reserve(index, ns, keys_of(3))
-    stored, sealed = blocks[0], blocks[1]  # blocks[2]: bytes never all in, header never written
-    for state, block, checksum in ((SlotState.STORED, stored, None), (SlotState.SEALED, sealed, [1234])):
-        pool.write_headers([block.header], state, BLOCK, pool.next_generation(), ns.ns_hash, block.key, 32,
-                           checksum)
+    blocks = reserve(index, ns, keys_of(4))  # blocks[3]: bytes never all in
+    index.complete_store(blocks[:3], ok=True)
+    sums = seal(pool, index, blocks[1:2])  # blocks[0]: committed, not sealed
+    legacy = blocks[2]
+    pool.write_headers([legacy.header], 3, BLOCK, pool.next_generation(), ns.ns_hash, legacy.key, 32)
+    assert [pool.read_header(b.ref) is not None for b in blocks] == [False, True, True, False]
     pool.close()
-    assert [(h.key, h.checksum) for h, _ in sealed_blocks(path)] == [(sealed.key, 1234)]
-    again = Pool(path, 4 * MB, MB)
-    recovered = BlockIndex(again)
-    assert again.reattached and recovered.recover() == 2
-    ns2 = next(iter(recovered.namespaces.values()))
-    got = {b.key: b.checksum for b in recovered.lookup(ns2, stored.key + sealed.key, 32)}
-    assert got == {stored.key: None, sealed.key: 1234}
-    unsealed = [b.key for blocks in recovered.unsealed() for b in blocks]
-    assert unsealed == [stored.key]
+    assert [(h.key, h.checksum) for h, _ in sealed_blocks(path)] == [(blocks[1].key, sums[0])]
+    again, recovered, ns2 = reattach(path)
+    assert recovered.count == 1 and recovered.unverified_blocks == 1
+    (found,) = recovered.recovered()[0]
+    assert (found.key, found.checksum, found.state) == (blocks[1].key, sums[0], BlockState.RECOVERED)
+    assert again.read_header(blocks[2].ref) is None  # the legacy header is invalidated, its slot free
+    again.close()
+
+
+def test_recovered_blocks_are_unseen_until_verified_and_dropped_if_altered(tmp_path) -> None:
+    path = str(tmp_path / "pool")
+    pool = Pool(path, 4 * MB, MB, fresh=True)
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", BLOCK)
+    keys = keys_of(4)
+    blocks = reserve(index, ns, keys)
+    for n, block in enumerate(blocks):
+        ctypes.memset(pool.base + block.offset, n + 1, BLOCK)
+    index.complete_store(blocks, ok=True)
+    seal(pool, index, blocks)
+    pool.close()
+    with open(path, "r+b") as f:  # the daemon is down: one byte of blocks 1 and 3 altered
+        for block in (blocks[1], blocks[3]):
+            f.seek(block.offset + 1000)
+            f.write(b"\xff")
+    again, recovered, ns2 = reattach(path)
+    assert recovered.count == 4 and ns2.blocks == 4
+    assert recovered.lookup(ns2, b"".join(keys), 32) == [] and (ns2.counters.hits, ns2.counters.misses) == (0, 4)
+    assert recovered.prepare_load(ns2, keys) == [None] * 4
+    assert verify(again, recovered) == 2
+    assert recovered.unverified_blocks == 0 and recovered.count == 2
+    assert [b.key for b in recovered.prepare_load(ns2, keys) if b is not None] == [keys[0], keys[2]]
+    assert again.read_header(blocks[1].ref) is None and again.read_header(blocks[3].ref) is None
+    again.close()
+    _, third, ns3 = reattach(path)  # a later restart finds the good ones only
+    assert third.count == 2 and verify(third.pool, third) == 0
+    assert len(third.lookup(ns3, b"".join(keys[:1]), 32)) == 1
+    third.pool.close()
+
+
+def test_a_store_replaces_a_recovered_block_not_verified_yet(tmp_path) -> None:
+    """A lookup missed the recovered block, so the engine stores it again: the new copy goes to a new
+    slot and the recovered one is dropped, at once or, if it is being verified, when that ends."""
+    path = str(tmp_path / "pool")
+    pool = Pool(path, 4 * MB, MB, fresh=True)
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", BLOCK)
+    blocks = reserve(index, ns, keys_of(2))
+    index.complete_store(blocks, ok=True)
+    seal(pool, index, blocks)
+    pool.close()
+    again, recovered, ns2 = reattach(path)
+    old = recovered.recovered()[0]
+    held = recovered.hold(old[1:])  # block 1 is being verified
+    ns2 = recovered.namespace("ns", BLOCK)  # an engine registers the namespace
+    plan = recovered.prepare_store(ns2, keys_of(2))
+    assert plan.reserved == [0, 1] and old[1].ref not in {b.ref for b in plan.blocks}
+    assert not recovered.present(old[0]) and not recovered.present(old[1])
+    assert old[1].state is BlockState.DOOMED and again.segments[old[1].segment].used == 3  # held
+    assert recovered.verify(held, [old[1].checksum]) == 0  # replaced meanwhile: not brought back
+    assert again.segments[old[1].segment].used == 2 and recovered.count == 2 and recovered.unverified_blocks == 0
+    recovered.complete_store(plan.blocks, ok=True)
+    assert recovered.lookup(ns2, b"".join(keys_of(2)), 32) == plan.blocks
+    again.close()
+
+
+def test_recovered_blocks_are_evicted_and_cleared_unless_held(tmp_path) -> None:
+    path = str(tmp_path / "pool")
+    pool = Pool(path, 4 * MB, MB, fresh=True)
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", BLOCK)
+    capacity = 4 * pool.slots_per_segment(BLOCK)
+    blocks = reserve(index, ns, keys_of(capacity))
+    index.complete_store(blocks, ok=True)
+    seal(pool, index, blocks)
+    pool.close()
+    again, recovered, ns2 = reattach(path)
+    held = recovered.hold(recovered.recovered()[0][:2])
+    fresh = recovered.prepare_store(ns2, keys_of(2, tag=1))  # the pool is full: the oldest unheld go
+    assert len(fresh.blocks) == 2 and recovered.evictions == 2 and held[0].state is BlockState.RECOVERED
+    recovered.complete_store(fresh.blocks, ok=True)
+    assert recovered.clear(ns2) == capacity - 2  # the held ones stay
+    assert recovered.verify(held, [b.checksum for b in held]) == 0
+    assert recovered.lookup(ns2, held[0].key + held[1].key, 32) == held
     again.close()
 
 
@@ -218,6 +329,28 @@ def test_a_group_missing_a_shard_is_evicted_and_cleared_but_never_seen(pool: Poo
     assert index.clear(ns) == 0 and index.count == 1
     index.complete_store(joined, ok=True, shard=0)
     assert index.clear(ns) == 1 and index.count == 0
+
+
+def test_a_sharded_group_is_sealed_and_recovered_as_one_block(tmp_path) -> None:
+    """A group's slot gets its header at its seal, after its last part is in: a restarted daemon
+    recovers whole groups only, verified over every part, and the engines' registration names the
+    recovered namespace's shards."""
+    path = str(tmp_path / "pool")
+    pool = Pool(path, 4 * MB, MB, fresh=True)
+    index = BlockIndex(pool)
+    ns = index.namespace("tp2", BLOCK, shards=2)
+    keys = keys_of(3)
+    groups = index.prepare_store(ns, keys, shard=0).blocks
+    index.prepare_store(ns, keys, shard=1)
+    index.complete_store(groups, ok=True, shard=0)
+    assert index.complete_store(groups[:2], ok=True, shard=1) == groups[:2]  # group 2 misses part 1
+    seal(pool, index, groups[:2])
+    pool.close()
+    again, recovered, ns2 = reattach(path)
+    assert ns2.shards == 0 and recovered.count == 2 and verify(again, recovered) == 0
+    assert recovered.namespace("tp2", BLOCK, shards=2) is ns2 and ns2.shards == 2
+    assert recovered.lookup(ns2, b"".join(keys), 32) == [ns2._committed[k] for k in keys[:2]]
+    again.close()
 
 
 def test_sharded_namespaces_keep_their_shard_count(pool: Pool) -> None:

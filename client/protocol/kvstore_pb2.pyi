@@ -237,7 +237,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines", "leases", "jobs_in_flight", "failed_blocks", "store_failures_pool_full", "lease_expiries", "corrupt_blocks", "uptime_s", "namespaces", "daemon_version", "unsealed_blocks", "failed_load_blocks")
+    __slots__ = ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines", "leases", "jobs_in_flight", "failed_blocks", "store_failures_pool_full", "lease_expiries", "corrupt_blocks", "uptime_s", "namespaces", "daemon_version", "unsealed_blocks", "failed_load_blocks", "unverified_blocks")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +258,7 @@ class StatsResponse(_message.Message):
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     UNSEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FAILED_LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    UNVERIFIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     blocks: int
@@ -278,7 +279,8 @@ class StatsResponse(_message.Message):
     daemon_version: str
     unsealed_blocks: int
     failed_load_blocks: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., leases: _Optional[int] = ..., jobs_in_flight: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., store_failures_pool_full: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., uptime_s: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., unsealed_blocks: _Optional[int] = ..., failed_load_blocks: _Optional[int] = ...) -> None: ...
+    unverified_blocks: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., leases: _Optional[int] = ..., jobs_in_flight: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., store_failures_pool_full: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., uptime_s: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., unsealed_blocks: _Optional[int] = ..., failed_load_blocks: _Optional[int] = ..., unverified_blocks: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("namespace", "peer_token", "tenant")
