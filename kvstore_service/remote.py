@@ -1,0 +1,666 @@
+"""A shared cold tier on Redis/Valkey: blocks written behind to a remote store, fetched back on a miss.
+
+    tier = RemoteTier.from_url("redis+cluster://10.0.0.5:6379,10.0.0.6:6379", queue_bytes=256 << 20)
+    tier.offer(tenant, namespace, keys, payloads)         # on the event loop; never waits for the store
+    found = await tier.fetch(tenant, namespace, missing)  # the leading run of verified payloads
+
+Keys and values. One key per block, ``kvs1:<scope>:<block key hex>``, where ``scope`` is 32 hex digits of a
+hash of (tenant, namespace): a new prefix version never reads old values, tenants and namespaces never
+collide, and no ``{hashtag}`` pins the keys to one cluster slot. The value describes itself: a 24-byte
+header (magic ``KVSR``, version, header length, payload length, CRC32C of the payload, CRC32C of the key
+it belongs under; little-endian) then the payload; so a value read under the wrong key (a mixed-up
+reply, a copied key) is caught like a corrupt one. Capacity and eviction belong to the server
+(``maxmemory`` + ``allkeys-lru``): the tier never deletes a valid value, and a fetched block is the
+caller's to copy into its pool.
+
+Failure model: the store is a cache, so every failure is a miss and none reaches the caller.
+- Write-behind: ``offer`` copies the payloads into encoded values and queues them; an upload task sends
+  them in pipelined batches. The memory is bounded: queued, in-flight and spare values (buffers of
+  finished uploads, reused so that copies do not page-fault) stay within ``queue_bytes``. A full queue,
+  an open breaker or a closed tier drops the block (counted); a failed upload is counted, not retried.
+- Reads: ``fetch`` pipelines GETs (grouped by cluster node, so a dead node fails only its own keys) in
+  batches of ``fetch_batch`` keys and stops at the first miss. A value that fails verification (magic,
+  version, lengths, CRC32Cs, the expected payload size) is deleted, counted as corrupt, and is a miss.
+- Every store call (one batch) is bounded by ``timeout_s``; an error or timeout fails the keys of that
+  call (misses, or dropped uploads), counted as errors/timeouts.
+- Circuit breaker: ``breaker_failures`` failed calls in a row open it. While open (``breaker_s``) fetches
+  return nothing without asking the store and uploads are dropped; then one call probes the store:
+  success closes the breaker, failure opens it again.
+- Nothing blocks the event loop on the store: all store I/O is asyncio. CPU work on the loop is, per
+  offered block, a copy and a CRC32C (about 6.5 GB/s together here; 9.5 with the checksum given), and
+  per fetched block a CRC32C (a batch of 8 MiB or more is checked in a thread). The daemon may encode
+  in its worker threads instead (``encode_value``) and queue the result with ``offer_encoded``.
+
+Credentials come from the ``password`` argument, else ``password_file``, else the URL's
+``user:password@``, else the environment variable KVSTORE_REMOTE_PASSWORD; they are never logged (logs
+and stats carry ``RemoteURL.masked()``).
+
+The store behind the tier is a `RemoteStore` (``put_many``, ``get_many``, ``delete``, ``close``): this file
+has the Redis/Valkey one (redis-py's asyncio clients); another (Mooncake) is one more class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import logging
+import os
+import struct
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, Protocol, TypeAlias, TypeVar
+from urllib.parse import unquote
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ClusterDownError, SlotNotCoveredError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvstore_service import native
+
+log = logging.getLogger(__name__)
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+T = TypeVar("T")
+
+KEY_PREFIX: Final = b"kvs1:"
+VALUE_MAGIC: Final = b"KVSR"
+VALUE_VERSION: Final = 1
+# magic, version, header bytes, payload bytes, CRC32C of the payload, CRC32C of the key it was stored under
+_HEADER = struct.Struct("<4sHHQII")
+HEADER_BYTES: Final = _HEADER.size
+PASSWORD_ENV: Final = "KVSTORE_REMOTE_PASSWORD"
+DEFAULT_PORT: Final = 6379
+_SCHEMES: Final = {"redis": (False, False), "rediss": (False, True),  # scheme -> (cluster, tls)
+                   "redis+cluster": (True, False), "rediss+cluster": (True, True)}
+_VERIFY_IN_THREAD_BYTES: Final = 8 << 20  # a fetched batch at least this big is checksummed off the loop
+
+
+# -- keys and values (pure) ----------------------------------------------------------------------
+
+def scope_hash(tenant: str, namespace: str) -> bytes:
+    """16 bytes naming (tenant, namespace); length-prefixed, so no two pairs share an encoding."""
+    t, n = tenant.encode(), namespace.encode()
+    return hashlib.blake2b(struct.pack("<I", len(t)) + t + n, digest_size=16, person=b"kvstore-remote").digest()
+
+
+def remote_key(tenant: str, namespace: str, block_key: bytes) -> bytes:
+    """The store key of a block: versioned prefix, scope hash, block key; hex only (so no hashtag)."""
+    return remote_keys(tenant, namespace, [block_key])[0]
+
+
+def remote_keys(tenant: str, namespace: str, block_keys: Iterable[bytes]) -> list[bytes]:
+    """`remote_key` of each block key (the scope hashed once)."""
+    prefix = b"%s%s:" % (KEY_PREFIX, scope_hash(tenant, namespace).hex().encode())
+    return [prefix + k.hex().encode() for k in block_keys]
+
+
+def _bytes_view(data: Buffer) -> memoryview:
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def encode_value(key: bytes, payload: Buffer, crc: int | None = None, into: bytearray | None = None) -> bytearray:
+    """The value stored under remote key ``key``: header + a copy of ``payload``, in ``into`` if that is a
+    buffer of the right length (no page faults), else in a new one. ``crc`` is the payload's CRC32C if
+    the caller has it (the pool's seal checksum is one), else it is computed. Thread-safe."""
+    view = _bytes_view(payload)
+    if crc is None:
+        crc = native.crc32c(view)
+    header = (VALUE_MAGIC, VALUE_VERSION, HEADER_BYTES, view.nbytes, crc, native.crc32c(key))
+    if into is not None and len(into) == HEADER_BYTES + view.nbytes:
+        into[HEADER_BYTES:] = view
+        _HEADER.pack_into(into, 0, *header)
+        return into
+    value = bytearray(_HEADER.pack(*header))
+    value += view
+    return value
+
+
+def decode_value(key: bytes, value: Buffer, payload_bytes: int | None = None) -> memoryview | None:
+    """The payload of the value read under ``key`` (a view, no copy), or None if it is not a valid value
+    for that key: wrong magic, version or lengths, a bad CRC32C, written under another key, or not
+    ``payload_bytes`` long when that is given."""
+    view = _bytes_view(value)
+    if view.nbytes < HEADER_BYTES:
+        return None
+    magic, version, header_bytes, length, crc, key_crc = _HEADER.unpack_from(view)
+    if (magic != VALUE_MAGIC or version != VALUE_VERSION or header_bytes != HEADER_BYTES
+            or length != view.nbytes - HEADER_BYTES or (payload_bytes is not None and length != payload_bytes)
+            or key_crc != native.crc32c(key)):
+        return None
+    payload = view[HEADER_BYTES:]
+    return payload if native.crc32c(payload) == crc else None
+
+
+# -- URLs and credentials ------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class RemoteURL:
+    """A parsed store URL: ``redis://``, ``rediss://`` (TLS), ``redis+cluster://`` or ``rediss+cluster://``
+    with comma-separated seeds, optional ``user:password@`` and (not for clusters) a ``/db``."""
+
+    scheme: str
+    hosts: tuple[tuple[str, int], ...]
+    username: str | None = None
+    password: str | None = dataclasses.field(default=None, repr=False)
+    db: int = 0
+
+    @property
+    def cluster(self) -> bool:
+        return _SCHEMES[self.scheme][0]
+
+    @property
+    def tls(self) -> bool:
+        return _SCHEMES[self.scheme][1]
+
+    def masked(self, password: bool | None = None) -> str:
+        """The URL for logs: the password, if any (``password`` overrides whether there is one), is ***."""
+        has_password = self.password is not None if password is None else password
+        user = self.username or ""
+        auth = f"{user}:***@" if has_password else (f"{user}@" if user else "")
+        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.hosts)
+        return f"{self.scheme}://{auth}{hosts}" + (f"/{self.db}" if self.db else "")
+
+
+def _parse_host(spec: str) -> tuple[str, int]:
+    if spec.startswith("["):  # [ipv6]:port
+        host, _, rest = spec[1:].partition("]")
+        port = rest.removeprefix(":")
+    else:
+        host, _, port = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    if not host or not (port.isdigit() if port else True) or not 0 < int(port or DEFAULT_PORT) < 65536:
+        raise ValueError(f"bad host {spec!r} (want host[:port])")
+    return host, int(port or DEFAULT_PORT)
+
+
+def parse_url(url: str) -> RemoteURL:
+    """Parse a store URL (ValueError naming the problem, never echoing a password)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in _SCHEMES:
+        raise ValueError(f"remote store URL must start with one of {', '.join(s + '://' for s in _SCHEMES)}")
+    netloc, _, path = rest.partition("/")
+    if "?" in netloc or "?" in path or "#" in rest:
+        raise ValueError("remote store URL: query strings and fragments are not supported")
+    userinfo, at, hostlist = netloc.rpartition("@")
+    username = password = None
+    if at:
+        user, colon, secret = userinfo.partition(":")
+        username, password = unquote(user) or None, unquote(secret) if colon else None
+    hosts = tuple(_parse_host(h.strip()) for h in hostlist.split(",") if h.strip())
+    if not hosts:
+        raise ValueError("remote store URL names no host")
+    cluster = _SCHEMES[scheme][0]
+    if not cluster and len(hosts) > 1:
+        raise ValueError(f"{scheme}:// takes one host; use {scheme}+cluster:// for several seeds")
+    if path and (cluster or not path.isdigit()):
+        raise ValueError("remote store URL: the path may only be a database number, and not for a cluster")
+    return RemoteURL(scheme, hosts, username, password, int(path or 0))
+
+
+def resolve_password(url: RemoteURL, password: str | None = None, password_file: str | os.PathLike[str] | None = None,
+                     environ: Mapping[str, str] = os.environ) -> str | None:
+    """The password to use: the argument, else the file's content (one trailing newline stripped), else
+    the URL's, else $KVSTORE_REMOTE_PASSWORD, else None."""
+    if password is not None:
+        return password
+    if password_file is not None:
+        return Path(password_file).read_text().removesuffix("\n").removesuffix("\r")
+    if url.password is not None:
+        return url.password
+    return environ.get(PASSWORD_ENV) or None
+
+
+# -- the store interface and its Redis/Valkey adapter --------------------------------------------
+
+class RemoteStore(Protocol):
+    """A key/value store the tier writes behind to. Results are per key, in the keys' order: an
+    exception instance is that key's failure (an adapter raises only when the whole call failed)."""
+
+    async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[BaseException | None]: ...
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | BaseException | None]: ...
+
+    async def delete(self, keys: Sequence[bytes]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class RedisStore:
+    """Redis or Valkey, one server or a cluster, through redis-py's asyncio clients. A batch goes as one
+    pipeline per cluster node (all nodes at once), so one dead node fails only the keys it owns; after a
+    connection error the cluster map is refreshed before the next batch. The client never retries on
+    its own: the tier's breaker decides when to ask again."""
+
+    def __init__(self, url: RemoteURL, password: str | None = None, timeout_s: float = 1.0,
+                 tls_ca_file: str | None = None) -> None:
+        self.url = url
+        options: dict[str, object] = dict(
+            username=url.username, password=password, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        if url.tls:
+            options.update(ssl=True, ssl_ca_certs=tls_ca_file)
+        self._cluster: RedisCluster | None = None
+        self._single: Redis | None = None
+        if url.cluster:
+            self._cluster = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in url.hosts],
+                                         require_full_coverage=False, **options)  # type: ignore[arg-type]
+        else:
+            host, port = url.hosts[0]
+            self._single = Redis(host=host, port=port, db=url.db, **options)  # type: ignore[arg-type]
+        self._stale = False  # a node failed: refresh the cluster map before the next batch
+
+    async def _groups(self, keys: Sequence[bytes], results: list[object]) -> list[list[int]]:
+        """Indexes of ``keys`` grouped by the node that owns them (one group off a cluster); a key no node
+        serves gets its error in ``results`` and no group."""
+        if self._cluster is None:
+            return [list(range(len(keys)))]
+        await self._cluster.initialize()  # no-op once the map is loaded
+        if self._stale:
+            await self._cluster.nodes_manager.initialize()
+            self._stale = False
+        groups: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            try:
+                node = self._cluster.get_node_from_key(key)  # type: ignore[arg-type]  # bytes keys are fine
+                assert node is not None  # a primary always (None is for replicas)
+            except SlotNotCoveredError as e:
+                results[i] = e
+                continue
+            groups.setdefault(node.name, []).append(i)
+        return list(groups.values())
+
+    async def _run(self, keys: Sequence[bytes], queue: Sequence[tuple[str, tuple[Buffer, ...]]]) -> list[object]:
+        """Run ``queue`` (a command per key) as one pipeline per node; results in order, errors inline."""
+        results: list[object] = [None] * len(keys)
+
+        async def run_group(indexes: list[int]) -> None:
+            client = self._cluster if self._cluster is not None else self._single
+            assert client is not None
+            pipe = client.pipeline(transaction=False)
+            for i in indexes:
+                command, args = queue[i]
+                pipe.execute_command(command, *args)
+            try:
+                out: list[object] = await pipe.execute(raise_on_error=False)
+            except Exception as e:  # the node failed as a whole
+                if isinstance(e, (RedisConnectionError, RedisTimeoutError, ClusterDownError, SlotNotCoveredError)):
+                    self._stale = True
+                out = [e] * len(indexes)
+            for i, r in zip(indexes, out, strict=True):
+                results[i] = r
+
+        await asyncio.gather(*(run_group(g) for g in await self._groups(keys, results)))
+        return results
+
+    async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[BaseException | None]:
+        out = await self._run([k for k, _ in items], [("SET", (k, v)) for k, v in items])
+        return [r if isinstance(r, BaseException) else None for r in out]
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | BaseException | None]:
+        out = await self._run(keys, [("GET", (k,)) for k in keys])
+        return [r if r is None or isinstance(r, (bytes, BaseException)) else TypeError(type(r)) for r in out]
+
+    async def delete(self, keys: Sequence[bytes]) -> None:
+        for r in await self._run(keys, [("DEL", (k,)) for k in keys]):
+            if isinstance(r, BaseException):
+                raise r
+
+    async def close(self) -> None:
+        if self._cluster is not None:
+            await self._cluster.aclose()
+        if self._single is not None:
+            await self._single.aclose()
+
+
+# -- the circuit breaker -------------------------------------------------------------------------
+
+class Breaker:
+    """closed -> (``failures`` failed calls in a row) -> open for ``open_s`` -> half-open: one probe call
+    -> closed on success, open again on failure. A probe that never reports is replaced after ``open_s``."""
+
+    def __init__(self, failures: int, open_s: float) -> None:
+        self.failures, self.open_s = max(1, failures), open_s
+        self.state = "closed"
+        self.opens = 0
+        self._failed = 0
+        self._until = 0.0  # open: until then; half-open: the probe's deadline
+
+    def blocked(self) -> bool:
+        """Whether the store is not to be asked now (open, not yet due for a probe)."""
+        return self.state == "open" and time.monotonic() < self._until
+
+    def allow(self) -> bool:
+        """Whether a call may go to the store now; in an open breaker past its time, the caller probes."""
+        if self.state == "closed":
+            return True
+        now = time.monotonic()
+        if now < self._until:
+            return False
+        self.state, self._until = "half-open", now + self.open_s
+        return True
+
+    def success(self) -> None:
+        if self.state != "closed":
+            log.info("remote store answers again: breaker closed")
+        self.state, self._failed = "closed", 0
+
+    def failure(self, error: BaseException | None) -> None:
+        self._failed += 1
+        if self.state == "half-open" or (self.state == "closed" and self._failed >= self.failures):
+            if self.state == "closed":
+                self.opens += 1
+                log.warning("remote store failing (%s): breaker open for %.1f s", error, self.open_s)
+            self.state, self._until = "open", time.monotonic() + self.open_s
+
+
+# -- the tier ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RemoteStats:
+    url: str  # masked
+    breaker: str  # closed, open, half-open
+    breaker_opens: int
+    fetches: int  # fetch calls with keys
+    hits: int  # blocks fetched and verified
+    misses: int  # blocks asked for and not returned (absent, failed, corrupt, after the first miss, skipped)
+    skipped: int  # of the misses: not asked, the breaker was open
+    bytes_down: int  # payload bytes returned by fetch
+    fetch_seconds_sum: float  # fetch calls that asked the store: total and count
+    fetch_seconds_count: int
+    queued_blocks: int  # write-behind queue, values in flight included
+    queued_bytes: int
+    queue_limit_bytes: int
+    spare_bytes: int  # buffers of finished uploads kept for reuse (queued + spare <= queue_limit_bytes)
+    uploaded: int  # blocks stored
+    bytes_up: int  # value bytes stored (headers included)
+    upload_failed: int  # blocks whose upload failed (error or timeout)
+    dropped_full: int  # offered blocks dropped: queue full
+    dropped_unhealthy: int  # offered or queued blocks dropped: breaker open
+    dropped_closed: int  # queued blocks dropped when the tier closed
+    errors: int  # per key: store errors, timeouts included
+    timeouts: int
+    corrupt: int  # values that failed verification (deleted)
+
+
+_COUNTERS = tuple(f.name for f in dataclasses.fields(RemoteStats)
+                  if f.name not in ("url", "breaker", "breaker_opens", "fetch_seconds_sum", "queued_blocks",
+                                    "queued_bytes", "queue_limit_bytes", "spare_bytes"))
+
+
+class RemoteTier:
+    """Write-behind and prefix fetch over a `RemoteStore`; see the module docstring for the failure model.
+    Use it from one event loop (the daemon's): nothing in it is thread-safe but `encode_value`."""
+
+    def __init__(self, store: RemoteStore, *, url: str = "", queue_bytes: int = 256 << 20, timeout_s: float = 1.0,
+                 breaker_s: float = 10.0, breaker_failures: int = 3, fetch_batch: int = 16,
+                 upload_batch_bytes: int = 32 << 20) -> None:
+        self.store, self.url = store, url
+        self.queue_bytes, self.timeout_s = queue_bytes, timeout_s
+        self.fetch_batch, self.upload_batch_bytes = max(1, fetch_batch), upload_batch_bytes
+        self.breaker = Breaker(breaker_failures, breaker_s)
+        self._queue: OrderedDict[bytes, bytearray] = OrderedDict()
+        self._in_flight: dict[bytes, int] = {}  # key -> value bytes, being uploaded
+        self._bytes = 0  # queued + in flight
+        self._spares: dict[int, list[bytearray]] = {}  # by length: buffers of finished uploads, to reuse
+        self._spare_bytes = 0  # counted with _bytes against queue_bytes when allocating
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._fetch_seconds = 0.0
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._uploader: asyncio.Task[None] | None = None
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, *, password: str | None = None, password_file: str | os.PathLike[str] | None = None,
+                 tls_ca_file: str | None = None, timeout_s: float = 1.0, **options: int | float) -> RemoteTier:
+        """A tier on the Redis/Valkey store at ``url``; ``options`` are the constructor's. Connects lazily
+        (an unreachable store is a miss, not an error here); ValueError for a bad URL."""
+        parsed = parse_url(url)
+        secret = resolve_password(parsed, password, password_file)
+        store = RedisStore(parsed, secret, timeout_s, tls_ca_file)
+        masked = parsed.masked(secret is not None)
+        log.info("remote tier: %s", masked)
+        return cls(store, url=masked, timeout_s=timeout_s, **options)  # type: ignore[arg-type]
+
+    # -- write-behind --
+
+    def offer(self, tenant: str, namespace: str, keys: Sequence[bytes], payloads: Sequence[Buffer],
+              checksums: Sequence[int] | None = None) -> int:
+        """Queue blocks for upload, copying their payloads (the caller may reuse the memory at once);
+        ``checksums`` (the payloads' CRC32C, e.g. the pool's seal checksums) saves computing them. Never
+        waits. Returns how many were newly queued: keys already queued or uploading are skipped; when
+        the queue is full, or the breaker open, the rest are dropped (counted). Call it on the loop."""
+        if len(keys) != len(payloads) or (checksums is not None and len(checksums) != len(keys)):
+            raise ValueError("offer: keys, payloads and checksums differ in length")
+        crcs, sizes = checksums, [HEADER_BYTES + _bytes_view(p).nbytes for p in payloads]
+        return self._enqueue(remote_keys(tenant, namespace, keys),
+                             lambda i, rkey: encode_value(rkey, payloads[i], None if crcs is None else crcs[i],
+                                                          self._buffer(sizes[i])), sizes)
+
+    def offer_encoded(self, tenant: str, namespace: str, keys: Sequence[bytes], values: Sequence[bytearray]) -> int:
+        """`offer` for values already encoded, ``encode_value(remote_key(tenant, namespace, key), payload)``
+        (e.g. in a worker thread): taken as they are, no copy."""
+        if len(keys) != len(values):
+            raise ValueError("offer_encoded: keys and values differ in length")
+
+        def value_of(i: int, _: bytes) -> bytearray:
+            self._trim_spares(len(values[i]))
+            return values[i]
+
+        return self._enqueue(remote_keys(tenant, namespace, keys), value_of, [len(v) for v in values])
+
+    def _enqueue(self, rkeys: list[bytes], value_of: Callable[[int, bytes], bytearray], sizes: Sequence[int]) -> int:
+        if self._closed or self.breaker.blocked():
+            self._counts["dropped_closed" if self._closed else "dropped_unhealthy"] += len(rkeys)
+            return 0
+        queued = 0
+        for i, rkey in enumerate(rkeys):
+            if rkey in self._queue or rkey in self._in_flight:
+                continue
+            if self._bytes + sizes[i] > self.queue_bytes:  # later blocks of a chain are useless without it
+                self._counts["dropped_full"] += len(rkeys) - i
+                break
+            self._queue[rkey] = value_of(i, rkey)
+            self._bytes += sizes[i]
+            queued += 1
+        if queued:
+            self._idle.clear()
+            self._wake.set()
+            if self._uploader is None or self._uploader.done():  # first use, or it died (logged)
+                self._uploader = asyncio.get_running_loop().create_task(self._upload_loop(), name="remote-upload")
+                self._uploader.add_done_callback(_log_death)
+        return queued
+
+    async def _upload_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._queue:
+                if not self.breaker.allow():
+                    self._counts["dropped_unhealthy"] += len(self._queue)
+                    self._bytes -= sum(map(len, self._queue.values()))
+                    self._queue.clear()
+                    break
+                await self._upload(self._take_batch())
+            if not self._queue and not self._in_flight:
+                self._idle.set()
+
+    def _take_batch(self) -> list[tuple[bytes, bytearray]]:
+        batch: list[tuple[bytes, bytearray]] = []
+        size = 0
+        while self._queue and (not batch or size + len(next(iter(self._queue.values()))) <= self.upload_batch_bytes):
+            key, value = self._queue.popitem(last=False)
+            batch.append((key, value))
+            self._in_flight[key] = len(value)
+            size += len(value)
+        return batch
+
+    async def _upload(self, batch: list[tuple[bytes, bytearray]]) -> None:
+        try:
+            results = await self._call(self.store.put_many(batch), len(batch))
+        finally:
+            for key, _ in batch:
+                self._bytes -= self._in_flight.pop(key)
+        for (_, value), result in zip(batch, results, strict=True):
+            if result is not None:
+                self._counts["upload_failed"] += 1
+                continue
+            self._counts["uploaded"] += 1
+            self._counts["bytes_up"] += len(value)
+            if self._bytes + self._spare_bytes + len(value) <= self.queue_bytes:
+                # The server answered this SET, so every byte of it was sent: the buffer may be reused.
+                self._spares.setdefault(len(value), []).append(value)
+                self._spare_bytes += len(value)
+
+    def _spare(self, size: int) -> bytearray | None:
+        """A buffer of ``size`` bytes whose upload is done, taken from the spares, or None."""
+        spares = self._spares.get(size)
+        if not spares:
+            return None
+        value = spares.pop()
+        if not spares:
+            del self._spares[size]
+        self._spare_bytes -= size
+        return value
+
+    def _trim_spares(self, size: int) -> None:
+        """Free spares until a new ``size``-byte value fits: queued, in flight and spare bytes together stay
+        within queue_bytes."""
+        while self._spares and self._bytes + self._spare_bytes + size > self.queue_bytes:
+            self._spare(next(iter(self._spares)))
+
+    def _buffer(self, size: int) -> bytearray | None:
+        """A spare buffer to encode a ``size``-byte value into, or None (after making room for a new one)."""
+        value = self._spare(size)
+        if value is None:
+            self._trim_spares(size)
+        return value
+
+    async def drain(self) -> None:
+        """Wait until every queued block is uploaded or dropped."""
+        await self._idle.wait()
+
+    # -- fetch --
+
+    async def fetch(self, tenant: str, namespace: str, keys: Sequence[bytes],
+                    payload_bytes: int | None = None) -> list[memoryview]:
+        """The payloads of the leading ``keys`` found in the store, verified (views of the received values,
+        not copies): a prefix of ``keys``, stopping at the first absent, failed or corrupt block. With
+        ``payload_bytes``, a payload of another size is corrupt. Never raises for store failures."""
+        found: list[memoryview] = []
+        if not keys:
+            return found
+        self._counts["fetches"] += 1
+        if not self.breaker.allow():
+            self._counts["skipped"] += len(keys)
+        else:
+            start = time.monotonic()
+            rkeys = remote_keys(tenant, namespace, keys)
+            for i in range(0, len(rkeys), self.fetch_batch):
+                chunk = rkeys[i:i + self.fetch_batch]
+                values = await self._call(self.store.get_many(chunk), len(chunk))
+                good = await self._verify(chunk, values, payload_bytes)
+                found += good
+                if len(good) < len(chunk):
+                    break
+            self._fetch_seconds += time.monotonic() - start
+            self._counts["fetch_seconds_count"] += 1
+        self._counts["hits"] += len(found)
+        self._counts["misses"] += len(keys) - len(found)
+        self._counts["bytes_down"] += sum(v.nbytes for v in found)
+        return found
+
+    async def _verify(self, keys: list[bytes], values: list[bytes | BaseException | None],
+                      payload_bytes: int | None) -> list[memoryview]:
+        """The payloads of the leading valid values; a value that fails verification is deleted."""
+        present: list[bytes] = []
+        for value in values:
+            if not isinstance(value, bytes):
+                break
+            present.append(value)
+        if sum(map(len, present)) >= _VERIFY_IN_THREAD_BYTES:
+            decoded = await asyncio.to_thread(_decode_all, keys, present, payload_bytes)
+        else:
+            decoded = _decode_all(keys, present, payload_bytes)
+        good = list(_leading(decoded))
+        if len(good) < len(decoded):  # decoded[len(good)] is corrupt
+            self._counts["corrupt"] += 1
+            log.warning("remote store: corrupt value under %r deleted", keys[len(good)][:48])
+            await self._call(self._delete([keys[len(good)]]), 1)
+        return good
+
+    async def _delete(self, keys: list[bytes]) -> list[BaseException | None]:
+        await self.store.delete(keys)
+        return [None] * len(keys)
+
+    async def _call(self, op: Awaitable[list[T]], n: int) -> list[T | BaseException]:
+        """Await one store call under the timeout; count its failures and tell the breaker."""
+        results: list[T | BaseException]
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                results = list(await op)
+        except Exception as e:  # TimeoutError included: a failed call fails each of its keys
+            results = [e] * n
+        failed = [r for r in results if isinstance(r, BaseException)]
+        self._counts["errors"] += len(failed)
+        self._counts["timeouts"] += sum(isinstance(r, (TimeoutError, RedisTimeoutError)) for r in failed)
+        if failed:
+            log.debug("remote store: %d of %d keys failed: %r", len(failed), n, failed[0])
+            self.breaker.failure(failed[0])
+        else:
+            self.breaker.success()
+        return results
+
+    # -- state --
+
+    def stats(self) -> RemoteStats:
+        c = self._counts
+        return RemoteStats(url=self.url, breaker=self.breaker.state, breaker_opens=self.breaker.opens,
+                           fetch_seconds_sum=self._fetch_seconds, queued_blocks=len(self._queue) + len(self._in_flight),
+                           queued_bytes=self._bytes, queue_limit_bytes=self.queue_bytes, spare_bytes=self._spare_bytes,
+                           **{k: c[k] for k in _COUNTERS})
+
+    async def close(self, drain_s: float = 0.0) -> None:
+        """Stop: upload what is queued for up to ``drain_s``, drop the rest (counted), close the store."""
+        if drain_s > 0 and not self._idle.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(drain_s):
+                    await self.drain()
+        self._closed = True
+        self._counts["dropped_closed"] += len(self._queue) + len(self._in_flight)
+        if self._uploader is not None:
+            self._uploader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._uploader
+            self._uploader = None
+        self._queue.clear()
+        self._spares.clear()
+        self._bytes = self._spare_bytes = 0
+        self._idle.set()
+        await self.store.close()
+
+
+def _log_death(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("remote tier: the upload task died; restarted on the next offer", exc_info=task.exception())
+
+
+def _decode_all(keys: Iterable[bytes], values: Iterable[bytes], payload_bytes: int | None) -> list[memoryview | None]:
+    return [decode_value(k, v, payload_bytes) for k, v in zip(keys, values, strict=False)]  # values: a prefix
+
+
+def _leading(decoded: Iterable[memoryview | None]) -> Iterable[memoryview]:
+    for payload in decoded:
+        if payload is None:
+            return
+        yield payload
