@@ -201,6 +201,12 @@ def _render_stats(stats: Stats, width: int, wide: bool = False) -> RenderableTyp
         ("blocks waiting for a seal / recovered, unverified", f"{stats.unsealed_blocks} / {stats.unverified_blocks}"),
         ("uptime", f"{stats.uptime_s} s (daemon {stats.daemon_version})"),
     ]
+    r = stats.remote
+    if r.url:
+        rows.append(("remote hits / misses / uploaded", f"{r.hits} / {r.misses} / {r.uploaded} ({r.breaker})"))
+        rows.append(("remote queue / dropped / errors",
+                     f"{_human(r.queued_bytes)} / {r.dropped_full + r.dropped_unhealthy + r.dropped_closed} / "
+                     f"{r.errors + r.corrupt}"))
     for k, v in rows:
         summary.add_row(k, v)
     if not stats.namespaces:

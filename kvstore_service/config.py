@@ -93,6 +93,19 @@ class Config(BaseSettings):
         description="Fraction of loaded blocks whose checksum is verified before the copy (0..1); "
         "1 checks every load at about 40% of the load speed.",
     )
+    remote: str = Field(
+        "", description="Shared cold tier on Redis/Valkey: redis://host:port, rediss:// (TLS) or "
+        "redis+cluster://host:port,host:port; user:password@ allowed (never logged). Empty: off.")
+    remote_password_file: str = Field(
+        "", description="File holding the remote store's password (else the URL's, else $KVSTORE_REMOTE_PASSWORD).")
+    remote_tls_ca: str = Field("", description="PEM CA bundle to verify a rediss:// store (default: the system's).")
+    remote_queue_bytes: ByteSize = Field(
+        ByteSize(256 << 20), description="Blocks waiting for their upload (write-behind); more are dropped, counted.")
+    remote_timeout_s: float = Field(1.0, gt=0, description="Longest wait for one call to the remote store.")
+    remote_breaker_s: float = Field(
+        10.0, gt=0, description="After 3 failed calls in a row, the remote store is not asked for this long.")
+    remote_fetch_bytes: ByteSize = Field(
+        ByteSize(256 << 20), description="Most bytes one lookup fetches from the remote store.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0: off.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     handshake_timeout_s: float = Field(

@@ -32,10 +32,12 @@ from kvstore_service.metrics import Metrics
 from kvstore_service.native import StickyDeviceError
 from kvstore_service.peercred import PeerCredServer
 from kvstore_service.pool import Pool, PoolFullError
+from kvstore_service.remote import RemoteTier
 from kvstore_service.server import GrpcServer
 from kvstore_service.sessions import EngineSession, Sessions, open_backend
-from kvstore_service.stats import NamespaceStats, Stats
+from kvstore_service.stats import NamespaceStats, RemoteStats, Stats
 from kvstore_service.tenants import Caller, Tenancy, scoped, split
+from kvstore_service.tiers import Tiers
 
 log = logging.getLogger(__name__)
 # A copy thread needs the GIL briefly between native copies while the event loop plans the next
@@ -46,6 +48,7 @@ EXIT_DEVICE_FAILED = 75  # EX_TEMPFAIL: a sticky device error; restart the daemo
 # several times per chunk planned (store 0.70-0.72 vs 0.75-0.76 of the copy engine). Housekeeping
 # collects what is young once a second anyway.
 GC_YOUNG_THRESHOLD = 200_000
+REMOTE_DRAIN_S = 2.0  # a stopping daemon waits this long for queued uploads
 
 
 class Daemon:
@@ -67,6 +70,7 @@ class Daemon:
             except KVError as e:
                 raise ValueError(f"--devices {name}: {e.message}") from None
         self.sessions = Sessions(config, self.pool, self.index, self.jobs.off_loop, backends)
+        self.tiers: Tiers | None = None  # made on the event loop: `open_tiers`
         if self.recovered:
             log.info("re-attached pool %s: %d blocks recovered", config.pool_path, self.recovered)
 
@@ -96,6 +100,7 @@ class Daemon:
             uptime_s=int(time.monotonic() - self.started), namespaces=visible, daemon_version=__version__,
             unsealed_blocks=self.jobs.unsealed_blocks, failed_load_blocks=self.jobs.failed_load_blocks,
             unverified_blocks=self.index.unverified_blocks,
+            remote=self.tiers.remote.stats() if self.tiers is not None else RemoteStats(),
         )
 
     def clear(self, tenant: str | None, namespace: str) -> int:
@@ -109,6 +114,19 @@ class Daemon:
             return self.index.clear()
         return sum(self.index.clear(ns) for ns in list(self.index.namespaces.values())
                    if ns.name and split(ns.name)[0] == tenant)
+
+    def open_tiers(self) -> None:
+        """On the event loop: the remote tier (--remote), fed by the seals, asked by lookups."""
+        config = self.config
+        if not config.remote:
+            return
+        remote = RemoteTier.from_url(config.remote, password_file=config.remote_password_file or None,
+                                     tls_ca_file=config.remote_tls_ca or None, timeout_s=config.remote_timeout_s,
+                                     queue_bytes=int(config.remote_queue_bytes), breaker_s=config.remote_breaker_s)
+        self.tiers = Tiers(self.pool, self.index, self.jobs.executor, self.jobs.queue_seal, remote,
+                           int(config.remote_fetch_bytes))
+        self.jobs.on_sealed = self.tiers.sealed
+        log.info("remote tier %s", remote.url)
 
     async def housekeeping(self, creds: PeerCredServer) -> None:
         while True:
@@ -128,6 +146,8 @@ class Daemon:
         """Let copies finish, drop mappings (engines register again with the next daemon)."""
         await self.sessions.end_all()
         await self.jobs.shutdown()
+        if self.tiers is not None:
+            await self.tiers.remote.close(drain_s=REMOTE_DRAIN_S)
         self.pool.close()
 
 
@@ -212,6 +232,13 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
         daemon.metrics.serve(config.metrics_port, daemon.stats, loop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    try:
+        daemon.open_tiers()
+    except ValueError as e:
+        await server.stop(grace=0)
+        await creds.close()
+        _remove(config.socket)
+        raise ValueError(f"--remote: {e}") from None
     chores = loop.create_task(daemon.housekeeping(creds))
     daemon.jobs.verify_recovered()
     await server.serve(daemon)

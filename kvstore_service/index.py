@@ -112,6 +112,7 @@ class Block:
     shards_in: int = 0
     shards_copying: int = 0
     tail: bool = False  # a prompt's partial last block: evicted before full blocks
+    promoted: bool = False  # brought in from a lower tier (not offered back to it)
 
     @property
     def ref(self) -> SlotRef:
@@ -181,6 +182,10 @@ class BlockIndex:
         ns.counters.hits += len(found)
         ns.counters.misses += len(keys) // key_size - len(found)
         return found
+
+    def leading(self, ns: Namespace, keys: list[bytes]) -> int:
+        """How many of the leading keys are committed (no hit or miss counted)."""
+        return sum(1 for _ in takewhile(ns._committed.__contains__, keys))
 
     def pin(self, blocks: Iterable[Block]) -> None:
         """Keep blocks from eviction (a lease, a load, a seal), most recently used from now."""
@@ -292,7 +297,19 @@ class BlockIndex:
         self.count += len(blocks)
         return blocks
 
-    def complete_store(self, blocks: list[Block], ok: bool, shard: int = 0) -> list[Block]:
+    def reserve(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
+        """WRITING slots for whole blocks that a lower tier holds (promotion): for the leading keys
+        absent from the namespace (as far as the pool has room); commit them with
+        `complete_store(blocks, ok, whole=True)`."""
+        committed, writing = ns._committed, ns._writing
+        absent = list(takewhile(lambda k: k not in committed and k not in writing, keys))
+        blocks = self._reserve(ns, absent)
+        if ns.shards > 1:
+            for block in blocks:
+                block.shards_copying = (1 << ns.shards) - 1  # every part at once
+        return blocks
+
+    def complete_store(self, blocks: list[Block], ok: bool, shard: int = 0, whole: bool = False) -> list[Block]:
         """The copy of these blocks (of one namespace) ended. If `ok`, every byte is in the pool: they
         are committed (lookups and loads see them; their headers wait for their seal). Returns the
         committed ones; a block dropped while it was written is not among them (its slot is free
@@ -300,14 +317,14 @@ class BlockIndex:
         part is in."""
         if not blocks:
             return []
-        if blocks[0].namespace.shards > 1:
-            return self._complete_shard_store(blocks, ok, 1 << shard)
+        ns = blocks[0].namespace
+        if ns.shards > 1:
+            return self._complete_shard_store(blocks, ok, (1 << ns.shards) - 1 if whole else 1 << shard)
         if not ok:
             for block in blocks:
                 if self.present(block):
                     self._drop(block)
             return []
-        ns = blocks[0].namespace
         writing = ns._writing
         done = [b for b in blocks if writing.get(b.key) is b]
         for block in done:
@@ -321,16 +338,16 @@ class BlockIndex:
         ns.counters.stored_blocks += len(done)
         return done
 
-    def _complete_shard_store(self, blocks: list[Block], ok: bool, bit: int) -> list[Block]:
+    def _complete_shard_store(self, blocks: list[Block], ok: bool, bits: int) -> list[Block]:
         ns = blocks[0].namespace
         full = (1 << ns.shards) - 1
         done: list[Block] = []
         for block in blocks:
             if not self.present(block):
                 continue  # dropped while copied
-            block.shards_copying &= ~bit
+            block.shards_copying &= ~bits
             if ok:
-                block.shards_in |= bit
+                block.shards_in |= bits
             if block.shards_in == full:
                 done.append(block)
             elif not block.shards_copying:

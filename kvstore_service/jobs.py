@@ -130,6 +130,8 @@ class Jobs:
         self._store_waiters: dict[tuple[Block, int], list[asyncio.Future[bool]]] = {}  # (block, shard)
         self._to_seal: deque[tuple[float, list[Block]]] = deque()  # (queued at, blocks of one namespace)
         self._sealer: asyncio.Task[None] | None = None
+        # Called on the loop with blocks just sealed and their checksums (the lower tiers take them).
+        self.on_sealed: Callable[[list[Block], list[int]], None] | None = None
         self._copies = 0  # chunks handed to copy threads, not finished
         self._no_copies = asyncio.Event()
         self._draining = False
@@ -256,7 +258,7 @@ class Jobs:
             job.ok[i] = await waiter
         self._publish(job)
         if stored:
-            self._queue_seal(stored)
+            self.queue_seal(stored)
 
     def _prepare_store(self, job: Job, part: range) -> Chunk | None:
         """Slots for the chunk's new keys; keys present already are done, keys another job is
@@ -379,7 +381,7 @@ class Jobs:
         """Stored blocks waiting for their seal (some may be gone from the pool meanwhile)."""
         return self._sealing + sum(len(blocks) for _, blocks in self._to_seal)
 
-    def _queue_seal(self, blocks: list[Block]) -> None:
+    def queue_seal(self, blocks: list[Block]) -> None:
         self._to_seal.append((time.monotonic(), blocks))
         if self._sealer is None or self._sealer.done():
             self._sealer = asyncio.get_running_loop().create_task(self._seal_queued())
@@ -428,6 +430,8 @@ class Jobs:
         except Exception:
             log.exception("checksum failed; %d blocks will not survive a restart", len(blocks))
         self.index.seal(blocks, checksums)
+        if checksums is not None and self.on_sealed is not None:
+            self.on_sealed(blocks, checksums)
 
     # -- verifying recovered blocks --------------------------------------------------------------
 

@@ -10,10 +10,10 @@ import asyncio
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore_service.stats import NamespaceStats, Stats
+from kvstore_service.stats import NamespaceStats, RemoteStats, Stats
 
 # Per-namespace series: the tenant, the model and a short hash of the namespace, never the namespace
 # itself (it may carry a tenant's salt), whoever scrapes /metrics.
@@ -108,3 +108,25 @@ class _StatsCollector(Collector):
         yield from (family for family, _ in per_ns)
         yield CounterMetricFamily("kvstore_stored_bytes", "Bytes stored.", value=s.stored_bytes)
         yield CounterMetricFamily("kvstore_loaded_bytes", "Bytes loaded.", value=s.loaded_bytes)
+        if s.remote.url:
+            yield from _remote_metrics(s.remote)
+
+
+def _remote_metrics(r: RemoteStats) -> Iterator[Metric]:
+    yield GaugeMetricFamily("kvstore_remote_breaker_open", "1 while the remote store is not asked (failing).",
+                            value=float(r.breaker != "closed"))
+    yield GaugeMetricFamily("kvstore_remote_queued_bytes", "Bytes waiting for their upload.", value=r.queued_bytes)
+    yield GaugeMetricFamily("kvstore_remote_queued_blocks", "Blocks waiting for their upload.", value=r.queued_blocks)
+    for name, doc, value in (
+            ("hits", "Blocks fetched from the remote store and verified.", r.hits),
+            ("misses", "Blocks asked of the remote store and not found (or failed).", r.misses),
+            ("uploaded_blocks", "Blocks uploaded.", r.uploaded),
+            ("bytes_up", "Bytes uploaded.", r.bytes_up),
+            ("bytes_down", "Bytes fetched.", r.bytes_down),
+            ("dropped_blocks", "Blocks not uploaded: queue full, store failing, or the daemon stopping.",
+             r.dropped_full + r.dropped_unhealthy + r.dropped_closed),
+            ("errors", "Keys whose call to the remote store failed (timeouts included).", r.errors),
+            ("corrupt_blocks", "Fetched values that failed verification (deleted).", r.corrupt)):
+        yield CounterMetricFamily(f"kvstore_remote_{name}", doc, value=value)
+    yield SummaryMetricFamily("kvstore_remote_fetch_seconds", "Time of the lookups' fetches from the remote store.",
+                              count_value=r.fetch_seconds_count, sum_value=r.fetch_seconds_sum)

@@ -300,6 +300,10 @@ class Pool:
     def payload_offset(self, ref: SlotRef) -> int:
         return self.segments[ref.segment].payload_offset(ref.slot)
 
+    def view(self, offset: int, length: int) -> memoryview:
+        """The pool's bytes at `offset` (a payload), without a copy."""
+        return memoryview(self._mmap)[offset:offset + length]
+
     # -- slot headers ----------------------------------------------------------------------------
 
     def next_generation(self) -> int:

@@ -65,6 +65,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore_service import native
+from kvstore_service.stats import RemoteStats
 
 log = logging.getLogger(__name__)
 
@@ -363,33 +364,6 @@ class Breaker:
 
 
 # -- the tier ------------------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RemoteStats:
-    url: str  # masked
-    breaker: str  # closed, open, half-open
-    breaker_opens: int
-    fetches: int  # fetch calls with keys
-    hits: int  # blocks fetched and verified
-    misses: int  # blocks asked for and not returned (absent, failed, corrupt, after the first miss, skipped)
-    skipped: int  # of the misses: not asked, the breaker was open
-    bytes_down: int  # payload bytes returned by fetch
-    fetch_seconds_sum: float  # fetch calls that asked the store: total and count
-    fetch_seconds_count: int
-    queued_blocks: int  # write-behind queue, values in flight included
-    queued_bytes: int
-    queue_limit_bytes: int
-    spare_bytes: int  # buffers of finished uploads kept for reuse (queued + spare <= queue_limit_bytes)
-    uploaded: int  # blocks stored
-    bytes_up: int  # value bytes stored (headers included)
-    upload_failed: int  # blocks whose upload failed (error or timeout)
-    dropped_full: int  # offered blocks dropped: queue full
-    dropped_unhealthy: int  # offered or queued blocks dropped: breaker open
-    dropped_closed: int  # queued blocks dropped when the tier closed
-    errors: int  # per key: store errors, timeouts included
-    timeouts: int
-    corrupt: int  # values that failed verification (deleted)
-
 
 _COUNTERS = tuple(f.name for f in dataclasses.fields(RemoteStats)
                   if f.name not in ("url", "breaker", "breaker_opens", "fetch_seconds_sum", "queued_blocks",

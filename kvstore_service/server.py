@@ -153,6 +153,11 @@ class Servicer(pb_grpc.KVStoreServicer):
             if handshake is not None:
                 close_fds(handshake.fds)
             name = scoped(caller.member("look up blocks"), request.namespace)
+        tiers = self.daemon.tiers
+        if tiers is not None:  # the pool's misses are brought in from the tier below first
+            ns = self.daemon.index.find_namespace(session.namespace_name if session is not None else name)
+            if ns is not None:
+                await tiers.promote(ns, list(unpack_keys(request.keys, request.key_size)))
         hits, lease_id = self.daemon.sessions.lookup(session, name, request.keys, request.key_size,
                                                      request.lease, request.lease_ttl_ms)
         return pb.LookupResponse(hits=hits, lease_id=lease_id)

@@ -21,7 +21,8 @@ from google.protobuf.message import Message
 
 from kvstore_client.protocol import kvstore_pb2 as pb
 
-__all__ = ["NamespaceStats", "Stats", "from_dict", "from_proto", "namespace_id", "to_json_dict", "to_proto"]
+__all__ = ["NamespaceStats", "RemoteStats", "Stats", "from_dict", "from_proto", "namespace_id", "to_json_dict",
+           "to_proto"]
 
 
 def namespace_id(namespace: str) -> str:
@@ -66,6 +67,35 @@ class NamespaceStats:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RemoteStats:
+    """The remote tier (remote.py); all zero and url "" when there is none."""
+
+    url: str = ""  # masked
+    breaker: str = ""  # closed, open, half-open
+    breaker_opens: int = 0
+    fetches: int = 0  # fetch calls with keys
+    hits: int = 0  # blocks fetched and verified
+    misses: int = 0  # blocks asked for and not returned (absent, failed, corrupt, after the first miss, skipped)
+    skipped: int = 0  # of the misses: not asked, the breaker was open
+    bytes_down: int = 0  # payload bytes returned by fetch
+    fetch_seconds_sum: float = 0.0  # fetch calls that asked the store: total and count
+    fetch_seconds_count: int = 0
+    queued_blocks: int = 0  # write-behind queue, values in flight included
+    queued_bytes: int = 0
+    queue_limit_bytes: int = 0
+    spare_bytes: int = 0  # buffers of finished uploads kept for reuse (queued + spare <= queue_limit_bytes)
+    uploaded: int = 0  # blocks stored
+    bytes_up: int = 0  # value bytes stored (headers included)
+    upload_failed: int = 0  # blocks whose upload failed (error or timeout)
+    dropped_full: int = 0  # offered blocks dropped: queue full
+    dropped_unhealthy: int = 0  # offered or queued blocks dropped: breaker open
+    dropped_closed: int = 0  # queued blocks dropped when the tier closed
+    errors: int = 0  # per key: store errors, timeouts included
+    timeouts: int = 0
+    corrupt: int = 0  # values that failed verification (deleted)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Stats:
     capacity_bytes: int
     used_bytes: int
@@ -88,6 +118,7 @@ class Stats:
     unsealed_blocks: int
     failed_load_blocks: int
     unverified_blocks: int
+    remote: RemoteStats
 
     @property
     def hit_rate(self) -> float:
@@ -109,7 +140,8 @@ class Stats:
 
 # -- conversions, written once over dataclasses.fields -----------------------------------------------
 
-_MESSAGE_OF: dict[type, type[Message]] = {NamespaceStats: pb.NamespaceStats, Stats: pb.StatsResponse}
+_MESSAGE_OF: dict[type, type[Message]] = {NamespaceStats: pb.NamespaceStats, RemoteStats: pb.RemoteStats,
+                                          Stats: pb.StatsResponse}
 _DATACLASS_OF: dict[str, type] = {m.DESCRIPTOR.full_name: d for d, m in _MESSAGE_OF.items()}
 _T = TypeVar("_T")
 

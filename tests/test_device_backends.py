@@ -281,7 +281,9 @@ def test_daemon_refuses_a_device_session_without_the_device(daemon, backend: str
     with grpc.insecure_channel(f"unix://{daemon.socket}") as channel:
         stub = pb_grpc.KVStoreStub(channel)
         with pytest.raises(grpc.RpcError) as info:
-            stub.Register(device_register(backend, handle, 4 * 4096, f"dev-{backend}"), timeout=30)
+            request = device_register(backend, handle, 4 * 4096, f"dev-{backend}")
+            request.peer_token = peer_handshake(f"unix://{daemon.socket}")
+            stub.Register(request, timeout=30)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION, info.value.details()
         assert f"backend '{backend}' is not usable here" in info.value.details()
         assert re.search(words, info.value.details()), info.value.details()

@@ -15,7 +15,16 @@ from google.protobuf.descriptor import FieldDescriptor as FD
 from support.engine import kvstore, store_blocks
 
 from kvstore_client.protocol import kvstore_pb2 as pb
-from kvstore_service.stats import NamespaceStats, Stats, from_dict, from_proto, namespace_id, to_json_dict, to_proto
+from kvstore_service.stats import (
+    NamespaceStats,
+    RemoteStats,
+    Stats,
+    from_dict,
+    from_proto,
+    namespace_id,
+    to_json_dict,
+    to_proto,
+)
 
 KB64 = 64 * 1024
 LONG_NAMESPACE = ("model=meta-llama/Llama-3.1-8B-Instruct;dtype=bfloat16;block=16;layers=32;kv_heads=8;head=128;"
@@ -27,7 +36,8 @@ _SCALARS = {FD.TYPE_UINT64: int, FD.TYPE_UINT32: int, FD.TYPE_INT64: int, FD.TYP
             FD.TYPE_STRING: str, FD.TYPE_DOUBLE: float, FD.TYPE_FLOAT: float}
 
 
-@pytest.mark.parametrize("cls, message", [(NamespaceStats, pb.NamespaceStats), (Stats, pb.StatsResponse)])
+@pytest.mark.parametrize("cls, message", [(NamespaceStats, pb.NamespaceStats), (RemoteStats, pb.RemoteStats),
+                                          (Stats, pb.StatsResponse)])
 def test_dataclass_fields_are_the_proto_fields(cls: type, message: type) -> None:
     # A field added to the .proto (or to the dataclass) alone fails here.
     fields = dataclasses.fields(cls)
@@ -36,7 +46,8 @@ def test_dataclass_fields_are_the_proto_fields(cls: type, message: type) -> None
     hints = typing.get_type_hints(cls)
     for d in descriptors:
         if d.message_type is not None:
-            nested = {"kvstore.v1.NamespaceStats": NamespaceStats}[d.message_type.full_name]
+            nested = {"kvstore.v1.NamespaceStats": NamespaceStats,
+                      "kvstore.v1.RemoteStats": RemoteStats}[d.message_type.full_name]
             assert hints[d.name] == (list[nested] if d.is_repeated else nested), d.name
         else:
             assert not d.is_repeated, d.name
@@ -51,12 +62,14 @@ def _sample(**overrides: typing.Any) -> Stats:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.name not in values:
-                values[f.name] = next(counter) * 1000 + 7 if hints[f.name] is int else f"{f.name}-{next(counter)}"
+                kind = hints[f.name]
+                values[f.name] = (next(counter) * 1000 + 7 if kind is int else next(counter) + 0.5 if kind is float
+                                  else f"{f.name}-{next(counter)}")
         return cls(**values)
 
     namespaces = [fill(NamespaceStats, namespace=LONG_NAMESPACE), fill(NamespaceStats, namespace="plain"),
                   fill(NamespaceStats, namespace="(recovered 0123456789ab)")]
-    return fill(Stats, namespaces=namespaces, **overrides)
+    return fill(Stats, namespaces=namespaces, remote=fill(RemoteStats), **overrides)
 
 
 def test_round_trip_through_the_proto() -> None:
@@ -67,7 +80,8 @@ def test_round_trip_through_the_proto() -> None:
     assert from_proto(msg) == stats
     assert from_proto(pb.StatsResponse.FromString(msg.SerializeToString())) == stats
     assert from_proto(pb.StatsResponse()) == Stats(**{f.name: [] if f.name == "namespaces" else
-                                                      "" if f.name == "daemon_version" else 0
+                                                      "" if f.name == "daemon_version" else
+                                                      RemoteStats() if f.name == "remote" else 0
                                                       for f in dataclasses.fields(Stats)})
     assert from_dict(json.loads(json.dumps(to_json_dict(stats)))) == stats
 

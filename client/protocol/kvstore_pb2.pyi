@@ -237,7 +237,7 @@ class NamespaceStats(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines", "leases", "jobs_in_flight", "failed_blocks", "store_failures_pool_full", "lease_expiries", "corrupt_blocks", "uptime_s", "namespaces", "daemon_version", "unsealed_blocks", "failed_load_blocks", "unverified_blocks")
+    __slots__ = ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines", "leases", "jobs_in_flight", "failed_blocks", "store_failures_pool_full", "lease_expiries", "corrupt_blocks", "uptime_s", "namespaces", "daemon_version", "unsealed_blocks", "failed_load_blocks", "unverified_blocks", "remote")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -259,6 +259,7 @@ class StatsResponse(_message.Message):
     UNSEALED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FAILED_LOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     UNVERIFIED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     blocks: int
@@ -280,7 +281,58 @@ class StatsResponse(_message.Message):
     unsealed_blocks: int
     failed_load_blocks: int
     unverified_blocks: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., leases: _Optional[int] = ..., jobs_in_flight: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., store_failures_pool_full: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., uptime_s: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., unsealed_blocks: _Optional[int] = ..., failed_load_blocks: _Optional[int] = ..., unverified_blocks: _Optional[int] = ...) -> None: ...
+    remote: RemoteStats
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., leases: _Optional[int] = ..., jobs_in_flight: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., store_failures_pool_full: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., uptime_s: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., unsealed_blocks: _Optional[int] = ..., failed_load_blocks: _Optional[int] = ..., unverified_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ...) -> None: ...
+
+class RemoteStats(_message.Message):
+    __slots__ = ("url", "breaker", "breaker_opens", "fetches", "hits", "misses", "skipped", "bytes_down", "fetch_seconds_sum", "fetch_seconds_count", "queued_blocks", "queued_bytes", "queue_limit_bytes", "spare_bytes", "uploaded", "bytes_up", "upload_failed", "dropped_full", "dropped_unhealthy", "dropped_closed", "errors", "timeouts", "corrupt")
+    URL_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_FIELD_NUMBER: _ClassVar[int]
+    BREAKER_OPENS_FIELD_NUMBER: _ClassVar[int]
+    FETCHES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
+    FETCH_SECONDS_SUM_FIELD_NUMBER: _ClassVar[int]
+    FETCH_SECONDS_COUNT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPARE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPLOADED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_UP_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_FAILED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FULL_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_UNHEALTHY_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_CLOSED_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUTS_FIELD_NUMBER: _ClassVar[int]
+    CORRUPT_FIELD_NUMBER: _ClassVar[int]
+    url: str
+    breaker: str
+    breaker_opens: int
+    fetches: int
+    hits: int
+    misses: int
+    skipped: int
+    bytes_down: int
+    fetch_seconds_sum: float
+    fetch_seconds_count: int
+    queued_blocks: int
+    queued_bytes: int
+    queue_limit_bytes: int
+    spare_bytes: int
+    uploaded: int
+    bytes_up: int
+    upload_failed: int
+    dropped_full: int
+    dropped_unhealthy: int
+    dropped_closed: int
+    errors: int
+    timeouts: int
+    corrupt: int
+    def __init__(self, url: _Optional[str] = ..., breaker: _Optional[str] = ..., breaker_opens: _Optional[int] = ..., fetches: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., skipped: _Optional[int] = ..., bytes_down: _Optional[int] = ..., fetch_seconds_sum: _Optional[float] = ..., fetch_seconds_count: _Optional[int] = ..., queued_blocks: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., queue_limit_bytes: _Optional[int] = ..., spare_bytes: _Optional[int] = ..., uploaded: _Optional[int] = ..., bytes_up: _Optional[int] = ..., upload_failed: _Optional[int] = ..., dropped_full: _Optional[int] = ..., dropped_unhealthy: _Optional[int] = ..., dropped_closed: _Optional[int] = ..., errors: _Optional[int] = ..., timeouts: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("namespace", "peer_token", "tenant")
