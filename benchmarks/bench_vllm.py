@@ -247,10 +247,10 @@ class Daemon:
     kvstore is imported here, not at module level: vLLM's multi-process engines (CPU: spawn) re-import this
     module, and the LMCache engines run it in a venv without kvstore."""
 
-    def __init__(self, workdir: Path, pool_size: str) -> None:
+    def __init__(self, workdir: Path, pool_size: str, *extra: str) -> None:
         from kvstore_client.process import DaemonProcess
 
-        self.process = DaemonProcess(workdir, pool_size, "64MiB", "--fresh")
+        self.process = DaemonProcess(workdir, pool_size, "64MiB", "--fresh", *extra)
         self.socket = self.process.socket
 
     def start(self) -> Daemon:
@@ -470,6 +470,51 @@ class Bench:
             "daemon_after_a": after_a, "daemon_after_b": after_b,
             "engines": {"a": engine_a, "b": engine_b, "c": engine_c},
         }
+
+    def remote_ttft(self, tokens: int) -> dict[str, Any]:
+        """Section 5: node A's engine stores; on node B (another daemon, its pool empty) a fresh engine
+        finds the prefixes only in the shared Redis store; engine C computes them (no connector)."""
+        from support.redis import RedisServer, free_ports
+
+        a = self.args
+        prompts = random_prompts(f"remote-{tokens}", a.prompts, tokens)
+        w = random_prompts(f"remote-warmup-{tokens}", 1, tokens)
+        run = dict(prompts=prompts, mode="sequential", max_tokens=1, warmup=[w, w], warmup_tokens=1)
+        store = RedisServer(self.workdir / "redis", free_ports(1)[0], maxmemory="4gb").start()
+        url = f"redis://{store.address}"
+        node_a = Daemon(self.workdir / "node_a", a.pool_size, "--remote", url).start()
+        node_b = Daemon(self.workdir / "node_b", a.pool_size, "--remote", url).start()
+
+        def connector(node: Daemon) -> dict[str, Any]:
+            return {**self.plain_connector(), "kv_connector_extra_config": {"socket": node.socket}}
+
+        try:
+            engine_a = self.engine(f"remote{tokens}_a_store", connector(node_a), **run)
+            client = node_a.process.client()
+            deadline = time.monotonic() + 60
+            while (r := client.stats().remote).queued_blocks and time.monotonic() < deadline:
+                time.sleep(0.1)
+            client.close()
+            engine_b = self.engine(f"remote{tokens}_b_remote_hit", connector(node_b), **run)
+            client = node_b.process.client()
+            remote_b = client.stats().remote
+            client.close()
+            engine_c = self.engine(f"remote{tokens}_c_cold", False, **run)
+        finally:
+            node_a.cleanup()
+            node_b.cleanup()
+            store.kill()
+        hit = [x["ttft_s"] for x in engine_b["requests"]]
+        cold = [x["ttft_s"] for x in engine_c["requests"]]
+        return {"prompt_tokens": tokens, "prompts": a.prompts,
+                "remote_hit_p50_ms": 1000 * pct(hit, 50), "cold_p50_ms": 1000 * pct(cold, 50),
+                "speedup_p50": pct(cold, 50) / pct(hit, 50),
+                "remote_hit_ms": [1000 * x for x in hit], "cold_ms": [1000 * x for x in cold],
+                "b_external_hit_tokens": [x["external_prefix_cache_hits"] for x in engine_b["requests"]],
+                "a_uploaded_blocks": r.uploaded, "b_remote_hits": remote_b.hits,
+                "b_fetch_ms_mean": 1000 * remote_b.fetch_seconds_sum / max(1, remote_b.fetch_seconds_count),
+                "outputs_identical": outputs(engine_a) == outputs(engine_b) == outputs(engine_c),
+                "engines": {"a": engine_a, "b": engine_b, "c": engine_c}}
 
     def side_by_side(self, tokens: int, venv: Path) -> dict[str, Any]:
         """The TTFT workload (A stores, fresh B hits) for kvstore and for LMCache MP, both multi-process."""
@@ -783,6 +828,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-threads", type=int, default=1,
                    help="OMP_NUM_THREADS of the engines (1: the engine keeps one core, the daemon has the other)")
     p.add_argument("--skip", action="append", choices=("ttft", "tput", "ab"), default=[])
+    p.add_argument("--remote", action="store_true",
+                   help="also: TTFT of prompts whose prefixes are only in a shared Redis store (redis-server needed)")
     p.add_argument("--against-lmcache", metavar="VENV", type=Path,
                    help="also run the TTFT workload side by side with LMCache MP, from this venv (see above)")
     args = p.parse_args(argv)
@@ -793,6 +840,37 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if not (args.against_lmcache / "bin" / "python").exists():
             p.error(f"--against-lmcache: no {args.against_lmcache}/bin/python")
     return args
+
+
+def ttft_sections(bench: Bench, args: argparse.Namespace, report: dict[str, Any],
+                  workloads: dict[str, list[dict[str, Any]]]) -> None:
+    """Sections 1 (and 4, --against-lmcache) for each prompt length."""
+    report["ttft"] = []
+    if args.against_lmcache is not None:
+        report["side_by_side"] = []
+    for tokens in args.prompt_tokens:
+        print(f"1. TTFT after restart, {tokens}-token prompts", flush=True)
+        t = bench.ttft(tokens)
+        report["ttft"].append(t)
+        workloads[f"restart hit (B) {tokens}"] = [t["engines"]["b"]["steps"]]
+        workloads[f"cold + store (A) {tokens}"] = [t["engines"]["a"]["steps"]]
+        if args.against_lmcache is not None:
+            print(f"4. Side by side with LMCache MP, {tokens}-token prompts", flush=True)
+            try:
+                report["side_by_side"].append(bench.side_by_side(tokens, args.against_lmcache))
+            except Exception as e:  # noqa: BLE001 - a failed comparison must not lose the rest
+                print(f"  side by side at {tokens} tokens FAILED: {e}", flush=True)
+                report["side_by_side"].append({"prompt_tokens": tokens, "prompts": args.prompts,
+                                               "error": str(e)})
+
+
+def remote_section(bench: Bench, tokens: int) -> dict[str, Any]:
+    print(f"5. TTFT from the remote tier (node B) vs cold, {tokens}-token prompts", flush=True)
+    t = bench.remote_ttft(tokens)
+    print(f"  remote hit p50 {t['remote_hit_p50_ms']:.1f} ms, cold p50 {t['cold_p50_ms']:.1f} ms: "
+          f"{t['speedup_p50']:.2f}x (target >= 3x); fetch {t['b_fetch_ms_mean']:.1f} ms per lookup; "
+          f"outputs identical: {t['outputs_identical']}", flush=True)
+    return t
 
 
 def int_list(text: str) -> list[int]:
@@ -822,23 +900,9 @@ def main(argv: list[str] | None = None) -> int:
         bench = Bench(args, model, daemon, workdir)
         workloads: dict[str, list[dict[str, Any]]] = {}
         if "ttft" not in args.skip:
-            report["ttft"] = []
-            if args.against_lmcache is not None:
-                report["side_by_side"] = []
-            for tokens in args.prompt_tokens:
-                print(f"1. TTFT after restart, {tokens}-token prompts", flush=True)
-                t = bench.ttft(tokens)
-                report["ttft"].append(t)
-                workloads[f"restart hit (B) {tokens}"] = [t["engines"]["b"]["steps"]]
-                workloads[f"cold + store (A) {tokens}"] = [t["engines"]["a"]["steps"]]
-                if args.against_lmcache is not None:
-                    print(f"4. Side by side with LMCache MP, {tokens}-token prompts", flush=True)
-                    try:
-                        report["side_by_side"].append(bench.side_by_side(tokens, args.against_lmcache))
-                    except Exception as e:  # noqa: BLE001 - a failed comparison must not lose the rest
-                        print(f"  side by side at {tokens} tokens FAILED: {e}", flush=True)
-                        report["side_by_side"].append({"prompt_tokens": tokens, "prompts": args.prompts,
-                                                       "error": str(e)})
+            ttft_sections(bench, args, report, workloads)
+        if args.remote:
+            report["remote"] = [remote_section(bench, tokens) for tokens in args.prompt_tokens]
         if "tput" not in args.skip:
             print("3. Throughput, off/on alternating", flush=True)
             report["throughput"] = bench.throughput()

