@@ -129,10 +129,16 @@ def soak(a: argparse.Namespace) -> dict:
                 for w in workers:
                     os.kill(w.pid, signal.SIGSTOP)
                 probe = KVStoreClient(daemon.socket)
-                wait_for(lambda probe=probe: probe.stats().unsealed_blocks == 0, timeout=30)
+                for _ in range(2):  # twice, a moment apart: a paused worker's last RPC may still be landing
+                    wait_for(lambda probe=probe: (s := probe.stats()).unsealed_blocks == 0 and not s.jobs_in_flight,
+                             timeout=30)
+                    time.sleep(0.3)
                 probe.close()
                 daemon.kill()
                 daemon.start()
+                probe = KVStoreClient(daemon.socket)  # recovered blocks are missed until verified
+                wait_for(lambda probe=probe: probe.stats().unverified_blocks == 0, timeout=60)
+                probe.close()
                 for w in workers:
                     os.kill(w.pid, signal.SIGCONT)
             time.sleep(8.0)  # reconnect backoff is at most 5 s, then traffic on the last daemon

@@ -103,6 +103,7 @@ def test_daemon_killed_mid_traffic_restarts_on_its_pool(daemon_factory) -> None:
         time.sleep(0.002)
         daemon.kill()
         daemon.start()
+        _verified(daemon)  # (the worker would count a block not verified yet as lost)
         os.kill(worker.pid, signal.SIGCONT)
 
         done = session.wait([store_job, load_job], timeout=30)  # finished or failed, never lost
@@ -128,6 +129,7 @@ def test_daemon_killed_mid_traffic_restarts_on_its_pool(daemon_factory) -> None:
         _sealed(daemon)
         daemon.kill()
         daemon.start()
+        _verified(daemon)  # (the worker would count a block not verified yet as lost)
         os.kill(worker.pid, signal.SIGCONT)
         assert wait_for(lambda: session.connected and session.registrations == 3, timeout=20)
         again = [key_of("after", i) for i in range(8)]
@@ -152,10 +154,27 @@ def _hits(session, keys: list[bytes]) -> int:
 
 
 def _sealed(daemon) -> None:
-    """Wait until every stored block is sealed: from then on it survives a daemon kill."""
+    """Wait until no job runs and every stored block is sealed: from then on every completed store
+    survives a daemon kill. Twice, a moment apart: a paused worker's last RPC may still be landing."""
+    client = daemon.client()
+
+    def settled() -> bool:
+        stats = client.stats()
+        return stats.unsealed_blocks == 0 and stats.jobs_in_flight == 0
+
+    try:
+        assert wait_for(settled, timeout=30)
+        time.sleep(0.3)
+        assert wait_for(settled, timeout=30)
+    finally:
+        client.close()
+
+
+def _verified(daemon) -> None:
+    """Wait until the restarted daemon verified every block it recovered (lookups miss them until then)."""
     client = daemon.client()
     try:
-        assert wait_for(lambda: client.stats().unsealed_blocks == 0, timeout=30)
+        assert wait_for(lambda: client.stats().unverified_blocks == 0, timeout=30)
     finally:
         client.close()
 
