@@ -49,7 +49,7 @@ def _native_extension() -> Extension:
         includes.append(ACL_INCLUDE)
     return Extension(
         "kvstore_service._native",
-        sources=[f"{CSRC}/{name}.cpp" for name in ("copy_engine", "crc32c", "cuda_copy", "acl_copy")],
+        sources=[f"{CSRC}/{name}.cpp" for name in ("copy_engine", "crc32c", "cuda_copy", "acl_copy", "disk_io")],
         depends=[f"{CSRC}/kvstore_native.h", f"{CSRC}/crc32c.h", f"{CSRC}/crc32c_3way.inc"],
         include_dirs=includes,
         define_macros=macros,

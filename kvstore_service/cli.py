@@ -207,6 +207,11 @@ def _render_stats(stats: Stats, width: int, wide: bool = False) -> RenderableTyp
         rows.append(("remote queue / dropped / errors",
                      f"{_human(r.queued_bytes)} / {r.dropped_full + r.dropped_unhealthy + r.dropped_closed} / "
                      f"{r.errors + r.corrupt}"))
+    d = stats.disk
+    if d.capacity_bytes:
+        rows.append(("disk blocks / used / hits / written",
+                     f"{d.blocks} / {_human(d.bytes)} of {_human(d.capacity_bytes)} / {d.hits} / {d.written}"
+                     + ("" if d.healthy else f" (disabled: {d.error})")))
     for k, v in rows:
         summary.add_row(k, v)
     if not stats.namespaces:

@@ -93,6 +93,14 @@ class Config(BaseSettings):
         description="Fraction of loaded blocks whose checksum is verified before the copy (0..1); "
         "1 checks every load at about 40% of the load speed.",
     )
+    disk_path: str = Field(
+        "", description="Directory of the disk tier (NVMe): blocks written behind once sealed, read back on a "
+        "pool miss, kept across restarts; owned by the daemon's uid, not group/other writable. Empty: off.")
+    disk_size: ByteSize = Field(ByteSize(64 << 30), description="Most bytes the disk tier's segment files take.")
+    disk_segment_size: ByteSize = Field(
+        ByteSize(256 << 20), description="Disk tier segment file size: space is reclaimed a segment at a time.")
+    disk_queue_bytes: ByteSize = Field(
+        ByteSize(256 << 20), description="Blocks waiting to be written to disk; more are dropped, counted.")
     remote: str = Field(
         "", description="Shared cold tier on Redis/Valkey: redis://host:port, rediss:// (TLS) or "
         "redis+cluster://host:port,host:port; user:password@ allowed (never logged). Empty: off.")
@@ -105,7 +113,7 @@ class Config(BaseSettings):
     remote_breaker_s: float = Field(
         10.0, gt=0, description="After 3 failed calls in a row, the remote store is not asked for this long.")
     remote_fetch_bytes: ByteSize = Field(
-        ByteSize(256 << 20), description="Most bytes one lookup fetches from the remote store.")
+        ByteSize(256 << 20), description="Most bytes one lookup brings in from the disk or the remote store.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0: off.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     handshake_timeout_s: float = Field(

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import grp
 import logging
@@ -25,6 +26,7 @@ import grpc
 
 from kvstore_service import __version__
 from kvstore_service.config import Config
+from kvstore_service.disk import DiskTier
 from kvstore_service.errors import KVError
 from kvstore_service.index import BlockIndex
 from kvstore_service.jobs import Jobs
@@ -35,7 +37,7 @@ from kvstore_service.pool import Pool, PoolFullError
 from kvstore_service.remote import RemoteTier
 from kvstore_service.server import GrpcServer
 from kvstore_service.sessions import EngineSession, Sessions, open_backend
-from kvstore_service.stats import NamespaceStats, RemoteStats, Stats
+from kvstore_service.stats import DiskStats, NamespaceStats, RemoteStats, Stats
 from kvstore_service.tenants import Caller, Tenancy, scoped, split
 from kvstore_service.tiers import Tiers
 
@@ -100,7 +102,8 @@ class Daemon:
             uptime_s=int(time.monotonic() - self.started), namespaces=visible, daemon_version=__version__,
             unsealed_blocks=self.jobs.unsealed_blocks, failed_load_blocks=self.jobs.failed_load_blocks,
             unverified_blocks=self.index.unverified_blocks,
-            remote=self.tiers.remote.stats() if self.tiers is not None else RemoteStats(),
+            remote=self.tiers.remote.stats() if self.tiers and self.tiers.remote else RemoteStats(),
+            disk=disk_stats(self.tiers.disk) if self.tiers and self.tiers.disk else DiskStats(),
         )
 
     def clear(self, tenant: str | None, namespace: str) -> int:
@@ -115,18 +118,22 @@ class Daemon:
         return sum(self.index.clear(ns) for ns in list(self.index.namespaces.values())
                    if ns.name and split(ns.name)[0] == tenant)
 
-    def open_tiers(self) -> None:
-        """On the event loop: the remote tier (--remote), fed by the seals, asked by lookups."""
+    def open_tiers(self, disk: DiskTier | None) -> None:
+        """On the event loop: the tiers under the pool (--disk-path, opened off the loop; --remote), fed
+        by the seals, asked by lookups."""
         config = self.config
-        if not config.remote:
+        remote = None
+        if config.remote:
+            remote = RemoteTier.from_url(config.remote, password_file=config.remote_password_file or None,
+                                         tls_ca_file=config.remote_tls_ca or None, timeout_s=config.remote_timeout_s,
+                                         queue_bytes=int(config.remote_queue_bytes),
+                                         breaker_s=config.remote_breaker_s)
+            log.info("remote tier %s", remote.url)
+        if disk is None and remote is None:
             return
-        remote = RemoteTier.from_url(config.remote, password_file=config.remote_password_file or None,
-                                     tls_ca_file=config.remote_tls_ca or None, timeout_s=config.remote_timeout_s,
-                                     queue_bytes=int(config.remote_queue_bytes), breaker_s=config.remote_breaker_s)
-        self.tiers = Tiers(self.pool, self.index, self.jobs.executor, self.jobs.queue_seal, remote,
-                           int(config.remote_fetch_bytes))
+        self.tiers = Tiers(self.pool, self.index, self.jobs.executor, self.jobs.queue_seal,
+                           int(config.remote_fetch_bytes), disk=disk, remote=remote)
         self.jobs.on_sealed = self.tiers.sealed
-        log.info("remote tier %s", remote.url)
 
     async def housekeeping(self, creds: PeerCredServer) -> None:
         while True:
@@ -147,8 +154,22 @@ class Daemon:
         await self.sessions.end_all()
         await self.jobs.shutdown()
         if self.tiers is not None:
-            await self.tiers.remote.close(drain_s=REMOTE_DRAIN_S)
+            await self.tiers.close(drain_s=REMOTE_DRAIN_S)
         self.pool.close()
+
+
+def open_disk(config: Config) -> DiskTier:
+    """Blocking: the disk tier's directory checked, its segments' index loaded or scanned."""
+    disk = DiskTier.open(config.disk_path, int(config.disk_size), segment_bytes=int(config.disk_segment_size),
+                         queue_bytes=int(config.disk_queue_bytes))
+    s = disk.stats()
+    log.info("disk tier %s: %d blocks in %d segments (%s)", config.disk_path, s.blocks, s.segments,
+             "healthy" if s.healthy else f"disabled: {s.error}")
+    return disk
+
+
+def disk_stats(disk: DiskTier) -> DiskStats:
+    return DiskStats(**dataclasses.asdict(disk.stats()))
 
 
 # -- sockets ---------------------------------------------------------------------------------------
@@ -232,13 +253,16 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
         daemon.metrics.serve(config.metrics_port, daemon.stats, loop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
+    what = "--disk-path"
     try:
-        daemon.open_tiers()
-    except ValueError as e:
+        disk = await asyncio.to_thread(open_disk, config) if config.disk_path else None
+        what = "--remote"
+        daemon.open_tiers(disk)
+    except ValueError as e:  # (a refused start leaves no socket behind)
         await server.stop(grace=0)
         await creds.close()
         _remove(config.socket)
-        raise ValueError(f"--remote: {e}") from None
+        raise ValueError(f"{what}: {e}") from None
     chores = loop.create_task(daemon.housekeeping(creds))
     daemon.jobs.verify_recovered()
     await server.serve(daemon)

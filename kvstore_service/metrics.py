@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from kvstore_service.stats import NamespaceStats, RemoteStats, Stats
+from kvstore_service.stats import DiskStats, NamespaceStats, RemoteStats, Stats
 
 # Per-namespace series: the tenant, the model and a short hash of the namespace, never the namespace
 # itself (it may carry a tenant's salt), whoever scrapes /metrics.
@@ -110,6 +110,26 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily("kvstore_loaded_bytes", "Bytes loaded.", value=s.loaded_bytes)
         if s.remote.url:
             yield from _remote_metrics(s.remote)
+        if s.disk.capacity_bytes:
+            yield from _disk_metrics(s.disk)
+
+
+def _disk_metrics(d: DiskStats) -> Iterator[Metric]:
+    yield GaugeMetricFamily("kvstore_disk_healthy", "0 once an I/O error, a full disk or a missing directory "
+                            "disabled the disk tier (the pool keeps serving).", value=float(d.healthy))
+    yield GaugeMetricFamily("kvstore_disk_blocks", "Blocks on disk.", value=d.blocks)
+    yield GaugeMetricFamily("kvstore_disk_used_bytes", "Disk space the segment files take.", value=d.bytes)
+    yield GaugeMetricFamily("kvstore_disk_capacity_bytes", "--disk-size, in whole segments.", value=d.capacity_bytes)
+    for name, doc, value in (
+            ("hits", "Looked-up blocks found on disk.", d.hits),
+            ("read_blocks", "Blocks read back into the pool and verified.", d.read_blocks),
+            ("read_bytes", "Bytes read back into the pool.", d.read_bytes),
+            ("written_blocks", "Blocks written to disk.", d.written),
+            ("write_bytes", "Bytes written to disk.", d.write_bytes),
+            ("write_dropped_blocks", "Blocks not written: queue full, no space, tier disabled.", d.write_dropped),
+            ("corrupt_blocks", "Records that failed verification at a read (dropped).", d.corrupt),
+            ("errors", "Failed disk I/O calls.", d.errors)):
+        yield CounterMetricFamily(f"kvstore_disk_{name}", doc, value=value)
 
 
 def _remote_metrics(r: RemoteStats) -> Iterator[Metric]:

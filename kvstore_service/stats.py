@@ -21,8 +21,8 @@ from google.protobuf.message import Message
 
 from kvstore_client.protocol import kvstore_pb2 as pb
 
-__all__ = ["NamespaceStats", "RemoteStats", "Stats", "from_dict", "from_proto", "namespace_id", "to_json_dict",
-           "to_proto"]
+__all__ = ["DiskStats", "NamespaceStats", "RemoteStats", "Stats", "from_dict", "from_proto", "namespace_id",
+           "to_json_dict", "to_proto"]
 
 
 def namespace_id(namespace: str) -> str:
@@ -96,6 +96,32 @@ class RemoteStats:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DiskStats:
+    """The disk tier (disk.py): counters since the daemon started; all zero when there is none."""
+
+    blocks: int = 0  # on disk
+    bytes: int = 0  # disk space the segment files take
+    capacity_bytes: int = 0  # --disk-size, in whole segments
+    segments: int = 0
+    hits: int = 0  # looked-up keys found on disk
+    misses: int = 0
+    read_blocks: int = 0  # read back into the pool and verified
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    written: int = 0  # blocks written
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    write_dropped: int = 0  # not written: queue full, no space to reclaim, tier disabled
+    queued_bytes: int = 0  # waiting to be written
+    corrupt: int = 0  # records that failed verification at a read (dropped)
+    errors: int = 0  # failed I/O calls
+    reclaimed_segments: int = 0  # oldest segments dropped to make room
+    direct_io: bool = False  # O_DIRECT in use
+    healthy: bool = False  # false: no disk tier, or disabled by an error (see error)
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Stats:
     capacity_bytes: int
     used_bytes: int
@@ -119,6 +145,7 @@ class Stats:
     failed_load_blocks: int
     unverified_blocks: int
     remote: RemoteStats
+    disk: DiskStats
 
     @property
     def hit_rate(self) -> float:
@@ -141,7 +168,7 @@ class Stats:
 # -- conversions, written once over dataclasses.fields -----------------------------------------------
 
 _MESSAGE_OF: dict[type, type[Message]] = {NamespaceStats: pb.NamespaceStats, RemoteStats: pb.RemoteStats,
-                                          Stats: pb.StatsResponse}
+                                          DiskStats: pb.DiskStats, Stats: pb.StatsResponse}
 _DATACLASS_OF: dict[str, type] = {m.DESCRIPTOR.full_name: d for d, m in _MESSAGE_OF.items()}
 _T = TypeVar("_T")
 

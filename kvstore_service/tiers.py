@@ -1,13 +1,15 @@
 """The tiers under the pool: where sealed blocks go behind the engines' backs, and where a lookup's
 pool misses come from.
 
-    sealed blocks ──offer (write-behind, bounded, drops counted)──> remote store (remote.py)
-    Lookup: pool misses <──promote (fetch, verify, copy into fresh pool slots)── remote store
+    sealed blocks ──write (write-behind, bounded, drops counted)──> disk (disk.py)
+                  ──offer (write-behind, bounded, drops counted)──> remote store (remote.py)
+    Lookup: pool misses <──promote: disk first, then the remote store (verified, copied into fresh slots)
 
-A lookup that misses in the pool asks the lower tier for the missing leading blocks and answers only
-after those it got are committed in the pool, so loads stay pool-only and a hit is always loadable.
-Every failure below is a miss (remote.py's failure model); the engine recomputes. Promoted blocks
-are sealed like stored ones (a restarted daemon keeps them) and never offered back.
+A block goes to disk once sealed (its CRC32C is known; it stays pinned while written), so evicting it
+from the pool later costs nothing: it is on disk already. A lookup that misses in the pool asks the
+tiers for the missing leading blocks, in order, and answers only after those it got are committed in
+the pool, so loads stay pool-only and a hit is always loadable. Every failure below is a miss; the
+engine recomputes. Promoted blocks are sealed like stored ones and never written down again.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
+from kvstore_service.disk import DiskTier
 from kvstore_service.index import Block, BlockIndex, Namespace
 from kvstore_service.pool import Pool
 from kvstore_service.remote import RemoteTier
@@ -27,59 +30,127 @@ log = logging.getLogger(__name__)
 
 class Tiers:
     def __init__(self, pool: Pool, index: BlockIndex, executor: Executor, seal: Callable[[list[Block]], None],
-                 remote: RemoteTier, max_fetch_bytes: int) -> None:
+                 max_fetch_bytes: int, disk: DiskTier | None = None, remote: RemoteTier | None = None) -> None:
         self.pool = pool
         self.index = index
-        self.executor = executor
+        self.executor = executor  # the copy threads: copies of fetched blocks into the pool
         self.seal = seal  # queues blocks for their checksum and slot header (Jobs.queue_seal)
-        self.remote = remote
         self.max_fetch_bytes = max_fetch_bytes
+        self.disk = disk
+        self.remote = remote
+        # Disk calls block on I/O (the native engine has its own threads): they get threads of their own.
+        self.disk_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-disk") if disk else None
         self.promoted_blocks = 0
+        self._writes: set[asyncio.Task[None]] = set()
         # One promotion per namespace at a time: a second lookup of the same prefix waits, then
         # finds it in the pool instead of fetching it again.
         self._promoting: dict[bytes, asyncio.Lock] = {}
 
+    # -- down: sealed blocks -----------------------------------------------------------------------
+
     def sealed(self, blocks: list[Block], checksums: list[int]) -> None:
-        """Offer blocks just sealed (one namespace's) to the remote tier, with their checksums."""
+        """Blocks just sealed (one namespace's), with their checksums: to disk, and to the remote store."""
         ns = blocks[0].namespace
-        if not ns.name:
-            return  # recovered by hash only: no name to key it by
         mine = [n for n, b in enumerate(blocks) if not b.promoted and self.index.present(b)]
         if not mine:
             return
-        tenant, name = split(ns.name)
-        self.remote.offer(tenant, name, [blocks[n].key for n in mine],
-                          [self.pool.view(blocks[n].offset, ns.block_bytes) for n in mine],
-                          checksums=[checksums[n] for n in mine])
+        if self.disk is not None:
+            keys = [blocks[n].key for n in mine]
+            chosen = [mine[i] for i in self.disk.admit(ns.ns_hash, keys, ns.block_bytes)]
+            if chosen:
+                held = self.index.hold([blocks[n] for n in chosen])  # (all present: this runs on the loop)
+                task = asyncio.get_running_loop().create_task(self._write(held, [checksums[n] for n in chosen]))
+                self._writes.add(task)
+                task.add_done_callback(self._writes.discard)
+        if self.remote is not None and ns.name:  # (a namespace recovered by hash only has no name to key by)
+            tenant, name = split(ns.name)
+            self.remote.offer(tenant, name, [blocks[n].key for n in mine],
+                              [self.pool.view(blocks[n].offset, ns.block_bytes) for n in mine],
+                              checksums=[checksums[n] for n in mine])
+
+    async def _write(self, blocks: list[Block], checksums: list[int]) -> None:
+        assert self.disk is not None
+        ns = blocks[0].namespace
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                self.disk_io, self.disk.write, ns.ns_hash, [b.key for b in blocks], self.pool.base,
+                [b.offset for b in blocks], ns.block_bytes, checksums)
+        except Exception:  # (I/O failures disable the tier inside; this is a bug)
+            log.exception("writing %d blocks to disk failed", len(blocks))
+        finally:
+            self.index.unpin(blocks)
+
+    # -- up: a lookup's misses ---------------------------------------------------------------------
 
     async def promote(self, ns: Namespace, keys: list[bytes]) -> int:
-        """Bring the leading keys missing from the pool in from the remote tier, as far as it has
-        them (at most max_fetch_bytes at once); returns how many were committed."""
+        """Bring the leading keys missing from the pool in from the disk, then from the remote store, as
+        far as they have them (at most max_fetch_bytes at once); returns how many were committed."""
         lock = self._promoting.setdefault(ns.ns_hash, asyncio.Lock())
         async with lock:
             start = self.index.leading(ns, keys)
             missing = keys[start:start + max(1, self.max_fetch_bytes // ns.block_bytes)]
-            if not missing or not ns.name:
-                return 0
-            tenant, name = split(ns.name)
-            payloads = await self.remote.fetch(tenant, name, missing, payload_bytes=ns.block_bytes)
-            blocks = self.index.reserve(ns, missing[:len(payloads)])  # (a store may have brought some meanwhile)
-            if not blocks:
-                return 0
-            ok = True
-            try:
-                await asyncio.get_running_loop().run_in_executor(self.executor, self._copy, blocks, payloads)
-            except Exception:
-                log.exception("copying %d fetched blocks into the pool failed", len(blocks))
-                ok = False
-            done = self.index.complete_store(blocks, ok, whole=True)
-            for block in done:
-                block.promoted = True
-            if done:
-                self.seal(done)
-            self.promoted_blocks += len(done)
-            return len(done)
+            done = 0
+            if missing and self.disk is not None:
+                done = await self._from_disk(ns, missing)
+            if done < len(missing) and self.remote is not None and ns.name:
+                done += await self._from_remote(ns, missing[done:])
+            return done
+
+    async def _from_disk(self, ns: Namespace, keys: list[bytes]) -> int:
+        assert self.disk is not None
+        n = self.disk.leading(ns.ns_hash, keys)
+        blocks = self.index.reserve(ns, keys[:n])  # (a store may have brought some meanwhile)
+        if not blocks:
+            return 0
+        sums: list[int | None] = [None] * len(blocks)
+        try:
+            sums = await asyncio.get_running_loop().run_in_executor(
+                self.disk_io, self.disk.read, ns.ns_hash, [b.key for b in blocks], self.pool.base,
+                [b.offset for b in blocks], ns.block_bytes)
+        except Exception:
+            log.exception("reading %d blocks from disk failed", len(blocks))
+        good = next((i for i, s in enumerate(sums) if s is None), len(sums))
+        self.index.complete_store(blocks[good:], False, whole=True)
+        return self._committed(blocks[:good])
+
+    async def _from_remote(self, ns: Namespace, keys: list[bytes]) -> int:
+        assert self.remote is not None
+        tenant, name = split(ns.name)
+        payloads = await self.remote.fetch(tenant, name, keys, payload_bytes=ns.block_bytes)
+        blocks = self.index.reserve(ns, keys[:len(payloads)])  # (a store may have brought some meanwhile)
+        if not blocks:
+            return 0
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.executor, self._copy, blocks, payloads)
+        except Exception:
+            log.exception("copying %d fetched blocks into the pool failed", len(blocks))
+            self.index.complete_store(blocks, False, whole=True)
+            return 0
+        return self._committed(blocks)
+
+    def _committed(self, blocks: list[Block]) -> int:
+        done = self.index.complete_store(blocks, True, whole=True)
+        for block in done:
+            block.promoted = True
+        if done:
+            self.seal(done)
+        self.promoted_blocks += len(done)
+        return len(done)
 
     def _copy(self, blocks: list[Block], payloads: list[memoryview]) -> None:
         for block, payload in zip(blocks, payloads, strict=False):
             self.pool.view(block.offset, payload.nbytes)[:] = payload
+
+    # -- the end ---------------------------------------------------------------------------------
+
+    async def close(self, drain_s: float) -> None:
+        """Finish the disk writes under way and seal the disk's segments; upload what is queued for
+        up to `drain_s`."""
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
+        if self.disk is not None:
+            assert self.disk_io is not None
+            await asyncio.get_running_loop().run_in_executor(self.disk_io, self.disk.close)
+            self.disk_io.shutdown(wait=True)
+        if self.remote is not None:
+            await self.remote.close(drain_s=drain_s)

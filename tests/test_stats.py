@@ -16,6 +16,7 @@ from support.engine import kvstore, store_blocks
 
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_service.stats import (
+    DiskStats,
     NamespaceStats,
     RemoteStats,
     Stats,
@@ -37,7 +38,7 @@ _SCALARS = {FD.TYPE_UINT64: int, FD.TYPE_UINT32: int, FD.TYPE_INT64: int, FD.TYP
 
 
 @pytest.mark.parametrize("cls, message", [(NamespaceStats, pb.NamespaceStats), (RemoteStats, pb.RemoteStats),
-                                          (Stats, pb.StatsResponse)])
+                                          (DiskStats, pb.DiskStats), (Stats, pb.StatsResponse)])
 def test_dataclass_fields_are_the_proto_fields(cls: type, message: type) -> None:
     # A field added to the .proto (or to the dataclass) alone fails here.
     fields = dataclasses.fields(cls)
@@ -46,8 +47,8 @@ def test_dataclass_fields_are_the_proto_fields(cls: type, message: type) -> None
     hints = typing.get_type_hints(cls)
     for d in descriptors:
         if d.message_type is not None:
-            nested = {"kvstore.v1.NamespaceStats": NamespaceStats,
-                      "kvstore.v1.RemoteStats": RemoteStats}[d.message_type.full_name]
+            nested = {"kvstore.v1.NamespaceStats": NamespaceStats, "kvstore.v1.RemoteStats": RemoteStats,
+                      "kvstore.v1.DiskStats": DiskStats}[d.message_type.full_name]
             assert hints[d.name] == (list[nested] if d.is_repeated else nested), d.name
         else:
             assert not d.is_repeated, d.name
@@ -64,12 +65,12 @@ def _sample(**overrides: typing.Any) -> Stats:
             if f.name not in values:
                 kind = hints[f.name]
                 values[f.name] = (next(counter) * 1000 + 7 if kind is int else next(counter) + 0.5 if kind is float
-                                  else f"{f.name}-{next(counter)}")
+                                  else next(counter) % 2 == 1 if kind is bool else f"{f.name}-{next(counter)}")
         return cls(**values)
 
     namespaces = [fill(NamespaceStats, namespace=LONG_NAMESPACE), fill(NamespaceStats, namespace="plain"),
                   fill(NamespaceStats, namespace="(recovered 0123456789ab)")]
-    return fill(Stats, namespaces=namespaces, remote=fill(RemoteStats), **overrides)
+    return fill(Stats, namespaces=namespaces, remote=fill(RemoteStats), disk=fill(DiskStats), **overrides)
 
 
 def test_round_trip_through_the_proto() -> None:
@@ -81,7 +82,8 @@ def test_round_trip_through_the_proto() -> None:
     assert from_proto(pb.StatsResponse.FromString(msg.SerializeToString())) == stats
     assert from_proto(pb.StatsResponse()) == Stats(**{f.name: [] if f.name == "namespaces" else
                                                       "" if f.name == "daemon_version" else
-                                                      RemoteStats() if f.name == "remote" else 0
+                                                      RemoteStats() if f.name == "remote" else
+                                                      DiskStats() if f.name == "disk" else 0
                                                       for f in dataclasses.fields(Stats)})
     assert from_dict(json.loads(json.dumps(to_json_dict(stats)))) == stats
 

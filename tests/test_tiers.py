@@ -118,3 +118,73 @@ def test_a_bad_remote_url_refuses_the_start(daemon_factory) -> None:
     out = subprocess.run([sys.executable, "-m", "kvstore_service", "serve", *daemon.args], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "--remote" in out.stderr, out.stderr
+
+
+# -- the disk tier -------------------------------------------------------------------------------
+
+DISK = ("--disk-size", "32MiB", "--disk-segment-size", "4MiB")
+
+
+def wait_written(daemon, n: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (disk := daemon.client().stats().disk).written < n or disk.queued_bytes:
+        assert time.monotonic() < deadline, disk
+        time.sleep(0.05)
+
+
+def test_blocks_evicted_from_the_pool_come_back_from_disk(daemon_factory, tmp_path: Path) -> None:
+    daemon = daemon_factory("--disk-path", str(tmp_path / "disk"), *DISK, pool_size="2MiB",
+                            segment_size="1MiB").start()
+    keys = store_blocks(daemon.socket, NS, BLOCKS)
+    wait_written(daemon, BLOCKS)
+    for other in ("other-1", "other-2"):  # the pool holds ~28 blocks: these evict the first ones
+        store_blocks(daemon.socket, other, BLOCKS)
+    wait_written(daemon, 3 * BLOCKS)
+    stats = daemon.client().stats()
+    assert stats.evictions >= BLOCKS and stats.disk.blocks == 3 * BLOCKS
+    assert load_on(daemon, keys) == (BLOCKS, 0)  # promoted from disk before the lookup answered
+    stats = daemon.client().stats()
+    assert stats.disk.read_blocks >= BLOCKS and stats.disk.written == 3 * BLOCKS  # not written again
+
+
+def test_a_restarted_daemon_with_an_empty_pool_finds_its_blocks_on_disk(daemon_factory, tmp_path: Path) -> None:
+    daemon = daemon_factory("--disk-path", str(tmp_path / "disk"), *DISK).start()
+    keys = store_blocks(daemon.socket, NS, BLOCKS)
+    wait_written(daemon, BLOCKS)
+    daemon.stop()
+    daemon.start("--fresh")  # the pool starts empty; the disk keeps its segments
+    assert daemon.client().stats().blocks == 0
+    assert load_on(daemon, keys) == (BLOCKS, 0)
+    assert daemon.client().stats().disk.read_blocks == BLOCKS
+
+
+def test_a_corrupt_record_on_disk_is_never_loaded(daemon_factory, tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    daemon = daemon_factory("--disk-path", str(disk), *DISK).start()
+    keys = store_blocks(daemon.socket, NS, 4)
+    wait_written(daemon, 4)
+    daemon.stop()
+    (segment,) = disk.glob("seg-*.kvd")
+    with open(segment, "r+b") as f:  # the first record: a 4 KiB header, then its payload
+        f.seek(4096 + 100)
+        byte = f.read(1)
+        f.seek(4096 + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    daemon.start("--fresh")
+    hits, wrong = load_on(daemon, keys)
+    stats = daemon.client().stats()
+    assert wrong == 0 and hits < 4 and stats.disk.corrupt == 1
+
+
+def test_an_unsafe_disk_directory_refuses_the_start(daemon_factory, tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "real").mkdir(mode=0o700)
+    os.symlink(tmp_path / "real", tmp_path / "link")
+    daemon = daemon_factory("--disk-path", str(tmp_path / "link"), *DISK)
+    out = subprocess.run([sys.executable, "-m", "kvstore_service", "serve", *daemon.args], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2 and "--disk-path" in out.stderr, out.stderr
+    assert not os.path.exists(daemon.socket)
