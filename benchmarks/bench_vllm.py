@@ -516,6 +516,45 @@ class Bench:
                 "outputs_identical": outputs(engine_a) == outputs(engine_b) == outputs(engine_c),
                 "engines": {"a": engine_a, "b": engine_b, "c": engine_c}}
 
+    def disk_ttft(self, tokens: int) -> dict[str, Any]:
+        """Section 6: engine A stores through a daemon with a disk tier; the daemon restarts with an empty
+        pool (--fresh): a fresh engine B finds the prefixes only on disk; engine C computes them."""
+        a = self.args
+        prompts = random_prompts(f"disk-{tokens}", a.prompts, tokens)
+        w = random_prompts(f"disk-warmup-{tokens}", 1, tokens)
+        run = dict(prompts=prompts, mode="sequential", max_tokens=1, warmup=[w, w], warmup_tokens=1)
+        disk_dir = Path(a.disk_dir or self.workdir) / f"disk-{os.getpid()}-{tokens}"
+        node = Daemon(self.workdir / "disk_node", a.pool_size, "--disk-path", str(disk_dir)).start()
+        connector = {**self.plain_connector(), "kv_connector_extra_config": {"socket": node.socket}}
+        try:
+            engine_a = self.engine(f"disk{tokens}_a_store", connector, **run)
+            client = node.process.client()
+            deadline = time.monotonic() + 120
+            while (d := client.stats().disk).queued_bytes and time.monotonic() < deadline:
+                time.sleep(0.1)
+            client.close()
+            node.process.stop()
+            node.process.start("--fresh")  # the pool starts empty; the disk keeps its segments
+            engine_b = self.engine(f"disk{tokens}_b_disk_hit", connector, **run)
+            client = node.process.client()
+            disk_b = client.stats().disk
+            client.close()
+            engine_c = self.engine(f"disk{tokens}_c_cold", False, **run)
+        finally:
+            node.cleanup()
+            subprocess.run(["rm", "-rf", str(disk_dir)], check=False)
+        hit = [x["ttft_s"] for x in engine_b["requests"]]
+        cold = [x["ttft_s"] for x in engine_c["requests"]]
+        return {"prompt_tokens": tokens, "prompts": a.prompts, "disk_dir": str(disk_dir),
+                "disk_hit_p50_ms": 1000 * pct(hit, 50), "cold_p50_ms": 1000 * pct(cold, 50),
+                "speedup_p50": pct(cold, 50) / pct(hit, 50),
+                "disk_hit_ms": [1000 * x for x in hit], "cold_ms": [1000 * x for x in cold],
+                "b_external_hit_tokens": [x["external_prefix_cache_hits"] for x in engine_b["requests"]],
+                "a_written_blocks": d.written, "b_disk_read_blocks": disk_b.read_blocks,
+                "b_read_ms_per_block": 1000 * disk_b.read_seconds / max(1, disk_b.read_blocks),
+                "outputs_identical": outputs(engine_a) == outputs(engine_b) == outputs(engine_c),
+                "engines": {"a": engine_a, "b": engine_b, "c": engine_c}}
+
     def side_by_side(self, tokens: int, venv: Path) -> dict[str, Any]:
         """The TTFT workload (A stores, fresh B hits) for kvstore and for LMCache MP, both multi-process."""
         a = self.args
@@ -828,6 +867,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-threads", type=int, default=1,
                    help="OMP_NUM_THREADS of the engines (1: the engine keeps one core, the daemon has the other)")
     p.add_argument("--skip", action="append", choices=("ttft", "tput", "ab"), default=[])
+    p.add_argument("--disk", action="store_true",
+                   help="also: TTFT of prompts whose prefixes are only in the disk tier (daemon restarted --fresh)")
+    p.add_argument("--disk-dir", help="where the disk tier's directory goes (default: the workdir)")
     p.add_argument("--remote", action="store_true",
                    help="also: TTFT of prompts whose prefixes are only in a shared Redis store (redis-server needed)")
     p.add_argument("--against-lmcache", metavar="VENV", type=Path,
@@ -873,6 +915,16 @@ def remote_section(bench: Bench, tokens: int) -> dict[str, Any]:
     return t
 
 
+def disk_section(bench: Bench, tokens: int) -> dict[str, Any]:
+    print(f"6. TTFT from the disk tier (daemon restarted with an empty pool) vs cold, {tokens}-token prompts",
+          flush=True)
+    t = bench.disk_ttft(tokens)
+    print(f"  disk hit p50 {t['disk_hit_p50_ms']:.1f} ms, cold p50 {t['cold_p50_ms']:.1f} ms: "
+          f"{t['speedup_p50']:.2f}x (target >= 5x); read {t['b_read_ms_per_block']:.2f} ms per block; "
+          f"outputs identical: {t['outputs_identical']}", flush=True)
+    return t
+
+
 def int_list(text: str) -> list[int]:
     values = [int(x) for x in text.replace(" ", "").split(",") if x]
     if not values or min(values) < 2:
@@ -903,6 +955,8 @@ def main(argv: list[str] | None = None) -> int:
             ttft_sections(bench, args, report, workloads)
         if args.remote:
             report["remote"] = [remote_section(bench, tokens) for tokens in args.prompt_tokens]
+        if args.disk:
+            report["disk"] = [disk_section(bench, tokens) for tokens in args.prompt_tokens]
         if "tput" not in args.skip:
             print("3. Throughput, off/on alternating", flush=True)
             report["throughput"] = bench.throughput()

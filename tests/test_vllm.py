@@ -128,6 +128,23 @@ def test_an_engine_on_another_node_loads_prefixes_from_the_remote_tier(model, pr
         store.kill()
 
 
+def test_a_restarted_daemon_with_an_empty_pool_serves_prefixes_from_disk(model, prompts, reference, daemon_factory,
+                                                                            tmp_path) -> None:
+    daemon = daemon_factory("--disk-path", str(tmp_path / "disk"), "--disk-size", "32MiB",
+                            "--disk-segment-size", "4MiB").start()
+    run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon))
+    client = daemon.client()
+    assert wait_for(lambda: (d := client.stats().disk).written == 3 + 4 and not d.queued_bytes, timeout=30)
+    client.close()
+    daemon.stop()
+    daemon.start("--fresh")  # the pool starts empty; the disk keeps its segments
+    b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon))
+    assert outputs(b) == outputs(reference)
+    assert b["requests"][0]["num_cached_tokens"] == len(prompts[0]) - 1
+    stats = daemon.client().stats()
+    assert stats.disk.read_blocks >= 3 + 1 and stats.failed_load_blocks == 0
+
+
 def _corrupt_pool(daemon) -> int:
     """Test-only path: overwrite every block's bytes in the pool file, once all are sealed (seals
     are deferred while copies run)."""
