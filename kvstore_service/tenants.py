@@ -85,7 +85,7 @@ class Tenancy:
 
     def handshake_uids(self) -> set[int]:
         """The uids the `<socket>.cred` handshake accepts; empty: any."""
-        if not self.restricted:
+        if not self.has_tenants and not self.allowed_uids:  # (admins alone restrict no one)
             return set()
         return self.allowed_uids | self.admin_uids | set(self.by_uid)
 
@@ -111,9 +111,8 @@ class Tenancy:
 
     def _of_tls(self, names: list[str]) -> Caller:
         admin = not self.restricted or any(n in self.admin_tls_names for n in names)
-        tenant = next((self.by_tls_name[n] for n in names if n in self.by_tls_name), None)
-        if not self.has_tenants and not self.allowed_uids:
-            tenant = ""
+        # Without tenants, a certificate the client CA verified is of the one tenant.
+        tenant = next((self.by_tls_name[n] for n in names if n in self.by_tls_name), None) if self.has_tenants else ""
         return Caller(f"tls:{names[0]}", tenant, admin)
 
     def check_session(self, owner: str, context: Any) -> None:

@@ -180,3 +180,9 @@ def test_over_mtls_a_session_belongs_to_its_client_certificate(daemon_factory, p
     assert a.call(a.stub.Lookup, request).hits == 0  # its owner still uses it
     session.close()
     assert daemon.client().health() == "SERVING"
+
+
+def test_admins_alone_lock_no_engine_out(daemon_factory) -> None:
+    daemon = daemon_factory("--admin-uids", str(os.getuid() + 1)).start()
+    store_blocks(daemon.socket, VICTIM_NS, 2)  # a uid that is no admin still registers and stores
+    assert [n.namespace for n in daemon.client().stats().namespaces] == [VICTIM_NS]
