@@ -310,6 +310,8 @@ class Sessions:
         namespace, or without one in `namespace` (the index's name); with `lease` (a session's), those
         blocks are pinned until the lease is released or expires."""
         if session is not None:
+            if session.closed:  # (it ended while this lookup waited for a lower tier)
+                raise KVError("NOT_FOUND", "the session ended; register again")
             if namespace and namespace != session.namespace_name:
                 raise KVError("PERMISSION_DENIED", "a session can only look up its own namespace")
             if session.namespace is None:
