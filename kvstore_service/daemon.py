@@ -89,7 +89,7 @@ class Daemon:
                 hits=c.hits, misses=c.misses, stored_blocks=c.stored_blocks, loaded_blocks=c.loaded_blocks,
                 evictions=c.evictions, engines=sum(1 for s in engines if s.namespace is ns), tenant=tenant))
         visible = [n for n, ns in zip(namespaces, self.index.namespaces.values(), strict=True)
-                   if caller is None or caller.admin or (ns.name and split(ns.name)[0] == caller.tenant)]
+                   if caller is None or caller.admin or (ns.name and n.tenant == caller.tenant)]
         return Stats(
             capacity_bytes=self.pool.capacity, used_bytes=sum(n.used_bytes for n in namespaces),
             blocks=self.index.count, hits=sum(n.hits for n in namespaces), misses=sum(n.misses for n in namespaces),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from support.daemon import DaemonProcess as Daemon
+from support.redis import RedisCluster, RedisServer, free_ports, require_redis_server
 
 if os.environ.get("KVSTORE_TEST_INSTALLED"):  # .ci/run: test the installed wheel, never the source tree
     import kvstore_client
@@ -43,3 +44,21 @@ def daemon_factory(tmp_path: Path) -> Iterator:
 @pytest.fixture
 def daemon(daemon_factory) -> Daemon:
     return daemon_factory().start()
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of its own on a loopback port (tests/support/redis.py)."""
+    require_redis_server()
+    s = RedisServer(tmp_path / "redis", free_ports(1)[0]).start()
+    yield s
+    s.kill()
+
+
+@pytest.fixture
+def fresh_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
+    """A 3-master Redis cluster of its own, for tests that kill or hang its nodes."""
+    require_redis_server()
+    c = RedisCluster(tmp_path / "cluster").start()
+    yield c
+    c.stop()

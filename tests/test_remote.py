@@ -47,13 +47,6 @@ def payload_of(i: int, size: int) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    require_redis_server()
-    s = RedisServer(tmp_path / "redis", free_ports(1)[0]).start()
-    yield s
-    s.kill()
-
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
@@ -62,14 +55,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
     yield c
     c.stop()
 
-
-@pytest.fixture
-def fresh_cluster(tmp_path: Path) -> Iterator[RedisCluster]:
-    """A cluster of its own, for tests that kill or hang its nodes."""
-    require_redis_server()
-    c = RedisCluster(tmp_path / "cluster").start()
-    yield c
-    c.stop()
 
 
 def raw_client(target: RedisServer | RedisCluster) -> redis.Redis | redis.RedisCluster:

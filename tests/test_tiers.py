@@ -6,34 +6,19 @@ the store is a miss."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
 from support.blocks import key_of
 from support.engine import Engine, store_blocks
-from support.redis import RedisCluster, RedisServer, free_ports, require_redis_server
+from support.redis import RedisServer
 
 NS = "model=org/shared-model;dtype=float16"
 BLOCKS = 16  # (store_blocks: an engine of 16 blocks)
 BLOCK_BYTES = 64 * 1024
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
-    require_redis_server()
-    s = RedisServer(tmp_path / "redis", free_ports(1)[0]).start()
-    yield s
-    s.kill()
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[RedisCluster]:
-    require_redis_server()
-    c = RedisCluster(tmp_path / "cluster").start()
-    yield c
-    c.stop()
 
 
 def wait_uploaded(daemon, n: int, timeout: float = 20.0) -> None:
@@ -58,7 +43,7 @@ def load_on(daemon, keys: list[bytes]) -> tuple[int, int]:
         engine.close()
 
 
-@pytest.mark.parametrize("store", ["server", "cluster"])
+@pytest.mark.parametrize("store", ["server", "fresh_cluster"])
 def test_a_block_stored_on_one_node_is_loaded_on_another(daemon_factory, request, store: str) -> None:
     target = request.getfixturevalue(store)
     url = f"redis://{target.address}" if store == "server" else target.url
