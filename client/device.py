@@ -7,10 +7,13 @@ one int8 buffer with a strided view per layer; vllm-ascend: a K and a V tensor p
 registration (after a daemon restart):
 
 * CUDA: `UntypedStorage._share_cuda_()` (a cudaIpcMemHandle of the caching allocator's segment,
-  the storage's offset in it, torch's shared-memory reference counter and an IPC event);
+  the storage's offset in it, torch's shared-memory reference counter and an IPC event), plus the
+  handle of the engine's ordering event (`order_event`);
 * NPU: `UntypedStorage._share_npu_()` from torch_npu (the same eight fields; Ascend IPC).
 
-`synchronize_before_store(device)` is the ordering step the engine runs before it submits stores.
+`order_before_copies(device)` is the ordering step the engine runs before it submits a step's
+stores or loads: on CUDA it records the ordering event (the daemon's copy stream waits on it), on
+NPU it synchronizes the device (`synchronize_before_store`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from kvstore_client.protocol.handle import (
 
 if TYPE_CHECKING:
     import torch
+
+# The engine's interprocess event per CUDA device index: one per process and device, exported with
+# every registration of that device's KV memory and recorded before each step's copies.
+_order_events: dict[int, torch.cuda.Event] = {}
 
 
 def export_kv_memory(memories: Sequence[torch.Tensor], num_blocks: int,
@@ -53,8 +60,10 @@ def export_kv_memory(memories: Sequence[torch.Tensor], num_blocks: int,
     index = device.index if device.index is not None else 0
     # Whatever initialised the cache (zero fill) must be done before the daemon can write into it.
     synchronize_before_store(device)
+    order = b""
     if device.type == "cuda":
         uuid = cuda_device_uuid(index)
+        order = cuda_order_event_handle(index)
     else:
         for storage in storages:
             check_npu_alignment(storage.data_ptr())
@@ -65,26 +74,64 @@ def export_kv_memory(memories: Sequence[torch.Tensor], num_blocks: int,
         # which the daemon that opens the handle gives back once: so one export per registration.
         shares = [s._share_cuda_() if device.type == "cuda" else s._share_npu_()  # type: ignore[attr-defined]
                   for s in storages]
-        return tuple(encode_handle(handle_from_share(device.type, share, uuid)) for share in shares)
+        return tuple(encode_handle(handle_from_share(device.type, share, uuid, order)) for share in shares)
 
     return MemorySpec(device.type, export(), tuple(s.nbytes() for s in storages), num_blocks, tuple(regions),
                       device=index, reexport=export)
 
 
+def order_event(index: int) -> torch.cuda.Event:
+    """The engine's interprocess event on CUDA device `index`, made on first use."""
+    import torch
+
+    event = _order_events.get(index)
+    if event is None:
+        # CUDA allows IPC only for events without timing and without blocking sync (torch's defaults).
+        event = _order_events[index] = torch.cuda.Event(interprocess=True)
+    return event
+
+
+def cuda_order_event_handle(index: int) -> bytes:
+    """The 64-byte cudaIpcEventHandle_t of the ordering event, which goes into every device handle.
+    Recording it first creates it on device `index` (an event never recorded takes the current device)."""
+    import torch
+
+    event = order_event(index)
+    event.record(torch.cuda.current_stream(index))
+    return bytes(event.ipc_handle())
+
+
+def order_before_copies(device: torch.device | str) -> None:
+    """Run before submitting a step's stores or loads: the daemon starts copying the moment a job
+    arrives, from its own process, while this step's (or, for a load into blocks just taken from a
+    preempted request, the previous step's) kernels may still write the blocks.
+
+    CUDA: records the engine's interprocess event on the current stream; the daemon's copy stream
+    waits on it before the copies (cuStreamWaitEvent), so nothing here waits. Work on other streams
+    must be joined into the current stream before this (vLLM's forward ends on it). NPU: no event
+    crosses processes here, so the device is synchronized (`synchronize_before_store`). CPU: nothing."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        order_event(index).record(torch.cuda.current_stream(index))
+    else:
+        synchronize_before_store(dev)
+
+
 def synchronize_before_store(device: torch.device | str) -> None:
-    """Wait until the device work queued so far on the current stream (the forward that wrote the
-    blocks) has finished. Run it before submitting stores: the daemon copies device -> pool from its
-    own process the moment the job arrives and cannot wait on the engine's stream. CUDA could pass an
-    IPC event instead; Ascend events cannot cross processes, so a host-side sync is the portable rule.
-    Loads need no step here: a load completes (copy finished) before its completion is posted."""
+    """Wait until all work queued on the device, on every stream, has finished: the host-side
+    ordering where no IPC event is used (NPU; CUDA at registration, and tools such as the bench).
+    A full-device sync, because KV writes may come from more than the current stream."""
     import torch
 
     dev = torch.device(device)
     if dev.type == "cpu":
         return
     if dev.type == "cuda":
-        torch.cuda.current_stream(dev).synchronize()
+        torch.cuda.synchronize(dev)
     elif dev.type == "npu":
-        torch.npu.current_stream(dev).synchronize()  # type: ignore[attr-defined]
+        torch.npu.synchronize(dev)  # type: ignore[attr-defined]
     else:
         raise ValueError(f"no store ordering rule for {dev.type} devices")

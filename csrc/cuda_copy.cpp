@@ -11,8 +11,9 @@
 // libcuda (ints, opaque pointers, one small struct); when cuda.h is present at build time
 // (KVSTORE_CUDA_ABI_CHECK) static_asserts at the end of this file compare them with the real header.
 //
-// Only the host-side logic (argument parsing, run coalescing, "no driver" errors) is exercised on
-// machines without a GPU; the driver calls themselves need a GPU to be verified.
+// Without a GPU, tests/test_cuda_backend.py runs this file against a fake libcuda.so.1 that logs the
+// calls (which ones, in which order: the event wait before the copies, pinning piece by piece); how
+// a real driver answers them needs a GPU to be verified.
 
 #include <dlfcn.h>
 #include <strings.h>
@@ -20,6 +21,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 
@@ -38,6 +40,12 @@ using CUevent = struct CUevent_st*;
 struct CUmemLocation {
   int type;  // CUmemLocationType
   int id;
+};
+
+// cudaIpcEventHandle_t / CUipcEventHandle: 64 opaque bytes, passed by value.
+constexpr size_t kIpcHandleSize = 64;
+struct CUipcEventHandle {
+  char reserved[kIpcHandleSize];
 };
 
 struct CUmemcpyAttributes {
@@ -73,6 +81,9 @@ using PFN_cuStreamCreate = CUresult (*)(CUstream*, unsigned int);
 using PFN_cuEventCreate = CUresult (*)(CUevent*, unsigned int);
 using PFN_cuEventRecord = CUresult (*)(CUevent, CUstream);
 using PFN_cuEventSynchronize = CUresult (*)(CUevent);
+using PFN_cuEventDestroy = CUresult (*)(CUevent);
+using PFN_cuIpcOpenEventHandle = CUresult (*)(CUevent*, CUipcEventHandle);
+using PFN_cuStreamWaitEvent = CUresult (*)(CUstream, CUevent, unsigned int);
 using PFN_cuMemcpyAsync = CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 // The CUDA 12.8 ABI of cuMemcpyBatchAsync (with failIdx). CUDA 13 headers call this one
 // cuMemcpyBatchAsync and add a _v2 without failIdx; asking cuGetProcAddress for version 12080
@@ -118,6 +129,9 @@ struct Driver {
   cu::PFN_cuEventCreate event_create = nullptr;
   cu::PFN_cuEventRecord event_record = nullptr;
   cu::PFN_cuEventSynchronize event_synchronize = nullptr;
+  cu::PFN_cuEventDestroy event_destroy = nullptr;
+  cu::PFN_cuIpcOpenEventHandle ipc_open_event = nullptr;
+  cu::PFN_cuStreamWaitEvent stream_wait_event = nullptr;
   cu::PFN_cuMemcpyAsync memcpy_async = nullptr;
   cu::PFN_cuMemcpyBatchAsync memcpy_batch_async = nullptr;  // null: driver older than 12.8
   cu::PFN_cuMemHostRegister mem_host_register = nullptr;
@@ -187,6 +201,9 @@ Driver load_driver() {
   d.event_create = reinterpret_cast<cu::PFN_cuEventCreate>(resolve("cuEventCreate", kBase));
   d.event_record = reinterpret_cast<cu::PFN_cuEventRecord>(resolve("cuEventRecord", kBase));
   d.event_synchronize = reinterpret_cast<cu::PFN_cuEventSynchronize>(resolve("cuEventSynchronize", kBase));
+  d.event_destroy = reinterpret_cast<cu::PFN_cuEventDestroy>(resolve("cuEventDestroy", kBase));
+  d.ipc_open_event = reinterpret_cast<cu::PFN_cuIpcOpenEventHandle>(resolve("cuIpcOpenEventHandle", kBase));
+  d.stream_wait_event = reinterpret_cast<cu::PFN_cuStreamWaitEvent>(resolve("cuStreamWaitEvent", kBase));
   d.memcpy_async = reinterpret_cast<cu::PFN_cuMemcpyAsync>(resolve("cuMemcpyAsync", kBase));
   d.mem_host_register = reinterpret_cast<cu::PFN_cuMemHostRegister>(resolve("cuMemHostRegister", kBase));
   d.mem_host_unregister = reinterpret_cast<cu::PFN_cuMemHostUnregister>(resolve("cuMemHostUnregister", kBase));
@@ -195,7 +212,8 @@ Driver load_driver() {
   }
   if (!d.device_get_count || !d.device_get || !d.primary_ctx_retain || !d.ctx_get_current ||
       !d.ctx_set_current || !d.stream_create || !d.event_create || !d.event_record || !d.event_synchronize ||
-      !d.memcpy_async || !d.mem_host_register || !d.mem_host_unregister) {
+      !d.event_destroy || !d.ipc_open_event || !d.stream_wait_event || !d.memcpy_async || !d.mem_host_register ||
+      !d.mem_host_unregister) {
     d.error = "CUDA driver " + std::to_string(d.version) + " lacks a required entry point";
   }
   return d;
@@ -352,9 +370,11 @@ std::string enqueue_copies(const Driver& d, const std::vector<Run>& runs, cu::CU
 }
 
 // The whole device copy, run with the GIL released. Returns "" or an error message; *code is the
-// CUresult of the failed driver call (0 when the failure was not a driver call's).
+// CUresult of the failed driver call (0 when the failure was not a driver call's). A non-zero
+// `wait_event` (an event opened with cuda_open_ipc_event on this device) is waited on by the stream
+// before any copy is enqueued: the copies start only after the engine's work recorded in it.
 std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_stream, bool allow_batch,
-                      cu::CUresult* code) {
+                      uint64_t wait_event, cu::CUresult* code) {
   const Driver& d = driver();
   if (!d.error.empty()) return d.error;
   std::string err;
@@ -369,6 +389,14 @@ std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_st
   Lane lane;
   if (!acquire_lane(d, dev, &lane, &err, code)) return err;
   auto stream = user_stream != 0 ? reinterpret_cast<cu::CUstream>(user_stream) : lane.stream;
+  if (wait_event != 0) {
+    cu::CUresult rc = d.stream_wait_event(stream, reinterpret_cast<cu::CUevent>(wait_event), 0);
+    if (rc != cu::kSuccess) {  // nothing enqueued yet: no copy may run unordered
+      release_lane(dev, lane);
+      *code = rc;
+      return "cuStreamWaitEvent on the engine's event failed: " + describe(d, rc);
+    }
+  }
   bool used_batch = false;
   err = enqueue_copies(d, runs, stream, allow_batch, &used_batch, code);
   // Wait even after an enqueue error: earlier runs may still be in flight on the stream.
@@ -404,6 +432,34 @@ std::string host_register(uint64_t addr, uint64_t size, int device, bool reg, cu
   return "";
 }
 
+// Opens the engine's interprocess event (cuIpcOpenEventHandle) in the device's primary context, the
+// one the copy streams live in; *event is the CUevent. Or destroys one opened so (cuEventDestroy).
+std::string ipc_event(const cu::CUipcEventHandle* handle, uint64_t* event, int device, cu::CUresult* code) {
+  const Driver& d = driver();
+  if (!d.error.empty()) return d.error;
+  std::string err;
+  DeviceState* dev = device_state(d, device, &err, code);
+  if (dev == nullptr) return err;
+  ContextScope scope(d, dev->ctx);
+  if (!scope.ok()) {
+    *code = scope.rc();
+    return "cannot make the context of CUDA device " + std::to_string(device) + " current: " + describe(d, *code);
+  }
+  cu::CUresult rc;
+  if (handle != nullptr) {
+    cu::CUevent opened = nullptr;
+    rc = d.ipc_open_event(&opened, *handle);
+    *event = reinterpret_cast<uint64_t>(opened);
+  } else {
+    rc = d.event_destroy(reinterpret_cast<cu::CUevent>(*event));
+  }
+  if (rc != cu::kSuccess) {
+    *code = rc;
+    return std::string(handle ? "cuIpcOpenEventHandle" : "cuEventDestroy") + " failed: " + describe(d, rc);
+  }
+  return "";
+}
+
 // RuntimeError(message) with the failed call's CUresult as its `cuda_error` attribute (0: not a
 // driver error), so that Python can tell errors that leave the context unusable (sticky) apart.
 void raise_cuda_error(const std::string& message, cu::CUresult code) {
@@ -423,12 +479,27 @@ void raise_cuda_error(const std::string& message, cu::CUresult code) {
 }  // namespace
 
 PyObject* py_cuda_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
+  // wait_event is keyword-only and CUDA's alone: taken out here, so that the argument parser shared
+  // with acl_copy_blocks stays as it is.
+  uint64_t wait_event = 0;
+  PyObject* event_obj = kwargs != nullptr ? PyDict_GetItemString(kwargs, "wait_event") : nullptr;
+  PyObject* rest = kwargs;
+  if (event_obj != nullptr) {
+    if (event_obj != Py_None && !parse_u64(event_obj, "wait_event", &wait_event)) return nullptr;
+    rest = PyDict_Copy(kwargs);
+    if (rest == nullptr || PyDict_DelItemString(rest, "wait_event") != 0) {
+      Py_XDECREF(rest);
+      return nullptr;
+    }
+  }
   DeviceCopyArgs a;
-  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|Op:cuda_copy_blocks", &a)) return nullptr;
+  bool parsed = parse_device_copy_args(args, rest, "OOOOOOi|Op:cuda_copy_blocks", &a);
+  if (rest != kwargs) Py_DECREF(rest);
+  if (!parsed) return nullptr;
   std::string err;
   cu::CUresult code = cu::kSuccess;
   Py_BEGIN_ALLOW_THREADS
-  err = cuda_copy(a.runs, a.device, a.stream, a.allow_batch, &code);
+  err = cuda_copy(a.runs, a.device, a.stream, a.allow_batch, wait_event, &code);
   Py_END_ALLOW_THREADS
   if (!err.empty()) {
     raise_cuda_error(err, code);
@@ -469,6 +540,57 @@ PyObject* py_cuda_host_unregister(PyObject*, PyObject* args, PyObject* kwargs) {
   return host_register_common(args, kwargs, false);
 }
 
+PyObject* py_cuda_open_ipc_event(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kw[] = {"handle", "device", nullptr};
+  Py_buffer handle;
+  int device = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*|i:cuda_open_ipc_event", const_cast<char**>(kw), &handle,
+                                   &device)) {
+    return nullptr;
+  }
+  cu::CUipcEventHandle h{};
+  bool sized = handle.len == static_cast<Py_ssize_t>(cu::kIpcHandleSize);
+  if (sized) std::memcpy(h.reserved, handle.buf, cu::kIpcHandleSize);
+  PyBuffer_Release(&handle);
+  if (!sized) {
+    PyErr_Format(PyExc_ValueError, "an IPC event handle has %d bytes", static_cast<int>(cu::kIpcHandleSize));
+    return nullptr;
+  }
+  std::string err;
+  uint64_t event = 0;
+  cu::CUresult code = cu::kSuccess;
+  Py_BEGIN_ALLOW_THREADS
+  err = ipc_event(&h, &event, device, &code);
+  Py_END_ALLOW_THREADS
+  if (!err.empty()) {
+    raise_cuda_error(err, code);
+    return nullptr;
+  }
+  return PyLong_FromUnsignedLongLong(event);
+}
+
+PyObject* py_cuda_destroy_event(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kw[] = {"event", "device", nullptr};
+  PyObject* event_obj;
+  int device = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|i:cuda_destroy_event", const_cast<char**>(kw), &event_obj,
+                                   &device)) {
+    return nullptr;
+  }
+  uint64_t event = 0;
+  if (!parse_u64(event_obj, "event", &event)) return nullptr;
+  std::string err;
+  cu::CUresult code = cu::kSuccess;
+  Py_BEGIN_ALLOW_THREADS
+  err = ipc_event(nullptr, &event, device, &code);
+  Py_END_ALLOW_THREADS
+  if (!err.empty()) {
+    raise_cuda_error(err, code);
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 bool add_cuda_features(PyObject* features) {
   const Driver* d;
   Py_BEGIN_ALLOW_THREADS
@@ -504,6 +626,8 @@ static_assert(kvstore::cu::kStreamNonBlocking == ::CU_STREAM_NON_BLOCKING, "kStr
 static_assert(kvstore::cu::kEventBlockingSync == ::CU_EVENT_BLOCKING_SYNC, "kEventBlockingSync");
 static_assert(kvstore::cu::kEventDisableTiming == ::CU_EVENT_DISABLE_TIMING, "kEventDisableTiming");
 static_assert(kvstore::cu::kMemHostRegisterPortable == CU_MEMHOSTREGISTER_PORTABLE, "PORTABLE");
+static_assert(kvstore::cu::kIpcHandleSize == CU_IPC_HANDLE_SIZE, "CU_IPC_HANDLE_SIZE");
+static_assert(sizeof(kvstore::cu::CUipcEventHandle) == sizeof(::CUipcEventHandle), "CUipcEventHandle");
 // Everything checked outside the version guard exists in CUDA 12.0 headers (CU_MEM_LOCATION_TYPE_HOST
 // does not: it came with 12.2, and nothing here uses it).
 static_assert(kvstore::cu::kLocationInvalid == ::CU_MEM_LOCATION_TYPE_INVALID, "LOCATION_INVALID");

@@ -325,7 +325,7 @@ class Jobs:
                        if chunk.blocks[k].checksum not in (None, value)]
         if corrupt:
             plan = _without(plan, corrupt, len(chunk.blocks))
-        session.backend.copy(session.mappings[0].device, self.pool.base, plan, to_engine=not job.is_store)
+        session.backend.copy(session.mappings[0], self.pool.base, plan, to_engine=not job.is_store)
         return corrupt
 
     def _complete_store(self, job: Job, chunk: Chunk, ok: bool) -> list[Block]:

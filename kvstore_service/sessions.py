@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from kvstore_client.protocol import MAX_COMPLETION_SLOTS, PROTOCOL_VERSION
 from kvstore_client.protocol.completion import CompletionChannel
 from kvstore_service.backends import Backend, Mapping, make_backend
+from kvstore_service.backends.base import pool_pieces
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
 from kvstore_service.index import Block, BlockIndex, Namespace
@@ -40,15 +41,22 @@ OffLoop = Callable[..., Awaitable[Any]]
 RESULTS_KEPT = 1024
 
 
-def open_backend(name: str, pool: Pool) -> Backend:
-    """Blocking (a thread, or the daemon's start): load a device runtime, pin the pool for it."""
+def open_backend(name: str, pool: Pool, pin_now: bool = True) -> Backend:
+    """Blocking (a thread, or the daemon's start): load a device runtime, pin the pool for it in
+    segment-sized pieces. `pin_now` (the daemon's start, --devices): on the daemon's device 0 right
+    away, so that no Register waits for it; else (opened for a Register) on that engine's device,
+    with its mapping (no context on a device no engine uses)."""
     try:
         backend = make_backend(name)
     except ValueError as e:
         raise invalid(str(e)) from None
     except (ImportError, RuntimeError) as e:
         raise KVError("FAILED_PRECONDITION", f"backend {name!r} is not usable here: {e}") from None
-    backend.register_pool(pool.base, pool.size)
+    pieces = pool_pieces(pool.base, pool.data_offset, pool.segment_size, len(pool.segments))
+    try:
+        backend.register_pool(pieces, device=0 if pin_now else None)
+    except RuntimeError as e:  # a sticky device error (a failed pinning only warns): the device is unusable
+        raise KVError("FAILED_PRECONDITION", f"backend {name!r} is not usable here: {e}") from None
     return backend
 
 
@@ -237,7 +245,7 @@ class Sessions:
         if isinstance(known, Backend):
             return known
         if known is None:
-            known = self._backends[name] = asyncio.ensure_future(self.off_loop(open_backend, name, self.pool))
+            known = self._backends[name] = asyncio.ensure_future(self.off_loop(open_backend, name, self.pool, False))
         try:
             backend = await asyncio.shield(known)
         except Exception:
@@ -292,7 +300,7 @@ class Sessions:
             await self.end(session)
         for backend in self._backends.values():
             if isinstance(backend, Backend):
-                await self.off_loop(backend.unregister_pool, self.pool.base)
+                await self.off_loop(backend.unregister_pool)
 
     async def reap_unattached(self) -> None:
         """A client that registered but never attached its stream (it died in between)."""

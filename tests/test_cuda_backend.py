@@ -1,11 +1,15 @@
 """CUDA backend decisions that need no GPU: bounds fail closed, the pool is pinned on the first
-mapped device, sticky driver errors are told apart, the batch-copy switch, the build against
-pre-12.2 headers, and a fresh IPC export per registration. The driver calls themselves are covered
-by the GPU tests in tests/test_device_backends.py and tests/test_native_copy.py."""
+mapped device (or at start) in segment-sized pieces, sticky driver errors are told apart, the
+batch-copy switch, the build against pre-12.2 headers, a fresh IPC export per registration, and the
+copies' ordering on the engine's IPC event. The last two parts run the real native engine against a
+fake libcuda.so.1 that logs every driver call (host memory stands in for device memory): they show
+which calls are made and in which order, not how a real driver answers. The driver itself is
+covered by the GPU tests in tests/test_device_backends.py and tests/test_native_copy.py."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -23,8 +27,8 @@ from kvstore_client.errors import FailedPrecondition
 from kvstore_client.protocol.handle import DeviceHandle, encode_handle
 from kvstore_service import native
 from kvstore_service.backends import cuda as cuda_backend
-from kvstore_service.backends.base import TransferPlan
-from kvstore_service.backends.cuda import CudaBackend, StickyDeviceError, check_ipc_bounds
+from kvstore_service.backends.base import Mapping, TransferPlan, pool_pieces
+from kvstore_service.backends.cuda import CudaBackend, Held, StickyDeviceError, check_ipc_bounds
 
 ROOT = Path(__file__).resolve().parent.parent
 UUID_A = "0b7e1c2a-5d3f-4e6a-9b8c-1d2e3f4a5b6c"
@@ -86,13 +90,9 @@ def fake_backend(monkeypatch: pytest.MonkeyPatch, range_rc: int = 0) -> tuple[Cu
 
     torch = SimpleNamespace(cuda=SimpleNamespace(device=lambda index: contextlib.nullcontext()),
                             UntypedStorage=SimpleNamespace(_new_shared_cuda=new_shared_cuda))
-    backend = CudaBackend.__new__(CudaBackend)
-    backend.torch = torch  # type: ignore[assignment]
-    backend.uuids = [UUID_B, UUID_A]
-    backend.pool = None
-    backend.pinned = backend.pinned_on = None
-    backend._pin_lock = __import__("threading").Lock()
-    backend._cuda = None
+    monkeypatch.setattr(cuda_backend, "require_cuda", lambda: torch)
+    monkeypatch.setattr(cuda_backend, "local_cuda_uuids", lambda: [UUID_B, UUID_A])
+    backend = CudaBackend()
     monkeypatch.setattr(backend, "_allocation_range", lambda ptr: (range_rc, BASE, 1 << 20))
     monkeypatch.setattr(cuda_backend.native, "cuda_host_register",
                         lambda addr, size, device=0: calls.append(("register", (addr, size, device))))
@@ -107,9 +107,12 @@ def cuda_handle(uuid: str = UUID_A, nbytes: int = 1 << 20) -> bytes:
                                       ref_counter_offset=0, event_handle=bytes(64), event_sync=True))
 
 
+POOL_PIECES = pool_pieces(0x1000_0000, 2 << 20, 64 << 20, 3)  # 3 segments of 64 MiB after a 2 MiB header
+
+
 def test_map_refuses_when_the_driver_cannot_confirm_the_bounds(monkeypatch: pytest.MonkeyPatch) -> None:
     backend, calls = fake_backend(monkeypatch, range_rc=1)
-    backend.register_pool(0x1000_0000, 64 << 20)
+    backend.register_pool(POOL_PIECES)
     with pytest.raises(ValueError, match="cuMemGetAddressRange failed"):
         backend.map(cuda_handle(), 1 << 20, device=0)
     assert calls == []  # a refused mapping pins nothing
@@ -117,32 +120,100 @@ def test_map_refuses_when_the_driver_cannot_confirm_the_bounds(monkeypatch: pyte
 
 def test_pool_is_pinned_on_the_first_mapped_device_not_gpu0(monkeypatch: pytest.MonkeyPatch) -> None:
     backend, calls = fake_backend(monkeypatch)
-    pool = (0x1000_0000, 64 << 20)
-    backend.register_pool(*pool)
+    backend.register_pool(POOL_PIECES)
     assert calls == []  # no context is created before an engine maps memory
     mapping = backend.map(cuda_handle(UUID_A), 1 << 20, device=0)
     assert mapping.device == 1  # UUID_A is the daemon's GPU 1
-    assert calls == [("register", (*pool, 1))]
+    pinned = [("register", (addr, size, 1)) for addr, size in POOL_PIECES]
+    assert calls == pinned  # piece by piece, on GPU 1
     backend.map(cuda_handle(UUID_B), 1 << 20, device=0)
-    assert calls == [("register", (*pool, 1))]  # once: portable pinning serves every GPU
+    assert calls == pinned  # once: portable pinning serves every GPU
     backend.unmap(mapping)
-    backend.unregister_pool(pool[0])
-    assert calls[-1] == ("unregister", (pool[0], 1))
+    backend.unregister_pool()
+    assert calls[len(pinned):] == [("unregister", (addr, 1)) for addr, _ in POOL_PIECES]
+    backend.unregister_pool()
+    assert len(calls) == 2 * len(pinned)  # nothing is unpinned twice
 
 
-def test_a_failed_pinning_is_not_fatal_and_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
-    backend, _ = fake_backend(monkeypatch)
+def test_pool_pinned_at_start_on_the_given_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--devices cuda: the pool is pinned when the backend is opened, before any engine registers."""
+    backend, calls = fake_backend(monkeypatch)
+    backend.register_pool(POOL_PIECES, device=0)
+    assert calls == [("register", (addr, size, 0)) for addr, size in POOL_PIECES]
+    backend.map(cuda_handle(UUID_A), 1 << 20, device=0)
+    assert len(calls) == len(POOL_PIECES)  # the first mapping does not pin again
+
+
+def test_pool_pieces_are_whole_segments_covering_the_pool() -> None:
+    base, header, segment, segments = 0x7000_0000, 2 << 20, 64 << 20, 5
+    pieces = pool_pieces(base, header, segment, segments)
+    assert pieces == [(base + header + i * segment, segment) for i in range(segments)]
+    # A segment size that is not a multiple of the 4 KiB page: pieces of whole segments, page-aligned.
+    segment = (1 << 20) + 256
+    pieces = pool_pieces(base, header, segment, 37)
+    assert all(addr % 4096 == 0 and (addr - base - header) % segment == 0 for addr, _ in pieces)
+    assert all(size % 4096 == 0 for _, size in pieces[:-1])
+    ends = [base + header] + [addr + size for addr, size in pieces]
+    assert [addr for addr, _ in pieces] == ends[:-1]  # contiguous, no overlap
+    assert ends[-1] == base + header + 37 * segment  # the last segment's end
+
+
+def test_a_failed_pinning_unpins_its_pieces_is_not_fatal_and_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, calls = fake_backend(monkeypatch)
     attempts: list[int] = []
 
-    def fail(addr: int, size: int, device: int = 0) -> None:
-        attempts.append(device)
-        raise RuntimeError("cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
+    def fail_third(addr: int, size: int, device: int = 0) -> None:
+        attempts.append(addr)
+        if len(attempts) == 3:
+            raise RuntimeError("cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
 
-    monkeypatch.setattr(cuda_backend.native, "cuda_host_register", fail)
-    backend.register_pool(0x1000_0000, 64 << 20)
+    monkeypatch.setattr(cuda_backend.native, "cuda_host_register", fail_third)
+    pieces = pool_pieces(0x1000_0000, 2 << 20, 64 << 20, 4)
+    backend.register_pool(pieces)
     backend.map(cuda_handle(), 1 << 20, device=0)
     backend.map(cuda_handle(), 1 << 20, device=0)
-    assert attempts == [1] and backend.pinned is None
+    assert attempts == [addr for addr, _ in pieces[:3]]  # stopped at the failure, never retried
+    assert calls == [("unregister", (addr, 1)) for addr, _ in pieces[:2]]  # all or none
+    assert backend.pinned == [] and backend.pinned_on is None
+    backend.unregister_pool()
+    assert len(calls) == 2
+
+
+def test_a_sticky_error_while_pinning_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, _ = fake_backend(monkeypatch)
+
+    def sticky(addr: int, size: int, device: int = 0) -> None:
+        raise StickyDeviceError("cuMemHostRegister failed (700)", 700, device)
+
+    monkeypatch.setattr(cuda_backend.native, "cuda_host_register", sticky)
+    with pytest.raises(StickyDeviceError):
+        backend.register_pool(POOL_PIECES, device=0)
+
+
+def test_open_backend_turns_a_sticky_pinning_error_into_a_refusal(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    """At the daemon's start (--devices cuda) a device that fails stickily while pinning is unusable."""
+    from kvstore_service import sessions
+    from kvstore_service.errors import KVError
+    from kvstore_service.pool import Pool
+
+    class Broken(CudaBackend):
+        def __init__(self) -> None:
+            self.seen: list[Any] = []
+
+        def register_pool(self, pieces: Any, device: int | None = None) -> None:
+            self.seen.append((list(pieces), device))
+            if device is not None:
+                raise StickyDeviceError("cuMemHostRegister failed (700)", 700, device)
+
+    made: list[Broken] = []
+    monkeypatch.setattr(sessions, "make_backend", lambda name: made.append(Broken()) or made[-1])
+    pool = Pool(str(tmp_path / "pool"), 4 << 20, 1 << 20, fresh=True)
+    with pytest.raises(KVError, match="backend 'cuda' is not usable here.*700"):
+        sessions.open_backend("cuda", pool)
+    lazy = sessions.open_backend("cuda", pool, pin_now=False)
+    pieces = pool_pieces(pool.base, pool.data_offset, pool.segment_size, len(pool.segments))
+    assert [b.seen for b in made] == [[(pieces, 0)], [(pieces, None)]] and lazy is made[1]
 
 
 # -- sticky errors ----------------------------------------------------------------------------------
@@ -191,7 +262,7 @@ def test_backend_copy_propagates_sticky_errors(monkeypatch: pytest.MonkeyPatch) 
     backend = CudaBackend.__new__(CudaBackend)
     plan = TransferPlan(array("Q", [0]), array("Q", [0]), array("Q", [4096]))
     with pytest.raises(StickyDeviceError) as info:
-        backend.copy(2, 0x1000, plan, to_engine=True)
+        backend.copy(Mapping(BASE, 4096, device=2, handle=Held(None, 0, None)), 0x1000, plan, to_engine=True)
     assert info.value.code == 719 and info.value.device == 2
 
 
@@ -249,6 +320,9 @@ typedef enum CUstream_flags_enum { CU_STREAM_DEFAULT = 0x0, CU_STREAM_NON_BLOCKI
 typedef enum CUevent_flags_enum { CU_EVENT_DEFAULT = 0x0, CU_EVENT_BLOCKING_SYNC = 0x1,
                                   CU_EVENT_DISABLE_TIMING = 0x2, CU_EVENT_INTERPROCESS = 0x4 } CUevent_flags;
 #define CU_MEMHOSTREGISTER_PORTABLE 0x01
+#define CU_IPC_HANDLE_SIZE 64
+typedef struct CUipcEventHandle_st { char reserved[CU_IPC_HANDLE_SIZE]; } CUipcEventHandle_v1;
+typedef CUipcEventHandle_v1 CUipcEventHandle;
 typedef enum CUmemLocationType_enum { CU_MEM_LOCATION_TYPE_INVALID = 0x0, CU_MEM_LOCATION_TYPE_DEVICE = 0x1,
                                       CU_MEM_LOCATION_TYPE_MAX = 0x7FFFFFFF } CUmemLocationType;
 """
@@ -398,11 +472,317 @@ def test_export_kv_memory_hooks_a_fresh_share_per_registration(monkeypatch: pyte
     k, v = (SimpleNamespace(device=torch.device("cuda", 0), untyped_storage=lambda s=s: s) for s in storages)
     monkeypatch.setattr(device_module, "synchronize_before_store", lambda device: None)
     monkeypatch.setattr(device_module, "cuda_device_uuid", lambda index: UUID_A)
+    monkeypatch.setattr(device_module, "cuda_order_event_handle", lambda index: b"\x0e" * 64)
     regions = [(0, 4096, 4096, 0), (0, 4096, 4096, 1)]
     spec = device_module.export_kv_memory([k, v], 2, regions)  # type: ignore[list-item]
     assert shares == [BASE, BASE + (1 << 21)] and spec.reexport is not None
     assert len(spec.handles) == 2 and spec.sizes == (8192, 8192)
     again = spec.for_reregistration()
     assert len(shares) == 4 and set(again.handles).isdisjoint(spec.handles)
+    # Every handle, first and re-exported, carries the one ordering event of the device.
+    from kvstore_client.protocol.handle import decode_handle
+
+    assert {decode_handle(h).order_event for h in spec.handles + again.handles} == {b"\x0e" * 64}
     assert (again.sizes, again.num_blocks, again.regions, again.device) == (spec.sizes, spec.num_blocks,
                                                                             spec.regions, spec.device)
+
+
+# -- engine side: record, do not synchronize --------------------------------------------------------
+
+
+def test_order_before_copies_records_the_event_without_a_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = pytest.importorskip("torch")
+    from kvstore_client import device as device_module
+
+    recorded: list[tuple[int, object]] = []
+
+    class Event:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def record(self, stream: object) -> None:
+            recorded.append((self.index, stream))
+
+    def no_sync(*args: Any) -> None:
+        raise AssertionError("a host-side synchronize on the engine's critical path")
+
+    events: dict[int, Event] = {}
+    monkeypatch.setattr(device_module, "order_event", lambda index: events.setdefault(index, Event(index)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: f"stream-{index}")
+    monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
+    device_module.order_before_copies("cuda:1")
+    device_module.order_before_copies(torch.device("cuda", 1))
+    device_module.order_before_copies("cpu")  # nothing to order
+    assert recorded == [(1, "stream-1"), (1, "stream-1")]  # one event per device, on its current stream
+
+
+# -- the native engine against a fake driver: ordering on the engine's event, pinning in pieces ------
+
+FAKE_LIBCUDA = r"""
+// Fake libcuda.so.1: "device" memory is host memory; every call the copy path makes is logged.
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long U;
+struct CUipcEventHandle { char reserved[64]; };
+static std::string g_log;
+static long g_streams = 0, g_events = 0, g_registers = 0;
+static void* g_ctx = nullptr;
+static long knob(const char* name) { const char* v = getenv(name); return v ? atol(v) : 0; }
+static void note(const char* fmt, U a = 0, U b = 0, U c = 0, U d = 0) {
+  char line[200];
+  snprintf(line, sizeof line, fmt, a, b, c, d);
+  g_log += line;
+  g_log += "\n";
+}
+#define P(x) ((U)(uintptr_t)(x))
+static CUresult device_count(int* n) { *n = 2; return 0; }
+static CUresult device_get(int* d, int i) { *d = i; return 0; }
+static CUresult retain(void** c, int d) { *c = (void*)(uintptr_t)(0x10 + d); return 0; }
+static CUresult ctx_get(void** c) { *c = g_ctx; return 0; }
+static CUresult ctx_set(void* c) { g_ctx = c; return 0; }
+static CUresult stream_create(void** s, unsigned) { *s = (void*)(uintptr_t)(0x100 + ++g_streams); return 0; }
+static CUresult event_create(void** e, unsigned) { *e = (void*)(uintptr_t)(0x200 + ++g_events); return 0; }
+static CUresult event_record(void* e, void* s) { note("record %#llx %#llx", P(e), P(s)); return 0; }
+static CUresult event_sync(void* e) { note("sync %#llx", P(e)); return 0; }
+static CUresult event_destroy(void* e) { note("destroy %#llx ctx=%#llx", P(e), P(g_ctx)); return 0; }
+static CUresult ipc_open(void** e, CUipcEventHandle h) {
+  *e = (void*)(uintptr_t)(0x300 + (unsigned char)h.reserved[0]);
+  note("open %#llx ctx=%#llx", P(*e), P(g_ctx));
+  return (CUresult)knob("FAKE_OPEN_RC");
+}
+static CUresult wait_event(void* s, void* e, unsigned flags) {
+  note("wait %#llx %#llx flags=%llu", P(s), P(e), flags);
+  return (CUresult)knob("FAKE_WAIT_RC");
+}
+static CUresult memcpy_async(CUdeviceptr d, CUdeviceptr s, size_t n, void* st) {
+  memcpy((void*)d, (const void*)s, n);
+  note("copy %#llx", P(st));
+  return 0;
+}
+static CUresult batch(CUdeviceptr* d, CUdeviceptr* s, size_t* n, size_t count, void*, size_t*, size_t, size_t*,
+                      void* st) {
+  for (size_t i = 0; i < count; ++i) memcpy((void*)d[i], (const void*)s[i], n[i]);
+  note("copy %#llx", P(st));
+  return 0;
+}
+static CUresult host_register(void* p, size_t n, unsigned flags) {
+  note("register %#llx %llu flags=%llu ctx=%#llx", P(p), n, flags, P(g_ctx));
+  return ++g_registers == knob("FAKE_REGISTER_FAIL_AT") ? 2 : 0;
+}
+static CUresult host_unregister(void* p) { note("unregister %#llx", P(p)); return 0; }
+extern "C" {
+__attribute__((visibility("default"))) const char* fake_log() { return g_log.c_str(); }
+CUresult cuInit(unsigned) { return 0; }
+CUresult cuDriverGetVersion(int* v) {
+  *v = knob("FAKE_CUDA_VERSION") ? (int)knob("FAKE_CUDA_VERSION") : 12040;
+  return 0;
+}
+CUresult cuGetErrorName(CUresult, const char** s) { *s = "CUDA_ERROR_FAKE"; return 0; }
+CUresult cuGetErrorString(CUresult, const char** s) { *s = "fake"; return 0; }
+CUresult cuGetProcAddress_v2(const char* name, void** fn, int, unsigned long long, int* status) {
+  struct { const char* name; void* fn; } table[] = {
+      {"cuDeviceGetCount", (void*)device_count}, {"cuDeviceGet", (void*)device_get},
+      {"cuDevicePrimaryCtxRetain", (void*)retain}, {"cuCtxGetCurrent", (void*)ctx_get},
+      {"cuCtxSetCurrent", (void*)ctx_set}, {"cuStreamCreate", (void*)stream_create},
+      {"cuEventCreate", (void*)event_create}, {"cuEventRecord", (void*)event_record},
+      {"cuEventSynchronize", (void*)event_sync}, {"cuEventDestroy", (void*)event_destroy},
+      {"cuIpcOpenEventHandle", (void*)ipc_open}, {"cuStreamWaitEvent", (void*)wait_event},
+      {"cuMemcpyAsync", (void*)memcpy_async}, {"cuMemcpyBatchAsync", (void*)batch},
+      {"cuMemHostRegister", (void*)host_register}, {"cuMemHostUnregister", (void*)host_unregister},
+  };
+  for (auto& t : table) {
+    if (strcmp(t.name, name) == 0) { *fn = t.fn; *status = 0; return 0; }
+  }
+  *fn = nullptr;
+  *status = 1;
+  return 500;
+}
+}
+"""
+
+# Runs in a child process (the driver is loaded once per process) with the fake first on the library
+# path. A daemon-side CudaBackend (torch faked: each engine's "GPU memory" is a host buffer) opens the
+# pool at start (--devices cuda), maps three sessions' memory, copies, unmaps and closes; every step
+# reports the driver calls it made.
+SCENARIO = r"""
+import contextlib, ctypes, json, sys
+from array import array
+from types import SimpleNamespace
+from kvstore_client.protocol.handle import DeviceHandle, encode_handle
+from kvstore_service import sessions
+from kvstore_service.backends import cuda
+from kvstore_service.backends.base import TransferPlan
+from kvstore_service.pool import Pool
+
+lib = ctypes.CDLL("libcuda.so.1")
+lib.fake_log.restype = ctypes.c_char_p
+seen = [0]
+def calls():
+    lines = lib.fake_log().decode().splitlines()
+    new, seen[0] = lines[seen[0]:], len(lines)
+    return new
+
+BLOCK = 4096
+engines = {n: ctypes.create_string_buffer(bytes([n]) * 8 * BLOCK) for n in (1, 2, 3)}
+
+class Storage:
+    def __init__(self, buf):
+        self.buf = buf
+    def data_ptr(self):
+        return ctypes.addressof(self.buf)
+    def nbytes(self):
+        return len(self.buf)
+
+def new_shared_cuda(device, ipc, *rest):
+    return Storage(engines[ipc[0]])
+
+torch = SimpleNamespace(cuda=SimpleNamespace(device=lambda i: contextlib.nullcontext()),
+                        UntypedStorage=SimpleNamespace(_new_shared_cuda=new_shared_cuda))
+cuda.require_cuda = lambda: torch
+cuda.local_cuda_uuids = lambda: ["uuid-b", "uuid-a"]  # the engine's GPU is the daemon's GPU 1
+
+def handle(engine, event):
+    return encode_handle(DeviceHandle(kind="cuda", device=0, device_uuid="uuid-a", ipc_handle=bytes([engine]) * 66,
+                                      storage_bytes=8 * BLOCK, storage_offset=0, ref_counter="/torch_1_2_3",
+                                      ref_counter_offset=0, event_handle=bytes(64), event_sync=True,
+                                      order_event=event))
+
+out, steps = {}, []
+def step(name, fn, *args):
+    try:
+        result = fn(*args)
+        error = None
+    except Exception as e:
+        result, error = None, f"{type(e).__name__}: {e}"
+    steps.append({"step": name, "calls": calls(), "error": error})
+    return result
+
+pool = Pool(sys.argv[1], 4 << 20, 1 << 20, fresh=True)
+out["pool"] = [pool.base, pool.data_offset, pool.size]
+backend = step("open", sessions.open_backend, "cuda", pool)  # pinned now, on GPU 0
+backend._allocation_range = lambda ptr: (0, ptr, 8 * BLOCK)
+out["pinned"] = backend.pinned
+a1 = step("map a1", backend.map, handle(1, b"\x0a" * 64), 8 * BLOCK, 0)
+a2 = step("map a2", backend.map, handle(1, b"\x0a" * 64), 8 * BLOCK, 0)  # the same engine again
+b = step("map b", backend.map, handle(2, b"\x0b" * 64), 8 * BLOCK, 0)
+c = step("map c", backend.map, handle(3, b""), 8 * BLOCK, 0)  # version 1: an older client
+slot = pool.data_offset + 1024
+plan = TransferPlan(array("Q", [slot, slot + 2 * BLOCK]), array("Q", [0, 0]), array("Q", [BLOCK, BLOCK]))
+def at(mapping, blocks):
+    return TransferPlan(plan.pool_offsets, array("Q", [mapping.base + i * BLOCK for i in blocks]), plan.sizes)
+if a1 is not None:
+    step("store a", backend.copy, a1, pool.base, at(a1, [0, 2]), False)
+if b is not None:
+    step("load b", backend.copy, b, pool.base, at(b, [5, 7]), True)
+    out["loaded"] = [engines[2].raw[i * BLOCK:(i + 1) * BLOCK] == bytes([1]) * BLOCK for i in range(8)]
+if c is not None:
+    step("store c", backend.copy, c, pool.base, at(c, [1, 3]), False)
+for name, mapping in (("unmap a1", a1), ("unmap a2", a2), ("unmap b", b), ("unmap c", c)):
+    if mapping is not None:
+        step(name, backend.unmap, mapping)
+out["events_left"] = len(backend.events)
+step("close", backend.unregister_pool)
+out["steps"] = steps
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    d = tmp_path_factory.mktemp("fake_libcuda")
+    (d / "fake.cpp").write_text(FAKE_LIBCUDA)
+    subprocess.run([cxx, "-std=c++17", "-shared", "-fPIC", "-O0", str(d / "fake.cpp"), "-o", str(d / "libcuda.so.1")],
+                   check=True)
+    return d
+
+
+def run_scenario(lib_dir: Path, tmp_path: Path, **env: str) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-c", SCENARIO, str(tmp_path / "pool")],
+                          env={**os.environ, "LD_LIBRARY_PATH": str(lib_dir), **env},
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    out: dict[str, Any] = json.loads(proc.stdout)
+    out["by_step"] = {s["step"]: s for s in out["steps"]}
+    return out
+
+
+def words(lines: list[str]) -> list[list[str]]:
+    return [line.split() for line in lines]
+
+
+@pytest.mark.parametrize("version", ["12040", "12080"])  # cuMemcpyAsync per run; cuMemcpyBatchAsync
+def test_every_copy_waits_on_its_sessions_event_before_any_byte_moves(fake_libcuda: Path, tmp_path: Path,
+                                                                      version: str) -> None:
+    out = run_scenario(fake_libcuda, tmp_path, FAKE_CUDA_VERSION=version)
+    steps = out["by_step"]
+    assert all(s["error"] is None for s in out["steps"]), out["steps"]
+    for name, event in (("store a", "0x30a"), ("load b", "0x30b")):  # d2h and h2d, each its engine's event
+        calls = words(steps[name]["calls"])
+        assert calls[0][0] == "wait" and calls[0][2] == event and calls[0][3] == "flags=0", calls
+        stream = calls[0][1]
+        copies = [c for c in calls if c[0] == "copy"]
+        assert copies and all(c[1] == stream for c in copies)  # on the stream that waits
+        assert [c[0] for c in calls[-2:]] == ["record", "sync"] and calls[-2][2] == stream  # then completion
+    assert out["loaded"] == [False] * 5 + [True, False, True]  # the load moved a's bytes into b's blocks 5 and 7
+    # A version-1 handle has no event: its copies do not wait (the older client synchronized itself).
+    calls = [c[0] for c in words(steps["store c"]["calls"])]
+    assert calls[0] == "copy" and "wait" not in calls and calls[-2:] == ["record", "sync"]
+
+
+def test_the_engine_event_is_opened_once_and_destroyed_with_its_last_mapping(fake_libcuda: Path,
+                                                                             tmp_path: Path) -> None:
+    steps = run_scenario(fake_libcuda, tmp_path)["by_step"]
+    assert steps["map a1"]["calls"] == ["open 0x30a ctx=0x11"]  # in GPU 1's primary context, the copies'
+    assert steps["map a2"]["calls"] == []  # the same engine event: shared
+    assert steps["map b"]["calls"] == ["open 0x30b ctx=0x11"]
+    assert steps["map c"]["calls"] == []
+    assert steps["unmap a1"]["calls"] == []  # a2 still uses it
+    assert steps["unmap a2"]["calls"] == ["destroy 0x30a ctx=0x11"]
+    assert steps["unmap b"]["calls"] == ["destroy 0x30b ctx=0x11"]
+    assert steps["unmap c"]["calls"] == []
+
+
+def test_a_failed_wait_moves_no_byte(fake_libcuda: Path, tmp_path: Path) -> None:
+    out = run_scenario(fake_libcuda, tmp_path, FAKE_WAIT_RC="400")
+    store = out["by_step"]["store a"]
+    assert "cuStreamWaitEvent on the engine's event failed" in store["error"] and "(400)" in store["error"]
+    assert [c[0] for c in words(store["calls"])] == ["wait"]
+    assert out["loaded"] == [False] * 8
+
+
+def test_an_event_that_cannot_be_opened_refuses_the_mapping(fake_libcuda: Path, tmp_path: Path) -> None:
+    out = run_scenario(fake_libcuda, tmp_path, FAKE_OPEN_RC="201")
+    assert "cannot open the engine's IPC event on GPU 1" in out["by_step"]["map a1"]["error"]
+    assert "copies could not be ordered" in out["by_step"]["map a1"]["error"]
+    assert out["by_step"]["map c"]["error"] is None  # a handle without an event does not open one
+    assert out["events_left"] == 0
+
+
+def test_pool_pinned_at_start_in_segment_pieces_and_unpinned_piece_by_piece(fake_libcuda: Path,
+                                                                            tmp_path: Path) -> None:
+    out = run_scenario(fake_libcuda, tmp_path)
+    base, data_offset, size = out["pool"]
+    pinned = words(out["by_step"]["open"]["calls"])
+    assert len(pinned) == 4  # one piece per 1 MiB segment
+    for i, call in enumerate(pinned):  # portable, on GPU 0's context, before any engine came
+        assert call == ["register", hex(base + data_offset + i * (1 << 20)), str(1 << 20), "flags=1", "ctx=0x10"]
+    assert base + data_offset + 4 * (1 << 20) == base + size  # together: every segment of the pool
+    assert all(s["calls"] == [] or "register" not in s["calls"][0] for s in out["steps"][1:-1])
+    assert words(out["by_step"]["close"]["calls"]) == [["unregister", c[1]] for c in pinned]
+
+
+def test_a_failed_piece_unpins_the_pieces_before_it(fake_libcuda: Path, tmp_path: Path) -> None:
+    out = run_scenario(fake_libcuda, tmp_path, FAKE_REGISTER_FAIL_AT="3")
+    calls = words(out["by_step"]["open"]["calls"])
+    assert [c[0] for c in calls] == ["register"] * 3 + ["unregister"] * 2
+    assert [c[1] for c in calls[3:]] == [c[1] for c in calls[:2]]
+    assert out["pinned"] == [] and out["by_step"]["close"]["calls"] == []
+    assert all(s["error"] is None for s in out["steps"])  # copies still work, unpinned

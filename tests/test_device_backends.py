@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from support.blocks import key_of
 
 from kvstore_client.client import peer_handshake
-from kvstore_client.device import export_kv_memory, synchronize_before_store
+from kvstore_client.device import export_kv_memory, order_before_copies, synchronize_before_store
 from kvstore_client.protocol import PROTOCOL_VERSION
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
@@ -57,11 +57,19 @@ def raw(doc: dict) -> bytes:
     return json.dumps(doc).encode()
 
 
+EVENT = bytes(range(100, 164))  # a cudaIpcEventHandle_t's 64 bytes
+# sample() as a version-1 client encoded it, before handles carried an ordering event.
+V1_DOC = {"format": "kvstore-device-handle", "version": 1, "kind": "cuda", "device": 1, "device_uuid": UUID_A,
+          "ipc_handle": base64.b64encode(bytes(range(66))).decode(), "storage_bytes": 3 << 30,
+          "storage_offset": 2 << 20, "ref_counter": "/torch_4242_123456789_7", "ref_counter_offset": 17,
+          "event_handle": base64.b64encode(b"\x07" * 64).decode(), "event_sync": True}
+
+
 # -- handle codec ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("handle", [sample(), sample(kind="npu", device_uuid="", event_sync=False, event_handle=b""),
-                                    sample(kind="npu", device_uuid="vdie-0a1b2c")])
+                                    sample(kind="npu", device_uuid="vdie-0a1b2c"), sample(order_event=EVENT)])
 def test_handle_round_trip(handle: DeviceHandle) -> None:
     data = encode_handle(handle)
     assert len(data) <= MAX_HANDLE_BYTES
@@ -125,11 +133,21 @@ def _cases() -> list[tuple[str, bytes, str]]:
         ("uuid length", raw({**good, "device_uuid": "a" * 129}), "device_uuid must be"),
         ("cuda without uuid", raw({**good, "device_uuid": ""}), "needs the GPU's device_uuid"),
     ]
-    for version in (0, 2, "1", True, 1.0, None):
+    for version in (0, 3, "1", True, 1.0, None):
         cases.append((f"version {version!r}", raw({**good, "version": version}), "is not supported"))
     for name in sorted(good):
         if name not in ("format", "version"):
             cases.append((f"missing {name}", raw({k: v for k, v in good.items() if k != name}), f"missing .*{name}"))
+    v2 = doc_of(sample(order_event=EVENT))
+    cases += [
+        ("v2 missing order_event", raw({k: v for k, v in v2.items() if k != "order_event"}), "missing .*order_event"),
+        ("v2 empty order_event", raw({**v2, "order_event": ""}), "version 2 handle carries an order_event"),
+        ("v2 short order_event", raw({**v2, "order_event": base64.b64encode(bytes(63)).decode()}),
+         "order_event has 63 bytes"),
+        ("v2 npu order_event", raw({**v2, "kind": "npu"}), "only a cuda handle carries one"),
+        ("v2 order_event not base64", raw({**v2, "order_event": "!"}), "order_event is not valid base64"),
+        ("v1 with order_event", raw({**good, "order_event": v2["order_event"]}), "unknown field.*order_event"),
+    ]
     return cases
 
 
@@ -140,16 +158,47 @@ def test_malformed_handles_are_refused_clearly(name: str, data: bytes, words: st
 
 
 def test_newer_version_is_reported_as_a_version_problem() -> None:
-    """A v2 handle with other fields must say 'version', not complain about its fields."""
-    with pytest.raises(ValueError, match="version 2 is not supported.*upgrade"):
-        decode_handle(raw({"format": "kvstore-device-handle", "version": 2, "new_field": "x"}))
+    """A v3 handle with other fields must say 'version', not complain about its fields."""
+    with pytest.raises(ValueError, match="version 3 is not supported.*versions 1..2.*upgrade"):
+        decode_handle(raw({"format": "kvstore-device-handle", "version": 3, "new_field": "x"}))
+
+
+def test_handle_with_an_order_event_is_version_2_and_round_trips() -> None:
+    handle = sample(order_event=EVENT)
+    doc = doc_of(handle)
+    assert doc["version"] == 2 and base64.b64decode(doc["order_event"]) == EVENT
+    assert decode_handle(encode_handle(handle), "cuda") == handle
+    assert decode_handle(encode_handle(handle)).order_event == EVENT
+
+
+def test_handle_without_an_order_event_stays_version_1() -> None:
+    """What an older daemon reads: the version-1 fields exactly, no order_event."""
+    for handle in (sample(), sample(kind="npu", device_uuid="vdie-0a1b2c")):
+        doc = doc_of(handle)
+        assert doc["version"] == 1 and "order_event" not in doc
+        assert set(doc) == set(V1_DOC)
+
+
+def test_an_old_version_1_handle_still_parses_without_an_event() -> None:
+    """A handle exactly as a client from before version 2 wrote it (fields and values spelled out)."""
+    handle = decode_handle(raw(V1_DOC), "cuda")
+    assert handle.order_event == b"" and handle.event_handle == b"\x07" * 64
+    assert handle == sample()
+
+
+def test_handle_from_share_carries_the_order_event() -> None:
+    share = (1, b"\x01c" + bytes(range(64)), 1 << 30, 4 << 20, b"/torch_99_1234_0", 5, bytes(64), True)
+    handle = handle_from_share("cuda", share, UUID_A, EVENT)
+    assert handle.order_event == EVENT and decode_handle(encode_handle(handle)) == handle
+    with pytest.raises(ValueError, match="only a cuda handle carries one"):
+        handle_from_share("npu", share, "vdie-1", EVENT)
 
 
 def test_every_truncation_is_refused() -> None:
-    data = encode_handle(sample())
-    for n in range(len(data)):
-        with pytest.raises(ValueError):
-            decode_handle(data[:n])
+    for data in (encode_handle(sample()), encode_handle(sample(order_event=EVENT))):
+        for n in range(len(data)):
+            with pytest.raises(ValueError):
+                decode_handle(data[:n])
 
 
 def test_wrong_kind_for_the_backend() -> None:
@@ -161,7 +210,7 @@ def test_wrong_kind_for_the_backend() -> None:
 @given(st.data())
 def test_mutated_handles_never_escape_as_other_errors(data: st.DataObject) -> None:
     """Random byte edits: either a ValueError or a handle that passes every check, nothing else."""
-    buf = bytearray(encode_handle(sample()))
+    buf = bytearray(encode_handle(data.draw(st.sampled_from([sample(), sample(order_event=EVENT)]))))
     for _ in range(data.draw(st.integers(1, 8))):
         i = data.draw(st.integers(0, len(buf) - 1))
         buf[i] = data.draw(st.integers(0, 255))
@@ -330,14 +379,14 @@ def test_cuda_store_and_load_byte_exact(daemon, interleaved: bool) -> None:
     keys = [key_of("gpu", i) for i in range(16)]
     src, dst = list(range(16)), list(range(40, 56))
     try:
-        synchronize_before_store(buf.device)
+        order_before_copies(buf.device)  # records the IPC event the daemon's copy stream waits on
         job = session.store(keys, src)
         done = session.wait([job])[job]
         assert done.ok and done.blocks_ok == 16, done
         expected = [v[src].clone() for v in views]
         for v in views:
             v[dst] = 0
-        torch.cuda.synchronize()
+        order_before_copies(buf.device)  # the load lands after the zeroing, without a host sync
         job = session.load(keys, dst)
         done = session.wait([job])[job]
         assert done.ok and done.blocks_ok == 16, done

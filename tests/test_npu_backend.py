@@ -29,6 +29,7 @@ from kvstore_client.protocol.handle import (
     parse_npu_smi_map,
     physical_npu,
 )
+from kvstore_service.backends.base import pool_pieces
 from kvstore_service.backends.npu import (
     ACL_NOT_SUPPORTED,
     acl_address_range,
@@ -385,15 +386,21 @@ def test_fake_acl_old_cann_legacy_only(fake_acl: dict[str, Path]) -> None:
 
 
 class StubNative:
-    def __init__(self, pinned: bool | None, fail: bool = False) -> None:
-        self.pinned, self.fail = pinned, fail
+    def __init__(self, pinned: bool | None, fail_at: int = 0) -> None:
+        self.pinned, self.fail_at = pinned, fail_at  # fail_at: the n-th registration fails (0: none)
         self.registered: list[tuple[int, int, int]] = []
+        self.unregistered: list[tuple[int, int]] = []
+        self.attempts = 0
 
     def acl_host_register(self, addr: int, size: int, device: int = 0) -> int:
-        if self.fail:
+        self.attempts += 1
+        if self.attempts == self.fail_at:
             raise RuntimeError("aclrtHostRegisterV2 failed: aclError 107000")
         self.registered.append((addr, size, device))
         return 0
+
+    def acl_host_unregister(self, addr: int, device: int = 0) -> None:
+        self.unregistered.append((addr, device))
 
     def features(self) -> dict:
         return {"acl_host_pinned": self.pinned}
@@ -405,26 +412,50 @@ def bare_backend(monkeypatch: pytest.MonkeyPatch, stub: StubNative, release: str
     monkeypatch.setattr(npu, "native", stub)
     monkeypatch.setattr(npu.os, "uname", lambda: os.uname_result(("Linux", "n", release, "#1", "aarch64")))
     backend = object.__new__(npu.NpuBackend)  # no torch_npu here: skip __init__
-    backend.pool, backend.registered_on = None, None
+    backend.pieces, backend.registered, backend.registered_on = [], [], None
     return backend
 
 
-def test_pool_registered_on_first_mapping_device_rounded(monkeypatch: pytest.MonkeyPatch,
-                                                         caplog: pytest.LogCaptureFixture) -> None:
+# A pool of 40 segments of 1 MiB + 256 bytes (not a multiple of 4 KiB) after a 2 MiB header: pieces of
+# 16, 16 and 8 segments, the last one's size not a multiple of 4 KiB either.
+SEGMENT = (1 << 20) + 256
+PIECES = pool_pieces(0x7000_0000, 2 << 20, SEGMENT, 40)
+
+
+def test_pool_registered_on_first_mapping_device_in_rounded_pieces(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     stub = StubNative(pinned=True)
     backend = bare_backend(monkeypatch, stub, "6.6.0")
-    backend.register_pool(0x7000_0000, (1 << 30) + 100)
+    backend.register_pool(PIECES)
     assert stub.registered == []
     backend._register_pool_on(3)
     backend._register_pool_on(5)
-    assert stub.registered == [(0x7000_0000, (1 << 30) + 4096, 3)] and backend.registered_on == 3
-    assert "synchronous" not in caplog.text
+    assert stub.registered == [(addr, host_register_size(size), 3) for addr, size in PIECES]
+    assert all(addr % 4096 == 0 and size % 4096 == 0 for addr, size, _ in stub.registered)
+    # together they cover every segment: from the first segment's start to past the last one's end
+    assert stub.registered[0][0] == 0x7000_0000 + (2 << 20)
+    assert len(PIECES) == 3 and PIECES[-1][1] % 4096 != 0
+    assert stub.registered[-1][0] + stub.registered[-1][1] >= 0x7000_0000 + (2 << 20) + 40 * SEGMENT
+    assert backend.registered_on == 3 and "synchronous" not in caplog.text
+    backend.unregister_pool()
+    assert stub.unregistered == [(addr, 3) for addr, _ in PIECES]
+    backend.unregister_pool()
+    assert len(stub.unregistered) == len(PIECES)
+
+
+def test_pool_registered_at_start_on_the_given_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    stub = StubNative(pinned=True)
+    backend = bare_backend(monkeypatch, stub, "6.6.0")
+    backend.register_pool(PIECES, device=0)
+    assert [d for _, _, d in stub.registered] == [0] * len(PIECES) and backend.registered_on == 0
+    backend._register_pool_on(2)  # a first mapping on another device registers nothing more
+    assert len(stub.registered) == len(PIECES)
 
 
 def test_pool_legacy_registration_warns_synchronous(monkeypatch: pytest.MonkeyPatch,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     backend = bare_backend(monkeypatch, StubNative(pinned=False), "6.6.0")
-    backend.register_pool(0x7000_0000, 1 << 20)
+    backend.register_pool(PIECES)
     backend._register_pool_on(0)
     assert "legacy aclrtHostRegister" in caplog.text and "synchronous" in caplog.text
 
@@ -432,16 +463,21 @@ def test_pool_legacy_registration_warns_synchronous(monkeypatch: pytest.MonkeyPa
 def test_pool_not_registered_on_old_kernel(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     stub = StubNative(pinned=True)
     backend = bare_backend(monkeypatch, stub, "5.10.0-60.18.0.50.oe2203.aarch64")
-    backend.register_pool(0x7000_0000, 1 << 20)
+    backend.register_pool(PIECES, device=0)
     backend._register_pool_on(0)
     assert stub.registered == [] and backend.registered_on is None
     assert "5.10 or older" in caplog.text
 
 
-def test_pool_registration_failure_only_warns_once(monkeypatch: pytest.MonkeyPatch,
-                                                   caplog: pytest.LogCaptureFixture) -> None:
-    backend = bare_backend(monkeypatch, StubNative(pinned=None, fail=True), "6.6.0")
-    backend.register_pool(0x7000_0000, 1 << 20)
+def test_pool_registration_failure_unregisters_its_pieces_and_only_warns_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    stub = StubNative(pinned=None, fail_at=3)
+    backend = bare_backend(monkeypatch, stub, "6.6.0")
+    backend.register_pool(PIECES)
     backend._register_pool_on(0)
     backend._register_pool_on(0)
+    assert stub.attempts == 3  # stopped at the failing piece, not retried
+    assert stub.unregistered == [(addr, 0) for addr, _, _ in stub.registered] and len(stub.registered) == 2
     assert caplog.text.count("NPU copies will be slower") == 1 and backend.registered_on is None
+    backend.unregister_pool()
+    assert len(stub.unregistered) == 2

@@ -10,10 +10,18 @@ client bytes and must not execute them. Format version 1:
      "ref_counter": <str [4], torch's "/torch_<pid>_<rand>_<n>" shared-memory name>,
      "ref_counter_offset": <int [5]>, "event_handle": <base64 of [6]>, "event_sync": <bool [7]>}
 
-Every field is required and no other is allowed; integers are JSON integers (not booleans) within
-their ranges; base64 is strict. `decode_handle` checks "format" and "version" before anything else,
-so a handle from a newer client fails with a message about the version, not about its fields.
-Anything malformed, truncated or oversized is a ValueError with a message naming the problem.
+Version 2 is version 1 plus "order_event": base64 of the engine's interprocess event (CUDA: the
+64-byte cudaIpcEventHandle_t of `torch.cuda.Event(interprocess=True)`), which the engine records
+before it submits a step's copies and the daemon's copy stream waits on. Only CUDA handles carry
+one, so a handle without an event is written as version 1, which older daemons read. Both versions
+are read; a version-1 CUDA handle (an older client) has no event: the daemon copies unordered, and
+such a client synchronizes its stream before stores itself.
+
+Every field of the version is required and no other is allowed; integers are JSON integers (not
+booleans) within their ranges; base64 is strict. `decode_handle` checks "format" and "version"
+before anything else, so a handle from a newer client fails with a message about the version, not
+about its fields. Anything malformed, truncated or oversized is a ValueError with a message naming
+the problem.
 
 Devices are matched by UUID, not index: engine and daemon may see different CUDA_VISIBLE_DEVICES.
 """
@@ -30,13 +38,14 @@ from dataclasses import dataclass
 from typing import Any
 
 HANDLE_FORMAT = "kvstore-device-handle"
-HANDLE_VERSION = 1
+HANDLE_VERSION = 2  # the newest this side reads and writes; 1 is still read (and written without an event)
 MAX_HANDLE_BYTES = 4096
 KINDS = ("cuda", "npu")
 NPU_IPC_ALIGNMENT = 2 << 20  # Ascend IPC exports page-aligned memory only; KV caches use 2 MiB pages
 
 MAX_IPC_HANDLE_BYTES = 1024  # cudaIpcMemHandle is 64 bytes (+ torch's 2-byte prefix); ACL keys 65
 MAX_EVENT_HANDLE_BYTES = 256
+IPC_EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t (CU_IPC_HANDLE_SIZE)
 MAX_DEVICE = 127  # c10::DeviceIndex is int8
 REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE (torch_npu uses the same)
 # torch's at::NewProcessWideShmHandle(): "/torch_<pid>_<random>_<counter>" (older: no counter).
@@ -45,8 +54,9 @@ REF_COUNTER_RE = re.compile(r"/torch_[0-9]{1,10}_[0-9]{1,20}(_[0-9]{1,20})?")
 UUID_RE = re.compile(r"[0-9A-Za-z._:-]{0,128}")
 _INT_LIMIT = 1 << 63
 
-_FIELDS = frozenset({"format", "version", "kind", "device", "device_uuid", "ipc_handle", "storage_bytes",
-                     "storage_offset", "ref_counter", "ref_counter_offset", "event_handle", "event_sync"})
+_FIELDS_V1 = frozenset({"format", "version", "kind", "device", "device_uuid", "ipc_handle", "storage_bytes",
+                        "storage_offset", "ref_counter", "ref_counter_offset", "event_handle", "event_sync"})
+_FIELDS = {1: _FIELDS_V1, 2: _FIELDS_V1 | {"order_event"}}
 
 
 @dataclass(frozen=True)
@@ -63,6 +73,7 @@ class DeviceHandle:
     ref_counter_offset: int  # [5]: this export's slot in it
     event_handle: bytes  # [6]: IPC event recorded at export (CUDA; ignored by torch_npu)
     event_sync: bool  # [7]: whether the importer must wait on that event
+    order_event: bytes = b""  # the engine's interprocess event for copy ordering (CUDA; b"": none)
 
     def share_args(self, local_device: int) -> tuple[int, bytes, int, int, bytes, int, bytes, bool]:
         """Arguments of `UntypedStorage._new_shared_cuda` / `_new_shared_npu` in the importing process."""
@@ -73,8 +84,9 @@ class DeviceHandle:
 # -- codec ----------------------------------------------------------------------------------------
 
 
-def handle_from_share(kind: str, share: Sequence[Any], device_uuid: str) -> DeviceHandle:
-    """A DeviceHandle from the 8-tuple `storage._share_cuda_()` / `_share_npu_()` returns."""
+def handle_from_share(kind: str, share: Sequence[Any], device_uuid: str, order_event: bytes = b"") -> DeviceHandle:
+    """A DeviceHandle from the 8-tuple `storage._share_cuda_()` / `_share_npu_()` returns, and the
+    engine's ordering event (`event.ipc_handle()`, CUDA only)."""
     if len(share) != 8:
         raise ValueError(f"_share_{kind}_() returned {len(share)} fields, expected 8")
     device, ipc_handle, size, offset, ref_counter, ref_offset, event_handle, event_sync = share
@@ -83,20 +95,23 @@ def handle_from_share(kind: str, share: Sequence[Any], device_uuid: str) -> Devi
     if isinstance(ref_counter, bytes):
         ref_counter = ref_counter.decode("ascii", errors="replace")
     handle = DeviceHandle(kind, int(device), normalize_uuid(device_uuid), ipc_handle, int(size), int(offset),
-                          str(ref_counter), int(ref_offset), bytes(event_handle or b""), bool(event_sync))
+                          str(ref_counter), int(ref_offset), bytes(event_handle or b""), bool(event_sync),
+                          bytes(order_event))
     validate_handle(handle)
     return handle
 
 
 def encode_handle(handle: DeviceHandle) -> bytes:
     validate_handle(handle)
-    doc = {
-        "format": HANDLE_FORMAT, "version": HANDLE_VERSION, "kind": handle.kind, "device": handle.device,
+    doc: dict[str, Any] = {
+        "format": HANDLE_FORMAT, "version": 1, "kind": handle.kind, "device": handle.device,
         "device_uuid": handle.device_uuid, "ipc_handle": base64.b64encode(handle.ipc_handle).decode(),
         "storage_bytes": handle.storage_bytes, "storage_offset": handle.storage_offset,
         "ref_counter": handle.ref_counter, "ref_counter_offset": handle.ref_counter_offset,
         "event_handle": base64.b64encode(handle.event_handle).decode(), "event_sync": handle.event_sync,
     }
+    if handle.order_event:  # version 2; without an event the handle stays version 1 (older daemons read it)
+        doc.update(version=2, order_event=base64.b64encode(handle.order_event).decode())
     data = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
     if len(data) > MAX_HANDLE_BYTES:
         raise ValueError(f"device handle: {len(data)} bytes encoded, more than {MAX_HANDLE_BYTES}")
@@ -119,13 +134,14 @@ def decode_handle(data: bytes, kind: str | None = None) -> DeviceHandle:
     if not isinstance(doc, dict) or doc.get("format") != HANDLE_FORMAT:
         raise ValueError(f"device handle: not a kvstore device handle (no \"format\": {HANDLE_FORMAT!r})")
     version = doc.get("version")
-    if type(version) is not int or version != HANDLE_VERSION:
-        raise ValueError(f"device handle: version {version!r} is not supported (this side reads version "
-                         f"{HANDLE_VERSION}); upgrade the client or the daemon so both match")
-    missing = sorted(_FIELDS - doc.keys())
+    if type(version) is not int or version not in _FIELDS:
+        raise ValueError(f"device handle: version {version!r} is not supported (this side reads versions "
+                         f"1..{HANDLE_VERSION}); upgrade the client or the daemon so both match")
+    fields = _FIELDS[version]
+    missing = sorted(fields - doc.keys())
     if missing:
         raise ValueError(f"device handle: missing field(s) {', '.join(missing)}")
-    unknown = sorted(doc.keys() - _FIELDS)
+    unknown = sorted(doc.keys() - fields)
     if unknown:
         raise ValueError(f"device handle: unknown field(s) {', '.join(unknown)}")
     handle = DeviceHandle(
@@ -133,7 +149,9 @@ def decode_handle(data: bytes, kind: str | None = None) -> DeviceHandle:
         ipc_handle=_b64(doc, "ipc_handle"), storage_bytes=_int(doc, "storage_bytes"),
         storage_offset=_int(doc, "storage_offset"), ref_counter=_str(doc, "ref_counter"),
         ref_counter_offset=_int(doc, "ref_counter_offset"), event_handle=_b64(doc, "event_handle"),
-        event_sync=_bool(doc, "event_sync"))
+        event_sync=_bool(doc, "event_sync"), order_event=_b64(doc, "order_event") if version >= 2 else b"")
+    if version >= 2 and not handle.order_event:
+        raise ValueError("device handle: a version 2 handle carries an order_event; it is empty")
     validate_handle(handle)
     if kind is not None and handle.kind != kind:
         raise ValueError(f"device handle: a {handle.kind} handle was sent for the {kind} backend")
@@ -152,6 +170,9 @@ def validate_handle(h: DeviceHandle) -> None:
         raise ValueError("device handle: a cuda handle needs the GPU's device_uuid")
     if not 0 < len(h.ipc_handle) <= MAX_IPC_HANDLE_BYTES:
         raise ValueError(f"device handle: ipc_handle has {len(h.ipc_handle)} bytes, expected 1..{MAX_IPC_HANDLE_BYTES}")
+    if h.order_event and (h.kind != "cuda" or len(h.order_event) != IPC_EVENT_HANDLE_BYTES):
+        raise ValueError(f"device handle: order_event has {len(h.order_event)} bytes; only a cuda handle carries "
+                         f"one, of {IPC_EVENT_HANDLE_BYTES} bytes (cudaIpcEventHandle_t)")
     if len(h.event_handle) > MAX_EVENT_HANDLE_BYTES:
         raise ValueError(f"device handle: event_handle has {len(h.event_handle)} bytes, "
                          f"more than {MAX_EVENT_HANDLE_BYTES}")

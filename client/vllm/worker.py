@@ -12,7 +12,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvstore_client.client import KVStoreClient, Session
-from kvstore_client.device import export_kv_memory, synchronize_before_store
+from kvstore_client.device import export_kv_memory, order_before_copies
 from kvstore_client.layouts import UnsupportedKVCache, describe_kv_cache
 from kvstore_client.protocol.completion import Completion
 from kvstore_client.shm import SharedKVMemory, move_to_shared_memory, shared_memory_spec
@@ -92,6 +92,8 @@ class Worker:
                 self.load_errors.update(t.block_ids)
                 self.refused_loads.add(t.req_id)
             return
+        if loads and self.device is not None:
+            order_before_copies(self.device)  # blocks taken from a preempted request may still be written
         for t in loads:
             job = self.session.load(t.keys, t.block_ids)
             self.load_jobs[job] = (t.req_id, t.block_ids, time.monotonic())
@@ -103,7 +105,7 @@ class Worker:
         if self.sharding.replicas > 1:  # replicas of a shard split its stores
             stores = [mine for t in stores if (mine := self._my_part(t)) is not None]
         if stores and self.device is not None:
-            synchronize_before_store(self.device)  # the daemon may read the blocks as soon as a job arrives
+            order_before_copies(self.device)  # the daemon may read the blocks as soon as a job arrives
         for t in stores:
             job = self.session.store(t.keys, t.block_ids, t.partial_tail)
             self.store_jobs[job] = t.req_id

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+PAGE = 4096  # pieces of the pool are pinned page-aligned (aclrtHostRegister requires it; CUDA is happy)
 
 
 @dataclass
@@ -32,14 +36,28 @@ class TransferPlan:
         return sum(self.sizes)
 
 
+def pool_pieces(base: int, data_offset: int, segment_size: int, segments: int) -> list[tuple[int, int]]:
+    """(address, size) of the pieces the pool is pinned in: its segments, starting `data_offset` bytes
+    after `base`. A piece is whole segments, so no copy crosses two (a block never crosses a segment,
+    and slot headers open each segment, so coalesced runs do not either); as few per piece as keep
+    every piece start on a 4 KiB page (one for the usual power-of-two segment sizes). The pool's
+    header, before the first segment, is never copied to or from a device and is left out."""
+    per_piece = PAGE // math.gcd(segment_size, PAGE)
+    start = base + data_offset
+    return [(start + first * segment_size, min(per_piece, segments - first) * segment_size)
+            for first in range(0, segments, per_piece)]
+
+
 class Backend(ABC):
     name: str
 
-    def register_pool(self, base: int, size: int) -> None:  # noqa: B027 - optional hook
-        """Make the pool usable for device DMA (pinning); no-op on CPU."""
+    def register_pool(self, pieces: Sequence[tuple[int, int]],  # noqa: B027 - optional hook
+                      device: int | None = None) -> None:
+        """Make the pool usable for device DMA: pin its pieces ((address, size), see pool_pieces), on
+        `device`'s context now, or with None on the device of the first mapping. No-op on CPU."""
 
-    def unregister_pool(self, base: int) -> None:  # noqa: B027 - optional hook
-        """Undo register_pool."""
+    def unregister_pool(self) -> None:  # noqa: B027 - optional hook
+        """Undo register_pool, piece by piece."""
 
     @abstractmethod
     def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
@@ -51,7 +69,9 @@ class Backend(ABC):
         """Release the mapping. Called only when no copy uses it any more."""
 
     @abstractmethod
-    def copy(self, device: int, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
-        """Copy the plan's runs (pool -> engine if to_engine) between the pool and the engine memory
-        mapped on `device` (the mappings' device), and return when every byte landed.
-        Runs in one of the daemon's copy threads, beside the others; raises on any failure."""
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+        """Copy the plan's runs (pool -> engine if to_engine) between the pool and the session's
+        engine memory, and return when every byte landed. `mapping` is the session's first mapping:
+        its device is the device of all of them, and what it holds orders the copies against the
+        engine (CUDA: the engine's event). Runs in one of the daemon's copy threads, beside the
+        others; raises on any failure."""

@@ -70,7 +70,7 @@ class CpuBackend(Backend):
         except BufferError:  # a stray export still holds it; the GC unmaps it later
             pass
 
-    def copy(self, device: int, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         if to_engine:
             native.copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes)
         else:

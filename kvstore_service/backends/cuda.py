@@ -16,8 +16,17 @@ the end-to-end GPU test. See docs/devices.md.
 * bounds: the driver's range of the allocation holding the mapping (cuMemGetAddressRange) must
   contain the `size` bytes the layout needs; when it cannot be queried the registration is refused
   (fail closed: the handle's sizes come from the client).
-* pool: pinned (cuMemHostRegister, portable) on the device of the first mapping, not on GPU 0,
-  which would create a context on a GPU no engine uses (and fails in EXCLUSIVE_PROCESS mode).
+* ordering: a version-2 handle carries the engine's interprocess event (one per engine device,
+  recorded by the engine on its stream before it submits a step's copies). map opens it
+  (cuIpcOpenEventHandle, once per engine event and device: the mappings of a session, and a
+  re-registration of the same engine, share it), every copy's stream waits on it
+  (cuStreamWaitEvent) before its first byte moves, both directions, and the last unmap using it
+  destroys it (cuEventDestroy). A version-1 handle (an older client) has none: its copies are not
+  ordered here, and such a client synchronizes its stream before stores itself.
+* pool: pinned (cuMemHostRegister, portable: one registration serves every GPU) in segment-sized
+  pieces (base.pool_pieces), all or none: at the daemon's start (--devices cuda) on its GPU 0,
+  else on the device of the first mapping, not on GPU 0, which would create a context on a GPU no
+  engine uses. Unpinned piece by piece at close.
 * copy: `native.cuda_copy_blocks` on the device's primary context (the one torch's runtime uses,
   so the IPC pointer is valid there), returning once every byte landed. A sticky driver error
   (700 illegal address, 719 launch failed, ...: the context is dead for the whole process) raises
@@ -29,8 +38,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 from kvstore_client.protocol.handle import check_inside_allocation, local_cuda_uuids, resolve_handle
 from kvstore_service import native
@@ -76,48 +87,73 @@ def require_cuda() -> ModuleType:
     return torch
 
 
+@dataclass
+class Held:
+    """What a CUDA mapping keeps until unmap."""
+
+    storage: Any  # torch's shared storage: dropping it closes the IPC mapping
+    event: int  # the engine's ordering event opened here (a CUevent); 0: none (a version-1 handle)
+    event_key: tuple[int, bytes] | None  # (device, event handle): its entry in CudaBackend.events
+
+
 class CudaBackend(Backend):
     name = "cuda"
 
     def __init__(self) -> None:
         self.torch = require_cuda()
         self.uuids = local_cuda_uuids()
-        self.pool: tuple[int, int] | None = None  # (base, size) to pin with the first mapping
-        self.pinned: int | None = None  # base of the pinned pool
-        self.pinned_on: int | None = None  # the device whose context pinned it
+        self.pieces: list[tuple[int, int]] = []  # the pool's (address, size) pieces, to pin once
+        self.pinned: list[tuple[int, int]] = []  # the pieces pinned
+        self.pinned_on: int | None = None  # the device whose context pinned them
         self._pin_lock = threading.Lock()
+        # Engine events opened here: (device, handle) -> [CUevent, mappings using it].
+        self.events: dict[tuple[int, bytes], list[int]] = {}
+        self._event_lock = threading.Lock()
+        self._warned_unordered = False
         self._cuda: ctypes.CDLL | None = None
 
-    def register_pool(self, base: int, size: int) -> None:
-        # Only recorded: the pool is pinned on the device of the first mapping (pin_pool_on), so that
-        # no context is created on a GPU no engine uses.
-        self.pool = (base, size)
+    def register_pool(self, pieces: Sequence[tuple[int, int]], device: int | None = None) -> None:
+        # Without a device, only recorded: the first mapping pins it on its own device (pin_pool_on).
+        self.pieces = list(pieces)
+        if device is not None:
+            self.pin_pool_on(device)
 
     def pin_pool_on(self, device: int) -> None:
-        """Pin the recorded pool on `device`'s context, once. cuMemHostRegister (portable: one
-        registration serves every GPU), not pin_memory, which would round the size up to a power of
-        two. Failing to pin is not fatal: pageable copies still work (slower); it is not retried."""
+        """Pin the recorded pool on `device`'s context, once, piece by piece: cuMemHostRegister
+        (portable: one registration serves every GPU), not pin_memory, which would round the size up
+        to a power of two. All or none: a piece that fails unpins the ones before it. Failing to pin
+        is not fatal (pageable copies still work, slower) and is not retried; a sticky error is."""
         with self._pin_lock:
-            if self.pool is None or self.pinned is not None:
+            if not self.pieces or self.pinned_on is not None:
                 return
-            base, size = self.pool
+            pinned: list[tuple[int, int]] = []
             try:
-                native.cuda_host_register(base, size, device)
-                self.pinned, self.pinned_on = base, device
+                for addr, size in self.pieces:
+                    native.cuda_host_register(addr, size, device)
+                    pinned.append((addr, size))
             except StickyDeviceError:
                 raise
             except RuntimeError as e:
-                log.warning("could not pin the %d-byte pool for GPU copies (%s); copies will be slower", size, e)
-                self.pool = None  # do not retry on every mapping
+                log.warning("could not pin the pool for GPU copies (piece %d of %d: %s); copies will be slower",
+                            len(pinned) + 1, len(self.pieces), e)
+                self._unpin(pinned, device)
+                self.pieces = []  # do not retry on every mapping
+                return
+            self.pinned, self.pinned_on = pinned, device
 
-    def unregister_pool(self, base: int) -> None:
+    def unregister_pool(self) -> None:
         with self._pin_lock:
-            if self.pinned == base and self.pinned_on is not None:
-                try:
-                    native.cuda_host_unregister(base, self.pinned_on)
-                except RuntimeError as e:
-                    log.warning("cuMemHostUnregister of the pool failed: %s", e)
-                self.pinned = self.pinned_on = None
+            if self.pinned_on is not None:
+                self._unpin(self.pinned, self.pinned_on)
+            self.pinned, self.pinned_on = [], None
+
+    @staticmethod
+    def _unpin(pieces: list[tuple[int, int]], device: int) -> None:
+        for addr, _ in pieces:
+            try:
+                native.cuda_host_unregister(addr, device)
+            except RuntimeError as e:
+                log.warning("cuMemHostUnregister of a pool piece failed: %s", e)
 
     def map(self, handle: bytes, size: int, device: int, fd: int | None = None) -> Mapping:
         local, h = resolve_handle(handle, size, "cuda", self.uuids, device)
@@ -134,10 +170,12 @@ class CudaBackend(Backend):
                 if storage.nbytes() < size:
                     raise ValueError(f"the shared storage has {storage.nbytes()} bytes, the layout needs {size}")
                 check_ipc_bounds(base, size, self._allocation_range)
+                event = self._open_event(local, h.order_event)
             except BaseException:
                 del storage  # close the IPC mapping now, not when the traceback goes
                 raise
-        mapping = Mapping(base, size, device=local, handle=storage)
+        key = (local, h.order_event) if event else None
+        mapping = Mapping(base, size, device=local, handle=Held(storage, event, key))
         try:
             self.pin_pool_on(local)
         except BaseException:
@@ -158,14 +196,57 @@ class CudaBackend(Backend):
         rc = fn(ctypes.byref(alloc_base), ctypes.byref(alloc_size), ctypes.c_uint64(ptr))
         return int(rc), alloc_base.value, alloc_size.value
 
-    def unmap(self, mapping: Mapping) -> None:
-        storage, mapping.handle = mapping.handle, None
-        del storage  # torch's deleter: stream sync, ref counter release, cudaIpcCloseMemHandle
+    def _open_event(self, device: int, handle: bytes) -> int:
+        """The engine's ordering event on `device`, opened once per engine event (0 without one)."""
+        if not handle:
+            if not self._warned_unordered:
+                log.warning("an engine sent a CUDA handle without an ordering event (a client older than handle "
+                            "version 2): the daemon does not order its copies; such a client synchronizes its "
+                            "stream before stores")
+                self._warned_unordered = True
+            return 0
+        with self._event_lock:
+            known = self.events.get((device, handle))
+            if known is not None:
+                known[1] += 1
+                return known[0]
+            try:
+                event = native.cuda_open_ipc_event(handle, device)
+            except StickyDeviceError:
+                raise
+            except RuntimeError as e:
+                raise ValueError(f"cannot open the engine's IPC event on GPU {device}: {e}; the copies could not "
+                                 "be ordered after the engine's writes") from None
+            self.events[(device, handle)] = [event, 1]
+            return event
 
-    def copy(self, device: int, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+    def _release_event(self, key: tuple[int, bytes]) -> None:
+        with self._event_lock:
+            known = self.events[key]
+            known[1] -= 1
+            if known[1] > 0:
+                return
+            del self.events[key]
+        try:
+            native.cuda_destroy_event(known[0], key[0])
+        except RuntimeError as e:
+            log.warning("cuEventDestroy of an engine's event failed: %s", e)
+
+    def unmap(self, mapping: Mapping) -> None:
+        held, mapping.handle = mapping.handle, None
+        assert isinstance(held, Held)
+        key, held.storage = held.event_key, None  # torch's deleter: stream sync, ref counter release, IPC close
+        if key is not None:  # this session's copies are over: nothing waits on the event any more
+            self._release_event(key)
+
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+        held = mapping.handle
+        assert isinstance(held, Held)
+        # The copy stream waits on the engine's event first: the engine recorded it after the work
+        # that wrote the blocks (a store) or last wrote blocks a load now overwrites.
         if to_engine:
             native.cuda_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes,
-                                    "h2d", device)
+                                    "h2d", mapping.device, wait_event=held.event)
         else:
             native.cuda_copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes,
-                                    "d2h", device)
+                                    "d2h", mapping.device, wait_event=held.event)

@@ -15,12 +15,15 @@ check, size rounding, the bounds decision) are tested in tests/test_npu_backend.
   allocation it reports, rounded up to the 2 MiB page; an error from the query refuses the mapping.
   Where the query is missing or answers "not supported", the daemon trusts the handle's
   `storage_bytes` (the client's claim; `_new_shared_npu` sizes the storage from it) and logs so.
-* No event crosses the process boundary (Ascend IPC cannot carry events): the engine synchronizes
-  its stream before submitting stores (`kvstore_client.device.synchronize_before_store`).
-* register_pool: registration needs a current device context, so the pool is registered on the
-  device of the first mapping (the pool's data area is 2 MiB aligned already), size rounded up to
-  4 KiB. The native engine page-locks with aclrtHostRegisterV2(MAPPED | PINNED) (CANN >= 8.5) and
-  falls back to the legacy aclrtHostRegister, which does not pin: copies are then synchronous.
+* No event is used across the process boundary (torch_npu's IPC event is not wired up here): the
+  engine synchronizes the whole device before submitting a step's stores and loads
+  (`kvstore_client.device.order_before_copies`).
+* register_pool: registration needs a current device context, so the pool is registered at the
+  daemon's start (--devices npu) on its device 0, else on the device of the first mapping, in
+  segment-sized pieces (base.pool_pieces: 4 KiB-aligned starts; each size rounded up to 4 KiB), all
+  or none, unregistered piece by piece at close. The native engine page-locks with
+  aclrtHostRegisterV2(MAPPED | PINNED) (CANN >= 8.5) and falls back to the legacy
+  aclrtHostRegister, which does not pin: copies are then synchronous.
   Skipped on kernels <= 5.10, where CANN documents that registering memory not from
   aclrtMallocHost "causes exceptions". Whether one registration serves copies to every NPU is
   unverified; a failed registration only costs speed.
@@ -32,6 +35,7 @@ import ctypes
 import logging
 import os
 import re
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -132,41 +136,54 @@ class NpuBackend(Backend):
     def __init__(self) -> None:
         self.torch = require_npu()
         self.uuids = local_npu_uuids()
-        self.pool: tuple[int, int] | None = None
+        self.pieces: list[tuple[int, int]] = []  # the pool's (address, size) pieces, to register once
+        self.registered: list[int] = []  # addresses of the pieces registered
         self.registered_on: int | None = None  # device whose context registered the pool
         self._warned_unbounded = False
 
-    def register_pool(self, base: int, size: int) -> None:
+    def register_pool(self, pieces: Sequence[tuple[int, int]], device: int | None = None) -> None:
         release = os.uname().release
         if not kernel_allows_host_register(release):
             log.warning("kernel %s is 5.10 or older: CANN cannot register memory it did not allocate there, so "
                         "the pool is not registered and NPU copies are synchronous and slower", release)
             return
-        self.pool = (base, size)  # registered with the first mapping's device (needs its context)
+        self.pieces = list(pieces)  # without a device: registered with the first mapping's (needs its context)
+        if device is not None:
+            self._register_pool_on(device)
 
     def _register_pool_on(self, device: int) -> None:
-        if self.pool is None or self.registered_on is not None:
+        """Register every piece on `device`, all or none; a failure only warns and is not retried."""
+        if not self.pieces or self.registered_on is not None:
             return
-        base, size = self.pool
+        done: list[int] = []
         try:
-            native.acl_host_register(base, host_register_size(size), device)
-            self.registered_on = device
+            for addr, size in self.pieces:
+                native.acl_host_register(addr, host_register_size(size), device)
+                done.append(addr)
         except (RuntimeError, ValueError) as e:
-            log.warning("registering the %d-byte pool with ACL failed (%s); NPU copies will be slower", size, e)
-            self.pool = None  # do not retry on every mapping
+            log.warning("registering the pool with ACL failed (piece %d of %d: %s); NPU copies will be slower",
+                        len(done) + 1, len(self.pieces), e)
+            self._unregister(done, device)
+            self.pieces = []  # do not retry on every mapping
             return
+        self.registered, self.registered_on = done, device
         if native.features().get("acl_host_pinned") is False:
             log.warning("the pool was registered with the legacy aclrtHostRegister (aclrtHostRegisterV2 needs "
                         "CANN >= 8.5): it is mapped for the NPU but not page-locked, so every NPU copy is "
                         "synchronous")
 
-    def unregister_pool(self, base: int) -> None:
+    def unregister_pool(self) -> None:
         if self.registered_on is not None:
+            self._unregister(self.registered, self.registered_on)
+        self.registered, self.registered_on = [], None
+
+    @staticmethod
+    def _unregister(addresses: list[int], device: int) -> None:
+        for addr in addresses:
             try:
-                native.acl_host_unregister(base, self.registered_on)
+                native.acl_host_unregister(addr, device)
             except RuntimeError as e:
-                log.warning("aclrtHostUnregister of the pool failed: %s", e)
-            self.registered_on = None
+                log.warning("aclrtHostUnregister of a pool piece failed: %s", e)
 
     def map(self, handle: bytes, size: int, device: int, fd: int | None = None) -> Mapping:
         local, h = resolve_handle(handle, size, "npu", self.uuids, device)
@@ -197,10 +214,10 @@ class NpuBackend(Backend):
         storage, mapping.handle = mapping.handle, None
         del storage  # torch_npu's deleter: stream sync, ref counter release, IPC close
 
-    def copy(self, device: int, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         if to_engine:
             native.acl_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes,
-                                   "h2d", device)
+                                   "h2d", mapping.device)
         else:
             native.acl_copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes,
-                                   "d2h", device)
+                                   "d2h", mapping.device)
