@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import stat
+import subprocess
 from pathlib import Path
 
 import helm_python as helm
@@ -27,6 +30,8 @@ SOCKET_DIR = "/run/kvstore"
 SOCKET = "/run/kvstore/kvstore.sock"
 HEALTH = ["kvstore", "health", "--socket", SOCKET]
 MiB = 1 << 20
+DISK_MOUNT = "/var/lib/kvstore/disk"
+REMOTE_DIR = "/etc/kvstore/remote"
 
 
 @pytest.fixture(scope="module")
@@ -362,6 +367,248 @@ def test_scheduling_values(chart):
     assert "initContainers" not in spec
 
 
+def init_container(docs):
+    (init,) = pod_spec(docs)["initContainers"]
+    return init
+
+
+def test_tiers_are_off_by_default(chart):
+    docs, notes = render(chart)
+    spec = pod_spec(docs)
+    container = daemon(docs)
+    assert not any(name.startswith(("KVSTORE_DISK", "KVSTORE_REMOTE")) for name in env(container))
+    assert "NODE_NAME" not in env(container)
+    assert set(volumes(spec)) == {"socket-dir", "pool", "tmp"}
+    assert set(mounts(container)) == {SOCKET_DIR, "/var/lib/kvstore/pool", "/tmp"}
+    init = init_container(docs)
+    assert [mount["name"] for mount in init["volumeMounts"]] == ["socket-dir"]
+    assert "mkdir" not in init["command"][-1]
+    assert "Disk tier" not in notes
+    assert "Remote tier" not in notes
+
+
+def test_disk_tier_on_a_node_directory(chart):
+    docs, notes = render(chart, {"disk": {"size": "500GiB", "hostPath": "/mnt/nvme0/kvstore"}})
+    spec = pod_spec(docs)
+    container = daemon(docs)
+    variables = env(container)
+    assert variables["KVSTORE_DISK_SIZE"] == "500GiB"
+    # The daemon's directory is a subdirectory of the node directory, which the kubelet may create root-owned.
+    assert variables["KVSTORE_DISK_PATH"] == f"{DISK_MOUNT}/kvstore"
+    assert volume_at(spec, container, DISK_MOUNT)["hostPath"] == {
+        "path": "/mnt/nvme0/kvstore",
+        "type": "DirectoryOrCreate",
+    }
+    assert "readOnly" not in mounts(container)[DISK_MOUNT]
+    assert host_paths(spec, container) == {SOCKET_DIR: SOCKET_DIR, DISK_MOUNT: "/mnt/nvme0/kvstore"}
+    assert "NODE_NAME" not in variables
+    # Disk I/O does not change the memory the pod asks for.
+    assert container["resources"]["limits"]["memory"] == "5120Mi"
+    assert container["resources"]["requests"]["memory"] == "5120Mi"
+
+    # The root init container (CHOWN and FOWNER only) prepares the subdirectory in the same volume.
+    init = init_container(docs)
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN", "FOWNER"]}
+    init_mounts = mounts(init)
+    assert init_mounts[DISK_MOUNT]["name"] == mounts(container)[DISK_MOUNT]["name"]
+    script = init["command"][-1]
+    assert init["command"][:2] == ["sh", "-ec"]
+    assert f"cd -P {DISK_MOUNT}\n" in script
+    assert 'mkdir "kvstore"' in script
+    assert "chown 10001:10001 . && chmod 0700 . && chmod g-s ." in script
+    # ... and still hands the socket directory over.
+    assert "chown 10001:10001 /run/kvstore-node && chmod 0750 /run/kvstore-node" in script
+    assert "env" not in init
+
+    assert "Disk tier: up to 500GiB of the node's disk, in the node directory /mnt/nvme0/kvstore/kvstore" in notes
+
+
+def test_disk_tier_on_a_claim(chart):
+    values = {"disk": {"size": 2 * 2**40, "existingClaim": "kvstore-nvme"}, "socket": {"fixPermissions": True}}
+    docs, notes = render(chart, values)
+    spec = pod_spec(docs)
+    container = daemon(docs)
+    assert volume_at(spec, container, DISK_MOUNT) == {
+        "name": "disk",
+        "persistentVolumeClaim": {"claimName": "kvstore-nvme"},
+    }
+    # The claim replaces the hostPath: the socket directory stays the only node path.
+    assert host_paths(spec, container) == {SOCKET_DIR: SOCKET_DIR}
+    variables = env(container)
+    assert variables["KVSTORE_DISK_SIZE"] == str(2 * 2**40)
+    # Every daemon pod mounts the one claim: each node's daemon has its own directory in it, named by
+    # Kubernetes' $(NODE_NAME) expansion, which needs NODE_NAME defined before it.
+    names = [item["name"] for item in container["env"]]
+    assert names.index("NODE_NAME") < names.index("KVSTORE_DISK_PATH")
+    (node_name,) = [item for item in container["env"] if item["name"] == "NODE_NAME"]
+    assert node_name["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert variables["KVSTORE_DISK_PATH"] == f"{DISK_MOUNT}/kvstore-$(NODE_NAME)"
+    init = init_container(docs)
+    assert init["env"] == [node_name]
+    assert 'mkdir "kvstore-$(NODE_NAME)"' in init["command"][-1]
+    assert mounts(init)[DISK_MOUNT]["name"] == "disk"
+    assert "PersistentVolumeClaim kvstore-nvme" in notes
+
+
+def test_disk_tier_without_fix_permissions(chart):
+    docs, _ = render(chart, {"disk": {"size": "1TB"}, "socket": {"fixPermissions": False}})
+    spec = pod_spec(docs)
+    # The operator prepares the directory: no root container at all.
+    assert "initContainers" not in spec
+    assert env(daemon(docs))["KVSTORE_DISK_PATH"] == f"{DISK_MOUNT}/kvstore"
+    assert volume_at(spec, daemon(docs), DISK_MOUNT)["hostPath"]["path"] == "/var/lib/kvstore-disk"
+
+
+def run_init_script(docs, root, node="node-a"):
+    """Run the rendered init script against directories under `root` standing in for its mounts."""
+    script = init_container(docs)["command"][-1]
+    script = script.replace("/run/kvstore-node", str(root / "socket")).replace(DISK_MOUNT, str(root / "disk"))
+    script = script.replace("$(NODE_NAME)", node)  # what Kubernetes expands in a command
+    return subprocess.run(["sh", "-ec", script], capture_output=True, text=True, timeout=30)
+
+
+# The daemon's uid/gid for running the init script here: ours, or (as root, whose 0 the chart reads as unset)
+# any other pair, which root may chown to.
+DAEMON_IDS = (os.getuid(), os.getgid()) if os.getuid() else (54321, 54322)
+
+
+def as_daemon():
+    return {"podSecurityContext": {"runAsUser": DAEMON_IDS[0], "runAsGroup": DAEMON_IDS[1]}}
+
+
+@pytest.mark.parametrize("claim", [False, True])
+def test_disk_init_script_makes_a_private_directory(chart, tmp_path, claim):
+    values = {**as_daemon(), "disk": {"size": "1TiB", "existingClaim": "nvme" if claim else ""}}
+    docs, _ = render(chart, values)
+    (tmp_path / "socket").mkdir()
+    disk = tmp_path / "disk"
+    disk.mkdir(mode=0o755)
+    subdir = disk / ("kvstore-node-a" if claim else "kvstore")
+    result = run_init_script(docs, tmp_path)
+    assert result.returncode == 0, result.stderr
+    st = subdir.lstat()
+    assert stat.S_ISDIR(st.st_mode)
+    assert (st.st_uid, st.st_gid) == DAEMON_IDS
+    assert stat.S_IMODE(st.st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "socket").stat().st_mode) == 0o750
+    # The daemon's path is that directory.
+    assert env(daemon(docs))["KVSTORE_DISK_PATH"].replace(DISK_MOUNT, str(disk)).replace(
+        "$(NODE_NAME)", "node-a") == str(subdir)
+
+    # At every start: a directory made group-writable (and setgid) by fsGroup is private again, its files kept.
+    (subdir / "seg-1.kvd").write_bytes(b"x")
+    subdir.chmod(0o2770)
+    result = run_init_script(docs, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert stat.S_IMODE(subdir.lstat().st_mode) == 0o700
+    assert (subdir / "seg-1.kvd").read_bytes() == b"x"
+
+
+def test_disk_init_script_refuses_a_symlink(chart, tmp_path):
+    docs, _ = render(chart, {**as_daemon(), "disk": {"size": "1TiB"}})
+    (tmp_path / "socket").mkdir()
+    (tmp_path / "disk").mkdir()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o755)
+    elsewhere.chmod(0o755)
+    (tmp_path / "disk" / "kvstore").symlink_to(elsewhere)
+    result = run_init_script(docs, tmp_path)
+    assert result.returncode != 0
+    assert "is a symbolic link" in result.stderr
+    # The link's target was not touched (the root container never chmods through a link).
+    assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o755
+
+
+def test_remote_tier(chart):
+    values = {
+        "remote": {
+            "url": "rediss+cluster://10.0.0.5:6379,10.0.0.6:6379",
+            "passwordSecret": {"name": "redis-auth", "key": "redis-password"},
+            "tlsCASecret": {"name": "redis-tls"},
+        },
+        "settings": {"remote_timeout_s": 0.5, "remote_queue_bytes": "1GiB"},
+    }
+    docs, notes = render(chart, values)
+    spec = pod_spec(docs)
+    container = daemon(docs)
+    variables = env(container)
+    assert variables["KVSTORE_REMOTE"] == "rediss+cluster://10.0.0.5:6379,10.0.0.6:6379"
+    assert variables["KVSTORE_REMOTE_PASSWORD_FILE"] == f"{REMOTE_DIR}/password"
+    assert variables["KVSTORE_REMOTE_TLS_CA"] == f"{REMOTE_DIR}/ca.crt"
+    assert variables["KVSTORE_REMOTE_TIMEOUT_S"] == "0.5"
+    assert variables["KVSTORE_REMOTE_QUEUE_BYTES"] == "1GiB"
+    # The password reaches the daemon only as a file: no env var holds it or refers to a Secret.
+    assert "KVSTORE_REMOTE_PASSWORD" not in variables
+    assert not any("valueFrom" in item for item in container["env"])
+    assert "@" not in variables["KVSTORE_REMOTE"]
+
+    # Both files come read-only from the Secrets (mode 0440: the daemon reads them through fsGroup).
+    assert mounts(container)[REMOTE_DIR]["readOnly"] is True
+    projected = volume_at(spec, container, REMOTE_DIR)["projected"]
+    assert projected["defaultMode"] == 0o440
+    assert projected["sources"] == [
+        {"secret": {"name": "redis-auth", "items": [{"key": "redis-password", "path": "password"}]}},
+        {"secret": {"name": "redis-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+    ]
+    files = {f"{REMOTE_DIR}/{item['path']}" for source in projected["sources"] for item in source["secret"]["items"]}
+    assert files == {variables["KVSTORE_REMOTE_PASSWORD_FILE"], variables["KVSTORE_REMOTE_TLS_CA"]}
+    assert "Remote tier: rediss+cluster://10.0.0.5:6379,10.0.0.6:6379 (password from Secret redis-auth)" in notes
+    # No disk tier unless asked for.
+    assert "KVSTORE_DISK_PATH" not in variables
+
+
+def test_remote_tier_without_secrets(chart):
+    docs, _ = render(chart, {"remote": {"url": "redis://valkey.cache.svc:6379/2"}})
+    variables = env(daemon(docs))
+    assert variables["KVSTORE_REMOTE"] == "redis://valkey.cache.svc:6379/2"
+    assert not any(name.startswith("KVSTORE_REMOTE_") for name in variables)
+    assert "remote-secrets" not in volumes(pod_spec(docs))
+    assert REMOTE_DIR not in mounts(daemon(docs))
+
+
+def test_daemon_accepts_the_tier_settings(chart, monkeypatch):
+    """The rendered env, read by the daemon's own config (as `kvstore serve` does)."""
+    from kvstore_service.config import Config
+
+    values = {
+        "disk": {"size": "1.5TiB"},
+        "remote": {"url": "rediss://redis.example:6380", "passwordSecret": {"name": "redis"},
+                   "tlsCASecret": {"name": "redis"}},
+        "settings": {"disk_segment_size": "128MiB", "disk_queue_bytes": "512MiB", "remote_breaker_s": 30,
+                     "remote_fetch_bytes": 1 << 30},
+    }
+    docs, _ = render(chart, values)
+    for name in [name for name in os.environ if name.startswith("KVSTORE_")]:
+        monkeypatch.delenv(name)
+    for name, value in env(daemon(docs)).items():
+        if name.startswith("KVSTORE_"):
+            monkeypatch.setenv(name, value)
+    config = Config.load()
+    assert config.disk_path == f"{DISK_MOUNT}/kvstore"
+    assert int(config.disk_size) == int(1.5 * 2**40)
+    assert int(config.disk_segment_size) == 128 * MiB
+    assert int(config.disk_queue_bytes) == 512 * MiB
+    assert config.remote == "rediss://redis.example:6380"
+    assert config.remote_password_file == f"{REMOTE_DIR}/password"
+    assert config.remote_tls_ca == f"{REMOTE_DIR}/ca.crt"
+    assert config.remote_breaker_s == 30
+    assert int(config.remote_fetch_bytes) == 1 << 30
+
+
+def test_settings_schema_names_daemon_settings_only(chart):
+    """`settings` takes the daemon's own setting names, minus those the chart sets from other values."""
+    from kvstore_service.config import Config
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    allowed = set(schema["properties"]["settings"]["properties"])
+    assert allowed <= set(Config.model_fields)
+    managed = {"disk_path", "disk_size", "remote", "remote_password_file", "remote_tls_ca", "pool_size",
+               "pool_path", "socket", "tls_cert", "tls_key", "tls_client_ca"}
+    assert not allowed & managed
+    assert {"disk_segment_size", "disk_queue_bytes", "remote_queue_bytes", "remote_timeout_s",
+            "remote_breaker_s", "remote_fetch_bytes"} <= allowed
+
+
 BAD_VALUES = {
     "negative pool size": (
         {"pool": {"size": "-4GiB"}},
@@ -409,6 +656,66 @@ BAD_VALUES = {
         {"metrics": {"port": 0, "serviceMonitor": {"enabled": True}}},
         ["metrics.serviceMonitor.enabled need metrics.port > 0"],
     ),
+    "disk size not a size": ({"disk": {"size": "lots"}}, ["at '/disk/size': 'lots' does not match pattern"]),
+    "zero disk size": ({"disk": {"size": "0GiB"}}, ["at '/disk/size'", "'0GiB' does not match pattern '^$|[1-9]'"]),
+    "zero disk bytes": ({"disk": {"size": 0}}, ["at '/disk/size': minimum: got 0, want 1"]),
+    "disk smaller than two segments": (
+        {"disk": {"size": "500MiB"}},
+        ["disk.size 500MiB must hold at least two disk segments of 256MiB (settings.disk_segment_size)"],
+    ),
+    "disk smaller than two custom segments": (
+        {"disk": {"size": "1GiB"}, "settings": {"disk_segment_size": "1GiB"}},
+        ["disk.size 1GiB must hold at least two disk segments of 1GiB"],
+    ),
+    "disk without a place": (
+        {"disk": {"size": "1TiB", "hostPath": ""}},
+        ["disk.size needs disk.hostPath (a node directory) or disk.existingClaim"],
+    ),
+    "relative disk hostPath": (
+        {"disk": {"size": "1TiB", "hostPath": "data/kvstore"}},
+        ["at '/disk/hostPath': 'data/kvstore' does not match pattern"],
+    ),
+    "bad claim name": (
+        {"disk": {"size": "1TiB", "existingClaim": "My_Claim"}},
+        ["at '/disk/existingClaim': 'My_Claim' does not match pattern"],
+    ),
+    "unknown disk value": ({"disk": {"path": "/data"}}, ["at '/disk': additional properties 'path' not allowed"]),
+    "disk path in settings": (
+        {"settings": {"disk_path": "/data"}},
+        ["at '/settings': additional properties 'disk_path' not allowed"],
+    ),
+    "remote url in settings": (
+        {"settings": {"remote": "redis://r:6379"}},
+        ["at '/settings': additional properties 'remote' not allowed"],
+    ),
+    "remote url without scheme": (
+        {"remote": {"url": "redis.example:6379"}},
+        ["at '/remote/url': 'redis.example:6379' does not match pattern"],
+    ),
+    "remote url of another scheme": (
+        {"remote": {"url": "http://redis.example:6379"}},
+        ["at '/remote/url': 'http://redis.example:6379' does not match pattern"],
+    ),
+    "remote url with a password": (
+        {"remote": {"url": "redis://default:hunter2@redis.example:6379"}},
+        ["remote.url must not carry a password", "remote.passwordSecret.name"],
+    ),
+    "remote password without url": (
+        {"remote": {"passwordSecret": {"name": "redis"}}},
+        ["remote.passwordSecret and remote.tlsCASecret need remote.url"],
+    ),
+    "remote CA for plaintext": (
+        {"remote": {"url": "redis://redis.example:6379", "tlsCASecret": {"name": "redis-ca"}}},
+        ["remote.tlsCASecret verifies a TLS store: use a rediss://"],
+    ),
+    "remote secret key empty": (
+        {"remote": {"url": "redis://r:6379", "passwordSecret": {"name": "redis", "key": ""}}},
+        ["at '/remote/passwordSecret/key'"],
+    ),
+    "remote timeout zero": (
+        {"settings": {"remote_timeout_s": 0}},
+        ["at '/settings/remote_timeout_s'"],
+    ),
     "ascend without devices": (
         {"accelerator": "ascend", "ascend": {"devices": []}},
         ["needs ascend.devices"],
@@ -444,8 +751,17 @@ def test_notes_show_the_vllm_config(chart):
     assert "tenant_salt" not in kv_transfer_config(notes)["kv_connector_extra_config"]
 
 
-def test_chart_lints_clean():
-    report = helm.lint(CHART, strict=True)
+@pytest.mark.parametrize(
+    "values",
+    [
+        None,
+        {"disk": {"size": "1TiB", "existingClaim": "nvme"}, "remote": {
+            "url": "rediss://r:6379", "passwordSecret": {"name": "r"}, "tlsCASecret": {"name": "r"}}},
+    ],
+    ids=["defaults", "tiers"],
+)
+def test_chart_lints_clean(values):
+    report = helm.lint(CHART, values, strict=True)
     assert report["errors"] == []
     assert [m for m in report["messages"] if m["severity"] >= 2] == []
 

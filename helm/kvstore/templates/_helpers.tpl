@@ -77,6 +77,20 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{/* Where the disk tier's volume is mounted, in the daemon and in the init container. */}}
+{{- define "kvstore.diskMount" -}}/var/lib/kvstore/disk{{- end -}}
+
+{{/* The disk tier's directory in its volume: one per node on a claim (all daemon pods mount the same
+one), with $(NODE_NAME) expanded by Kubernetes from the container's env. */}}
+{{- define "kvstore.diskSubdir" -}}
+{{- ternary "kvstore-$(NODE_NAME)" "kvstore" (ne .Values.disk.existingClaim "") -}}
+{{- end -}}
+
+{{/* The disk tier's directory as the daemon sees it (KVSTORE_DISK_PATH). */}}
+{{- define "kvstore.diskPath" -}}
+{{- printf "%s/%s" (include "kvstore.diskMount" .) (include "kvstore.diskSubdir" .) -}}
+{{- end -}}
+
 {{- define "kvstore.metricsServiceEnabled" -}}
 {{- if or .Values.metrics.service.enabled .Values.metrics.serviceMonitor.enabled -}}true{{- end -}}
 {{- end -}}
@@ -94,6 +108,25 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- if and .Values.tcp.enabled (eq (int .Values.tcp.port) (int .Values.metrics.port)) -}}
 {{- fail (printf "tcp.port and metrics.port are both %d: use two different ports" (int .Values.tcp.port)) -}}
+{{- end -}}
+{{- if ne (include "kvstore.sizeString" .Values.disk.size) "" -}}
+{{- if and (not .Values.disk.existingClaim) (not .Values.disk.hostPath) -}}
+{{- fail "disk.size needs disk.hostPath (a node directory) or disk.existingClaim (a PersistentVolumeClaim) to keep the disk tier in" -}}
+{{- end -}}
+{{- $size := include "kvstore.bytes" .Values.disk.size | float64 -}}
+{{- $segment := include "kvstore.bytes" (.Values.settings.disk_segment_size | default "256MiB") | float64 -}}
+{{- if lt $size (mulf 2 $segment) -}}
+{{- fail (printf "disk.size %s must hold at least two disk segments of %s (settings.disk_segment_size)" (include "kvstore.sizeString" .Values.disk.size) (include "kvstore.sizeString" (.Values.settings.disk_segment_size | default "256MiB"))) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (not .Values.remote.url) (or .Values.remote.passwordSecret.name .Values.remote.tlsCASecret.name) -}}
+{{- fail "remote.passwordSecret and remote.tlsCASecret need remote.url (the Redis/Valkey store)" -}}
+{{- end -}}
+{{- if regexMatch "^[^:]+://[^/@]*:[^/]*@" .Values.remote.url -}}
+{{- fail "remote.url must not carry a password (the URL is in the pod spec): put it in a Secret and set remote.passwordSecret.name" -}}
+{{- end -}}
+{{- if and .Values.remote.tlsCASecret.name (not (hasPrefix "rediss" .Values.remote.url)) -}}
+{{- fail "remote.tlsCASecret verifies a TLS store: use a rediss:// or rediss+cluster:// remote.url" -}}
 {{- end -}}
 {{- if and (eq .Values.accelerator "ascend") (not .Values.ascend.devices) -}}
 {{- fail "accelerator=ascend needs ascend.devices: the NPU indices of the node, e.g. [0, 1, 2, 3]" -}}
