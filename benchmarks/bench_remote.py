@@ -1,6 +1,7 @@
 """The remote tier's throughput against the raw client it runs on, on real redis-server processes.
 
     python benchmarks/bench_remote.py [--target cluster|single|both] [--mib 256] [--rounds 5] [--loop uvloop]
+    python benchmarks/bench_remote.py --daemon [--target ...] [--mib 128] [--rounds 3]
 
 For values of 128 KiB, 1 MiB and 4 MiB, in one run, on a 3-master cluster and/or one server on loopback
 (started here, in a temp dir):
@@ -12,6 +13,16 @@ For values of 128 KiB, 1 MiB and 4 MiB, in one run, on a 3-master cluster and/or
   * raw GET: pipelines of 16 keys (the tier's fetch batch), one batch after the other, every value kept
     (as `fetch` returns them all);
   * tier fetch: `RemoteTier.fetch` of the same number of blocks (pipelined GETs + verification).
+
+With `--daemon`, through running daemons instead (`kvstore serve --remote URL`, one CPU engine):
+
+  * upload: a store job of `--mib` into daemon A, timed until A's Stats say every block is uploaded,
+    from the job's submission ("daemon": engine -> pool copy, seal checksums, write-behind) and from its
+    completion ("behind": the write-behind alone, seal checksums included), against raw SET of the
+    same values (their bytes taken from the engine's memory);
+  * fetch: a lookup of those keys on daemon B (its own empty pool, same store), timed until it answers
+    with every block a hit (pipelined GETs, verification, copies into B's pool), against raw GET of the
+    same keys.
 
 `--mib` of payload per measurement. Each round runs all four back to back on the same keys (overwritten,
 so the servers' memory is warm after the first, unmeasured, round); the figures are medians over
@@ -34,8 +45,10 @@ import uvloop
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
+from kvstore_client.process import DaemonProcess
+from kvstore_client.shm import SharedKVMemory
 from kvstore_service import native
-from kvstore_service.remote import RemoteTier
+from kvstore_service.remote import RemoteTier, encode_value, remote_keys
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.redis import RedisCluster as ClusterProcs  # noqa: E402
@@ -124,6 +137,85 @@ async def measure(url: str, client: Redis | RedisCluster, size: int, total: int,
     return gbs
 
 
+async def through_daemons(url: str, client: Redis | RedisCluster, size: int, total: int, rounds: int,
+                          workdir: Path) -> dict[str, float]:
+    """Upload and fetch through two running daemons against raw SET/GET of the same values (one engine
+    store job and one lookup per round, each on blocks of its own)."""
+    n = total // size
+    sets = [[os.urandom(32) for _ in range(n)] for _ in range(rounds + 1)]  # the first round warms up
+    pool = str((rounds + 2) * total)
+    a = DaemonProcess(workdir / f"a{size}", pool, "64MiB", "--fresh", "--remote", url, "--remote-queue-bytes",
+                      str(2 * total), "--remote-fetch-bytes", str(total), "--log-level", "WARNING").start()
+    b = DaemonProcess(workdir / f"b{size}", pool, "64MiB", "--fresh", "--remote", url, "--remote-fetch-bytes",
+                      str(total), "--log-level", "WARNING").start()
+    memory = SharedKVMemory(n * size)
+    times: dict[str, list[float]] = {"raw SET": [], "daemon up": [], "behind": [], "raw GET": [],
+                                     "daemon fetch": []}
+    try:
+        ca, cb = a.client(timeout=120), b.client(timeout=120)
+        session = ca.session("bench-remote", memory.memory_spec(n, [(0, size, size)]))
+        engine_b = cb.session("bench-remote", memory.memory_spec(n, [(0, size, size)]))  # B knows the namespace
+        for r, keys in enumerate(sets):
+            memory.tensor.random_(0, 256)
+            rkeys = remote_keys("", "bench-remote", keys)
+            values = [encode_value(k, memory.tensor[i * size:(i + 1) * size].numpy()) for i, k in enumerate(rkeys)]
+            raw = [b"raw:" + k for k in rkeys]
+            t_set = await raw_set(client, raw, values)
+            uploaded = ca.stats().remote.uploaded
+            t0 = time.perf_counter()
+            job = session.store(keys, list(range(n)))
+            assert session.wait([job], timeout=120)[job].ok
+            t_commit = time.perf_counter()
+            # Uploads go in order: once the last block's key is in the store, the rest are (on a cluster,
+            # other nodes' parts of the last batch may still be answering). The store is asked first, not
+            # the daemon: a Stats call costs the daemon's loop ~0.3 ms.
+            while not await client.exists(rkeys[-1]):
+                await asyncio.sleep(0.0005)
+            while ca.stats().remote.uploaded < uploaded + n:
+                await asyncio.sleep(0.0005)
+            t_up = time.perf_counter() - t0
+            t_behind = time.perf_counter() - t_commit
+            t_get = await raw_get(client, rkeys, size + 24)
+            t0 = time.perf_counter()
+            assert engine_b.lookup(keys)[0] == n
+            t_fetch = time.perf_counter() - t0
+            if r:
+                for op, t in zip(times, (t_set, t_up, t_behind, t_get, t_fetch), strict=True):
+                    times[op].append(t)
+        remote = ca.stats().remote
+        assert remote.upload_failed == remote.dropped_full == remote.corrupt == 0, remote
+        session.close()
+        engine_b.close()
+        ca.close()
+        cb.close()
+    finally:
+        for daemon in (a, b):
+            daemon.cleanup()
+        memory.close()
+        await client.flushall()
+    gbs = {op: n * size / statistics.median(t) / 1e9 for op, t in times.items()}
+    gbs["up"] = statistics.median(r / t for r, t in zip(times["raw SET"], times["daemon up"], strict=True))
+    gbs["up behind"] = statistics.median(r / t for r, t in zip(times["raw SET"], times["behind"], strict=True))
+    gbs["fetch"] = statistics.median(r / t for r, t in zip(times["raw GET"], times["daemon fetch"], strict=True))
+    return gbs
+
+
+async def run_daemons(name: str, url: str, client: Redis | RedisCluster, total: int, rounds: int,
+                      workdir: Path) -> list[float]:
+    print(f"\n{name}, through daemons: {url}\n(GB/s of payload; ratio: daemon / raw)")
+    print(f"{'value':>9} | {'raw SET':>7} {'daemon':>7} {'ratio':>5} {'behind':>7} {'ratio':>5} | "
+          f"{'raw GET':>7} {'daemon':>7} {'ratio':>5}")
+    ratios = []
+    for size in SIZES:
+        g = await through_daemons(url, client, size, total, rounds, workdir)
+        ratios += [g["up behind"], g["fetch"]]
+        print(f"{size >> 10:>5} KiB | {g['raw SET']:7.2f} {g['daemon up']:7.2f} {g['up']:5.2f} "
+              f"{g['behind']:7.2f} {g['up behind']:5.2f} | "
+              f"{g['raw GET']:7.2f} {g['daemon fetch']:7.2f} {g['fetch']:5.2f}", flush=True)
+    await client.aclose()
+    return ratios
+
+
 async def run_target(name: str, url: str, client: Redis | RedisCluster, total: int, rounds: int,
                      stream: int) -> list[float]:
     ratios = []
@@ -149,15 +241,18 @@ async def main(args: argparse.Namespace) -> None:
             procs = ClusterProcs(Path(tmp) / "cluster", maxmemory="4gb").start()
             try:
                 client = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in procs.nodes])
-                ratios += await run_target("3-master cluster", procs.url, client, total, args.rounds, stream)
+                ratios += (await run_daemons("3-master cluster", procs.url, client, total, args.rounds, Path(tmp))
+                           if args.daemon else
+                           await run_target("3-master cluster", procs.url, client, total, args.rounds, stream))
             finally:
                 procs.stop()
         if args.target in ("single", "both"):
             server = RedisServer(Path(tmp) / "single", free_ports(1)[0], maxmemory="4gb").start()
             try:
                 url = f"redis://{server.address}"
-                ratios += await run_target("one server", url, Redis(host="127.0.0.1", port=server.port), total,
-                                           args.rounds, stream)
+                client = Redis(host="127.0.0.1", port=server.port)
+                ratios += (await run_daemons("one server", url, client, total, args.rounds, Path(tmp)) if args.daemon
+                           else await run_target("one server", url, client, total, args.rounds, stream))
             finally:
                 server.kill()
     print(f"\nworst tier/raw ratio {min(ratios):.2f} (target >= 0.8)")
@@ -170,6 +265,7 @@ def cli() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--offer-mib", type=int, default=8, help="MiB per offer call (0: all at once)")
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    ap.add_argument("--daemon", action="store_true", help="through running daemons, not the tier module")
     args = ap.parse_args()
     print(f"loop: {args.loop}")
     (asyncio.run if args.loop == "asyncio" else uvloop.run)(main(args))

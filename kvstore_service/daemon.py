@@ -28,7 +28,7 @@ from kvstore_service import __version__
 from kvstore_service.config import Config
 from kvstore_service.disk import DiskTier
 from kvstore_service.errors import KVError
-from kvstore_service.index import BlockIndex
+from kvstore_service.index import BlockIndex, namespace_hash
 from kvstore_service.jobs import Jobs
 from kvstore_service.metrics import Metrics
 from kvstore_service.native import StickyDeviceError
@@ -106,17 +106,28 @@ class Daemon:
             disk=disk_stats(self.tiers.disk) if self.tiers and self.tiers.disk else DiskStats(),
         )
 
-    def clear(self, tenant: str | None, namespace: str) -> int:
-        """Drop the unpinned blocks of a tenant's namespace, of all its namespaces (`namespace` empty),
-        or of every namespace (`tenant` None)."""
+    async def clear(self, tenant: str | None, namespace: str) -> int:
+        """Drop the blocks of a tenant's namespace, of all its namespaces (`namespace` empty), or of every
+        namespace (`tenant` None): the pool's unpinned ones, and the disk tier's for good (a restart does
+        not bring them back; answered once that is written down). Returns how many blocks were dropped, a
+        block in both tiers once."""
+        disk = self.tiers.disk if self.tiers is not None else None
+        scopes: list[bytes] | None = None  # every namespace's
         if namespace:
             assert tenant is not None
-            ns = self.index.find_namespace(scoped(tenant, namespace))
-            return self.index.clear(ns) if ns is not None else 0
-        if tenant is None:
-            return self.index.clear()
-        return sum(self.index.clear(ns) for ns in list(self.index.namespaces.values())
-                   if ns.name and split(ns.name)[0] == tenant)
+            scopes = [namespace_hash(scoped(tenant, namespace))]  # (on disk, maybe unknown to the pool)
+        elif tenant is not None:
+            names = {h: ns.name for h, ns in self.index.namespaces.items() if ns.name}
+            names.update(disk.names() if disk is not None else {})  # (after a restart, maybe only on disk)
+            scopes = [h for h, name in names.items() if split(name)[0] == tenant]
+        cleared, saved = self.tiers.clear_disk(scopes) if self.tiers is not None and disk is not None else (0, None)
+        if scopes is None:
+            cleared += self.index.clear()
+        else:
+            cleared += sum(self.index.clear(ns) for h in scopes if (ns := self.index.namespaces.get(h)) is not None)
+        if saved is not None:
+            await asyncio.shield(saved)  # (a Clear cut short still gets written down)
+        return cleared
 
     def open_tiers(self, disk: DiskTier | None) -> None:
         """On the event loop: the tiers under the pool (--disk-path, opened off the loop; --remote), fed

@@ -5,6 +5,8 @@
     tier.write(scope, keys, pool.base, offsets, length, crcs)     # worker thread; the blocks stay pinned
     n = tier.leading(scope, keys)                                  # loop: how many leading keys are on disk
     got = tier.read(scope, keys[:n], pool.base, offsets, length)  # worker thread: into fresh slots, verified
+    dropped = tier.clear([scope])                                  # loop: a namespace's blocks gone (None: all)
+    tier.save_catalog()                                            # worker thread: ... for good (the catalog)
     tier.close()                                                   # seals the active segment, writes its index
 
 ``scope`` is a namespace hash (16 bytes), keys are 1..64 bytes (all of one length in a call), ``base``
@@ -25,6 +27,23 @@ while a tier is open):
   version, entry size, segment number, footer offset, record count, CRC32C of the entries), the entries
   (offset, payload length, payload CRC32C, key length, scope, key), CRC32C of all that. It is used only
   if it matches the segment's footer (same count and entries CRC); otherwise the segment is scanned.
+- ``catalog``: what a restart needs besides the segments (header ``KVDCATLG``, version, entry count, the
+  position of the last clear of everything; per namespace: scope, the position of its last clear, its name;
+  CRC32C of all that), replaced atomically (a temporary file, fsync, rename, fsync of the directory).
+
+Clear (``clear``): a namespace's blocks leave the index at once, and its clear is recorded as a position,
+the (segment, offset) where the next record would go: a record of that namespace before it was written
+before the clear and is dead. Positions only grow (segments are numbered in write order, records appended),
+so one position per namespace (and one for a clear of everything) says it all, whatever the checkpoints
+and scans find later: ``open`` skips dead records, and a write under way at the clear does not index the
+records it had placed before it. Blocks written after the clear are kept, even under a key cleared. The
+catalog (``save_catalog``, on a worker thread after the clear) makes it last: until it is written a
+crash forgets the clear, never anything else. A clear's position is dropped once no segment at or before
+it is left (reclaimed): it can match nothing. A catalog that fails its check counts as a clear of every
+segment there is (a cache may lose blocks; it must not bring cleared ones back); ``open`` writes the
+catalog it ends with. The names (given to
+``write``, saved before a namespace's first record) let a clear of a tenant find its namespaces after a
+restart; ``open`` forgets those with no block left.
 
 Restart (``open``): each segment's entries come from its index file, or from a scan of its record
 headers (a segment without a valid index: the active one at a crash). A scan stops at the first block
@@ -54,10 +73,11 @@ Write-behind: ``admit`` (on the event loop, never waits) picks the blocks worth 
 queued) while their bytes fit in ``queue_bytes`` and reserves that room; the rest are dropped (counted).
 ``write`` releases the reservations of its keys when it returns (``cancel`` releases ones never written).
 
-Threading: ``leading``, ``admit``, ``cancel`` and ``stats`` are for the event loop (in memory, brief);
-``write`` and ``read`` block on I/O and run on worker threads, any number at once (writes are run one at a
-time by an internal lock; reads run in parallel with each other and with writes). One lock guards the
-in-memory index and counters and is never held during I/O. The I/O of a call is one native call (csrc/
+Threading: ``leading``, ``admit``, ``cancel``, ``unwritten``, ``clear``, ``names`` and ``stats`` are for
+the event loop (in memory, brief); ``write``, ``read`` and ``save_catalog`` block on I/O and run on worker
+threads, any number at once (writes are run one at a time by an internal lock, catalog writes by another;
+reads run in parallel with each other and with writes). One lock guards the in-memory index, clears, names
+and counters and is never held during I/O. The I/O of a call is one native call (csrc/
 disk_io.cpp) that moves the whole batch (O_DIRECT where the file system has it) on ``threads`` threads
 with the GIL released, each keeping one request in flight (Linux AIO) while it prepares or verifies
 another; each record goes through an aligned buffer (a copy), or with
@@ -108,6 +128,14 @@ _CRC = struct.Struct("<I")
 _SEGMENT_FILE = re.compile(r"seg-([0-9a-f]{16})\.kvd")
 _LOCK_FILE: Final = "lock"
 _PROBE_FILE: Final = "probe.tmp"
+_CATALOG_FILE: Final = "catalog"
+# magic, version, entries, the last clear of everything (segment, offset); then entries, then CRC32C of it all
+_CATALOG_HEADER = struct.Struct("<8sIIQQ")
+_CATALOG_MAGIC: Final = b"KVDCATLG"
+_CATALOG_ENTRY = struct.Struct("<16sQQI")  # scope, its last clear (segment, offset), name length; the name follows
+_NO_CLEAR: Final = (0, 0)  # a position before every record
+
+Position = tuple[int, int]  # (segment, offset) of a record, or where the next one goes
 
 # An index value packs (segment, offset / ALIGN, payload length, payload CRC32C) into one int.
 _SEQ_SHIFT: Final = 104
@@ -147,7 +175,8 @@ class DiskStats:
     """Counters since open. ``bytes``: disk space the segments take (counted against ``capacity_bytes``);
     ``hits``/``misses``: keys ``leading`` found / did not find; ``read_blocks``/``read_bytes``: blocks read
     and verified and their payload bytes; ``written``/``write_bytes``: blocks written, payload bytes;
-    ``write_dropped``: blocks not written (queue full, no space to reclaim, tier disabled or closed);
+    ``write_dropped``: blocks not written (queue full, no space to reclaim, tier disabled or closed, evicted from
+    the pool before their seal: ``unwritten``);
     ``corrupt``: records that failed verification (dropped); ``errors``: failed I/O calls."""
 
     blocks: int = 0
@@ -259,6 +288,11 @@ class DiskTier:
         self._unsynced: list[int] = []  # segments sealed since open, not flushed to stable storage yet
         self._next_seq = 1
         self._queued: dict[bytes, int] = {}  # scope + key -> bytes reserved by admit
+        self._clear_all: Position = _NO_CLEAR  # records before it are dead: see Clear in the module docstring
+        self._clears: dict[bytes, Position] = {}  # scope -> records of it before this are dead
+        self._names: dict[bytes, str] = {}  # scope -> the namespace's name, as given to write
+        self._catalog_lock = threading.Lock()  # one catalog file write at a time
+        self._catalog_saved = b""  # the catalog as last written
         self._stats = DiskStats(capacity_bytes=self.max_segments * segment_bytes)
         self._dir_fd = -1
         self._lock_fd = -1
@@ -329,6 +363,34 @@ class DiskTier:
             for key in keys:
                 self._stats.queued_bytes -= self._queued.pop(scope + key, 0)
 
+    def unwritten(self, scope: bytes, key: bytes) -> None:
+        """A block that will never be offered to `write` (evicted from the pool before its seal): a dropped
+        write, unless the disk has its key already."""
+        with self._lock:
+            if key not in self._index.get(scope, ()):
+                self._stats.write_dropped += 1
+
+    def clear(self, scopes: Sequence[bytes] | None) -> dict[bytes, dict[bytes, int]]:
+        """Drop the blocks of these namespaces (None: of every namespace): reads and lookups miss them from
+        now on. Returns the keys dropped, by namespace. In memory; `save_catalog` makes it last across a
+        restart (see Clear in the module docstring)."""
+        with self._lock:
+            at = self._position()
+            if scopes is None:
+                dropped, self._index = self._index, {}
+                if dropped:
+                    self._clear_all, self._clears = at, {}
+                return dropped
+            dropped = {scope: keys for scope in scopes if (keys := self._index.pop(scope, None))}
+            for scope in dropped:  # (one without a block has no record to kill but those being written,
+                self._clears[scope] = at  # which the pool still holds: they stay, on disk too)
+            return dropped
+
+    def names(self) -> dict[bytes, str]:
+        """The names of the namespaces with blocks on disk, where `write` was told them: scope -> name."""
+        with self._lock:
+            return dict(self._names)
+
     def stats(self) -> DiskStats:
         with self._lock:
             s = dataclasses.replace(self._stats)
@@ -345,19 +407,20 @@ class DiskTier:
     # -- the worker threads' calls ----------------------------------------------------------------
 
     def write(self, scope: bytes, keys: Sequence[bytes], base: int, offsets: Sequence[int], length: int,
-              crcs: Sequence[int]) -> int:
+              crcs: Sequence[int], name: str = "") -> int:
         """Write the blocks at ``base + offsets[i]`` (``length`` bytes, CRC32C ``crcs[i]``) that are not
         on disk yet; blocking, for a worker thread (the blocks must not change until it returns).
         Returns how many it wrote; the others were on disk already or are dropped (counted): tier
         disabled, no space that could be reclaimed. Never raises for I/O failures (the tier disables
-        itself); ValueError for malformed arguments. Releases the keys' `admit` reservations."""
+        itself); ValueError for malformed arguments. Releases the keys' `admit` reservations. `name`:
+        the namespace's, saved in the catalog before its first record (see `names`)."""
         key_size = _check_batch(scope, keys, length, offsets, crcs)
         start = time.perf_counter()
         written = dropped = 0
         try:
             if self._usable():
                 with self._write_lock:
-                    written, dropped = self._write_locked(scope, keys, key_size, base, offsets, length, crcs)
+                    written, dropped = self._write_locked(scope, keys, key_size, base, offsets, length, crcs, name)
             else:
                 dropped = len(keys)
         finally:
@@ -392,6 +455,14 @@ class DiskTier:
             self._finish_read(scope, keys, length, plan, results, out, time.perf_counter() - start)
         return out
 
+    def save_catalog(self) -> None:
+        """Write the catalog (clears, names) if it changed, flushed: a clear lasts from when this returns.
+        Blocking, for a worker thread. Never raises for I/O failures (the tier disables itself)."""
+        try:
+            self._write_catalog()
+        except OSError as e:
+            self._fail("writing the catalog", e)
+
     def close(self) -> None:
         """Seal the active segment (footer and index checkpoint) and release the directory. No
         `write`/`read` may run meanwhile; after it they find nothing."""
@@ -402,11 +473,12 @@ class DiskTier:
                 if self._active is not None and self._stats.healthy:
                     self._seal_active()
                 if self._stats.healthy:
+                    self._write_catalog()  # (the clears that no segment needs any more left out)
                     self._flush()
             except OSError as e:
                 self._fail("closing it", e)
             finally:
-                with self._lock:
+                with self._catalog_lock, self._lock:  # (a catalog write under way has finished)
                     self._closed = True
                 if self._active_fd >= 0:
                     os.close(self._active_fd)
@@ -467,14 +539,19 @@ class DiskTier:
         seqs = sorted(int(m.group(1), 16) for name in names if (m := _SEGMENT_FILE.fullmatch(name)))
         for name in names:  # leftovers: temporary files, index files of reclaimed segments
             stale = name.endswith(".tmp") or (name.endswith(".idx") and name[:-4] + ".kvd" not in names)
-            if stale and name.startswith("seg-"):
+            if stale and (name.startswith("seg-") or name == _CATALOG_FILE + ".tmp"):
                 os.unlink(name, dir_fd=self._dir_fd)
+        self._read_catalog(seqs[-1] + 1 if seqs else 1)
         scanned = 0
         for seq in seqs:
             scanned += self._load_segment(seq)
-        self._next_seq = seqs[-1] + 1 if seqs else 1
+        # Past every clear's position too: a record written from now on must come after them all.
+        self._next_seq = max([seqs[-1] + 1 if seqs else 1] + [at[0] + 1 for at in self._clears.values()]
+                             + [self._clear_all[0] + 1])
+        self._names = {scope: name for scope, name in self._names.items() if scope in self._index}
         while len(self._segments) >= self.max_segments and self._reclaim_oldest():
             pass  # a smaller --disk-size than last time: keep room for a new segment
+        self._write_catalog()  # (a damaged one replaced now: else a crash would drop this run's blocks too)
         free = os.statvfs(self._dir_fd)
         have = free.f_bavail * free.f_frsize + sum(s.size for s in self._segments.values())
         if have < self._stats.capacity_bytes:
@@ -509,10 +586,30 @@ class DiskTier:
             entries, end = loaded
         seg = _Segment(seq, end + ALIGN, sealed=True)
         for off, length, crc, scope, key in entries:
+            if (seq, off) < max(self._clear_all, self._clears.get(scope, _NO_CLEAR)):
+                continue  # written before a clear of its namespace
             self._index.setdefault(scope, {})[key] = _pack(seq, off, length, crc)  # a later segment's wins
             seg.keys.setdefault(scope, []).append(key)
         self._segments[seq] = seg
         return int(scanned)
+
+    def _read_catalog(self, next_seq: int) -> None:
+        """The clears and names of the catalog. One that fails its check is a clear of everything up to
+        segment `next_seq` (every segment there is): a clear must never be undone."""
+        try:
+            fd = os.open(_CATALOG_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            return
+        with os.fdopen(fd, "rb") as f:
+            data = f.read()
+        catalog = _parse_catalog(data)
+        if catalog is None:
+            log.warning("disk tier %s: the catalog (clears, names) is damaged: every block on disk is dropped, "
+                        "lest a cleared one come back", self.path)
+            self._clear_all = (next_seq, 0)
+            return
+        self._clear_all, self._clears, self._names = catalog
+        self._catalog_saved = data
 
     def _read_index(self, seq: int) -> tuple[list[Entry], int] | None:
         """A segment's entries and footer offset from its index file, if that is valid and matches the
@@ -568,7 +665,7 @@ class DiskTier:
     # -- writing ----------------------------------------------------------------------------------
 
     def _write_locked(self, scope: bytes, keys: Sequence[bytes], key_size: int, base: int, offsets: Sequence[int],
-                      length: int, crcs: Sequence[int]) -> tuple[int, int]:
+                      length: int, crcs: Sequence[int], name: str) -> tuple[int, int]:
         """(written, dropped) of one write call, under the write lock."""
         todo: list[int] = []
         seen: set[bytes] = set()  # a key twice in one call is written once
@@ -585,6 +682,8 @@ class DiskTier:
             return 0, len(todo)
         written = 0
         try:
+            if todo and name:
+                self._name(scope, name)
             while todo and self._usable():
                 seg = self._room(record)
                 if seg is None:
@@ -610,7 +709,6 @@ class DiskTier:
         seq = self._next_seq
         fd = os.open(_segment_file(seq), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
                      | self._direct, 0o600, dir_fd=self._dir_fd)
-        self._next_seq += 1
         try:
             os.posix_fallocate(fd, 0, self.segment_bytes)  # no space: fails here, not mid-record
         except OSError as e:
@@ -618,9 +716,10 @@ class DiskTier:
             os.unlink(_segment_file(seq), dir_fd=self._dir_fd)
             raise OSError(e.errno, e.strerror, os.path.join(self.path, _segment_file(seq))) from e
         seg = _Segment(seq)
-        with self._lock:
+        with self._lock:  # (together, for _position)
             self._segments[seq] = seg
-        self._active, self._active_fd, self._active_entries = seg, fd, []
+            self._active, self._next_seq = seg, seq + 1
+        self._active_fd, self._active_entries = fd, []
         return seg
 
     def _write_records(self, seg: _Segment, scope: bytes, keys: Sequence[bytes], key_size: int, chosen: list[int],
@@ -628,8 +727,9 @@ class DiskTier:
         """Append these blocks to the active segment (one native call); index the ones written. An
         OSError for the first that failed."""
         n, record = len(chosen), ALIGN + _pad(length)
-        at = [seg.size + k * record for k in range(n)]
-        seg.size += n * record
+        with self._lock:  # (for _position: a clear from now on comes after these records)
+            at = [seg.size + k * record for k in range(n)]
+            seg.size += n * record
         sums = [crcs[i] for i in chosen]
         results = native.disk_write([self._active_fd] * n, at, [seg.seq] * n, base, [offsets[i] for i in chosen],
                                     length, sums, scope, b"".join([keys[i] for i in chosen]), key_size,
@@ -638,9 +738,11 @@ class DiskTier:
         self._active_entries.extend(_ENTRY.pack(at[k], length, sums[k], key_size, scope, keys[chosen[k]])
                                     for k in done)
         with self._lock:
-            index = self._index.setdefault(scope, {})
-            seg_keys = seg.keys.setdefault(scope, [])
-            for k in done:
+            cleared = max(self._clear_all, self._clears.get(scope, _NO_CLEAR))
+            live = [k for k in done if (seg.seq, at[k]) >= cleared]  # (the others: a clear came meanwhile)
+            index = self._index.setdefault(scope, {}) if live else {}
+            seg_keys = seg.keys.setdefault(scope, []) if live else []
+            for k in live:
                 key = keys[chosen[k]]
                 index[key] = _pack(seg.seq, at[k], length, sums[k])
                 seg_keys.append(key)
@@ -652,7 +754,9 @@ class DiskTier:
     def _seal_active(self) -> None:
         seg, fd = self._active, self._active_fd
         assert seg is not None
-        self._active, self._active_fd = None, -1
+        with self._lock:
+            self._active = None
+        self._active_fd = -1
         try:
             if self._active_entries:
                 self._seal(seg.seq, fd, seg.size, self._active_entries, write_footer=True)
@@ -687,6 +791,53 @@ class DiskTier:
         with os.fdopen(out, "wb") as f:
             f.write(data)
         os.replace(tmp, _index_file(seq), src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+
+    def _position(self) -> Position:
+        """Where the next record goes (under the lock): every record before it was placed before now."""
+        seg = self._active
+        return (seg.seq, seg.size) if seg is not None else (self._next_seq, 0)
+
+    def _name(self, scope: bytes, name: str) -> None:
+        """Save a namespace's name in the catalog (before its first record is written)."""
+        with self._lock:
+            if self._names.get(scope) == name:
+                return
+            self._names[scope] = name
+        self._write_catalog()
+
+    def _catalog(self) -> bytes:
+        """The catalog as it is now (under the lock), without the clears no segment is left for."""
+        oldest = min(self._segments, default=None)
+        if oldest is None or oldest > self._clear_all[0]:
+            self._clear_all = _NO_CLEAR
+        self._clears = {scope: at for scope, at in self._clears.items() if oldest is not None and oldest <= at[0]}
+        scopes = sorted(self._clears.keys() | self._names.keys())
+        parts = [_CATALOG_HEADER.pack(_CATALOG_MAGIC, FORMAT_VERSION, len(scopes), *self._clear_all)]
+        for scope in scopes:
+            name = self._names.get(scope, "").encode()
+            parts += [_CATALOG_ENTRY.pack(scope, *self._clears.get(scope, _NO_CLEAR), len(name)), name]
+        data = b"".join(parts)
+        return data + _CRC.pack(native.crc32c(data))
+
+    def _write_catalog(self) -> None:
+        """Replace the catalog file if the catalog changed: atomically, flushed (a clear must last)."""
+        with self._catalog_lock:
+            with self._lock:
+                if self._closed or self._dir_fd < 0:
+                    return
+                data = self._catalog()
+            if data == self._catalog_saved:
+                return
+            tmp = _CATALOG_FILE + ".tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=self._dir_fd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, _CATALOG_FILE, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+            os.fsync(self._dir_fd)
+            self._catalog_saved = data
 
     def _flush(self) -> None:
         """Make the segments sealed since open and their index files durable (the device's write cache)."""
@@ -804,6 +955,30 @@ class DiskTier:
             self._stats.error = (f"{what} failed: {exc.strerror or exc} [{code}]{where}; the disk tier is disabled "
                                  "until the daemon restarts (the pool keeps serving)")
         log.error("disk tier %s: %s", self.path, self._stats.error)
+
+
+def _parse_catalog(data: bytes) -> tuple[Position, dict[bytes, Position], dict[bytes, str]] | None:
+    """(the last clear of everything, clears by scope, names by scope) of a valid catalog, else None."""
+    if len(data) < _CATALOG_HEADER.size + _CRC.size or _CRC.unpack_from(data, len(data) - _CRC.size)[0] != \
+            native.crc32c(memoryview(data)[:-_CRC.size]):
+        return None
+    magic, version, count, all_seq, all_off = _CATALOG_HEADER.unpack_from(data)
+    if magic != _CATALOG_MAGIC or version != FORMAT_VERSION:
+        return None
+    clears: dict[bytes, Position] = {}
+    names: dict[bytes, str] = {}
+    at = _CATALOG_HEADER.size
+    try:
+        for _ in range(count):
+            scope, seq, off, name_len = _CATALOG_ENTRY.unpack_from(data, at)
+            at += _CATALOG_ENTRY.size + name_len
+            if (seq, off) != _NO_CLEAR:
+                clears[scope] = (seq, off)
+            if name_len:
+                names[scope] = data[at - name_len:at].decode()
+    except (struct.error, UnicodeDecodeError):
+        return None
+    return ((all_seq, all_off), clears, names) if at == len(data) - _CRC.size else None
 
 
 def _check_batch(scope: bytes, keys: Sequence[bytes], length: int, offsets: Sequence[int],

@@ -31,7 +31,7 @@ import hashlib
 import operator
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache, partial
@@ -147,6 +147,9 @@ class BlockIndex:
         self._lru: dict[int, OrderedDict[Block, None]] = {}  # payload size -> committed blocks, oldest first
         self._tails: dict[int, OrderedDict[Block, None]] = {}  # ... the tails among them: evicted first
         self._by_segment: dict[int, dict[int, Block]] = {}
+        # Told of each block evicted (not of those cleared or replaced): the disk tier counts the ones
+        # evicted before their seal, which never reach it (tiers.py).
+        self.on_evict: Callable[[Block], None] | None = None
 
     # -- namespaces ------------------------------------------------------------------------------
 
@@ -479,6 +482,8 @@ class BlockIndex:
     def _evict(self, block: Block) -> None:
         block.namespace.counters.evictions += 1
         self.evictions += 1
+        if self.on_evict is not None:
+            self.on_evict(block)
         self._drop(block)
 
     def _evict_for(self, payload_size: int) -> SlotRef | None:

@@ -126,7 +126,8 @@ def _disk_metrics(d: DiskStats) -> Iterator[Metric]:
             ("read_bytes", "Bytes read back into the pool.", d.read_bytes),
             ("written_blocks", "Blocks written to disk.", d.written),
             ("write_bytes", "Bytes written to disk.", d.write_bytes),
-            ("write_dropped_blocks", "Blocks not written: queue full, no space, tier disabled.", d.write_dropped),
+            ("write_dropped_blocks", "Blocks not written: queue full, no space, tier disabled, evicted before their "
+             "seal.", d.write_dropped),
             ("corrupt_blocks", "Records that failed verification at a read (dropped).", d.corrupt),
             ("errors", "Failed disk I/O calls.", d.errors)):
         yield CounterMetricFamily(f"kvstore_disk_{name}", doc, value=value)

@@ -14,12 +14,14 @@ reply, a copied key) is caught like a corrupt one. Capacity and eviction belong 
 caller's to copy into its pool.
 
 Failure model: the store is a cache, so every failure is a miss and none reaches the caller.
-- Write-behind: ``offer`` copies the payloads into encoded values and queues them; an upload task sends
-  them in pipelined batches. The memory is bounded: queued, in-flight and spare values (buffers of
-  finished uploads, reused so that copies do not page-fault) stay within ``queue_bytes``. A full queue,
-  an open breaker or a closed tier drops the block (counted); a failed upload is counted, not retried.
+- Write-behind: ``offer`` queues a header per block and a view of its payload, never a copy: an upload
+  task sends them in pipelined batches, header and payload as one value in two pieces, straight from the
+  caller's memory (the daemon's pool slots, pinned until ``release`` says the tier is done with them).
+  Queued and in-flight bytes stay within ``queue_bytes``. A full queue, an open breaker or a closed
+  tier drops the block (counted); a failed upload is counted, not retried.
 - Reads: ``fetch`` pipelines GETs (grouped by cluster node, so a dead node fails only its own keys) in
-  batches of ``fetch_batch`` keys and stops at the first miss. A value that fails verification (magic,
+  batches of ``fetch_batch`` keys (fewer when that exceeds ``fetch_batch_bytes`` of known-size payloads) and
+  stops at the first miss. A value that fails verification (magic,
   version, lengths, CRC32Cs, the expected payload size) is deleted, counted as corrupt, and is a miss.
 - Every store call (one batch) is bounded by ``timeout_s``; an error or timeout fails the keys of that
   call (misses, or dropped uploads), counted as errors/timeouts.
@@ -27,9 +29,8 @@ Failure model: the store is a cache, so every failure is a miss and none reaches
   return nothing without asking the store and uploads are dropped; then one call probes the store:
   success closes the breaker, failure opens it again.
 - Nothing blocks the event loop on the store: all store I/O is asyncio. CPU work on the loop is, per
-  offered block, a copy and a CRC32C (about 6.5 GB/s together here; 9.5 with the checksum given), and
-  per fetched block a CRC32C (a batch of 8 MiB or more is checked in a thread). The daemon may encode
-  in its worker threads instead (``encode_value``) and queue the result with ``offer_encoded``.
+  offered block, a CRC32C unless the caller gives it (the daemon gives its seal checksums), and per
+  fetched block a CRC32C (a batch of 8 MiB or more is checked in a thread).
 
 Credentials come from the ``password`` argument, else ``password_file``, else the URL's
 ``user:password@``, else the environment variable KVSTORE_REMOTE_PASSWORD; they are never logged (logs
@@ -50,14 +51,16 @@ import os
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Final, Protocol, TypeAlias, TypeVar
+from typing import Any, Final, NamedTuple, Protocol, TypeAlias, TypeVar
 from urllib.parse import unquote
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ClusterDownError, SlotNotCoveredError
@@ -109,21 +112,19 @@ def _bytes_view(data: Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def encode_value(key: bytes, payload: Buffer, crc: int | None = None, into: bytearray | None = None) -> bytearray:
-    """The value stored under remote key ``key``: header + a copy of ``payload``, in ``into`` if that is a
-    buffer of the right length (no page faults), else in a new one. ``crc`` is the payload's CRC32C if
-    the caller has it (the pool's seal checksum is one), else it is computed. Thread-safe."""
+def encode_header(key: bytes, payload: Buffer, crc: int | None = None) -> bytes:
+    """The header of the value stored under remote key ``key``; the value is this header, then the payload.
+    ``crc`` is the payload's CRC32C if the caller has it (the pool's seal checksum is one), else it is
+    computed. Thread-safe."""
     view = _bytes_view(payload)
     if crc is None:
         crc = native.crc32c(view)
-    header = (VALUE_MAGIC, VALUE_VERSION, HEADER_BYTES, view.nbytes, crc, native.crc32c(key))
-    if into is not None and len(into) == HEADER_BYTES + view.nbytes:
-        into[HEADER_BYTES:] = view
-        _HEADER.pack_into(into, 0, *header)
-        return into
-    value = bytearray(_HEADER.pack(*header))
-    value += view
-    return value
+    return _HEADER.pack(VALUE_MAGIC, VALUE_VERSION, HEADER_BYTES, view.nbytes, crc, native.crc32c(key))
+
+
+def encode_value(key: bytes, payload: Buffer, crc: int | None = None) -> bytes:
+    """The whole value (a copy of the payload after its header), as a reader sees it."""
+    return encode_header(key, payload, crc) + bytes(payload)
 
 
 def decode_value(key: bytes, value: Buffer, payload_bytes: int | None = None) -> memoryview | None:
@@ -226,13 +227,40 @@ class RemoteStore(Protocol):
     """A key/value store the tier writes behind to. Results are per key, in the keys' order: an
     exception instance is that key's failure (an adapter raises only when the whole call failed)."""
 
-    async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[BaseException | None]: ...
+    async def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> list[BaseException | None]: ...
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | BaseException | None]: ...
 
     async def delete(self, keys: Sequence[bytes]) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class Pieces(tuple[Buffer, ...]):
+    """A command argument sent as these buffers one after the other, never joined: a value of header +
+    payload leaves from the payload's own memory (redis-py sends a memoryview argument as it is, but
+    one argument must be one buffer)."""
+
+
+class _PackPieces:
+    def pack_command(self, *args: Any) -> list[Any]:
+        if not any(isinstance(a, Pieces) for a in args):
+            return super().pack_command(*args)  # type: ignore[misc]
+        out: list[Any] = [b"*%d\r\n" % len(args)]
+        for arg in args:
+            parts = arg if isinstance(arg, Pieces) else (self.encoder.encode(arg),)  # type: ignore[attr-defined]
+            out.append(b"$%d\r\n" % sum(_bytes_view(p).nbytes for p in parts))
+            out += parts
+            out.append(b"\r\n")
+        return out
+
+
+class PiecesConnection(_PackPieces, Connection):
+    """redis-py's connection, sending `Pieces` arguments unjoined."""
+
+
+class PiecesSSLConnection(_PackPieces, SSLConnection):
+    """redis-py's TLS connection, sending `Pieces` arguments unjoined."""
 
 
 class RedisStore:
@@ -251,12 +279,19 @@ class RedisStore:
             options.update(ssl=True, ssl_ca_certs=tls_ca_file)
         self._cluster: RedisCluster | None = None
         self._single: Redis | None = None
+        pieces = PiecesSSLConnection if url.tls else PiecesConnection
         if url.cluster:
             self._cluster = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in url.hosts],
                                          require_full_coverage=False, **options)  # type: ignore[arg-type]
+            # redis-py has no connection_class option for clusters: every node, found now or later, is
+            # built from these kwargs (the startup nodes were built already).
+            self._cluster.nodes_manager.connection_kwargs["connection_class"] = pieces
+            for node in self._cluster.nodes_manager.startup_nodes.values():
+                node.connection_class = pieces
         else:
             host, port = url.hosts[0]
             self._single = Redis(host=host, port=port, db=url.db, **options)  # type: ignore[arg-type]
+            self._single.connection_pool.connection_class = pieces
         self._stale = False  # a node failed: refresh the cluster map before the next batch
 
     async def _groups(self, keys: Sequence[bytes], results: list[object]) -> list[list[int]]:
@@ -279,7 +314,7 @@ class RedisStore:
             groups.setdefault(node.name, []).append(i)
         return list(groups.values())
 
-    async def _run(self, keys: Sequence[bytes], queue: Sequence[tuple[str, tuple[Buffer, ...]]]) -> list[object]:
+    async def _run(self, keys: Sequence[bytes], queue: Sequence[tuple[str, tuple[Any, ...]]]) -> list[object]:
         """Run ``queue`` (a command per key) as one pipeline per node; results in order, errors inline."""
         results: list[object] = [None] * len(keys)
 
@@ -302,8 +337,8 @@ class RedisStore:
         await asyncio.gather(*(run_group(g) for g in await self._groups(keys, results)))
         return results
 
-    async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[BaseException | None]:
-        out = await self._run([k for k, _ in items], [("SET", (k, v)) for k, v in items])
+    async def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> list[BaseException | None]:
+        out = await self._run([k for k, _ in items], [("SET", (k, Pieces(v))) for k, v in items])
         return [r if isinstance(r, BaseException) else None for r in out]
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | BaseException | None]:
@@ -367,25 +402,37 @@ class Breaker:
 
 _COUNTERS = tuple(f.name for f in dataclasses.fields(RemoteStats)
                   if f.name not in ("url", "breaker", "breaker_opens", "fetch_seconds_sum", "queued_blocks",
-                                    "queued_bytes", "queue_limit_bytes", "spare_bytes"))
+                                    "queued_bytes", "queue_limit_bytes"))
+
+
+class _Upload(NamedTuple):
+    """A queued block: its value is ``header`` then ``payload`` (a view of the caller's memory)."""
+
+    header: bytes
+    payload: memoryview
+    release: Callable[[], None]  # the caller's memory is no longer read
+    size: int  # header + payload bytes
+
+
+def _keep(_: int) -> None:
+    """`offer` without ``release``: the payloads are the caller's to keep alive (bytes are)."""
 
 
 class RemoteTier:
     """Write-behind and prefix fetch over a `RemoteStore`; see the module docstring for the failure model.
-    Use it from one event loop (the daemon's): nothing in it is thread-safe but `encode_value`."""
+    Use it from one event loop (the daemon's): nothing in it is thread-safe."""
 
     def __init__(self, store: RemoteStore, *, url: str = "", queue_bytes: int = 256 << 20, timeout_s: float = 1.0,
                  breaker_s: float = 10.0, breaker_failures: int = 3, fetch_batch: int = 16,
-                 upload_batch_bytes: int = 32 << 20) -> None:
+                 fetch_batch_bytes: int = 16 << 20, upload_batch_bytes: int = 32 << 20) -> None:
         self.store, self.url = store, url
         self.queue_bytes, self.timeout_s = queue_bytes, timeout_s
         self.fetch_batch, self.upload_batch_bytes = max(1, fetch_batch), upload_batch_bytes
+        self.fetch_batch_bytes = fetch_batch_bytes
         self.breaker = Breaker(breaker_failures, breaker_s)
-        self._queue: OrderedDict[bytes, bytearray] = OrderedDict()
+        self._queue: OrderedDict[bytes, _Upload] = OrderedDict()
         self._in_flight: dict[bytes, int] = {}  # key -> value bytes, being uploaded
         self._bytes = 0  # queued + in flight
-        self._spares: dict[int, list[bytearray]] = {}  # by length: buffers of finished uploads, to reuse
-        self._spare_bytes = 0  # counted with _bytes against queue_bytes when allocating
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._fetch_seconds = 0.0
         self._wake = asyncio.Event()
@@ -409,43 +456,36 @@ class RemoteTier:
     # -- write-behind --
 
     def offer(self, tenant: str, namespace: str, keys: Sequence[bytes], payloads: Sequence[Buffer],
-              checksums: Sequence[int] | None = None) -> int:
-        """Queue blocks for upload, copying their payloads (the caller may reuse the memory at once);
-        ``checksums`` (the payloads' CRC32C, e.g. the pool's seal checksums) saves computing them. Never
-        waits. Returns how many were newly queued: keys already queued or uploading are skipped; when
-        the queue is full, or the breaker open, the rest are dropped (counted). Call it on the loop."""
+              checksums: Sequence[int] | None = None, release: Callable[[int], None] | None = None) -> int:
+        """Queue blocks for upload. The payloads are not copied: each must stay unchanged until
+        ``release(i)`` is called for it (once per offered block, when it is uploaded, failed, dropped or
+        skipped; maybe before this returns). ``checksums`` (the payloads' CRC32C, e.g. the pool's seal
+        checksums) saves computing them. Never waits. Returns how many were newly queued: keys already
+        queued or uploading are skipped; when the queue is full, or the breaker open, the rest are
+        dropped (counted). Call it on the loop."""
         if len(keys) != len(payloads) or (checksums is not None and len(checksums) != len(keys)):
             raise ValueError("offer: keys, payloads and checksums differ in length")
-        crcs, sizes = checksums, [HEADER_BYTES + _bytes_view(p).nbytes for p in payloads]
-        return self._enqueue(remote_keys(tenant, namespace, keys),
-                             lambda i, rkey: encode_value(rkey, payloads[i], None if crcs is None else crcs[i],
-                                                          self._buffer(sizes[i])), sizes)
-
-    def offer_encoded(self, tenant: str, namespace: str, keys: Sequence[bytes], values: Sequence[bytearray]) -> int:
-        """`offer` for values already encoded, ``encode_value(remote_key(tenant, namespace, key), payload)``
-        (e.g. in a worker thread): taken as they are, no copy."""
-        if len(keys) != len(values):
-            raise ValueError("offer_encoded: keys and values differ in length")
-
-        def value_of(i: int, _: bytes) -> bytearray:
-            self._trim_spares(len(values[i]))
-            return values[i]
-
-        return self._enqueue(remote_keys(tenant, namespace, keys), value_of, [len(v) for v in values])
-
-    def _enqueue(self, rkeys: list[bytes], value_of: Callable[[int, bytes], bytearray], sizes: Sequence[int]) -> int:
+        done = release or _keep
         if self._closed or self.breaker.blocked():
-            self._counts["dropped_closed" if self._closed else "dropped_unhealthy"] += len(rkeys)
+            self._counts["dropped_closed" if self._closed else "dropped_unhealthy"] += len(keys)
+            for i in range(len(keys)):
+                done(i)
             return 0
         queued = 0
-        for i, rkey in enumerate(rkeys):
+        for i, rkey in enumerate(remote_keys(tenant, namespace, keys)):
+            payload = _bytes_view(payloads[i])
+            size = HEADER_BYTES + payload.nbytes
             if rkey in self._queue or rkey in self._in_flight:
+                done(i)
                 continue
-            if self._bytes + sizes[i] > self.queue_bytes:  # later blocks of a chain are useless without it
-                self._counts["dropped_full"] += len(rkeys) - i
+            if self._bytes + size > self.queue_bytes:  # later blocks of a chain are useless without this one
+                self._counts["dropped_full"] += len(keys) - i
+                for j in range(i, len(keys)):
+                    done(j)
                 break
-            self._queue[rkey] = value_of(i, rkey)
-            self._bytes += sizes[i]
+            header = encode_header(rkey, payload, None if checksums is None else checksums[i])
+            self._queue[rkey] = _Upload(header, payload, partial(done, i), size)
+            self._bytes += size
             queued += 1
         if queued:
             self._idle.clear()
@@ -462,63 +502,41 @@ class RemoteTier:
             while self._queue:
                 if not self.breaker.allow():
                     self._counts["dropped_unhealthy"] += len(self._queue)
-                    self._bytes -= sum(map(len, self._queue.values()))
-                    self._queue.clear()
+                    self._drop_queue()
                     break
                 await self._upload(self._take_batch())
             if not self._queue and not self._in_flight:
                 self._idle.set()
 
-    def _take_batch(self) -> list[tuple[bytes, bytearray]]:
-        batch: list[tuple[bytes, bytearray]] = []
+    def _take_batch(self) -> list[tuple[bytes, _Upload]]:
+        batch: list[tuple[bytes, _Upload]] = []
         size = 0
-        while self._queue and (not batch or size + len(next(iter(self._queue.values()))) <= self.upload_batch_bytes):
-            key, value = self._queue.popitem(last=False)
-            batch.append((key, value))
-            self._in_flight[key] = len(value)
-            size += len(value)
+        while self._queue and (not batch or size + next(iter(self._queue.values())).size <= self.upload_batch_bytes):
+            key, upload = self._queue.popitem(last=False)
+            batch.append((key, upload))
+            self._in_flight[key] = upload.size
+            size += upload.size
         return batch
 
-    async def _upload(self, batch: list[tuple[bytes, bytearray]]) -> None:
+    async def _upload(self, batch: list[tuple[bytes, _Upload]]) -> None:
         try:
-            results = await self._call(self.store.put_many(batch), len(batch))
+            results = await self._call(self.store.put_many([(k, (u.header, u.payload)) for k, u in batch]), len(batch))
         finally:
-            for key, _ in batch:
+            for key, upload in batch:
                 self._bytes -= self._in_flight.pop(key)
-        for (_, value), result in zip(batch, results, strict=True):
+                upload.release()  # answered (every byte sent) or failed: the payload is not read again
+        for (_, upload), result in zip(batch, results, strict=True):
             if result is not None:
                 self._counts["upload_failed"] += 1
                 continue
             self._counts["uploaded"] += 1
-            self._counts["bytes_up"] += len(value)
-            if self._bytes + self._spare_bytes + len(value) <= self.queue_bytes:
-                # The server answered this SET, so every byte of it was sent: the buffer may be reused.
-                self._spares.setdefault(len(value), []).append(value)
-                self._spare_bytes += len(value)
+            self._counts["bytes_up"] += upload.size
 
-    def _spare(self, size: int) -> bytearray | None:
-        """A buffer of ``size`` bytes whose upload is done, taken from the spares, or None."""
-        spares = self._spares.get(size)
-        if not spares:
-            return None
-        value = spares.pop()
-        if not spares:
-            del self._spares[size]
-        self._spare_bytes -= size
-        return value
-
-    def _trim_spares(self, size: int) -> None:
-        """Free spares until a new ``size``-byte value fits: queued, in flight and spare bytes together stay
-        within queue_bytes."""
-        while self._spares and self._bytes + self._spare_bytes + size > self.queue_bytes:
-            self._spare(next(iter(self._spares)))
-
-    def _buffer(self, size: int) -> bytearray | None:
-        """A spare buffer to encode a ``size``-byte value into, or None (after making room for a new one)."""
-        value = self._spare(size)
-        if value is None:
-            self._trim_spares(size)
-        return value
+    def _drop_queue(self) -> None:
+        for upload in self._queue.values():
+            self._bytes -= upload.size
+            upload.release()
+        self._queue.clear()
 
     async def drain(self) -> None:
         """Wait until every queued block is uploaded or dropped."""
@@ -532,27 +550,43 @@ class RemoteTier:
         not copies): a prefix of ``keys``, stopping at the first absent, failed or corrupt block. With
         ``payload_bytes``, a payload of another size is corrupt. Never raises for store failures."""
         found: list[memoryview] = []
+        async for payloads in self.fetch_batches(tenant, namespace, keys, payload_bytes):
+            found += payloads
+        return found
+
+    async def fetch_batches(self, tenant: str, namespace: str, keys: Sequence[bytes],
+                            payload_bytes: int | None = None) -> AsyncGenerator[list[memoryview]]:
+        """`fetch`, one batch of payloads at a time, so that the caller can copy a batch away while the
+        next one is fetched (the next GETs are sent when the caller asks for the next batch)."""
         if not keys:
-            return found
+            return
         self._counts["fetches"] += 1
-        if not self.breaker.allow():
-            self._counts["skipped"] += len(keys)
-        else:
-            start = time.monotonic()
+        found, asked, start = 0, False, time.monotonic()
+        try:
+            if not self.breaker.allow():
+                self._counts["skipped"] += len(keys)
+                return
+            asked = True
             rkeys = remote_keys(tenant, namespace, keys)
-            for i in range(0, len(rkeys), self.fetch_batch):
-                chunk = rkeys[i:i + self.fetch_batch]
+            batch = self.fetch_batch
+            if payload_bytes:  # small batches of big values: the caller copies one while the next comes
+                batch = max(1, min(batch, self.fetch_batch_bytes // payload_bytes))
+            for i in range(0, len(rkeys), batch):
+                chunk = rkeys[i:i + batch]
                 values = await self._call(self.store.get_many(chunk), len(chunk))
                 good = await self._verify(chunk, values, payload_bytes)
-                found += good
+                found += len(good)
+                self._counts["bytes_down"] += sum(v.nbytes for v in good)
+                if good:
+                    yield good
                 if len(good) < len(chunk):
                     break
-            self._fetch_seconds += time.monotonic() - start
-            self._counts["fetch_seconds_count"] += 1
-        self._counts["hits"] += len(found)
-        self._counts["misses"] += len(keys) - len(found)
-        self._counts["bytes_down"] += sum(v.nbytes for v in found)
-        return found
+        finally:
+            if asked:  # (the caller's time between batches included: the latency its lookup sees)
+                self._fetch_seconds += time.monotonic() - start
+                self._counts["fetch_seconds_count"] += 1
+            self._counts["hits"] += found
+            self._counts["misses"] += len(keys) - found
 
     async def _verify(self, keys: list[bytes], values: list[bytes | BaseException | None],
                       payload_bytes: int | None) -> list[memoryview]:
@@ -601,7 +635,7 @@ class RemoteTier:
         c = self._counts
         return RemoteStats(url=self.url, breaker=self.breaker.state, breaker_opens=self.breaker.opens,
                            fetch_seconds_sum=self._fetch_seconds, queued_blocks=len(self._queue) + len(self._in_flight),
-                           queued_bytes=self._bytes, queue_limit_bytes=self.queue_bytes, spare_bytes=self._spare_bytes,
+                           queued_bytes=self._bytes, queue_limit_bytes=self.queue_bytes,
                            **{k: c[k] for k in _COUNTERS})
 
     async def close(self, drain_s: float = 0.0) -> None:
@@ -617,9 +651,7 @@ class RemoteTier:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._uploader
             self._uploader = None
-        self._queue.clear()
-        self._spares.clear()
-        self._bytes = self._spare_bytes = 0
+        self._drop_queue()
         self._idle.set()
         await self.store.close()
 

@@ -157,7 +157,8 @@ class Servicer(pb_grpc.KVStoreServicer):
         if tiers is not None:  # the pool's misses are brought in from the tier below first
             ns = self.daemon.index.find_namespace(session.namespace_name if session is not None else name)
             if ns is not None:
-                await tiers.promote(ns, list(unpack_keys(request.keys, request.key_size)))
+                # Shielded: a promotion cut short would leave its reserved slots WRITING for good.
+                await asyncio.shield(tiers.promote(ns, list(unpack_keys(request.keys, request.key_size))))
         hits, lease_id = self.daemon.sessions.lookup(session, name, request.keys, request.key_size,
                                                      request.lease, request.lease_ttl_ms)
         return pb.LookupResponse(hits=hits, lease_id=lease_id)
@@ -215,7 +216,7 @@ class Servicer(pb_grpc.KVStoreServicer):
             tenant = caller.tenant
         elif not tenant:
             tenant = None
-        return pb.ClearResponse(cleared_blocks=self.daemon.clear(tenant, request.namespace))
+        return pb.ClearResponse(cleared_blocks=await self.daemon.clear(tenant, request.namespace))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

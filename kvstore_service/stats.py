@@ -83,7 +83,6 @@ class RemoteStats:
     queued_blocks: int = 0  # write-behind queue, values in flight included
     queued_bytes: int = 0
     queue_limit_bytes: int = 0
-    spare_bytes: int = 0  # buffers of finished uploads kept for reuse (queued + spare <= queue_limit_bytes)
     uploaded: int = 0  # blocks stored
     bytes_up: int = 0  # value bytes stored (headers included)
     upload_failed: int = 0  # blocks whose upload failed (error or timeout)
@@ -111,7 +110,7 @@ class DiskStats:
     written: int = 0  # blocks written
     write_bytes: int = 0
     write_seconds: float = 0.0
-    write_dropped: int = 0  # not written: queue full, no space to reclaim, tier disabled
+    write_dropped: int = 0  # not written: queue full, no space, tier disabled, evicted before their seal
     queued_bytes: int = 0  # waiting to be written
     corrupt: int = 0  # records that failed verification at a read (dropped)
     errors: int = 0  # failed I/O calls

@@ -6,21 +6,24 @@ pool misses come from.
     Lookup: pool misses <──promote: disk first, then the remote store (verified, copied into fresh slots)
 
 A block goes to disk once sealed (its CRC32C is known; it stays pinned while written), so evicting it
-from the pool later costs nothing: it is on disk already. A lookup that misses in the pool asks the
-tiers for the missing leading blocks, in order, and answers only after those it got are committed in
-the pool, so loads stay pool-only and a hit is always loadable. Every failure below is a miss; the
-engine recomputes. Promoted blocks are sealed like stored ones and never written down again.
+from the pool later costs nothing: it is on disk already (one evicted before its seal never is: counted
+as a dropped write). A Clear drops blocks from the disk too, for good (`clear_disk`). A lookup that
+misses in the pool asks the tiers for the missing leading blocks, in order, and answers only after those
+it got are committed in the pool, so loads stay pool-only and a hit is always loadable. Every failure
+below is a miss; the engine recomputes. Promoted blocks are sealed like stored ones and never written
+down again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 from kvstore_service.disk import DiskTier
-from kvstore_service.index import Block, BlockIndex, Namespace
+from kvstore_service.index import Block, BlockIndex, BlockState, Namespace
 from kvstore_service.pool import Pool
 from kvstore_service.remote import RemoteTier
 from kvstore_service.tenants import split
@@ -40,6 +43,8 @@ class Tiers:
         self.remote = remote
         # Disk calls block on I/O (the native engine has its own threads): they get threads of their own.
         self.disk_io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-disk") if disk else None
+        if disk is not None:
+            index.on_evict = self._evicted
         self.promoted_blocks = 0
         self._writes: set[asyncio.Task[None]] = set()
         # One promotion per namespace at a time: a second lookup of the same prefix waits, then
@@ -64,9 +69,10 @@ class Tiers:
                 task.add_done_callback(self._writes.discard)
         if self.remote is not None and ns.name:  # (a namespace recovered by hash only has no name to key by)
             tenant, name = split(ns.name)
-            self.remote.offer(tenant, name, [blocks[n].key for n in mine],
-                              [self.pool.view(blocks[n].offset, ns.block_bytes) for n in mine],
-                              checksums=[checksums[n] for n in mine])
+            held = self.index.hold([blocks[n] for n in mine])  # sent from their slots: pinned until sent
+            self.remote.offer(tenant, name, [b.key for b in held],
+                              [self.pool.view(b.offset, ns.block_bytes) for b in held],
+                              checksums=[checksums[n] for n in mine], release=lambda i: self.index.unpin((held[i],)))
 
     async def _write(self, blocks: list[Block], checksums: list[int]) -> None:
         assert self.disk is not None
@@ -74,11 +80,46 @@ class Tiers:
         try:
             await asyncio.get_running_loop().run_in_executor(
                 self.disk_io, self.disk.write, ns.ns_hash, [b.key for b in blocks], self.pool.base,
-                [b.offset for b in blocks], ns.block_bytes, checksums)
+                [b.offset for b in blocks], ns.block_bytes, checksums, ns.name)
         except Exception:  # (I/O failures disable the tier inside; this is a bug)
             log.exception("writing %d blocks to disk failed", len(blocks))
         finally:
             self.index.unpin(blocks)
+
+    def _evicted(self, block: Block) -> None:
+        """A block evicted before its seal never reaches the disk (only sealed blocks are written: the
+        record needs the checksum): a dropped write, counted. Not kept from eviction until written
+        instead: the pool turns over within a seal's delay (up to a second) only when stores outrun the
+        seals, and pinning those blocks would then refuse the stores themselves."""
+        if block.checksum is None and block.state is BlockState.COMMITTED and not block.promoted:
+            assert self.disk is not None
+            self.disk.unwritten(block.namespace.ns_hash, block.key)
+
+    def clear_disk(self, scopes: list[bytes] | None) -> tuple[int, asyncio.Task[None] | None]:
+        """Drop these namespaces' blocks (None: every namespace's) from the disk: lookups miss them at once,
+        and the clear is written down (the catalog, on the disk threads) so that a restart does not bring
+        them back. Returns how many of them the pool does not hold (call it before the pool's clear, which
+        counts the others), and the catalog's write to await before the clear is answered (if any)."""
+        assert self.disk is not None
+        dropped = self.disk.clear(scopes)
+        saved = None
+        if dropped:
+            saved = asyncio.get_running_loop().create_task(self._save_catalog())
+            self._writes.add(saved)  # (close waits for it)
+            saved.add_done_callback(self._writes.discard)
+        count = 0
+        for scope, keys in dropped.items():
+            ns = self.index.namespaces.get(scope)
+            pool = (ns._committed.keys() | ns._writing.keys() | ns._recovered.keys()) if ns is not None else set()
+            count += len(keys.keys() - pool)
+        return count, saved
+
+    async def _save_catalog(self) -> None:
+        assert self.disk is not None
+        try:
+            await asyncio.get_running_loop().run_in_executor(self.disk_io, self.disk.save_catalog)
+        except Exception:  # (I/O failures disable the tier inside; this is a bug)
+            log.exception("writing the disk tier's catalog failed")
 
     # -- up: a lookup's misses ---------------------------------------------------------------------
 
@@ -114,19 +155,30 @@ class Tiers:
         return self._committed(blocks[:good])
 
     async def _from_remote(self, ns: Namespace, keys: list[bytes]) -> int:
+        """Fetched batches are copied into the pool (copy threads) while the next batch is fetched."""
         assert self.remote is not None
         tenant, name = split(ns.name)
-        payloads = await self.remote.fetch(tenant, name, keys, payload_bytes=ns.block_bytes)
-        blocks = self.index.reserve(ns, keys[:len(payloads)])  # (a store may have brought some meanwhile)
-        if not blocks:
-            return 0
-        try:
-            await asyncio.get_running_loop().run_in_executor(self.executor, self._copy, blocks, payloads)
-        except Exception:
-            log.exception("copying %d fetched blocks into the pool failed", len(blocks))
-            self.index.complete_store(blocks, False, whole=True)
-            return 0
-        return self._committed(blocks)
+        loop = asyncio.get_running_loop()
+        copies: list[tuple[list[Block], asyncio.Future[None]]] = []
+        fetched = 0
+        async with contextlib.aclosing(self.remote.fetch_batches(tenant, name, keys, ns.block_bytes)) as batches:
+            async for payloads in batches:
+                blocks = self.index.reserve(ns, keys[fetched:fetched + len(payloads)])  # (a store may have some)
+                fetched += len(payloads)
+                if blocks:
+                    copies.append((blocks, loop.run_in_executor(self.executor, self._copy, blocks, payloads)))
+                if len(blocks) < len(payloads):
+                    break
+        done = 0
+        for blocks, copy in copies:
+            try:
+                await copy
+            except Exception:
+                log.exception("copying %d fetched blocks into the pool failed", len(blocks))
+                self.index.complete_store(blocks, False, whole=True)
+                continue
+            done += self._committed(blocks)
+        return done
 
     def _committed(self, blocks: list[Block]) -> int:
         done = self.index.complete_store(blocks, True, whole=True)

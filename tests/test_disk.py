@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from kvstore_service import native
-from kvstore_service.disk import ALIGN, DiskDirectoryError, DiskTier
+from kvstore_service.disk import ALIGN, DiskDirectoryError, DiskTier, _parse_catalog
 from kvstore_service.pool import Pool
 
 KB, MB = 1 << 10, 1 << 20
@@ -86,9 +86,10 @@ def open_tier(tiers: list[DiskTier], path: Path, size: int = 64 * MB, **kwargs: 
     return tier
 
 
-def write_keys(tier: DiskTier, mem: Memory, keys: list[bytes], length: int, scope: bytes = SCOPE) -> int:
+def write_keys(tier: DiskTier, mem: Memory, keys: list[bytes], length: int, scope: bytes = SCOPE,
+               name: str = "") -> int:
     offsets, crcs = mem.store(keys, length)
-    return tier.write(scope, keys, mem.pool.base, offsets, length, crcs)
+    return tier.write(scope, keys, mem.pool.base, offsets, length, crcs, name)
 
 
 def read_keys(tier: DiskTier, mem: Memory, keys: list[bytes], length: int,
@@ -412,6 +413,134 @@ def test_a_smaller_size_at_reopen_reclaims_the_oldest(tmp_path: Path, mem: Memor
     tier = open_tier(tiers, path, size=4 * MB, segment_bytes=2 * MB)
     assert tier.stats().segments == 1  # room left for one new segment
     assert tier.leading(SCOPE, keys) == 0 and tier.leading(SCOPE, keys[-1:]) == 1
+
+
+# -- clears -----------------------------------------------------------------------------------------
+
+
+def crash(tier: DiskTier, tiers: list[DiskTier]) -> None:
+    """As if the process died now: nothing sealed or flushed, the tier dropped unclosed (its lock released)."""
+    for fd in (tier._lock_fd, tier._active_fd, tier._dir_fd):
+        if fd >= 0:
+            os.close(fd)
+    tiers.remove(tier)
+
+
+@pytest.mark.parametrize("restart", ["close", "crash"])
+def test_a_cleared_namespace_stays_cleared_across_restarts(tmp_path: Path, mem: Memory, tiers: list[DiskTier],
+                                                           restart: str) -> None:
+    path, length = tmp_path / "disk", 64 * KB
+    tier = open_tier(tiers, path)
+    keys, other = keys_of(12), keys_of(5, "o")
+    write_keys(tier, mem, keys, length, name="tenant\x1fns")
+    write_keys(tier, mem, other, length, scope=OTHER_SCOPE)
+    dropped = tier.clear([SCOPE])
+    assert list(dropped) == [SCOPE] and sorted(dropped[SCOPE]) == sorted(keys)
+    assert tier.leading(SCOPE, keys[:1]) == 0 and read_keys(tier, mem, keys[:1], length) == [None]
+    assert tier.leading(OTHER_SCOPE, other) == 5
+    again = keys[:3] + keys_of(4, "new")  # written after the clear (3 of them under cleared keys)
+    assert write_keys(tier, mem, again, length) == len(again)
+    tier.save_catalog()
+    if restart == "close":  # one segment, its checkpoint holding the cleared records too
+        tier.close()
+    else:  # the segment not sealed: scanned
+        crash(tier, tiers)
+    tier = open_tier(tiers, path)
+    assert [tier.leading(SCOPE, [k]) for k in keys[3:]] == [0] * 9
+    assert tier.leading(SCOPE, again) == len(again)
+    assert read_keys(tier, mem, again, length) == [content(k, length) for k in again]
+    assert tier.leading(OTHER_SCOPE, other) == 5 and tier.stats().blocks == len(again) + 5
+    assert tier.names() == {SCOPE: "tenant\x1fns"}
+
+
+def test_a_clear_of_everything_lasts_and_later_writes_stay(tmp_path: Path, mem: Memory,
+                                                          tiers: list[DiskTier]) -> None:
+    path, length = tmp_path / "disk", 200 * KB
+    tier = open_tier(tiers, path)
+    first, other = keys_of(20), keys_of(3, "o")  # 20 records: over three segments
+    write_keys(tier, mem, first, length)
+    write_keys(tier, mem, other, length, scope=OTHER_SCOPE)
+    assert {scope: len(keys) for scope, keys in tier.clear(None).items()} == {SCOPE: 20, OTHER_SCOPE: 3}
+    assert tier.stats().blocks == 0 and tier.leading(SCOPE, first) == 0
+    later = keys_of(5, "later")
+    assert write_keys(tier, mem, later, length) == 5
+    tier.save_catalog()
+    crash(tier, tiers)
+    tier = open_tier(tiers, path)
+    assert tier.stats().blocks == 5 and tier.leading(SCOPE, later) == 5
+    assert tier.leading(SCOPE, first[:1]) == 0 and tier.leading(OTHER_SCOPE, other[:1]) == 0
+
+
+def test_records_a_write_placed_before_a_clear_are_not_kept(tmp_path: Path, mem: Memory, tiers: list[DiskTier],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    path, length = tmp_path / "disk", 64 * KB
+    tier = open_tier(tiers, path)
+    keys = keys_of(6)
+    write_keys(tier, mem, keys[:1], length)
+    real = native.disk_write
+
+    def clear_meanwhile(*args: object, **kwargs: object) -> bytes:
+        tier.clear([SCOPE])  # while the records are written: their places were taken before it
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native, "disk_write", clear_meanwhile)
+    assert write_keys(tier, mem, keys[1:], length) == 5  # written, but not kept
+    monkeypatch.undo()
+    assert tier.leading(SCOPE, keys[:1]) == 0 and [tier.leading(SCOPE, [k]) for k in keys] == [0] * 6
+    assert write_keys(tier, mem, keys[2:4], length) == 2  # after the clear: kept
+    tier.save_catalog()
+    tier.close()
+    tier = open_tier(tiers, path)
+    assert [tier.leading(SCOPE, [k]) for k in keys] == [0, 0, 1, 1, 0, 0]
+
+
+def test_a_damaged_catalog_drops_every_block(tmp_path: Path, mem: Memory, tiers: list[DiskTier]) -> None:
+    path, length = tmp_path / "disk", 64 * KB
+    tier = open_tier(tiers, path)
+    keys = keys_of(5)
+    write_keys(tier, mem, keys, length, name="ns")  # (the catalog is written: a name)
+    tier.close()
+    data = bytearray((path / "catalog").read_bytes())
+    data[30] ^= 1
+    (path / "catalog").write_bytes(bytes(data))
+    tier = open_tier(tiers, path)
+    assert tier.stats().blocks == 0 and tier.leading(SCOPE, keys) == 0  # a clear may have been lost: none served
+    later = keys_of(2, "later")
+    assert write_keys(tier, mem, later, length) == 2
+    crash(tier, tiers)
+    tier = open_tier(tiers, path)  # the catalog was rewritten at the open, with that clear of everything
+    assert tier.leading(SCOPE, keys) == 0 and tier.leading(SCOPE, later) == 2
+
+
+def test_clears_and_names_go_with_the_segments_they_concern(tmp_path: Path, mem: Memory,
+                                                            tiers: list[DiskTier]) -> None:
+    path, length = tmp_path / "disk", 200 * KB
+    tier = open_tier(tiers, path, size=6 * MB, segment_bytes=2 * MB)  # 3 segments of 9 records
+    per_segment = (2 * MB - ALIGN) // record_bytes(length)
+    write_keys(tier, mem, keys_of(3, "o"), length, scope=OTHER_SCOPE, name="other")
+    tier.clear([OTHER_SCOPE])
+    tier.save_catalog()
+    all_cleared, clears, names = _parse_catalog((path / "catalog").read_bytes()) or ((0, 0), {}, {})
+    assert list(clears) == [OTHER_SCOPE] and names == {OTHER_SCOPE: "other"}
+    for batch in range(3):  # the segment of the clear (the first) is reclaimed
+        write_keys(tier, mem, keys_of(per_segment, f"b{batch}-"), length)
+    assert tier.stats().reclaimed_segments == 1
+    tier.close()
+    assert _parse_catalog((path / "catalog").read_bytes()) == ((0, 0), {}, {OTHER_SCOPE: "other"})
+    tier = open_tier(tiers, path, size=6 * MB, segment_bytes=2 * MB)
+    assert tier.names() == {}  # no block of it left
+    tier.close()
+    assert _parse_catalog((path / "catalog").read_bytes()) == ((0, 0), {}, {})
+
+
+def test_unwritten_counts_a_dropped_write_unless_on_disk(tmp_path: Path, mem: Memory, tiers: list[DiskTier]) -> None:
+    tier = open_tier(tiers, tmp_path / "disk")
+    keys = keys_of(2)
+    write_keys(tier, mem, keys[:1], 64 * KB)
+    tier.unwritten(SCOPE, keys[0])
+    assert tier.stats().write_dropped == 0
+    tier.unwritten(SCOPE, keys[1])
+    assert tier.stats().write_dropped == 1
 
 
 # -- faults -----------------------------------------------------------------------------------------

@@ -217,14 +217,13 @@ def test_prefix_stops_at_first_miss(server: RedisServer) -> None:
     asyncio.run(main())
 
 
-def test_offer_dedupes_copies_and_close_drops(server: RedisServer) -> None:
+def test_offer_dedupes_and_close_drops(server: RedisServer) -> None:
     async def main() -> None:
         tier = RemoteTier.from_url(f"redis://{server.address}")
-        buf = bytearray(payload_of(0, 5000))
-        assert tier.offer(TENANT, NS, [key_of(0), key_of(0)], [buf, buf]) == 1  # one upload per key
-        buf[:] = bytes(5000)  # offer copied: the caller may reuse its memory at once
+        payload = payload_of(0, 5000)
+        assert tier.offer(TENANT, NS, [key_of(0), key_of(0)], [payload, payload]) == 1  # one upload per key
         await tier.drain()
-        assert [bytes(g) for g in await tier.fetch(TENANT, NS, [key_of(0)])] == [payload_of(0, 5000)]
+        assert [bytes(g) for g in await tier.fetch(TENANT, NS, [key_of(0)])] == [payload]
         with pytest.raises(ValueError):
             tier.offer(TENANT, NS, [key_of(1)], [])
         tier.offer(TENANT, NS, [key_of(i) for i in range(1, 4)], [b"x" * 100] * 3)
@@ -236,42 +235,58 @@ def test_offer_dedupes_copies_and_close_drops(server: RedisServer) -> None:
     asyncio.run(main())
 
 
-def test_reused_buffers_never_reach_stored_values(server: RedisServer) -> None:
-    """Buffers of finished uploads are reused for the next values of their size: what was stored from
-    them before stays intact, and the spares stay within the queue's budget."""
-    size, n = 64 << 10, 16
+def test_payloads_are_sent_from_the_callers_memory_and_released_once(server: RedisServer) -> None:
+    """No copy: a payload is read when its upload is sent, so the caller keeps it unchanged until the tier
+    releases it, which it does exactly once per offered block, whatever became of it (uploaded, a
+    duplicate, dropped for a full queue, dropped at close), and only after the server answered."""
+    size = 64 << 10
 
     async def main() -> None:
-        tier = RemoteTier.from_url(f"redis://{server.address}", queue_bytes=n * (size + HEADER_BYTES))
-        rounds = [([key_of(i, f"reuse{r}") for i in range(n)], [payload_of(r * n + i, size) for i in range(n)])
-                  for r in range(3)]
-        for keys, payloads in rounds:
-            await store_and_drain(tier, keys, payloads)
-            s = tier.stats()
-            assert s.spare_bytes == n * (size + HEADER_BYTES) and s.queued_bytes == 0
-        for keys, payloads in rounds:
-            assert [bytes(g) for g in await tier.fetch(TENANT, NS, keys)] == payloads
-        tier.offer(TENANT, NS, [key_of(0, "other size")], [b"x" * 1000])  # a new buffer: a spare gives way
-        s = tier.stats()
-        assert s.queued_bytes + s.spare_bytes <= s.queue_limit_bytes
+        tier = RemoteTier.from_url(f"redis://{server.address}", queue_bytes=4 * (size + HEADER_BYTES))
+        memory = bytearray(b"".join(payload_of(i, size) for i in range(6)))
+        views = [memoryview(memory)[i * size:(i + 1) * size] for i in range(6)]
+        released: list[int] = []
+        keys = [key_of(i, "zero-copy") for i in range(6)]
+        # 0..3 queued; 4 and 5 do not fit: dropped and released at once
+        assert tier.offer(TENANT, NS, keys, views, release=released.append) == 4
+        assert sorted(released) == [4, 5]
+        assert tier.offer(TENANT, NS, keys[:1], views[:1], release=lambda i: released.append(10 + i)) == 0
+        assert released[-1] == 10  # a key already queued: released, not queued twice
+        await tier.drain()
+        assert sorted(released) == [0, 1, 2, 3, 4, 5, 10]
+        got = await tier.fetch(TENANT, NS, keys[:4], payload_bytes=size)
+        assert [bytes(g) for g in got] == [payload_of(i, size) for i in range(4)]
+
+        views[0][:8] = b"changed!"  # memory changed before its upload was sent: stored as it is then
+        tier.offer(TENANT, NS, [key_of(0, "late")], [views[0]], checksums=[native.crc32c(payload_of(0, size))])
+        await tier.drain()
+        assert await tier.fetch(TENANT, NS, [key_of(0, "late")]) == []  # its checksum catches it
+        assert tier.stats().corrupt == 1
+
+        closed: list[int] = []
+        tier.offer(TENANT, NS, [key_of(i, "closing") for i in range(3)], views[:3], release=closed.append)
         await tier.close()
+        assert sorted(closed) == [0, 1, 2]
+        s = tier.stats()
+        assert (s.dropped_full, s.dropped_closed, s.queued_bytes) == (2, 3, 0)
 
     asyncio.run(main())
 
 
-def test_encoded_offer_with_pool_checksums(server: RedisServer) -> None:
+def test_offer_with_pool_checksums(server: RedisServer) -> None:
     payloads = [payload_of(i, 64 << 10) for i in range(4)]
     keys = [key_of(i) for i in range(4)]
 
     async def main() -> None:
         tier = RemoteTier.from_url(f"redis://{server.address}")
-        rkeys = [remote_key(TENANT, NS, k) for k in keys]  # a worker thread's job:
-        values = await asyncio.to_thread(lambda: [encode_value(k, p) for k, p in zip(rkeys, payloads, strict=True)])
-        assert tier.offer_encoded(TENANT, NS, keys[:2], values[:2]) == 2
-        crcs = [native.crc32c(p) for p in payloads[2:]]
-        assert tier.offer(TENANT, NS, keys[2:], payloads[2:], checksums=crcs) == 2
+        crcs = [native.crc32c(p) for p in payloads]
+        assert tier.offer(TENANT, NS, keys, payloads, checksums=crcs) == 4
         await tier.drain()
         assert [bytes(g) for g in await tier.fetch(TENANT, NS, keys, payload_bytes=64 << 10)] == payloads
+        raw = redis.asyncio.Redis(host="127.0.0.1", port=server.port)
+        assert await raw.get(remote_key(TENANT, NS, keys[0])) == encode_value(remote_key(TENANT, NS, keys[0]),
+                                                                              payloads[0])
+        await raw.aclose()
         await tier.close()
 
     asyncio.run(main())
@@ -433,7 +448,7 @@ def test_write_behind_under_a_slow_store_stays_bounded(server: RedisServer) -> N
             t0 = time.perf_counter()
             tier.offer(TENANT, NS, keys, [payload] * 4)
             worst = max(worst, time.perf_counter() - t0)
-            peak = max(peak, tier.stats().queued_bytes + tier.stats().spare_bytes)
+            peak = max(peak, tier.stats().queued_bytes)
             i += 4
             await asyncio.sleep(0.01)
         s = tier.stats()

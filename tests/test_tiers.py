@@ -122,9 +122,9 @@ def test_blocks_evicted_from_the_pool_come_back_from_disk(daemon_factory, tmp_pa
                             segment_size="1MiB").start()
     keys = store_blocks(daemon.socket, NS, BLOCKS)
     wait_written(daemon, BLOCKS)
-    for other in ("other-1", "other-2"):  # the pool holds ~28 blocks: these evict the first ones
+    for n, other in enumerate(("other-1", "other-2"), 2):  # the pool holds ~28 blocks: these evict the first ones
         store_blocks(daemon.socket, other, BLOCKS)
-    wait_written(daemon, 3 * BLOCKS)
+        wait_written(daemon, n * BLOCKS)  # (blocks being written are pinned: the next store would find no room)
     stats = daemon.client().stats()
     assert stats.evictions >= BLOCKS and stats.disk.blocks == 3 * BLOCKS
     assert load_on(daemon, keys) == (BLOCKS, 0)  # promoted from disk before the lookup answered
@@ -173,3 +173,88 @@ def test_an_unsafe_disk_directory_refuses_the_start(daemon_factory, tmp_path: Pa
                          text=True, timeout=60)
     assert out.returncode == 2 and "--disk-path" in out.stderr, out.stderr
     assert not os.path.exists(daemon.socket)
+
+
+def test_a_cleared_namespace_is_neither_promoted_nor_back_after_a_restart(daemon_factory, tmp_path: Path) -> None:
+    daemon = daemon_factory("--disk-path", str(tmp_path / "disk"), *DISK).start()
+    keys = store_blocks(daemon.socket, NS, BLOCKS)
+    other = store_blocks(daemon.socket, "other-ns", 4)
+    wait_written(daemon, BLOCKS + 4)
+    client = daemon.client()
+    assert client.clear(NS) == BLOCKS  # each once: they were in the pool and on disk
+    assert load_on(daemon, keys) == (0, 0)  # not promoted back from disk
+    stats = client.stats()
+    assert stats.disk.read_blocks == 0 and stats.disk.blocks == 4
+    store_blocks(daemon.socket, NS, 4)  # the first 4 keys again, after the clear
+    wait_written(daemon, BLOCKS + 8)
+    daemon.stop()
+    daemon.start("--fresh")  # the pool starts empty; the disk keeps its segments and the clear
+    client = daemon.client()
+    assert client.clear("other-ns") == 4  # blocks only on disk count too
+    assert load_on(daemon, keys) == (4, 0)  # those stored after the clear, not the 12 others
+    assert client.lookup("other-ns", other) == 0
+    daemon.stop()
+    daemon.start("--fresh")
+    assert load_on(daemon, keys) == (4, 0) and daemon.client().lookup("other-ns", other) == 0
+
+
+def test_a_tenant_cleared_after_a_restart_loses_its_blocks_on_disk(daemon_factory, tmp_path: Path) -> None:
+    import json
+    import os
+
+    me = os.getuid()
+    daemon = daemon_factory("--disk-path", str(tmp_path / "disk"), *DISK, "--admin-uids", str(me), "--tenants",
+                            json.dumps({"a": {"uids": [me]}, "b": {"uids": [me + 1]}})).start()
+    keys = store_blocks(daemon.socket, NS, 8)  # in tenant a
+    wait_written(daemon, 8)
+    daemon.stop()
+    daemon.start("--fresh")  # no namespace in the pool: the disk knows this one's name
+    client = daemon.client()
+    assert client.clear("", "b") == 0
+    assert client.clear("", "a") == 8
+    assert load_on(daemon, keys) == (0, 0)
+    daemon.stop()
+    daemon.start("--fresh")
+    assert load_on(daemon, keys) == (0, 0) and daemon.client().stats().disk.blocks == 0
+
+
+def test_blocks_evicted_before_their_seal_are_counted_as_dropped_writes(daemon_factory, tmp_path: Path) -> None:
+    """Stores outrunning the seals in a 2 MiB pool: blocks evicted before their seal never reach the disk,
+    and each is counted as a dropped write, so every stored block is written or counted."""
+    import threading
+
+    daemon = daemon_factory("--disk-path", str(tmp_path / "disk"), *DISK, pool_size="2MiB",
+                            segment_size="1MiB").start()
+    stored = [0, 0, 0]
+    errors: list[BaseException] = []
+
+    def store_for(t: int, seconds: float = 1.5) -> None:
+        engine = Engine(daemon.socket, f"ns-{t}", 16, BLOCK_BYTES)
+        try:
+            deadline, n = time.monotonic() + seconds, 0
+            while time.monotonic() < deadline:
+                keys = [key_of(f"ns-{t}", n + i) for i in range(16)]
+                engine.fill(keys, list(range(16)))
+                job = engine.session.store(keys, list(range(16)))
+                stored[t] += engine.session.wait([job])[job].blocks_ok
+                n += 16
+        except BaseException as e:  # reported below
+            errors.append(e)
+        finally:
+            engine.close()
+
+    threads = [threading.Thread(target=store_for, args=(t,)) for t in range(3)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    client = daemon.client()
+    deadline = time.monotonic() + 20
+    while (stats := client.stats()).unsealed_blocks or stats.disk.queued_bytes:  # seals and writes done
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
+    disk = stats.disk
+    assert disk.healthy and stats.evictions > 0
+    assert disk.write_dropped > 0  # (the write queue holds more than the pool: nothing else drops)
+    assert disk.written + disk.write_dropped == sum(stored)

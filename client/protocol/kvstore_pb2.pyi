@@ -331,7 +331,7 @@ class DiskStats(_message.Message):
     def __init__(self, blocks: _Optional[int] = ..., bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., segments: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., read_blocks: _Optional[int] = ..., read_bytes: _Optional[int] = ..., read_seconds: _Optional[float] = ..., written: _Optional[int] = ..., write_bytes: _Optional[int] = ..., write_seconds: _Optional[float] = ..., write_dropped: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., corrupt: _Optional[int] = ..., errors: _Optional[int] = ..., reclaimed_segments: _Optional[int] = ..., direct_io: _Optional[bool] = ..., healthy: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class RemoteStats(_message.Message):
-    __slots__ = ("url", "breaker", "breaker_opens", "fetches", "hits", "misses", "skipped", "bytes_down", "fetch_seconds_sum", "fetch_seconds_count", "queued_blocks", "queued_bytes", "queue_limit_bytes", "spare_bytes", "uploaded", "bytes_up", "upload_failed", "dropped_full", "dropped_unhealthy", "dropped_closed", "errors", "timeouts", "corrupt")
+    __slots__ = ("url", "breaker", "breaker_opens", "fetches", "hits", "misses", "skipped", "bytes_down", "fetch_seconds_sum", "fetch_seconds_count", "queued_blocks", "queued_bytes", "queue_limit_bytes", "uploaded", "bytes_up", "upload_failed", "dropped_full", "dropped_unhealthy", "dropped_closed", "errors", "timeouts", "corrupt")
     URL_FIELD_NUMBER: _ClassVar[int]
     BREAKER_FIELD_NUMBER: _ClassVar[int]
     BREAKER_OPENS_FIELD_NUMBER: _ClassVar[int]
@@ -345,7 +345,6 @@ class RemoteStats(_message.Message):
     QUEUED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     QUEUED_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_LIMIT_BYTES_FIELD_NUMBER: _ClassVar[int]
-    SPARE_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPLOADED_FIELD_NUMBER: _ClassVar[int]
     BYTES_UP_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -368,7 +367,6 @@ class RemoteStats(_message.Message):
     queued_blocks: int
     queued_bytes: int
     queue_limit_bytes: int
-    spare_bytes: int
     uploaded: int
     bytes_up: int
     upload_failed: int
@@ -378,7 +376,7 @@ class RemoteStats(_message.Message):
     errors: int
     timeouts: int
     corrupt: int
-    def __init__(self, url: _Optional[str] = ..., breaker: _Optional[str] = ..., breaker_opens: _Optional[int] = ..., fetches: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., skipped: _Optional[int] = ..., bytes_down: _Optional[int] = ..., fetch_seconds_sum: _Optional[float] = ..., fetch_seconds_count: _Optional[int] = ..., queued_blocks: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., queue_limit_bytes: _Optional[int] = ..., spare_bytes: _Optional[int] = ..., uploaded: _Optional[int] = ..., bytes_up: _Optional[int] = ..., upload_failed: _Optional[int] = ..., dropped_full: _Optional[int] = ..., dropped_unhealthy: _Optional[int] = ..., dropped_closed: _Optional[int] = ..., errors: _Optional[int] = ..., timeouts: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
+    def __init__(self, url: _Optional[str] = ..., breaker: _Optional[str] = ..., breaker_opens: _Optional[int] = ..., fetches: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., skipped: _Optional[int] = ..., bytes_down: _Optional[int] = ..., fetch_seconds_sum: _Optional[float] = ..., fetch_seconds_count: _Optional[int] = ..., queued_blocks: _Optional[int] = ..., queued_bytes: _Optional[int] = ..., queue_limit_bytes: _Optional[int] = ..., uploaded: _Optional[int] = ..., bytes_up: _Optional[int] = ..., upload_failed: _Optional[int] = ..., dropped_full: _Optional[int] = ..., dropped_unhealthy: _Optional[int] = ..., dropped_closed: _Optional[int] = ..., errors: _Optional[int] = ..., timeouts: _Optional[int] = ..., corrupt: _Optional[int] = ...) -> None: ...
 
 class ClearRequest(_message.Message):
     __slots__ = ("namespace", "peer_token", "tenant")
