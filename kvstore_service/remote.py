@@ -439,6 +439,7 @@ class RemoteTier:
         self._idle = asyncio.Event()
         self._idle.set()
         self._uploader: asyncio.Task[None] | None = None
+        self._spare_reads: set[asyncio.Future[Any]] = set()  # batches fetched ahead, not needed
         self._closed = False
 
     @classmethod
@@ -511,11 +512,13 @@ class RemoteTier:
     def _take_batch(self) -> list[tuple[bytes, _Upload]]:
         batch: list[tuple[bytes, _Upload]] = []
         size = 0
-        while self._queue and (not batch or size + next(iter(self._queue.values())).size <= self.upload_batch_bytes):
+        # (payload bytes count: 32 values of 1 MiB are one batch, not 31 and a straggler)
+        while self._queue and (not batch or size + next(iter(self._queue.values())).payload.nbytes
+                               <= self.upload_batch_bytes):
             key, upload = self._queue.popitem(last=False)
             batch.append((key, upload))
             self._in_flight[key] = upload.size
-            size += upload.size
+            size += upload.payload.nbytes
         return batch
 
     async def _upload(self, batch: list[tuple[bytes, _Upload]]) -> None:
@@ -556,24 +559,29 @@ class RemoteTier:
 
     async def fetch_batches(self, tenant: str, namespace: str, keys: Sequence[bytes],
                             payload_bytes: int | None = None) -> AsyncGenerator[list[memoryview]]:
-        """`fetch`, one batch of payloads at a time, so that the caller can copy a batch away while the
-        next one is fetched (the next GETs are sent when the caller asks for the next batch)."""
+        """`fetch`, one batch of payloads at a time: the next batch's GETs are under way while one is
+        verified and handed over (the caller may copy it away meanwhile); a batch past the first miss is
+        fetched for nothing, at most one."""
         if not keys:
             return
         self._counts["fetches"] += 1
         found, asked, start = 0, False, time.monotonic()
+        ahead: asyncio.Future[Any] | None = None
         try:
             if not self.breaker.allow():
                 self._counts["skipped"] += len(keys)
                 return
             asked = True
             rkeys = remote_keys(tenant, namespace, keys)
-            batch = self.fetch_batch
-            if payload_bytes:  # small batches of big values: the caller copies one while the next comes
-                batch = max(1, min(batch, self.fetch_batch_bytes // payload_bytes))
-            for i in range(0, len(rkeys), batch):
-                chunk = rkeys[i:i + batch]
-                values = await self._call(self.store.get_many(chunk), len(chunk))
+            size = self.fetch_batch
+            if payload_bytes:  # batches of at most fetch_batch_bytes: the caller copies one as the next comes
+                size = max(1, min(size, self.fetch_batch_bytes // payload_bytes))
+            chunks = [rkeys[i:i + size] for i in range(0, len(rkeys), size)]
+            reading = asyncio.ensure_future(self._get(chunks[0]))
+            for n, chunk in enumerate(chunks):
+                values, ahead = await reading, None
+                if n + 1 < len(chunks):
+                    ahead = reading = asyncio.ensure_future(self._get(chunks[n + 1]))
                 good = await self._verify(chunk, values, payload_bytes)
                 found += len(good)
                 self._counts["bytes_down"] += sum(v.nbytes for v in good)
@@ -582,11 +590,17 @@ class RemoteTier:
                 if len(good) < len(chunk):
                     break
         finally:
+            if ahead is not None:  # past the first miss: let it finish (cancelling a pipeline drops its connection)
+                self._spare_reads.add(ahead)
+                ahead.add_done_callback(self._spare_reads.discard)
             if asked:  # (the caller's time between batches included: the latency its lookup sees)
                 self._fetch_seconds += time.monotonic() - start
                 self._counts["fetch_seconds_count"] += 1
             self._counts["hits"] += found
             self._counts["misses"] += len(keys) - found
+
+    async def _get(self, keys: list[bytes]) -> list[bytes | BaseException | None]:
+        return await self._call(self.store.get_many(keys), len(keys))
 
     async def _verify(self, keys: list[bytes], values: list[bytes | BaseException | None],
                       payload_bytes: int | None) -> list[memoryview]:
@@ -651,6 +665,7 @@ class RemoteTier:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._uploader
             self._uploader = None
+        await asyncio.gather(*self._spare_reads, return_exceptions=True)
         self._drop_queue()
         self._idle.set()
         await self.store.close()
