@@ -200,12 +200,8 @@ def cuda_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_of
     (cuStreamWaitEvent), so the copies start after the work recorded in it.
     StickyDeviceError when the driver reports an error that leaves the context unusable."""
     try:
-        if wait_event:
-            _native.cuda_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets),
-                                     _as_u64(sizes), direction, device, stream, allow_batch, wait_event=wait_event)
-        else:
-            _native.cuda_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets),
-                                     _as_u64(sizes), direction, device, stream, allow_batch)
+        _native.cuda_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets),
+                                 _as_u64(sizes), direction, device, stream, allow_batch, wait_event=wait_event)
     except RuntimeError as e:
         err = _cuda_error(e, device)
         if err is e:

@@ -230,7 +230,7 @@ def test_recoverable_codes(code: int | None) -> None:
 
 
 def raising(code: int | None) -> Any:
-    def call(*args: Any) -> None:
+    def call(*args: Any, **kwargs: Any) -> None:
         e = RuntimeError(f"cuMemcpyAsync failed at run 0: CUDA_ERROR_X ({code})")
         if code is not None:
             e.cuda_error = code  # type: ignore[attr-defined]  # what csrc/cuda_copy.cpp attaches
