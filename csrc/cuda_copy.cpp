@@ -369,95 +369,89 @@ std::string enqueue_copies(const Driver& d, const std::vector<Run>& runs, cu::CU
   return "";
 }
 
+// Runs fn(d, dev) with `device`'s primary context current (restored afterwards): its error text, or
+// the driver's, the device's or the context's.
+template <typename Fn>
+std::string in_context(int device, cu::CUresult* code, Fn fn) {
+  const Driver& d = driver();
+  if (!d.error.empty()) return d.error;
+  std::string err;
+  DeviceState* dev = device_state(d, device, &err, code);
+  if (dev == nullptr) return err;
+  ContextScope scope(d, dev->ctx);
+  if (!scope.ok()) {
+    *code = scope.rc();
+    return "cannot make the context of CUDA device " + std::to_string(device) + " current: " + describe(d, *code);
+  }
+  return fn(d, dev);
+}
+
 // The whole device copy, run with the GIL released. Returns "" or an error message; *code is the
 // CUresult of the failed driver call (0 when the failure was not a driver call's). A non-zero
 // `wait_event` (an event opened with cuda_open_ipc_event on this device) is waited on by the stream
 // before any copy is enqueued: the copies start only after the engine's work recorded in it.
 std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_stream, bool allow_batch,
                       uint64_t wait_event, cu::CUresult* code) {
-  const Driver& d = driver();
-  if (!d.error.empty()) return d.error;
-  std::string err;
-  DeviceState* dev = device_state(d, device, &err, code);
-  if (dev == nullptr) return err;
-  if (runs.empty()) return "";
-  ContextScope scope(d, dev->ctx);
-  if (!scope.ok()) {
-    *code = scope.rc();
-    return "cannot make the context of CUDA device " + std::to_string(device) + " current: " + describe(d, *code);
-  }
-  Lane lane;
-  if (!acquire_lane(d, dev, &lane, &err, code)) return err;
-  auto stream = user_stream != 0 ? reinterpret_cast<cu::CUstream>(user_stream) : lane.stream;
-  if (wait_event != 0) {
-    cu::CUresult rc = d.stream_wait_event(stream, reinterpret_cast<cu::CUevent>(wait_event), 0);
-    if (rc != cu::kSuccess) {  // nothing enqueued yet: no copy may run unordered
-      release_lane(dev, lane);
-      *code = rc;
-      return "cuStreamWaitEvent on the engine's event failed: " + describe(d, rc);
+  return in_context(device, code, [&](const Driver& d, DeviceState* dev) -> std::string {
+    if (runs.empty()) return "";
+    std::string err;
+    Lane lane;
+    if (!acquire_lane(d, dev, &lane, &err, code)) return err;
+    auto stream = user_stream != 0 ? reinterpret_cast<cu::CUstream>(user_stream) : lane.stream;
+    if (wait_event != 0) {
+      cu::CUresult rc = d.stream_wait_event(stream, reinterpret_cast<cu::CUevent>(wait_event), 0);
+      if (rc != cu::kSuccess) {  // nothing enqueued yet: no copy may run unordered
+        release_lane(dev, lane);
+        *code = rc;
+        return "cuStreamWaitEvent on the engine's event failed: " + describe(d, rc);
+      }
     }
-  }
-  bool used_batch = false;
-  err = enqueue_copies(d, runs, stream, allow_batch, &used_batch, code);
-  // Wait even after an enqueue error: earlier runs may still be in flight on the stream.
-  cu::CUresult rc = d.event_record(lane.event, stream);
-  if (rc == cu::kSuccess) rc = d.event_synchronize(lane.event);
-  if (err.empty() && rc != cu::kSuccess) {
-    *code = rc;
-    err = "CUDA copy failed while waiting for it: " + describe(d, rc);
-  }
-  release_lane(dev, lane);
-  return err;
+    bool used_batch = false;
+    err = enqueue_copies(d, runs, stream, allow_batch, &used_batch, code);
+    // Wait even after an enqueue error: earlier runs may still be in flight on the stream.
+    cu::CUresult rc = d.event_record(lane.event, stream);
+    if (rc == cu::kSuccess) rc = d.event_synchronize(lane.event);
+    if (err.empty() && rc != cu::kSuccess) {
+      *code = rc;
+      err = "CUDA copy failed while waiting for it: " + describe(d, rc);
+    }
+    release_lane(dev, lane);
+    return err;
+  });
 }
 
 std::string host_register(uint64_t addr, uint64_t size, int device, bool reg, cu::CUresult* code) {
-  const Driver& d = driver();
-  if (!d.error.empty()) return d.error;
-  std::string err;
-  DeviceState* dev = device_state(d, device, &err, code);
-  if (dev == nullptr) return err;
-  ContextScope scope(d, dev->ctx);
-  if (!scope.ok()) {
-    *code = scope.rc();
-    return "cannot make the context of CUDA device " + std::to_string(device) + " current: " + describe(d, *code);
-  }
-  void* ptr = reinterpret_cast<void*>(addr);
-  // Portable: the pinning is visible to every context, so one registration serves all GPUs.
-  cu::CUresult rc = reg ? d.mem_host_register(ptr, size, cu::kMemHostRegisterPortable)
-                        : d.mem_host_unregister(ptr);
-  if (rc != cu::kSuccess) {
-    *code = rc;
-    return std::string(reg ? "cuMemHostRegister" : "cuMemHostUnregister") + " failed: " + describe(d, rc);
-  }
-  return "";
+  return in_context(device, code, [&](const Driver& d, DeviceState*) -> std::string {
+    void* ptr = reinterpret_cast<void*>(addr);
+    // Portable: the pinning is visible to every context, so one registration serves all GPUs.
+    cu::CUresult rc = reg ? d.mem_host_register(ptr, size, cu::kMemHostRegisterPortable)
+                          : d.mem_host_unregister(ptr);
+    if (rc != cu::kSuccess) {
+      *code = rc;
+      return std::string(reg ? "cuMemHostRegister" : "cuMemHostUnregister") + " failed: " + describe(d, rc);
+    }
+    return "";
+  });
 }
 
 // Opens the engine's interprocess event (cuIpcOpenEventHandle) in the device's primary context, the
 // one the copy streams live in; *event is the CUevent. Or destroys one opened so (cuEventDestroy).
 std::string ipc_event(const cu::CUipcEventHandle* handle, uint64_t* event, int device, cu::CUresult* code) {
-  const Driver& d = driver();
-  if (!d.error.empty()) return d.error;
-  std::string err;
-  DeviceState* dev = device_state(d, device, &err, code);
-  if (dev == nullptr) return err;
-  ContextScope scope(d, dev->ctx);
-  if (!scope.ok()) {
-    *code = scope.rc();
-    return "cannot make the context of CUDA device " + std::to_string(device) + " current: " + describe(d, *code);
-  }
-  cu::CUresult rc;
-  if (handle != nullptr) {
-    cu::CUevent opened = nullptr;
-    rc = d.ipc_open_event(&opened, *handle);
-    *event = reinterpret_cast<uint64_t>(opened);
-  } else {
-    rc = d.event_destroy(reinterpret_cast<cu::CUevent>(*event));
-  }
-  if (rc != cu::kSuccess) {
-    *code = rc;
-    return std::string(handle ? "cuIpcOpenEventHandle" : "cuEventDestroy") + " failed: " + describe(d, rc);
-  }
-  return "";
+  return in_context(device, code, [&](const Driver& d, DeviceState*) -> std::string {
+    cu::CUresult rc;
+    if (handle != nullptr) {
+      cu::CUevent opened = nullptr;
+      rc = d.ipc_open_event(&opened, *handle);
+      *event = reinterpret_cast<uint64_t>(opened);
+    } else {
+      rc = d.event_destroy(reinterpret_cast<cu::CUevent>(*event));
+    }
+    if (rc != cu::kSuccess) {
+      *code = rc;
+      return std::string(handle ? "cuIpcOpenEventHandle" : "cuEventDestroy") + " failed: " + describe(d, rc);
+    }
+    return "";
+  });
 }
 
 // RuntimeError(message) with the failed call's CUresult as its `cuda_error` attribute (0: not a
