@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -204,6 +204,10 @@ class KVStoreClient:
         self.channel.close()
 
 
+# A call for the session's background thread: function, arguments, the future it fills (if any).
+_Call = tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any] | None]
+
+
 @dataclass
 class _Submit:
     job_id: int
@@ -237,10 +241,14 @@ class Session:
         self._lock = threading.Lock()  # guards _pending/_done between the caller and the threads
         self._connected = threading.Event()
         self._closed = threading.Event()
+        self._closing = False  # close() began: nothing more is queued for the background thread
         self._submits: queue.SimpleQueue[_Submit | None] = queue.SimpleQueue()
         self._stream: grpc.Call | None = None
-        # Lookups and lease releases run here, in order: starting a gRPC call costs the caller ~1 ms.
-        self._background = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvstore-rpc")
+        # Lookups and lease releases run on one background thread, in order: starting a gRPC call
+        # costs the caller ~1 ms. The hand-off is a SimpleQueue put (a ThreadPoolExecutor's costs 3x).
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._background = threading.Thread(target=self._background_loop, name="kvstore-rpc", daemon=True)
+        self._background.start()
         try:
             self._register()
         except Unavailable:
@@ -435,9 +443,27 @@ class Session:
 
     def lookup_future(self, keys: Sequence[bytes], lease: bool = False,
                       lease_ttl_ms: int = 0) -> concurrent.futures.Future[tuple[int, bytes]]:
-        """Non-blocking lookup, made on a background thread (starting a gRPC call on the caller's
-        thread costs ~1 ms): `.done()`, then `.result()` gives (hits, lease_id) or raises KVStoreError."""
-        return self._background.submit(self.lookup, list(keys), lease, lease_ttl_ms)
+        """Non-blocking lookup, made on the session's background thread (starting a gRPC call on the
+        caller's thread costs ~1 ms): `.done()`, then `.result()` gives (hits, lease_id) or raises
+        KVStoreError (Unavailable once the session is closed; cancelled if it closes first)."""
+        future: concurrent.futures.Future[tuple[int, bytes]] = concurrent.futures.Future()
+        if not self._queue((self.lookup, (list(keys), lease, lease_ttl_ms), future)):
+            future.set_exception(Unavailable("UNAVAILABLE: the kvstore session is closed"))
+        return future
+
+    def run_in_background(self, fn: Callable[..., object], *args: Any) -> bool:
+        """Run fn(*args) on the session's background thread, after the calls queued before it (lookups,
+        lease releases); the caller's cost is a queue put. fn reports its result itself; its errors are
+        only logged. False if the session is closed: nothing queued (close() drops queued calls)."""
+        return self._queue((fn, args, None))
+
+    def _queue(self, call: _Call) -> bool:
+        if self._closing:
+            return False
+        self._calls.put(call)
+        if self._closing:  # closed meanwhile (another thread): never left pending
+            self._drop_queued()
+        return True
 
     def release_lease(self, lease_id: bytes, wait: bool = False) -> None:
         """Release a lease. By default it is queued on the background thread (after the lookups
@@ -446,10 +472,8 @@ class Session:
             self.client.call(self.client.stub.ReleaseLease,
                              pb.ReleaseLeaseRequest(session_id=self.session_id, lease_id=lease_id))
             return
-        try:
-            self._background.submit(self._release_quietly, lease_id)
-        except RuntimeError:
-            pass  # closed: the daemon drops a session's leases when the session ends
+        # Closed: nothing queued, the daemon drops a session's leases when the session ends.
+        self._queue((self._release_quietly, (lease_id,), None))
 
     def _release_quietly(self, lease_id: bytes) -> None:
         if not self.connected:
@@ -459,14 +483,52 @@ class Session:
         except KVStoreError as e:
             log.debug("kvstore: lease release failed: %s", e)
 
+    def _background_loop(self) -> None:
+        """Runs the queued calls in order until close(); what close() finds still queued is dropped."""
+        while (item := self._calls.get()) is not None:
+            fn, args, future = item
+            if future is not None and (self._closing or not future.set_running_or_notify_cancel()):
+                future.cancel()
+                continue
+            if self._closing:
+                continue
+            try:
+                value = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
+                if future is None:
+                    log.debug("kvstore: background call failed: %s", e)
+                else:
+                    future.set_exception(e)
+            else:
+                if future is not None:
+                    future.set_result(value)
+        self._drop_queued()
+
+    def _drop_queued(self) -> None:
+        """Take every queued call off without running it (their futures are cancelled)."""
+        stop = False
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if item is None:
+                stop = True
+            elif item[2] is not None:
+                item[2].cancel()
+        if stop:
+            self._calls.put(None)  # not ours to take: the background thread's stop
+
     # -- end -------------------------------------------------------------------------------------
 
     def close(self) -> None:
         if self._closed.is_set():
             return
+        self._closing = True
         self._closed.set()
         self._submits.put(None)
-        self._background.shutdown(wait=False, cancel_futures=True)
+        self._drop_queued()  # the call running now finishes; the background thread then ends
+        self._calls.put(None)
         if self.session_id:
             try:
                 self.client.call(self.client.stub.Unregister, pb.UnregisterRequest(session_id=self.session_id))

@@ -17,7 +17,6 @@ and stores are dropped, and the connector reconnects on its own.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +30,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvstore_client.layouts import UnsupportedKVCache
 from kvstore_client.vllm.common import (
-    IDLE_WAIT_S,
     ConnectorSettings,
     KVStoreConnectorMetadata,
     KVStoreConnectorStats,
@@ -109,7 +107,7 @@ class KVStoreConnector(KVConnectorBase_V1):
 
     def on_new_request(self, request: Request) -> None:
         if self.scheduler is not None:
-            self.scheduler.requests[request.request_id] = request
+            self.scheduler.on_new_request(request)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.scheduler is not None:
@@ -129,27 +127,26 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.register(kv_caches)
 
-    def _meta(self) -> KVStoreConnectorMetadata:
-        meta = self._connector_metadata
-        assert isinstance(meta, KVStoreConnectorMetadata)
-        return meta
-
     def has_connector_metadata(self) -> bool:
         # Always False: vLLM's attention layers then skip wait_for_layer_load/save_kv_layer, two
         # calls per layer and step (~50 µs a step) that have nothing to do here. In vLLM 0.32 only
-        # those layer hooks ask; this connector reads its metadata with _meta().
+        # those layer hooks ask; this connector reads `_connector_metadata` itself.
         return False
 
+    # The worker-side calls of every step read the bound metadata directly: after a forward pass
+    # each check and call costs microseconds (caches are cold).
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        assert self.worker is not None and isinstance(kv_connector_metadata, KVStoreConnectorMetadata)
-        if kv_connector_metadata.preempted:
-            self.worker.flush(kv_connector_metadata.preempted)
+        preempted = kv_connector_metadata.preempted  # type: ignore[attr-defined]
+        if preempted:
+            assert self.worker is not None
+            self.worker.flush(preempted)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self.worker is not None
-        loads = self._meta().loads
-        if loads:
-            self.worker.start_loads(loads)
+        meta: KVStoreConnectorMetadata = self._connector_metadata  # type: ignore[assignment]
+        if meta.loads:
+            assert self.worker is not None
+            self.worker.start_loads(meta.loads)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         pass  # loads finish before the request is scheduled (asynchronous loading)
@@ -158,16 +155,15 @@ class KVStoreConnector(KVConnectorBase_V1):
         pass  # whole blocks are stored after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
-        assert self.worker is not None
-        stores = self._meta().stores
-        if stores:
-            self.worker.start_stores(stores)  # submits and returns: never waits for the copies
+        meta: KVStoreConnectorMetadata = self._connector_metadata  # type: ignore[assignment]
+        if meta.stores:
+            assert self.worker is not None
+            self.worker.start_stores(meta.stores)  # submits and returns: never waits for the copies
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self.worker is not None
-        if self._meta().idle_wait:
-            time.sleep(IDLE_WAIT_S)
-        return self.worker.transfer_results(finished_req_ids)
+        meta: KVStoreConnectorMetadata = self._connector_metadata  # type: ignore[assignment]
+        return self.worker.transfer_results(finished_req_ids, meta.idle_wait, meta.lookups)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

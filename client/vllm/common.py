@@ -3,6 +3,8 @@ the scheduler -> worker metadata and the worker's stats."""
 
 from __future__ import annotations
 
+import multiprocessing
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,10 +18,37 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 PREEMPTION_WAIT_S = 30.0
-# A step with nothing to compute while the connector waits on the sidecar sleeps this long: vLLM
-# spins such steps back to back, and the spinning thread holds the GIL and a core that the
-# lookup/submit threads and the daemon's copies need.
+# A step with nothing to compute while the connector waits on the sidecar (lookups, loads) waits
+# for progress: a job's completion in the session's channel, or, with the scheduler in the same
+# process, a lookup's reply. vLLM would spin such steps back to back, and the spinning thread holds
+# the GIL and a core that the lookup/submit threads and the daemon's copies need. The wait sleeps
+# in slices (never spins), ends at the first progress, and lasts at most IDLE_WAIT_MAX_S (a request
+# arriving meanwhile waits that long at most).
+IDLE_WAIT_MAX_S = 0.002
+IDLE_SLICE_S = 0.0001
+# What cannot be seen from the worker's process (another process's lookups): a fixed sleep.
 IDLE_WAIT_S = 0.0005
+# vLLM's engine core in a process of its own with no other request: how long the scheduler waits for
+# a new request's lookup reply before answering "ask again" (see engine_core_sleeps_when_idle).
+LOOKUP_WAIT_S = 0.002
+
+
+class InProcess:
+    """The connector sides living in this process. With the scheduler here too (vLLM's uniprocess
+    executor), a worker's idle wait also ends when a lookup reply arrives (`lookup_replied`, set by
+    the session's background thread after each lookup)."""
+
+    lookup_replied = threading.Event()
+    schedulers = 0
+    workers = 0
+
+
+def engine_core_sleeps_when_idle() -> bool:
+    """vLLM 0.32's engine core in a process of its own (EngineCoreProc: `vllm serve`, or LLM with
+    VLLM_ENABLE_V1_MULTIPROCESSING=1, the default) sleeps 1 ms after a step that ran no model while
+    requests remain (`_process_engine_step`), which is time enough for a lookup reply; in-process
+    (InprocClient) it steps again at once."""
+    return multiprocessing.current_process().name.startswith("EngineCore")
 
 
 # -- settings and identity ----------------------------------------------------------------------
@@ -134,7 +163,11 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     stores: list[Transfer] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
-    idle_wait: bool = False  # nothing scheduled while lookups or loads are in flight: sleep IDLE_WAIT_S
+    # Nothing scheduled while lookups or loads are in flight: the worker waits for progress (see
+    # IDLE_WAIT_MAX_S); `lookups`: lookup replies are awaited too (progress a worker in the scheduler's
+    # process sees).
+    idle_wait: bool = False
+    lookups: bool = False
 
 
 # -- stats --------------------------------------------------------------------------------------

@@ -1,15 +1,27 @@
-"""The connector's scheduler side: bookkeeping only (keys, block ids, leases); holds no tensors."""
+"""The connector's scheduler side: bookkeeping only (keys, block ids, leases); holds no tensors.
+
+Every call runs on vLLM's engine step loop, most of them right after a forward pass with cold CPU
+caches, where each object made and each attribute read costs: the per-step paths touch little (one
+record per request, shared metadata for steps without jobs), and a lookup is only queued here: its
+keys, its tail's hash and its RPC run on the session's background thread.
+"""
 
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future
-from dataclasses import dataclass
+import threading
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvstore_client.client import KVStoreClient, Session
-from kvstore_client.errors import KVStoreError
-from kvstore_client.vllm.common import ConnectorSettings, KVStoreConnectorMetadata, Transfer
+from kvstore_client.vllm.common import (
+    LOOKUP_WAIT_S,
+    ConnectorSettings,
+    InProcess,
+    KVStoreConnectorMetadata,
+    Transfer,
+    engine_core_sleeps_when_idle,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -20,21 +32,64 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_hashing: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
 
-@dataclass
+
+def _vllm_hashing() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """vLLM's block-hashing helpers, imported once (not on every call: an import statement costs µs)."""
+    global _hashing
+    if _hashing is None:
+        from vllm.multimodal.utils import get_mm_features_in_window
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
+
+        _hashing = (generate_block_hash_extra_keys, hash_block_tokens, get_mm_features_in_window)
+    return _hashing
+
+
 class _Lookup:
-    keys: list[bytes]  # looked up: the full blocks' hashes, then the prompt's partial tail's key if any
-    tail: int  # tokens of the tail key (0: none)
-    future: Future[tuple[int, bytes]] | None
-    hits: int = 0  # leading keys present
-    lease_id: bytes = b""
-    start: int = 0  # vLLM's local hit (blocks) when we last answered: the load starts there
+    """One request's lookup, and its own future: the background thread fills in the reply and sets
+    `replied` last; the scheduler reads it once (`read`). A lookup released before its reply came is
+    `dropped`: the background thread then gives its lease back (`Scheduler._handoff` decides who).
+    Defaults are class attributes: making one sets a single attribute (cheaper with cold caches)."""
+
+    keys: Sequence[bytes] = ()  # looked up: the full blocks' hashes, then the partial tail's key if any
+    tail = 0  # tokens of the tail key (0: none)
+    hits = 0  # leading keys present
+    lease_id = b""
+    error: BaseException | None = None
+    unavailable = False  # the sidecar was not connected: nothing looked up
+    replied = False
+    read = False
+    dropped = False
+    start = 0  # vLLM's local hit (blocks) when we last answered: the load starts there
+
+    def __init__(self, full: int) -> None:
+        self.full = full  # the request's full blocks when it was looked up
 
     def cached_tokens(self, block_size: int) -> int:
         """Tokens the present keys hold."""
         if self.tail and self.hits == len(self.keys):
             return (self.hits - 1) * block_size + self.tail
         return self.hits * block_size
+
+
+class _Req:
+    """What the scheduler keeps per request, in one place (one dict operation per request and step).
+    Defaults are class attributes, as in _Lookup."""
+
+    stored_upto = -1  # blocks already sent for store (-1: not known yet)
+    had_stores = False  # stores were planned: vLLM keeps its blocks until they are done
+    load_failed = False  # its load failed: recompute, never offer again
+    tail_done = False  # its prompt's partial tail is stored, or was in the pool
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+
+
+# Metadata of steps without loads, stores or preemptions, shared (never changed once made): most steps.
+_NO_JOBS = KVStoreConnectorMetadata()
+_IDLE = {(wait, lookups): KVStoreConnectorMetadata(idle_wait=wait, lookups=lookups)
+         for wait in (False, True) for lookups in (False, True)}
 
 
 class Scheduler:
@@ -50,58 +105,56 @@ class Scheduler:
         self.client = KVStoreClient(settings.socket, timeout=settings.timeout_s)
         self.session: Session = self.client.session(namespace or "off", None, engine_id="vllm-scheduler",
                                                     wait=False)
-        self.requests: dict[str, Request] = {}
+        self.reqs: dict[str, _Req] = {}
         self.lookups: dict[str, _Lookup] = {}
         self.loads: list[Transfer] = []
-        self.stored_upto: dict[str, int] = {}  # blocks of the request already sent for store
-        self.had_stores: set[str] = set()
-        self.load_failed: set[str] = set()  # requests whose load failed: recompute, never offer again
-        self.load_block_ids: dict[str, set[int]] = {}
-        self.tails_done: set[str] = set()  # requests whose prompt tail is stored or was loaded
+        self.load_block_ids: dict[str, set[int]] = {}  # loads in flight
         self.unavailable_warned = False
         self.lookup_errors = 0
+        self._handoff = threading.Lock()  # who releases the lease of a lookup dropped before its reply
+        self.core_sleeps_when_idle = engine_core_sleeps_when_idle()
+        InProcess.schedulers += 1
 
-    def _available(self) -> bool:
-        if self.session.connected:
-            self.unavailable_warned = False
-            return True
-        if not self.unavailable_warned:
-            log.warning("kvstore sidecar unavailable: serving without it (recompute) until it is back")
-            self.unavailable_warned = True
-        return False
+    def on_new_request(self, request: Request) -> None:
+        self.reqs[request.request_id] = _Req(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
-        self.requests.setdefault(req_id, request)
+        rec = self.reqs.get(req_id)
+        if rec is None:
+            rec = self.reqs[req_id] = _Req(request)
+        if not self.settings.load or rec.load_failed:
+            return 0, False
         start = num_computed_tokens // self.block_size
         full = len(request.block_hashes)
-        if not self.settings.load or req_id in self.load_failed:
-            return 0, False
         # The lookup covers the whole prompt (its full blocks and its partial tail) and is asked once
         # per request: vLLM's local hit (`start`) can move between calls while blocks churn, and a
         # lookup keyed on it would be asked afresh forever.
         state = self.lookups.get(req_id)
-        if state is None or len(state.keys) - (1 if state.tail else 0) != full:
+        if state is None or state.full != full:
             if state is not None:
                 self._release(state)
-            keys: list[bytes] = list(request.block_hashes)
-            tail = self._tail(request)
-            if tail is not None:
-                keys.append(tail[0])
-            if len(keys) <= start or not self._available():
+            tail = self._has_tail(request, full)
+            if full + tail <= start:
+                return 0, False  # vLLM has every block locally
+            # All the rest (the keys, the tail's hash, the RPC) runs on the session's background thread:
+            # this thread only queues it. A worker in this process waits for the reply in idle steps.
+            state = self.lookups[req_id] = _Lookup(full)
+            # vLLM's engine core in a process of its own turns a step with nothing to run into a round
+            # trip to the workers and a 1 ms sleep: with no other request in the engine, waiting for
+            # the reply here (at most LOOKUP_WAIT_S) is cheaper, and the load starts this step.
+            wait_here = self.core_sleeps_when_idle and len(self.reqs) == 1
+            if wait_here:
+                InProcess.lookup_replied.clear()
+            if not self.session.run_in_background(self._lookup, state, request, tail):
+                del self.lookups[req_id]  # the session is closed
                 return 0, False
-            future = self.session.lookup_future(keys, lease=True, lease_ttl_ms=self.settings.lease_ttl_ms)
-            self.lookups[req_id] = _Lookup(keys, tail[1] if tail is not None else 0, future)
-            return None, False
-        if state.future is not None:
-            if not state.future.done():
+            if not (wait_here and InProcess.lookup_replied.wait(LOOKUP_WAIT_S) and state.replied):
                 return None, False
-            try:
-                state.hits, state.lease_id = state.future.result()
-            except KVStoreError as e:
-                self.lookup_errors += 1
-                log.warning("kvstore lookup failed (%s); recomputing", e)
-            state.future = None
+        if not state.read:
+            if not state.replied:
+                return None, False
+            self._read(state)
         state.start = start
         # Every cached token but the last: vLLM computes at least one token (a full hit loads the
         # last block whole and recomputes only its final token).
@@ -110,10 +163,52 @@ class Scheduler:
             return 0, False
         return cached - num_computed_tokens, True
 
+    def _read(self, state: _Lookup) -> None:
+        """Take a lookup's reply (once): its errors and the sidecar's absence are logged here."""
+        state.read = True
+        if state.error is not None:
+            self.lookup_errors += 1
+            log.warning("kvstore lookup failed (%s); recomputing", state.error)
+        elif not state.unavailable:
+            self.unavailable_warned = False
+        elif not self.unavailable_warned:
+            log.warning("kvstore sidecar unavailable: serving without it (recompute) until it is back")
+            self.unavailable_warned = True
+
+    def _lookup(self, state: _Lookup, request: Request, tail: bool) -> None:
+        """On the session's background thread: the keys of the request's first `state.full` blocks and
+        of its prompt's partial tail (`tail`), looked up with a lease on the hits; the reply goes into
+        `state`, `replied` last."""
+        try:
+            keys: list[bytes] = list(request.block_hashes[: state.full])
+            if tail and (tail_key := self._tail(request)) is not None:
+                keys.append(tail_key[0])
+                state.tail = tail_key[1]
+            state.keys = keys
+            if self.session.connected:
+                state.hits, state.lease_id = self.session.lookup(keys, lease=True,
+                                                                 lease_ttl_ms=self.settings.lease_ttl_ms)
+            else:
+                state.unavailable = True
+        except Exception as e:  # noqa: BLE001 - reported (and recomputed) by the scheduler thread
+            state.hits, state.error = 0, e
+        finally:
+            with self._handoff:
+                state.replied = True
+                dropped = state.dropped
+            InProcess.lookup_replied.set()
+            if dropped and state.lease_id:
+                self.session.release_lease(state.lease_id)
+
+    def _has_tail(self, request: Request, full: int) -> bool:
+        """Whether a request is a fresh prompt with a partial last block (see _tail); cheap."""
+        end = request.num_prompt_tokens
+        return request.num_tokens == end and 0 < end - full * self.block_size < self.block_size
+
     def _tail_key(self, request: Request) -> bytes | None:
         """The key of the prompt's partial last block: the one its lookup hashed, if it had one."""
         state = self.lookups.get(request.request_id)
-        if state is not None and state.tail:
+        if state is not None and state.read and state.tail:
             return state.keys[-1]
         tail = self._tail(request)
         return tail[0] if tail is not None else None
@@ -122,16 +217,13 @@ class Scheduler:
         """(key, tokens) of a fresh prompt's partial last block: the hash vLLM's block hasher would
         give it (parent hash, its token ids, the same extra keys: LoRA, multimodal inputs,
         cache_salt). Its token tuple is shorter than a full block's, so it never equals one's key."""
-        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, hash_block_tokens
-
         full, end = len(request.block_hashes), request.num_prompt_tokens
         start = full * self.block_size
         if request.num_tokens != end or not 0 < end - start < self.block_size:
             return None  # no partial tail, or not a fresh prompt (resumed with output tokens)
+        generate_block_hash_extra_keys, hash_block_tokens, get_mm_features_in_window = _vllm_hashing()
         mm_index = 0
         if request.mm_features:
-            from vllm.multimodal.utils import get_mm_features_in_window
-
             mm_index, _ = get_mm_features_in_window(request.mm_features, start, end)
         extra, _ = generate_block_hash_extra_keys(request, start, end, mm_index)
         parent = request.block_hashes[-1] if full else None
@@ -139,56 +231,83 @@ class Scheduler:
         return key, end - start
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
         req_id = request.request_id
         state = self.lookups.get(req_id)
-        if num_external_tokens == 0 or state is None:
+        rec = self.reqs.get(req_id)
+        if state is None or rec is None:
             return
         count = -(-num_external_tokens // self.block_size)  # the last one may be loaded for part of its tokens
         block_ids = blocks.get_block_ids()[0][state.start : state.start + count]
-        keys = state.keys[state.start : state.start + count]
+        keys = list(state.keys[state.start : state.start + count])
         self.loads.append(Transfer(req_id, keys, list(block_ids)))
         self.load_block_ids[req_id] = set(block_ids)
         # Loaded full blocks need no store; a loaded tail's block does once output tokens fill it.
-        loaded_full = min(state.start + count, len(request.block_hashes))
-        self.stored_upto[req_id] = max(self.stored_upto.get(req_id, 0), loaded_full)
+        rec.stored_upto = max(rec.stored_upto, min(state.start + count, len(request.block_hashes)))
         if state.tail and state.hits == len(state.keys):  # the tail is in the pool: no need to store it
-            self.tails_done.add(req_id)
+            rec.tail_done = True
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
-        meta = KVStoreConnectorMetadata(loads=self.loads)
-        self.loads = []
-        if scheduler_output.preempted_req_ids:
-            meta.preempted = set(scheduler_output.preempted_req_ids)
-            for req_id in meta.preempted:  # it starts over: look it up afresh when it is back
+        loads = self.loads
+        preempted = scheduler_output.preempted_req_ids
+        if preempted:
+            for req_id in preempted:  # it starts over: look it up afresh when it is back
                 state = self.lookups.pop(req_id, None)
                 if state is not None:
                     self._release(state)
         if not scheduler_output.total_num_scheduled_tokens:
-            meta.idle_wait = bool(self.load_block_ids) or any(
-                s.future is not None and not s.future.done() for s in self.lookups.values())
-            return meta
+            wait, lookups = self._idle_wait()
+            if not loads and not preempted:
+                return _IDLE[wait, lookups]
+            self.loads = []
+            return KVStoreConnectorMetadata(loads=loads, preempted=set(preempted or ()), idle_wait=wait,
+                                            lookups=lookups)
+        stores: list[Transfer] = []
         block_state = scheduler_output.kv_connector_block_state
         if self.settings.store and block_state is not None:
-            requests = self.requests
+            reqs = self.reqs
             for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
-                request = requests.get(req_id)
-                if request is not None:
-                    self._plan_store(request, scheduled, block_state, meta.stores)
-        return meta
+                rec = reqs.get(req_id)
+                if rec is not None:
+                    self._plan_store(rec, scheduled, block_state, stores)
+        if not loads and not stores and not preempted:
+            return _NO_JOBS
+        self.loads = []
+        return KVStoreConnectorMetadata(loads=loads, stores=stores, preempted=set(preempted or ()))
 
-    def _plan_store(self, request: Request, scheduled: int, block_state: Any, stores: list[Transfer]) -> None:
+    def _idle_wait(self) -> tuple[bool, bool]:
+        """(wait, lookups) for a step with nothing to compute: whether the worker waits for progress,
+        and whether lookup replies are awaited (the worker in this process wakes on them)."""
+        if InProcess.workers:
+            InProcess.lookup_replied.clear()  # replies from here on wake the wait; earlier ones are seen below
+        lookups = False
+        for state in self.lookups.values():
+            if not state.read:
+                if state.replied:
+                    return False, False  # a reply to read: the next step makes progress at once
+                lookups = True
+        if self.load_block_ids:
+            return True, lookups
+        if lookups and (InProcess.workers or not self.core_sleeps_when_idle):
+            return True, True
+        return False, False  # nothing to wait for, or vLLM's engine core sleeps on its own
+
+    def _plan_store(self, rec: _Req, scheduled: int, block_state: Any, stores: list[Transfer]) -> None:
         """The blocks of a request whose KV this step's forward completes: full blocks (most steps:
         none new), and the prompt's partial tail in the step that finishes the prompt."""
-        req_id, size = request.request_id, self.block_size
+        request, size = rec.request, self.block_size
         computed = request.num_computed_tokens
-        first = self.stored_upto.get(req_id)
-        if first is None:  # blocks vLLM had cached locally when the request arrived
-            first = self.stored_upto[req_id] = computed // size
+        first = rec.stored_upto
+        if first < 0:  # blocks vLLM had cached locally when the request arrived
+            first = rec.stored_upto = computed // size
         done = (computed + scheduled) // size
-        tail = computed < request.num_prompt_tokens <= computed + scheduled and req_id not in self.tails_done
+        prompt = request.num_prompt_tokens
+        tail = computed < prompt <= computed + scheduled and prompt % size != 0 and not rec.tail_done
         if done <= first and not tail:
             return
         done = min(done, len(request.block_hashes))  # ... and hashed
+        req_id = request.request_id
         ids = block_state.get_block_ids(req_id)
         if ids is None:
             return
@@ -197,12 +316,12 @@ class Scheduler:
         tail_key = self._tail_key(request) if tail else None
         if tail_key is not None:
             keys.append(tail_key)
-            block_ids.append(ids[0][request.num_prompt_tokens // size])
-            self.tails_done.add(req_id)
+            block_ids.append(ids[0][prompt // size])
+            rec.tail_done = True
         if keys:
             stores.append(Transfer(req_id, keys, block_ids, tail_key is not None))
-            self.had_stores.add(req_id)
-        self.stored_upto[req_id] = max(first, done)
+            rec.had_stores = True
+        rec.stored_upto = max(first, done)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if not connector_output.finished_recving:
@@ -214,7 +333,9 @@ class Scheduler:
                 self._release(state)
             block_ids = self.load_block_ids.pop(req_id, None)
             if invalid and block_ids and not invalid.isdisjoint(block_ids):
-                self.load_failed.add(req_id)
+                rec = self.reqs.get(req_id)
+                if rec is not None:
+                    rec.load_failed = True
 
     def request_finished(self, request: Request) -> bool:
         """True: vLLM keeps the blocks until the worker reports the request's stores done."""
@@ -222,30 +343,25 @@ class Scheduler:
         state = self.lookups.pop(req_id, None)
         if state is not None:
             self._release(state)
-        self.requests.pop(req_id, None)
-        self.stored_upto.pop(req_id, None)
-        self.load_failed.discard(req_id)
-        self.load_block_ids.pop(req_id, None)
-        self.tails_done.discard(req_id)
-        if req_id in self.had_stores:
-            self.had_stores.discard(req_id)
-            return True
-        return False
+        if self.load_block_ids:
+            self.load_block_ids.pop(req_id, None)
+        rec = self.reqs.pop(req_id, None)
+        return rec is not None and rec.had_stores
 
     def _release(self, state: _Lookup) -> None:
-        """Give a lookup's lease back, also one whose answer is unread or still on its way. The
-        release runs on the session's background thread: no RPC on the scheduler's."""
-        future, lease_id = state.future, state.lease_id
-        state.future, state.lease_id = None, b""
-        if future is not None:
-            future.add_done_callback(self._release_late)  # at once if the answer is in
-        elif lease_id:
+        """Give a lookup's lease back, also one whose reply is unread or still on its way (then the
+        background thread does, when it comes). Releases run on the session's background thread: no
+        RPC on the scheduler's."""
+        if not state.read:
+            with self._handoff:
+                state.dropped = True
+                if not state.replied:
+                    return  # the background thread releases it
+        lease_id, state.lease_id = state.lease_id, b""
+        if lease_id:
             self.session.release_lease(lease_id)
 
-    def _release_late(self, future: Future[tuple[int, bytes]]) -> None:
-        if not future.cancelled() and future.exception() is None and future.result()[1]:
-            self.session.release_lease(future.result()[1])
-
     def close(self) -> None:
+        InProcess.schedulers -= 1
         self.session.close()
         self.client.close()

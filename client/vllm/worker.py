@@ -17,8 +17,12 @@ from kvstore_client.layouts import UnsupportedKVCache, describe_kv_cache
 from kvstore_client.protocol.completion import Completion
 from kvstore_client.shm import SharedKVMemory, move_to_shared_memory, shared_memory_spec
 from kvstore_client.vllm.common import (
+    IDLE_SLICE_S,
+    IDLE_WAIT_MAX_S,
+    IDLE_WAIT_S,
     PREEMPTION_WAIT_S,
     ConnectorSettings,
+    InProcess,
     KVStoreConnectorStats,
     Sharding,
     Transfer,
@@ -56,6 +60,8 @@ class Worker:
         self.load_errors: set[int] = set()
         self.stats = KVStoreConnectorStats()
         self.stats_changed = False  # spares the per-step is_empty() scan of the counters
+        self.order_copies = False  # device memory: order the step's kernels before each job (not on CPU)
+        InProcess.workers += 1
 
     def register(self, kv_caches: Mapping[str, torch.Tensor | tuple[torch.Tensor, ...]]) -> None:
         """Describe the KV memory from vLLM's own placement (kvstore_client.layouts) and register it;
@@ -70,6 +76,7 @@ class Worker:
             return
         regions = [(r.offset, r.block_stride, r.block_bytes, r.memory) for r in description.regions]
         self.device = description.memories[0].device
+        self.order_copies = self.device.type != "cpu"
         if self.device.type == "cpu":
             # The daemon maps shared-memory files: move the KV allocations there, in place (every tensor
             # vLLM holds of them, also of layers that share another layer's cache).
@@ -92,7 +99,8 @@ class Worker:
                 self.load_errors.update(t.block_ids)
                 self.refused_loads.add(t.req_id)
             return
-        if loads and self.device is not None:
+        if loads and self.order_copies:
+            assert self.device is not None
             order_before_copies(self.device)  # blocks taken from a preempted request may still be written
         for t in loads:
             job = self.session.load(t.keys, t.block_ids)
@@ -104,7 +112,8 @@ class Worker:
             return  # off: nothing stored, and nothing keeps a finished request's blocks
         if self.sharding.replicas > 1:  # replicas of a shard split its stores
             stores = [mine for t in stores if (mine := self._my_part(t)) is not None]
-        if stores and self.device is not None:
+        if stores and self.order_copies:
+            assert self.device is not None
             order_before_copies(self.device)  # the daemon may read the blocks as soon as a job arrives
         for t in stores:
             job = self.session.store(t.keys, t.block_ids, t.partial_tail)
@@ -130,32 +139,72 @@ class Worker:
             except TimeoutError:
                 log.error("kvstore: stores of preempted requests did not finish in %ss", PREEMPTION_WAIT_S)
 
-    def transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        """Requests whose loads are all done (recving) and finished requests whose stores are (sending)."""
+    def transfer_results(self, finished_req_ids: set[str], idle_wait: bool = False,
+                         lookups: bool = False) -> KVConnectorTransferResults:
+        """Requests whose loads are all done (recving) and finished requests whose stores are (sending).
+        `idle_wait`: the step computed nothing while lookups (`lookups`) or loads are in flight: wait
+        for progress first (_wait_for_progress)."""
         results = KVConnectorTransferResults()
         if self.session is None:
+            if idle_wait:
+                self._wait_for_progress(lookups)
             results.finished_recving.update(self.refused_loads)
             self.refused_loads.clear()
             return results
-        if not self.session.connected:
-            self.stats.data["sidecar_unavailable"] = 1
-            self.stats_changed = True
-        # Every job is in load_jobs/store_jobs until its completion is seen: with none, and no
-        # request waiting for its stores, there is nothing to poll (most decode steps).
-        if not (self.load_jobs or self.store_jobs or self.finished_waiting or finished_req_ids):
-            return results
-        for completion in self.session.poll():
-            loaded = self._completed(completion)
-            if loaded is not None:
-                results.finished_recving.add(loaded)
-        if finished_req_ids:
+        if finished_req_ids and self.had_stores:
             self.finished_waiting.update(r for r in finished_req_ids if r in self.had_stores)
+        # Every job is in load_jobs/store_jobs until its completion is seen: with none there is
+        # nothing to poll (most steps).
+        if self.load_jobs or self.store_jobs:
+            session = self.session
+            if not session.connected:  # its jobs fail (and are seen failed below)
+                self.stats.data["sidecar_unavailable"] = 1
+                self.stats_changed = True
+            completions = session.poll()
+            if idle_wait and not completions:
+                completions = self._wait_for_progress(lookups)
+            for completion in completions:
+                loaded = self._completed(completion)
+                if loaded is not None:
+                    results.finished_recving.add(loaded)
+        elif idle_wait:
+            self._wait_for_progress(lookups)
         if self.finished_waiting:
             sending = results.finished_sending
             sending.update(r for r in self.finished_waiting if r not in self.stores_left)
             self.finished_waiting -= sending
             self.had_stores -= sending
         return results
+
+    def _wait_for_progress(self, lookups: bool) -> list[Completion]:
+        """An idle step (vLLM computes nothing) while lookups or loads are in flight: wait until a
+        job of this session completes (the completion channel, read every IDLE_SLICE_S) or, with the
+        scheduler in this process, a lookup reply arrives, at most IDLE_WAIT_MAX_S; returns the
+        completions seen. Sleeps, never spins: the GIL and the cores go to the lookup thread and the
+        daemon's copies. A lookup reply in another process cannot be seen from here: IDLE_WAIT_S."""
+        replied = InProcess.lookup_replied if lookups and InProcess.schedulers else None
+        session = self.session
+        jobs = session is not None and bool(self.load_jobs or self.store_jobs)
+        if not jobs:  # nothing to poll: one wait
+            if replied is None:
+                time.sleep(IDLE_WAIT_S)
+            else:
+                replied.wait(IDLE_WAIT_MAX_S)
+            return []
+        deadline = time.monotonic() + IDLE_WAIT_MAX_S
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return []
+            if replied is not None:
+                if replied.wait(min(IDLE_SLICE_S, remaining)):
+                    return []
+            else:
+                time.sleep(min(IDLE_SLICE_S, remaining))
+            assert session is not None
+            completions = session.poll()
+            if completions:
+                return completions
 
     def _completed(self, c: Completion) -> str | None:
         """Account for a finished job; returns the request whose loads are now all done, if any."""
@@ -194,6 +243,7 @@ class Worker:
         return None if stats.is_empty() else stats
 
     def close(self) -> None:
+        InProcess.workers -= 1
         if self.session is not None:
             self.session.close()
         self.client.close()

