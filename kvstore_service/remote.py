@@ -131,6 +131,12 @@ def decode_value(key: bytes, value: Buffer, payload_bytes: int | None = None) ->
     """The payload of the value read under ``key`` (a view, no copy), or None if it is not a valid value
     for that key: wrong magic, version or lengths, a bad CRC32C, written under another key, or not
     ``payload_bytes`` long when that is given."""
+    decoded = _decode(key, value, payload_bytes)
+    return None if decoded is None else decoded[0]
+
+
+def _decode(key: bytes, value: Buffer, payload_bytes: int | None) -> tuple[memoryview, int] | None:
+    """decode_value, and the payload's CRC32C (verified)."""
     view = _bytes_view(value)
     if view.nbytes < HEADER_BYTES:
         return None
@@ -140,7 +146,7 @@ def decode_value(key: bytes, value: Buffer, payload_bytes: int | None = None) ->
             or key_crc != native.crc32c(key)):
         return None
     payload = view[HEADER_BYTES:]
-    return payload if native.crc32c(payload) == crc else None
+    return (payload, crc) if native.crc32c(payload) == crc else None
 
 
 # -- URLs and credentials ------------------------------------------------------------------------
@@ -553,15 +559,15 @@ class RemoteTier:
         not copies): a prefix of ``keys``, stopping at the first absent, failed or corrupt block. With
         ``payload_bytes``, a payload of another size is corrupt. Never raises for store failures."""
         found: list[memoryview] = []
-        async for payloads in self.fetch_batches(tenant, namespace, keys, payload_bytes):
-            found += payloads
+        async for batch in self.fetch_batches(tenant, namespace, keys, payload_bytes):
+            found += (payload for payload, _ in batch)
         return found
 
     async def fetch_batches(self, tenant: str, namespace: str, keys: Sequence[bytes],
-                            payload_bytes: int | None = None) -> AsyncGenerator[list[memoryview]]:
-        """`fetch`, one batch of payloads at a time: the next batch's GETs are under way while one is
-        verified and handed over (the caller may copy it away meanwhile); a batch past the first miss is
-        fetched for nothing, at most one."""
+                            payload_bytes: int | None = None) -> AsyncGenerator[list[tuple[memoryview, int]]]:
+        """`fetch`, one batch at a time, each payload with its CRC32C (verified: the pool's seal checksum
+        of the block): the next batch's GETs are under way while one is verified and handed over (the
+        caller may copy it away meanwhile); a batch past the first miss is fetched for nothing, at most one."""
         if not keys:
             return
         self._counts["fetches"] += 1
@@ -584,7 +590,7 @@ class RemoteTier:
                     ahead = reading = asyncio.ensure_future(self._get(chunks[n + 1]))
                 good = await self._verify(chunk, values, payload_bytes)
                 found += len(good)
-                self._counts["bytes_down"] += sum(v.nbytes for v in good)
+                self._counts["bytes_down"] += sum(payload.nbytes for payload, _ in good)
                 if good:
                     yield good
                 if len(good) < len(chunk):
@@ -603,8 +609,8 @@ class RemoteTier:
         return await self._call(self.store.get_many(keys), len(keys))
 
     async def _verify(self, keys: list[bytes], values: list[bytes | BaseException | None],
-                      payload_bytes: int | None) -> list[memoryview]:
-        """The payloads of the leading valid values; a value that fails verification is deleted."""
+                      payload_bytes: int | None) -> list[tuple[memoryview, int]]:
+        """The payloads (and CRC32C) of the leading valid values; a value that fails verification is deleted."""
         present: list[bytes] = []
         for value in values:
             if not isinstance(value, bytes):
@@ -676,11 +682,12 @@ def _log_death(task: asyncio.Task[None]) -> None:
         log.error("remote tier: the upload task died; restarted on the next offer", exc_info=task.exception())
 
 
-def _decode_all(keys: Iterable[bytes], values: Iterable[bytes], payload_bytes: int | None) -> list[memoryview | None]:
-    return [decode_value(k, v, payload_bytes) for k, v in zip(keys, values, strict=False)]  # values: a prefix
+def _decode_all(keys: Iterable[bytes], values: Iterable[bytes],
+                payload_bytes: int | None) -> list[tuple[memoryview, int] | None]:
+    return [_decode(k, v, payload_bytes) for k, v in zip(keys, values, strict=False)]  # values: a prefix
 
 
-def _leading(decoded: Iterable[memoryview | None]) -> Iterable[memoryview]:
+def _leading(decoded: Iterable[tuple[memoryview, int] | None]) -> Iterable[tuple[memoryview, int]]:
     for payload in decoded:
         if payload is None:
             return

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 
 from kvstore_service.disk import DiskTier
@@ -152,35 +152,41 @@ class Tiers:
             log.exception("reading %d blocks from disk failed", len(blocks))
         good = next((i for i, s in enumerate(sums) if s is None), len(sums))
         self.index.complete_store(blocks[good:], False, whole=True)
-        return self._committed(blocks[:good])
+        return self._committed(blocks[:good], sums[:good])
 
     async def _from_remote(self, ns: Namespace, keys: list[bytes]) -> int:
         """Fetched batches are copied into the pool (copy threads) while the next batch is fetched."""
         assert self.remote is not None
         tenant, name = split(ns.name)
         loop = asyncio.get_running_loop()
-        copies: list[tuple[list[Block], asyncio.Future[None]]] = []
+        copies: list[tuple[list[Block], list[int], asyncio.Future[None]]] = []
         fetched = 0
         async with contextlib.aclosing(self.remote.fetch_batches(tenant, name, keys, ns.block_bytes)) as batches:
-            async for payloads in batches:
-                blocks = self.index.reserve(ns, keys[fetched:fetched + len(payloads)])  # (a store may have some)
-                fetched += len(payloads)
+            async for batch in batches:
+                blocks = self.index.reserve(ns, keys[fetched:fetched + len(batch)])  # (a store may have some)
+                fetched += len(batch)
                 if blocks:
-                    copies.append((blocks, loop.run_in_executor(self.executor, self._copy, blocks, payloads)))
-                if len(blocks) < len(payloads):
+                    payloads = [payload for payload, _ in batch]
+                    copy = loop.run_in_executor(self.executor, self._copy, blocks, payloads)
+                    copies.append((blocks, [crc for _, crc in batch], copy))
+                if len(blocks) < len(batch):
                     break
         done = 0
-        for blocks, copy in copies:
+        for blocks, checksums, copy in copies:
             try:
                 await copy
             except Exception:
                 log.exception("copying %d fetched blocks into the pool failed", len(blocks))
                 self.index.complete_store(blocks, False, whole=True)
                 continue
-            done += self._committed(blocks)
+            done += self._committed(blocks, checksums)
         return done
 
-    def _committed(self, blocks: list[Block]) -> int:
+    def _committed(self, blocks: list[Block], checksums: Sequence[int | None]) -> int:
+        """Promoted blocks are in: committed, and queued for their seal with the checksums their tier
+        verified (the seal then only writes their slot headers: no second pass over the bytes)."""
+        for block, checksum in zip(blocks, checksums, strict=True):
+            block.checksum = checksum
         done = self.index.complete_store(blocks, True, whole=True)
         for block in done:
             block.promoted = True

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 from support.blocks import key_of
+from support.daemon import wait_for
 from support.engine import Engine, store_blocks
 from support.redis import RedisServer
 
@@ -57,6 +58,24 @@ def test_a_block_stored_on_one_node_is_loaded_on_another(daemon_factory, request
     assert stats.remote.hits == BLOCKS and stats.blocks == BLOCKS  # promoted into B's pool
     assert stats.remote.uploaded == 0  # blocks fetched are not offered back
     assert load_on(node_b, keys) == (BLOCKS, 0) and node_b.client().stats().remote.hits == BLOCKS  # now local
+
+
+def test_blocks_fetched_from_the_store_are_sealed_with_their_verified_checksums(daemon_factory, server) -> None:
+    """Promoted blocks are sealed with the CRC32C their values carried (no second pass over their
+    bytes): those checksums are right, since a restart of node B, with the store gone, verifies every
+    recovered block against its bytes and serves them all, byte-exact."""
+    url = f"redis://{server.address}"
+    node_a, node_b = daemon_factory("--remote", url).start(), daemon_factory("--remote", url).start()
+    keys = store_blocks(node_a.socket, NS, BLOCKS)
+    wait_uploaded(node_a, BLOCKS)
+    assert load_on(node_b, keys) == (BLOCKS, 0)
+    client = node_b.client()
+    assert wait_for(lambda: client.stats().unsealed_blocks == 0, timeout=20)
+    server.kill()
+    node_b.stop()
+    node_b.start()
+    assert wait_for(lambda: client.stats().blocks == BLOCKS, timeout=20)  # every one verified
+    assert load_on(node_b, keys) == (BLOCKS, 0) and client.stats().remote.hits == 0
 
 
 def test_corrupt_and_truncated_values_are_misses(daemon_factory, server: RedisServer) -> None:
