@@ -160,19 +160,26 @@ def _stored(engine, keys: list[bytes]) -> None:
     assert engine.session.wait([job])[job].ok
 
 
+def _held_lookup(scheduler, engine, tag: str):
+    """A request of 32 tokens whose 2 blocks are in the pool, its lookup queued (not waited for) and
+    held on `gate` on the session's background thread."""
+    keys = [key_of(tag, i) for i in range(2)]
+    _stored(engine, keys)
+    gate, ran = threading.Event(), []
+    _blocking(scheduler.session, gate, ran)
+    request = _request("r", keys, 32)
+    scheduler.on_new_request(request)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    return request, gate, ran
+
+
 def test_idle_wait_wakes_on_a_lookup_reply_in_the_same_process(connector_sides, daemon) -> None:
     import kvstore_client.vllm.worker as worker_module
     from kvstore_client.vllm.common import IDLE_WAIT_MAX_S
 
     scheduler, worker, engine, in_process = connector_sides
     assert in_process.schedulers >= 1 and in_process.workers >= 1  # as with vLLM's uniprocess executor
-    keys = [key_of("i", i) for i in range(2)]
-    _stored(engine, keys)
-    gate, ran = threading.Event(), []
-    _blocking(scheduler.session, gate, ran)
-    request = _request("r", keys, 32)
-    scheduler.on_new_request(request)
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)  # queued, not waited for
+    request, gate, _ = _held_lookup(scheduler, engine, "i")
     assert scheduler._idle_wait() == (True, True)  # a reply on its way: wait for it
 
     # Nothing arrives: the wait ends at its bound, sleeping (the test thread is free meanwhile).
@@ -200,13 +207,7 @@ def test_idle_wait_wakes_on_a_lookup_reply_in_the_same_process(connector_sides, 
 
 def test_a_lookup_dropped_before_its_reply_gives_its_lease_back(connector_sides, daemon) -> None:
     scheduler, worker, engine, _ = connector_sides
-    keys = [key_of("d", i) for i in range(2)]
-    _stored(engine, keys)
-    gate, ran = threading.Event(), []
-    _blocking(scheduler.session, gate, ran)
-    request = _request("r", keys, 32)
-    scheduler.on_new_request(request)
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
+    request, gate, ran = _held_lookup(scheduler, engine, "d")
     wait_for(lambda: ran)
     assert scheduler.request_finished(request) is False  # aborted while its lookup is on its way
     assert not scheduler.lookups

@@ -138,22 +138,6 @@ def test_lru_eviction_skips_leased_blocks(daemon_factory) -> None:
     engine.close()
 
 
-def test_lookup_future_and_background_lease_release(daemon) -> None:
-    # What the vLLM scheduler uses: neither call starts an RPC on the caller's thread.
-    engine = Engine(daemon.socket, "background", 64, KB64)
-    s = engine.session
-    keys = [key_of("bg", i) for i in range(4)]
-    engine.fill(keys, list(range(4)))
-    job = s.store(keys, list(range(4)))
-    assert s.wait([job])[job].ok
-    hits, lease = s.lookup_future(keys, lease=True).result(timeout=10)
-    assert hits == 4 and daemon.client().stats().leases == 1
-    s.release_lease(lease)  # queued on the session's background thread
-    wait_for(lambda: daemon.client().stats().leases == 0)
-    engine.close()
-    s.release_lease(lease)  # after close: nothing to do, no error
-
-
 def test_dedupe_and_pool_full(daemon_factory) -> None:
     daemon = _small_pool(daemon_factory)
     engine = Engine(daemon.socket, "full", 64, KB64)
