@@ -205,6 +205,7 @@ def test_stats_and_clear(daemon) -> None:
     run_engine(daemon, "--namespace", "one", "--seed", "x", "--count", "6", "store")
     run_engine(daemon, "--namespace", "two", "--seed", "x", "--count", "4", "store")
     client = daemon.client()
+    wait_for(lambda: client.stats().unsealed_blocks == 0)  # (a clear leaves what a seal holds)
     names = {ns.namespace: ns.blocks for ns in client.stats().namespaces}
     assert names == {"one": 6, "two": 4}
     # Namespaces never mix: the same keys are absent in another namespace.
