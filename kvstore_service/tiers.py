@@ -168,7 +168,7 @@ class Tiers:
                 if blocks:
                     payloads = [payload for payload, _ in batch]
                     copy = loop.run_in_executor(self.executor, self._copy, blocks, payloads)
-                    copies.append((blocks, [crc for _, crc in batch], copy))
+                    copies.append((blocks, [crc for _, crc in batch[:len(blocks)]], copy))
                 if len(blocks) < len(batch):
                     break
         done = 0

@@ -78,6 +78,23 @@ def test_blocks_fetched_from_the_store_are_sealed_with_their_verified_checksums(
     assert load_on(node_b, keys) == (BLOCKS, 0) and client.stats().remote.hits == 0
 
 
+def test_a_block_stored_while_its_neighbours_are_promoted_ends_the_promotion_there(daemon_factory, server) -> None:
+    """The pool takes fetched blocks up to the first key it already holds (a store got there first):
+    those are promoted with their own checksums, the rest on a later lookup, every byte exact."""
+    url = f"redis://{server.address}"
+    node_a, node_b = daemon_factory("--remote", url).start(), daemon_factory("--remote", url).start()
+    keys = store_blocks(node_a.socket, NS, BLOCKS)
+    wait_uploaded(node_a, BLOCKS)
+    engine = Engine(node_b.socket, NS, 1, BLOCK_BYTES)
+    engine.fill(keys[5:6], [0])
+    job = engine.session.store(keys[5:6], [0])
+    assert engine.session.wait([job])[job].ok
+    engine.close()
+    hits, wrong = load_on(node_b, keys)
+    assert hits >= 6 and wrong == 0
+    assert load_on(node_b, keys) == (BLOCKS, 0)
+
+
 def test_corrupt_and_truncated_values_are_misses(daemon_factory, server: RedisServer) -> None:
     from kvstore_service.remote import remote_key
 
