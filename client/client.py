@@ -487,11 +487,12 @@ class Session:
         """Runs the queued calls in order until close(); what close() finds still queued is dropped."""
         while (item := self._calls.get()) is not None:
             fn, args, future = item
-            if future is not None and (self._closing or not future.set_running_or_notify_cancel()):
-                future.cancel()
-                continue
             if self._closing:
+                if future is not None:
+                    future.cancel()
                 continue
+            if future is not None and not future.set_running_or_notify_cancel():
+                continue  # cancelled by its caller
             try:
                 value = fn(*args)
             except BaseException as e:  # noqa: BLE001 - handed to the caller through the future

@@ -218,9 +218,9 @@ class Scheduler:
         give it (parent hash, its token ids, the same extra keys: LoRA, multimodal inputs,
         cache_salt). Its token tuple is shorter than a full block's, so it never equals one's key."""
         full, end = len(request.block_hashes), request.num_prompt_tokens
-        start = full * self.block_size
-        if request.num_tokens != end or not 0 < end - start < self.block_size:
+        if not self._has_tail(request, full):
             return None  # no partial tail, or not a fresh prompt (resumed with output tokens)
+        start = full * self.block_size
         generate_block_hash_extra_keys, hash_block_tokens, get_mm_features_in_window = _vllm_hashing()
         mm_index = 0
         if request.mm_features:
