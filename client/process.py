@@ -4,7 +4,6 @@ healthy, stop or kill it, start it again on the same pool file."""
 from __future__ import annotations
 
 import os
-import resource
 import secrets
 import signal
 import subprocess
@@ -13,6 +12,9 @@ import time
 from pathlib import Path
 
 from kvstore_client import KVStoreClient, Unavailable
+
+_WITH_FILE_LIMIT = ("import os, resource, sys; n = int(sys.argv[1]); "
+                    "resource.setrlimit(resource.RLIMIT_NOFILE, (n, n)); os.execv(sys.argv[2], sys.argv[2:])")
 
 
 class DaemonProcess:
@@ -37,16 +39,16 @@ class DaemonProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def _limits(self) -> None:
-        assert self.max_open_files is not None
-        resource.setrlimit(resource.RLIMIT_NOFILE, (self.max_open_files, self.max_open_files))
-
     def start(self, *extra: str, timeout: float = 60.0) -> DaemonProcess:
         """Start (again, on the same pool) and return once the health service says SERVING."""
+        command = [sys.executable, "-m", "kvstore_service", "serve", *self.args, *extra]
+        if self.max_open_files:
+            # The limit is set by a launcher that execs the daemon, not by a preexec_fn: that makes Popen
+            # fork with gRPC's threads running here, gRPC restarts its poller in the child, close_fds
+            # closes the poller's epoll descriptor and the child aborts before exec (grpc/grpc#43055).
+            command = [sys.executable, "-c", _WITH_FILE_LIMIT, str(self.max_open_files), *command]
         with open(self.log, "a") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvstore_service", "serve", *self.args, *extra],
-                                         stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                         preexec_fn=self._limits if self.max_open_files else None)
+            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir)
         client = KVStoreClient(self.socket, timeout=1.0)
         deadline = time.monotonic() + timeout
         try:
