@@ -289,6 +289,37 @@ PyObject* py_crc32c_portable(PyObject*, PyObject* args, PyObject* kwargs) {
   return crc32c_common(args, kwargs, "y*|I:crc32c_portable", true);
 }
 
+// crc32c_copy(src, dst): src copied into dst, and src's CRC32C, in one pass over src: each chunk is
+// checksummed, then copied from the CPU caches (a fetched block is verified as it lands in the pool).
+PyObject* py_crc32c_copy(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"src", "dst", nullptr};
+  Buffer src, dst;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*w*:crc32c_copy", const_cast<char**>(kwlist), &src.view,
+                                   &dst.view)) {
+    return nullptr;
+  }
+  src.held = dst.held = true;
+  if (dst.view.len < src.view.len) {
+    PyErr_Format(PyExc_ValueError, "crc32c_copy: dst holds %zd bytes, src has %zd", dst.view.len, src.view.len);
+    return nullptr;
+  }
+  constexpr uint64_t kChunk = 64 << 10;  // stays in L2 between the checksum and the copy
+  uint32_t crc = 0;
+  Py_BEGIN_ALLOW_THREADS
+  const auto* from = static_cast<const uint8_t*>(src.view.buf);
+  auto* to = static_cast<uint8_t*>(dst.view.buf);
+  const uint64_t n = static_cast<uint64_t>(src.view.len);
+  std::vector<Run> chunk(1);
+  for (uint64_t off = 0; off < n; off += kChunk) {
+    const uint64_t len = std::min(kChunk, n - off);
+    crc = crc32c(crc, from + off, len);
+    chunk[0] = Run{reinterpret_cast<uint64_t>(from + off), reinterpret_cast<uint64_t>(to + off), len};
+    copy_list(chunk);
+  }
+  Py_END_ALLOW_THREADS
+  return PyLong_FromUnsignedLong(crc);
+}
+
 // ---- slot headers -------------------------------------------------------------------------------
 //
 // The pool's slot header: THE definition of its layout. Python has none of its own: it reads
@@ -462,6 +493,9 @@ PyMethodDef kMethods[] = {
     {"crc32c", KV_KW(py_crc32c), "crc32c(data, crc=0) -> int\n\nCRC32C of a bytes-like object, continuing from crc."},
     {"crc32c_portable", KV_KW(py_crc32c_portable),
      "crc32c_portable(data, crc=0) -> int\n\nSame as crc32c, always with the table-driven implementation."},
+    {"crc32c_copy", KV_KW(py_crc32c_copy),
+     "crc32c_copy(src, dst) -> int\n\nCopy src into dst (a writable buffer at least as long), GIL released;\n"
+     "returns src's CRC32C, computed in the same pass."},
     {"write_slot_headers", KV_KW(py_write_slot_headers),
      "write_slot_headers(base, offsets, state, payload_len, generation, ns_hash, keys, key_size, checksums=None)\n\n"
      "Write the pool slot header of block i at base+offsets[i] (layout: SlotHeader in csrc/copy_engine.cpp),\n"

@@ -142,7 +142,7 @@ class Daemon:
             log.info("remote tier %s", remote.url)
         if disk is None and remote is None:
             return
-        self.tiers = Tiers(self.pool, self.index, self.jobs.executor, self.jobs.queue_seal,
+        self.tiers = Tiers(self.pool, self.index, self.jobs.queue_seal,
                            int(config.remote_fetch_bytes), disk=disk, remote=remote)
         self.jobs.on_sealed = self.tiers.sealed
 

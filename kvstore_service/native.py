@@ -65,6 +65,11 @@ def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
     return int(_native.crc32c(data, crc))
 
 
+def crc32c_copy(src: bytes | memoryview, dst: memoryview) -> int:
+    """Copy ``src`` into ``dst`` (at least as long) and return its CRC32C, both in one pass."""
+    return int(_native.crc32c_copy(src, dst))
+
+
 def write_slot_headers(base: int, offsets: U64Array, state: int, payload_len: int, generation: int, ns_hash: bytes,
                        keys: bytes, key_size: int, checksums: U64Array | None = None) -> None:
     """Write the pool slot header of block i at ``base + offsets[i]``; ``keys`` holds the blocks'

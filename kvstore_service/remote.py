@@ -74,6 +74,10 @@ log = logging.getLogger(__name__)
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
 T = TypeVar("T")
+# Where a fetch copies its payloads: called on the loop with (first, count), the keys[first:first + count]
+# of a batch that arrived; returns a writable view per key, in order, as many as it takes (fewer: the
+# batch ends there).
+Place: TypeAlias = Callable[[int, int], Sequence[memoryview]]
 
 KEY_PREFIX: Final = b"kvs1:"
 VALUE_MAGIC: Final = b"KVSR"
@@ -135,8 +139,10 @@ def decode_value(key: bytes, value: Buffer, payload_bytes: int | None = None) ->
     return None if decoded is None else decoded[0]
 
 
-def _decode(key: bytes, value: Buffer, payload_bytes: int | None) -> tuple[memoryview, int] | None:
-    """decode_value, and the payload's CRC32C (verified)."""
+def _decode(key: bytes, value: Buffer, payload_bytes: int | None,
+            into: memoryview | None = None) -> tuple[memoryview, int] | None:
+    """decode_value, and the payload's CRC32C (verified); with `into`, the payload is copied there in
+    the same pass (whatever it holds is garbage if the value is not valid)."""
     view = _bytes_view(value)
     if view.nbytes < HEADER_BYTES:
         return None
@@ -146,7 +152,8 @@ def _decode(key: bytes, value: Buffer, payload_bytes: int | None) -> tuple[memor
             or key_crc != native.crc32c(key)):
         return None
     payload = view[HEADER_BYTES:]
-    return (payload, crc) if native.crc32c(payload) == crc else None
+    actual = native.crc32c(payload) if into is None else native.crc32c_copy(payload, into)
+    return (payload, crc) if actual == crc else None
 
 
 # -- URLs and credentials ------------------------------------------------------------------------
@@ -563,11 +570,13 @@ class RemoteTier:
             found += (payload for payload, _ in batch)
         return found
 
-    async def fetch_batches(self, tenant: str, namespace: str, keys: Sequence[bytes],
-                            payload_bytes: int | None = None) -> AsyncGenerator[list[tuple[memoryview, int]]]:
+    async def fetch_batches(self, tenant: str, namespace: str, keys: Sequence[bytes], payload_bytes: int | None = None,
+                            place: Place | None = None) -> AsyncGenerator[list[tuple[memoryview, int]]]:
         """`fetch`, one batch at a time, each payload with its CRC32C (verified: the pool's seal checksum
-        of the block): the next batch's GETs are under way while one is verified and handed over (the
-        caller may copy it away meanwhile); a batch past the first miss is fetched for nothing, at most one."""
+        of the block): the next batch's GETs are under way while one is verified and handed over; a batch
+        past the first miss is fetched for nothing, at most one. With `place`, each batch's payloads are
+        copied where it says as they are verified (one pass over the bytes), and the batch
+        ends where its places do."""
         if not keys:
             return
         self._counts["fetches"] += 1
@@ -588,7 +597,7 @@ class RemoteTier:
                 values, ahead = await reading, None
                 if n + 1 < len(chunks):
                     ahead = reading = asyncio.ensure_future(self._get(chunks[n + 1]))
-                good = await self._verify(chunk, values, payload_bytes)
+                good = await self._verify(chunk, values, payload_bytes, place, n * size)
                 found += len(good)
                 self._counts["bytes_down"] += sum(payload.nbytes for payload, _ in good)
                 if good:
@@ -608,20 +617,23 @@ class RemoteTier:
     async def _get(self, keys: list[bytes]) -> list[bytes | BaseException | None]:
         return await self._call(self.store.get_many(keys), len(keys))
 
-    async def _verify(self, keys: list[bytes], values: list[bytes | BaseException | None],
-                      payload_bytes: int | None) -> list[tuple[memoryview, int]]:
-        """The payloads (and CRC32C) of the leading valid values; a value that fails verification is deleted."""
+    async def _verify(self, keys: list[bytes], values: list[bytes | BaseException | None], payload_bytes: int | None,
+                      place: Place | None, first: int) -> list[tuple[memoryview, int]]:
+        """The payloads (and CRC32C) of the leading valid values (copied to their places, with `place`:
+        keys[i] is the request's key first + i); a value that fails verification is deleted."""
         present: list[bytes] = []
         for value in values:
             if not isinstance(value, bytes):
                 break
             present.append(value)
+        places = place(first, len(present)) if place is not None and present else None
+        if places is not None:
+            present = present[:len(places)]
         if sum(map(len, present)) >= _VERIFY_IN_THREAD_BYTES:
-            decoded = await asyncio.to_thread(_decode_all, keys, present, payload_bytes)
+            good = await asyncio.to_thread(_decode_leading, keys, present, payload_bytes, places)
         else:
-            decoded = _decode_all(keys, present, payload_bytes)
-        good = list(_leading(decoded))
-        if len(good) < len(decoded):  # decoded[len(good)] is corrupt
+            good = _decode_leading(keys, present, payload_bytes, places)
+        if len(good) < len(present):  # present[len(good)] is corrupt
             self._counts["corrupt"] += 1
             log.warning("remote store: corrupt value under %r deleted", keys[len(good)][:48])
             await self._call(self._delete([keys[len(good)]]), 1)
@@ -682,13 +694,13 @@ def _log_death(task: asyncio.Task[None]) -> None:
         log.error("remote tier: the upload task died; restarted on the next offer", exc_info=task.exception())
 
 
-def _decode_all(keys: Iterable[bytes], values: Iterable[bytes],
-                payload_bytes: int | None) -> list[tuple[memoryview, int] | None]:
-    return [_decode(k, v, payload_bytes) for k, v in zip(keys, values, strict=False)]  # values: a prefix
-
-
-def _leading(decoded: Iterable[tuple[memoryview, int] | None]) -> Iterable[tuple[memoryview, int]]:
-    for payload in decoded:
-        if payload is None:
-            return
-        yield payload
+def _decode_leading(keys: Sequence[bytes], values: Sequence[bytes], payload_bytes: int | None,
+                    places: Sequence[memoryview] | None) -> list[tuple[memoryview, int]]:
+    """The decoded leading valid values (a prefix of `keys`), each copied to its place if given."""
+    good = []
+    for i, value in enumerate(values):
+        decoded = _decode(keys[i], value, payload_bytes, None if places is None else places[i])
+        if decoded is None:
+            break
+        good.append(decoded)
+    return good

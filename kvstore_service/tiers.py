@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from kvstore_service.disk import DiskTier
 from kvstore_service.index import Block, BlockIndex, BlockState, Namespace
@@ -32,11 +32,10 @@ log = logging.getLogger(__name__)
 
 
 class Tiers:
-    def __init__(self, pool: Pool, index: BlockIndex, executor: Executor, seal: Callable[[list[Block]], None],
+    def __init__(self, pool: Pool, index: BlockIndex, seal: Callable[[list[Block]], None],
                  max_fetch_bytes: int, disk: DiskTier | None = None, remote: RemoteTier | None = None) -> None:
         self.pool = pool
         self.index = index
-        self.executor = executor  # the copy threads: copies of fetched blocks into the pool
         self.seal = seal  # queues blocks for their checksum and slot header (Jobs.queue_seal)
         self.max_fetch_bytes = max_fetch_bytes
         self.disk = disk
@@ -155,31 +154,26 @@ class Tiers:
         return self._committed(blocks[:good], sums[:good])
 
     async def _from_remote(self, ns: Namespace, keys: list[bytes]) -> int:
-        """Fetched batches are copied into the pool (copy threads) while the next batch is fetched."""
+        """Each fetched batch is verified as it is copied into slots reserved for it (one pass, off the
+        loop) while the next batch is fetched."""
         assert self.remote is not None
         tenant, name = split(ns.name)
-        loop = asyncio.get_running_loop()
-        copies: list[tuple[list[Block], list[int], asyncio.Future[None]]] = []
-        fetched = 0
-        async with contextlib.aclosing(self.remote.fetch_batches(tenant, name, keys, ns.block_bytes)) as batches:
-            async for batch in batches:
-                blocks = self.index.reserve(ns, keys[fetched:fetched + len(batch)])  # (a store may have some)
-                fetched += len(batch)
-                if blocks:
-                    payloads = [payload for payload, _ in batch]
-                    copy = loop.run_in_executor(self.executor, self._copy, blocks, payloads)
-                    copies.append((blocks, [crc for _, crc in batch[:len(blocks)]], copy))
-                if len(blocks) < len(batch):
-                    break
+        reserved: list[Block] = []
+
+        def place(first: int, count: int) -> list[memoryview]:
+            blocks = self.index.reserve(ns, keys[first:first + count])  # (a store may have brought some)
+            reserved.extend(blocks)
+            return [self.pool.view(b.offset, ns.block_bytes) for b in blocks]
         done = 0
-        for blocks, checksums, copy in copies:
-            try:
-                await copy
-            except Exception:
-                log.exception("copying %d fetched blocks into the pool failed", len(blocks))
-                self.index.complete_store(blocks, False, whole=True)
-                continue
-            done += self._committed(blocks, checksums)
+        try:
+            async with contextlib.aclosing(self.remote.fetch_batches(tenant, name, keys, ns.block_bytes,
+                                                                     place)) as batches:
+                async for batch in batches:
+                    blocks = reserved[:len(batch)]
+                    del reserved[:len(batch)]
+                    done += self._committed(blocks, [crc for _, crc in batch])
+        finally:  # the rest of the last batch: corrupt, or its fetch was cut short
+            self.index.complete_store(reserved, False, whole=True)
         return done
 
     def _committed(self, blocks: list[Block], checksums: Sequence[int | None]) -> int:
@@ -194,10 +188,6 @@ class Tiers:
             self.seal(done)
         self.promoted_blocks += len(done)
         return len(done)
-
-    def _copy(self, blocks: list[Block], payloads: list[memoryview]) -> None:
-        for block, payload in zip(blocks, payloads, strict=False):
-            self.pool.view(block.offset, payload.nbytes)[:] = payload
 
     # -- the end ---------------------------------------------------------------------------------
 

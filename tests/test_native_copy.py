@@ -219,6 +219,17 @@ def test_crc32c_public_helper_and_continuation() -> None:
     assert native.crc32c(b"56789", native.crc32c(b"1234")) == 0xE3069283
 
 
+def test_crc32c_copy_copies_and_checksums_in_one_pass() -> None:
+    rng = random.Random(5)
+    for n in (0, 1, 4095, 4096, 65536 + 7, 3 << 20):  # memcpy and streamed runs, one chunk and several
+        data = rng.randbytes(n)
+        dst = bytearray(n + 64)
+        assert native.crc32c_copy(data, memoryview(dst)[3:]) == native.crc32c(data)
+        assert dst[3:3 + n] == data and dst[:3] == bytes(3) and dst[3 + n:] == bytes(61)
+    with pytest.raises(ValueError, match="dst holds 10 bytes, src has 11"):
+        native.crc32c_copy(bytes(11), memoryview(bytearray(10)))
+
+
 def test_crc32c_implementations_agree_on_random_data() -> None:
     # Lengths and start offsets around the 3-way lane sizes (3 x 256 and 3 x 8192 bytes) and the
     # 8-byte alignment prologue.
