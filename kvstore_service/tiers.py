@@ -154,8 +154,8 @@ class Tiers:
         return self._committed(blocks[:good], sums[:good])
 
     async def _from_remote(self, ns: Namespace, keys: list[bytes]) -> int:
-        """Each fetched batch is verified as it is copied into slots reserved for it (one pass, off the
-        loop) while the next batch is fetched."""
+        """Each fetched batch is verified as it is copied into slots reserved for it (one pass) while
+        the next batch is fetched."""
         assert self.remote is not None
         tenant, name = split(ns.name)
         reserved: list[Block] = []
