@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from support import child_env
 from support.blocks import key_of
+from support.daemon import wait_for
 from support.engine import Engine, content_tensor
 
 from kvstore_client import KVStoreClient
@@ -25,14 +25,6 @@ def run_engine(daemon, *args: str, timeout: float = 120) -> dict:
     out = subprocess.run([*ENGINE, "--socket", daemon.socket, *args], capture_output=True,
                          text=True, timeout=timeout, check=True, env=child_env())
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
 
 
 def test_two_engine_processes_store_and_load_byte_exact(daemon) -> None:
@@ -77,11 +69,11 @@ def test_engine_killed_mid_job_releases_session(daemon) -> None:
     assert stats.engines == 1
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    wait_for(lambda: client.stats().engines == 0)
+    assert wait_for(lambda: client.stats().engines == 0, timeout=10)
     stats = client.stats()
     assert stats.jobs_in_flight == 0 and stats.leases == 0
     # The daemon let go of its memory (and nothing is left in /dev/shm: memfds die with their users).
-    wait_for(lambda: "memfd:kvstore" not in open(maps).read())
+    assert wait_for(lambda: "memfd:kvstore" not in open(maps).read(), timeout=10)
     # The daemon keeps serving: another engine stores and loads.
     assert run_engine(daemon, "--seed", "after", "--count", "10", "store")["completion"] == 10
     assert run_engine(daemon, "--seed", "after", "--count", "10", "load")["corrupt"] == 0
@@ -103,7 +95,7 @@ def test_lease_released_when_owner_dies(daemon) -> None:
     assert client.stats().leases == 1
     proc.kill()
     proc.wait()
-    wait_for(lambda: client.stats().leases == 0)
+    assert wait_for(lambda: client.stats().leases == 0, timeout=10)
 
 
 def _small_pool(daemon_factory):
@@ -123,7 +115,7 @@ def test_lru_eviction_skips_leased_blocks(daemon_factory) -> None:
     client = daemon.client()
     assert client.stats().blocks == 60
     # (a block is pinned while its seal reads it, and eviction passes over pinned blocks)
-    wait_for(lambda: client.stats().unsealed_blocks == 0, timeout=20)
+    assert wait_for(lambda: client.stats().unsealed_blocks == 0, timeout=20)
     hits, lease = s.lookup(keys[:5], lease=True)  # pins the 5 oldest
     assert hits == 5 and lease
     hits, recent = s.lookup([keys[10]], lease=True)  # a leased lookup marks it recently used
@@ -209,7 +201,7 @@ def test_stats_and_clear(daemon) -> None:
     run_engine(daemon, "--namespace", "one", "--seed", "x", "--count", "6", "store")
     run_engine(daemon, "--namespace", "two", "--seed", "x", "--count", "4", "store")
     client = daemon.client()
-    wait_for(lambda: client.stats().unsealed_blocks == 0)  # (a clear leaves what a seal holds)
+    assert wait_for(lambda: client.stats().unsealed_blocks == 0, timeout=10)  # (a clear leaves what a seal holds)
     names = {ns.namespace: ns.blocks for ns in client.stats().namespaces}
     assert names == {"one": 6, "two": 4}
     # Namespaces never mix: the same keys are absent in another namespace.
@@ -237,7 +229,7 @@ def test_client_reports_unreachable_daemon(tmp_path) -> None:
 def _sealed(daemon, count: int) -> list:
     from kvstore_service.pool import sealed_blocks
 
-    wait_for(lambda: len(list(sealed_blocks(daemon.pool_path))) >= count)
+    assert wait_for(lambda: len(list(sealed_blocks(daemon.pool_path))) >= count, timeout=10)
     return list(sealed_blocks(daemon.pool_path))
 
 
@@ -282,7 +274,7 @@ def test_daemon_restart_keeps_blocks(daemon) -> None:
     daemon.kill()  # SIGKILL: no chance to clean up
     daemon.start()
     # The engine's session re-registers on its own and finds its blocks.
-    wait_for(lambda: engine.session.connected and engine.session.registrations == 2, timeout=20)
+    assert wait_for(lambda: engine.session.connected and engine.session.registrations == 2, timeout=20)
     assert engine.session.lookup(keys) == (10, b"")
     engine.blocks.zero_()
     job = engine.session.load(keys, list(range(10, 20)))
