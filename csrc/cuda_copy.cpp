@@ -24,6 +24,8 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 #include "kvstore_native.h"
 
@@ -114,10 +116,28 @@ bool batch_memcpy_allowed_by_env() {
   return true;
 }
 
+// Streams one copy spreads its runs over (KVSTORE_CUDA_COPY_STREAMS overrides). On an H100 (PCIe 5),
+// one copy of 256 KiB runs reaches 0.82-0.89 of a contiguous copy of the same bytes on one stream,
+// 0.93-0.94 on four (benchmarks/bench_cuda_copy.py): the copy engines overlap the per-run costs of
+// several streams. In the daemon, whose copy threads each run a copy at a time, two per copy did best
+// (`kvstore bench --backend cuda`, same machine, two runs each: store 0.68 / 0.68 of the pinned copy
+// with two, 0.63 / 0.63 with one, 0.65 / 0.58 with four). A copy of less than kMinStreamBytes per
+// stream uses fewer streams.
+constexpr size_t kStreamsPerCopy = 2;
+constexpr uint64_t kMinStreamBytes = 4ull << 20;
+
+// KVSTORE_CUDA_COPY_STREAMS: the streams one copy spreads its runs over (1-16; unset or invalid: the default).
+size_t copy_streams_from_env(size_t fallback) {
+  const char* v = std::getenv("KVSTORE_CUDA_COPY_STREAMS");
+  long n = v != nullptr ? std::strtol(v, nullptr, 10) : 0;
+  return n >= 1 && n <= 16 ? static_cast<size_t>(n) : fallback;
+}
+
 struct Driver {
   std::string error;  // non-empty: CUDA is unusable here, and this says why
   int version = 0;
   bool batch_allowed = true;  // KVSTORE_CUDA_BATCH_MEMCPY, read once when the driver is loaded
+  size_t copy_streams = 1;  // KVSTORE_CUDA_COPY_STREAMS, likewise
   cu::PFN_cuGetErrorName get_error_name = nullptr;
   cu::PFN_cuGetErrorString get_error_string = nullptr;
   cu::PFN_cuDeviceGetCount device_get_count = nullptr;
@@ -152,6 +172,7 @@ std::string describe(const Driver& d, cu::CUresult rc) {
 Driver load_driver() {
   Driver d;
   d.batch_allowed = batch_memcpy_allowed_by_env();
+  d.copy_streams = copy_streams_from_env(kStreamsPerCopy);
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* why = dlerror();
@@ -323,7 +344,7 @@ void release_lane(DeviceState* dev, const Lane& lane) {
 
 // Enqueues all runs on `stream`; returns "" or an error message (and the CUresult in *code).
 // *used_batch tells which API ran.
-std::string enqueue_copies(const Driver& d, const std::vector<Run>& runs, cu::CUstream stream, bool allow_batch,
+std::string enqueue_copies(const Driver& d, const Run* runs, size_t n, cu::CUstream stream, bool allow_batch,
                            bool* used_batch, cu::CUresult* code) {
   *used_batch = false;
   if (allow_batch && d.memcpy_batch_async != nullptr) {
@@ -335,8 +356,8 @@ std::string enqueue_copies(const Driver& d, const std::vector<Run>& runs, cu::CU
     attr.flags = cu::kFlagPreferOverlapWithCompute;
     std::vector<cu::CUdeviceptr> dsts, srcs;
     std::vector<size_t> sizes;
-    for (size_t start = 0; start < runs.size(); start += kMaxBatch) {
-      size_t count = std::min(kMaxBatch, runs.size() - start);
+    for (size_t start = 0; start < n; start += kMaxBatch) {
+      size_t count = std::min(kMaxBatch, n - start);
       dsts.resize(count);
       srcs.resize(count);
       sizes.resize(count);
@@ -359,7 +380,7 @@ std::string enqueue_copies(const Driver& d, const std::vector<Run>& runs, cu::CU
     }
     if (*used_batch) return "";
   }
-  for (size_t i = 0; i < runs.size(); ++i) {
+  for (size_t i = 0; i < n; ++i) {
     cu::CUresult rc = d.memcpy_async(runs[i].dst, runs[i].src, runs[i].size, stream);
     if (rc != cu::kSuccess) {
       *code = rc;
@@ -386,36 +407,76 @@ std::string in_context(int device, cu::CUresult* code, Fn fn) {
   return fn(d, dev);
 }
 
+// The runs cut into at most `streams` consecutive parts of about equal bytes: [begin, end) each.
+std::vector<std::pair<size_t, size_t>> split_runs(const std::vector<Run>& runs, size_t streams) {
+  uint64_t total = 0;
+  for (const Run& r : runs) total += r.size;
+  size_t parts = std::min<size_t>({streams, runs.size(), std::max<uint64_t>(1, total / kMinStreamBytes)});
+  std::vector<std::pair<size_t, size_t>> out;
+  uint64_t done = 0;
+  size_t begin = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    done += runs[i].size;
+    bool last_part = out.size() + 1 == parts;
+    if (!last_part && done * parts >= total * (out.size() + 1)) {
+      out.emplace_back(begin, i + 1);
+      begin = i + 1;
+    }
+  }
+  if (begin < runs.size()) out.emplace_back(begin, runs.size());
+  return out;
+}
+
 // The whole device copy, run with the GIL released. Returns "" or an error message; *code is the
 // CUresult of the failed driver call (0 when the failure was not a driver call's). A non-zero
-// `wait_event` (an event opened with cuda_open_ipc_event on this device) is waited on by the stream
-// before any copy is enqueued: the copies start only after the engine's work recorded in it.
+// `wait_event` (an event opened with cuda_open_ipc_event on this device) is waited on by every
+// stream before any copy is enqueued: the copies start only after the engine's work recorded in it.
+// Without a caller's stream, the runs are spread over up to copy_streams streams of our own.
 std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_stream, bool allow_batch,
                       uint64_t wait_event, cu::CUresult* code) {
   return in_context(device, code, [&](const Driver& d, DeviceState* dev) -> std::string {
     if (runs.empty()) return "";
+    auto parts = split_runs(runs, user_stream != 0 ? 1 : d.copy_streams);
     std::string err;
-    Lane lane;
-    if (!acquire_lane(d, dev, &lane, &err, code)) return err;
-    auto stream = user_stream != 0 ? reinterpret_cast<cu::CUstream>(user_stream) : lane.stream;
+    std::vector<Lane> lanes(parts.size());
+    size_t acquired = 0;
+    while (acquired < lanes.size() && acquire_lane(d, dev, &lanes[acquired], &err, code)) ++acquired;
+    auto release = [&] {
+      for (size_t i = 0; i < acquired; ++i) release_lane(dev, lanes[i]);
+    };
+    if (acquired < lanes.size()) {
+      release();
+      return err;
+    }
+    auto stream_of = [&](size_t i) {
+      return user_stream != 0 ? reinterpret_cast<cu::CUstream>(user_stream) : lanes[i].stream;
+    };
     if (wait_event != 0) {
-      cu::CUresult rc = d.stream_wait_event(stream, reinterpret_cast<cu::CUevent>(wait_event), 0);
-      if (rc != cu::kSuccess) {  // nothing enqueued yet: no copy may run unordered
-        release_lane(dev, lane);
-        *code = rc;
-        return "cuStreamWaitEvent on the engine's event failed: " + describe(d, rc);
+      for (size_t i = 0; i < parts.size(); ++i) {
+        cu::CUresult rc = d.stream_wait_event(stream_of(i), reinterpret_cast<cu::CUevent>(wait_event), 0);
+        if (rc != cu::kSuccess) {  // nothing enqueued yet: no copy may run unordered
+          release();
+          *code = rc;
+          return "cuStreamWaitEvent on the engine's event failed: " + describe(d, rc);
+        }
       }
     }
-    bool used_batch = false;
-    err = enqueue_copies(d, runs, stream, allow_batch, &used_batch, code);
-    // Wait even after an enqueue error: earlier runs may still be in flight on the stream.
-    cu::CUresult rc = d.event_record(lane.event, stream);
-    if (rc == cu::kSuccess) rc = d.event_synchronize(lane.event);
-    if (err.empty() && rc != cu::kSuccess) {
-      *code = rc;
-      err = "CUDA copy failed while waiting for it: " + describe(d, rc);
+    size_t enqueued = 0;
+    for (; enqueued < parts.size() && err.empty(); ++enqueued) {
+      auto [begin, end] = parts[enqueued];
+      bool used_batch = false;
+      err = enqueue_copies(d, runs.data() + begin, end - begin, stream_of(enqueued), allow_batch, &used_batch, code);
     }
-    release_lane(dev, lane);
+    // Wait even after an enqueue error: earlier runs may still be in flight on the streams.
+    for (size_t i = 0; i < enqueued; ++i) {
+      cu::CUresult rc = d.event_record(lanes[i].event, stream_of(i));
+      if (rc == cu::kSuccess) rc = d.event_synchronize(lanes[i].event);
+      if (err.empty() && rc != cu::kSuccess) {
+        *code = rc;
+        err = "CUDA copy failed while waiting for it: " + describe(d, rc);
+      }
+    }
+    release();
     return err;
   });
 }
@@ -600,6 +661,7 @@ bool add_cuda_features(PyObject* features) {
             set_item(features, "cuda_driver_version", PyLong_FromLong(d->version)) &&
             // The switch as read from KVSTORE_CUDA_BATCH_MEMCPY, reported with or without a driver.
             set_item(features, "cuda_batch_memcpy_allowed", PyBool_FromLong(d->batch_allowed)) &&
+            set_item(features, "cuda_copy_streams", PyLong_FromSize_t(d->copy_streams)) &&
             // Whether copies use cuMemcpyBatchAsync: allowed, and the driver (12.8+) has it.
             set_item(features, "cuda_batch_memcpy", PyBool_FromLong(d->error.empty() && d->memcpy_batch_async)) &&
             set_item(features, "cuda_error", PyUnicode_FromString(d->error.c_str()));

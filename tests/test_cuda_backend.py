@@ -677,6 +677,9 @@ def at(mapping, blocks):
     return TransferPlan(plan.pool_offsets, array("Q", [mapping.base + i * BLOCK for i in blocks]), plan.sizes)
 if a1 is not None:
     step("store a", backend.copy, a1, pool.base, at(a1, [0, 2]), False)
+if a1 is not None:  # 16 MiB of runs: spread over several streams
+    wide = TransferPlan(array("Q", [slot] * 4096), array("Q", [a1.base] * 4096), array("Q", [BLOCK] * 4096))
+    step("store wide", backend.copy, a1, pool.base, wide, False)
 if b is not None:
     step("load b", backend.copy, b, pool.base, at(b, [5, 7]), True)
     out["loaded"] = [engines[2].raw[i * BLOCK:(i + 1) * BLOCK] == bytes([1]) * BLOCK for i in range(8)]
@@ -735,6 +738,25 @@ def test_every_copy_waits_on_its_sessions_event_before_any_byte_moves(fake_libcu
     # A version-1 handle has no event: its copies do not wait (the older client synchronized itself).
     calls = [c[0] for c in words(steps["store c"]["calls"])]
     assert calls[0] == "copy" and "wait" not in calls and calls[-2:] == ["record", "sync"]
+
+
+@pytest.mark.parametrize("version", ["12040", "12080"])
+@pytest.mark.parametrize("streams", [None, "4"])  # the default (2), KVSTORE_CUDA_COPY_STREAMS
+def test_a_large_copy_is_spread_over_streams_each_waiting_on_the_event(fake_libcuda: Path, tmp_path: Path,
+                                                                       version: str, streams: str | None) -> None:
+    env = {"FAKE_CUDA_VERSION": version, **({"KVSTORE_CUDA_COPY_STREAMS": streams} if streams else {})}
+    calls = words(run_scenario(fake_libcuda, tmp_path, **env)["by_step"]["store wide"]["calls"])
+    n = int(streams or 2)
+    waits = [c for c in calls if c[0] == "wait"]
+    used = [c[1] for c in waits]
+    assert len(set(used)) == n and all(c[2] == "0x30a" for c in waits), waits
+    assert [c[0] for c in calls[:n]] == ["wait"] * n  # every stream waits before any byte moves
+    copies = [c[1] for c in calls if c[0] == "copy"]
+    assert set(copies) == set(used)
+    if version == "12040":  # one cuMemcpyAsync per run: the 4096 runs shared evenly
+        assert [copies.count(s) for s in used] == [4096 // n] * n
+    ends = calls[-2 * n:]
+    assert [c[0] for c in ends] == ["record", "sync"] * n and {c[2] for c in ends[::2]} == set(used)
 
 
 def test_the_engine_event_is_opened_once_and_destroyed_with_its_last_mapping(fake_libcuda: Path,

@@ -1,9 +1,9 @@
 """CUDA backend: the engine's KV cache stays in GPU memory; the daemon opens it through CUDA IPC and
 moves blocks between it and the pinned pool with the native copy engine (copy engines, batched).
 
-NOT YET RUN ON A GPU: written against torch's and CUDA's documented behaviour; the host-side logic
-(handle parsing, device mapping, bounds) is tested without a GPU, tests/test_device_backends.py has
-the end-to-end GPU test. See docs/devices.md.
+Run on an NVIDIA H100 (tests/test_device_backends.py, tests/test_cuda_engines.py: vLLM's CUDA
+layouts across engine processes, copies ordered by the engine's IPC event, an engine killed
+mid-copy); the host-side logic is also tested without a GPU. See docs/devices.md.
 
 * map: the handle (kvstore_client.device format, JSON, never pickle) carries `_share_cuda_()`'s
   fields and the GPU UUID. The local device is found by UUID (engine and daemon may see different
