@@ -61,6 +61,35 @@ def test_vllm_layouts_round_trip_between_engine_processes(daemon, stored_as: str
         first.close()
 
 
+def test_without_the_event_the_same_late_writes_are_missed(daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control of the test above: an engine that sends no ordering event (a version-1 handle,
+    as an older client does) and writes the same way gets the stale bytes stored, and its loads
+    overwritten by its own late writes. So the round trip above passes because copies wait."""
+    from support.cuda_engine import CudaEngine
+
+    import kvstore_client.device
+
+    monkeypatch.setattr(kvstore_client.device, "cuda_order_event_handle", lambda index: b"")
+    engine = CudaEngine(daemon.socket, "unordered", "LBNHC")
+    try:
+        keys = [key_of("unordered", i) for i in range(16)]
+        assert engine.store(keys, list(range(16))) == 16  # copied before the late writes landed
+        torch.cuda.synchronize()
+        job = engine.session.load(keys, list(range(40, 56)))
+        assert engine.session.wait([job])[job].blocks_ok == 16
+        assert len(engine.wrong_blocks(keys, list(range(40, 56)))) == 16
+
+        keys = [key_of("unordered-2", i) for i in range(16)]
+        engine.write_late(list(range(16, 32)), engine.pages(keys))
+        torch.cuda.synchronize()
+        job = engine.session.store(keys, list(range(16, 32)))
+        assert engine.session.wait([job])[job].blocks_ok == 16
+        assert engine.load(keys, list(range(40, 56))) == 16  # then the late -1 writes land on top
+        assert len(engine.wrong_blocks(keys, list(range(40, 56)))) == 16
+    finally:
+        engine.close()
+
+
 def test_engine_killed_mid_copy_gives_its_gpu_memory_back(daemon_factory) -> None:
     """An engine process hammering the daemon with 256 MiB stores and loads is killed with SIGKILL
     while copies run: the daemon ends its session and closes its IPC mapping, so the GPU memory

@@ -63,16 +63,18 @@ class CudaEngine:
 
     def write_late(self, block_ids: list[int], pages: list[torch.Tensor] | None) -> None:
         """Write the blocks (their pages, or -1 bytes) on the side stream behind a slow kernel, join
-        the side stream into the current one, record the ordering event; the host does not wait."""
-        ids = torch.tensor(block_ids, device="cuda")
+        the side stream into the current one, record the ordering event; the host does not wait.
+        (Plain copies and fills per block: indexing with a tensor of ids may synchronize the host,
+        which would wait out the slow kernel before the job is even submitted.)"""
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):
             torch.cuda._sleep(SLOW_KERNEL_CYCLES)
             for i, view in enumerate(self.views):
-                if pages is None:
-                    view.view(torch.int16)[ids] = -1
-                else:
-                    view[ids] = pages[i]
+                for j, b in enumerate(block_ids):
+                    if pages is None:
+                        view[b].view(torch.int16).fill_(-1)
+                    else:
+                        view[b].copy_(pages[i][j])
         torch.cuda.current_stream().wait_stream(self.side)
         order_before_copies(self.kv.device)
 
