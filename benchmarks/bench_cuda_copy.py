@@ -4,10 +4,11 @@ A pinned host buffer (cuMemHostRegister, as the daemon pins its pool) and a devi
 block size, `--mib` MiB of blocks at random, scattered block ids on both sides are copied:
 
   * contiguous: the same bytes as one run (the PCIe limit the daemon's figures are measured against),
-  * batch: one run per block through cuMemcpyBatchAsync,
-  * per-run: one cuMemcpyAsync per block,
-  * batch on N threads: the blocks split between N threads, each on its own stream (the daemon's
-    copy threads).
+  * batch: one call, one run per block through cuMemcpyBatchAsync,
+  * per-run: one call, one cuMemcpyAsync per block,
+  * batch on N threads: the blocks split between N threads, a call each (the daemon's copy threads).
+
+Each call spreads its runs over `features()["cuda_copy_streams"]` streams (KVSTORE_CUDA_COPY_STREAMS).
 
 Both directions: d2h is a store, h2d a load. Prints GB/s and the ratio to the contiguous copy of the
 same round (median of --rounds). Run: python benchmarks/bench_cuda_copy.py
@@ -55,7 +56,8 @@ def main() -> None:
     dev = torch.empty(span, dtype=torch.uint8, device="cuda")
     dev_base = dev.data_ptr()
     pool = ThreadPoolExecutor(max_workers=args.threads)
-    print(f"{torch.cuda.get_device_name(0)}, {args.mib} MiB per copy, median of {args.rounds} rounds")
+    print(f"{torch.cuda.get_device_name(0)}, {args.mib} MiB per copy, median of {args.rounds} rounds, "
+          f"{native.features()['cuda_copy_streams']} streams per call")
     print(f"{'block':>8} {'dir':>4} {'contig GB/s':>11} {'batch':>7} {'per-run':>7} {'batch x' + str(args.threads):>9}")
     try:
         for kib in args.sizes_kib:

@@ -12,7 +12,7 @@ stream, then `order_before_copies` and the job, with no host sync: the daemon co
 only if its copy stream waits on the engine's event.
 
     python -m support.cuda_engine --socket S --namespace NS --layout L store --count N
-    python -m support.cuda_engine --socket S --namespace NS hammer   (stores and loads until killed)
+    python -m support.cuda_engine --socket S --namespace NS hammer   (copies until killed)
 
 (with tests/ on PYTHONPATH: `support.child_env()`). Prints one JSON line per milestone.
 """
@@ -119,7 +119,7 @@ def main() -> None:
         print(json.dumps({"stored": engine.store(keys, list(range(args.count)))}), flush=True)
         engine.close()
         return
-    # hammer: store half the cache and load it into the other half, over and over, until killed
+    # hammer: store half the cache (copied once, present after) and load it into the other half, until killed
     keys = [key_of("hammer", i) for i in range(half)]
     rounds = 0
     while True:
