@@ -343,10 +343,9 @@ void release_lane(DeviceState* dev, const Lane& lane) {
 }
 
 // Enqueues all runs on `stream`; returns "" or an error message (and the CUresult in *code).
-// *used_batch tells which API ran.
 std::string enqueue_copies(const Driver& d, const Run* runs, size_t n, cu::CUstream stream, bool allow_batch,
-                           bool* used_batch, cu::CUresult* code) {
-  *used_batch = false;
+                           cu::CUresult* code) {
+  bool used_batch = false;
   if (allow_batch && d.memcpy_batch_async != nullptr) {
     // Location hints stay zeroed (CU_MEM_LOCATION_TYPE_INVALID), as vLLM and turbomind pass them:
     // the driver ignores them for memory that is not managed, and the pool and the IPC memory are not.
@@ -376,9 +375,9 @@ std::string enqueue_copies(const Driver& d, const Run* runs, size_t n, cu::CUstr
         std::string where = fail_index == SIZE_MAX ? "" : " at run " + std::to_string(start + fail_index);
         return "cuMemcpyBatchAsync failed" + where + ": " + describe(d, rc);
       }
-      *used_batch = true;
+      used_batch = true;
     }
-    if (*used_batch) return "";
+    if (used_batch) return "";
   }
   for (size_t i = 0; i < n; ++i) {
     cu::CUresult rc = d.memcpy_async(runs[i].dst, runs[i].src, runs[i].size, stream);
@@ -464,8 +463,7 @@ std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_st
     size_t enqueued = 0;
     for (; enqueued < parts.size() && err.empty(); ++enqueued) {
       auto [begin, end] = parts[enqueued];
-      bool used_batch = false;
-      err = enqueue_copies(d, runs.data() + begin, end - begin, stream_of(enqueued), allow_batch, &used_batch, code);
+      err = enqueue_copies(d, runs.data() + begin, end - begin, stream_of(enqueued), allow_batch, code);
     }
     // Wait even after an enqueue error: earlier runs may still be in flight on the streams.
     for (size_t i = 0; i < enqueued; ++i) {
