@@ -244,11 +244,27 @@ def control_path(run: Run, keys: list[bytes]) -> dict[str, Any]:
     }
 
 
+def require_device(backend: str) -> None:
+    """Refuse, with one line, a backend this machine cannot run (else torch fails deep inside the limit)."""
+    if backend == "cpu":
+        return
+    if backend == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers torch.npu)
+        except ImportError:
+            raise RuntimeError("--backend npu needs torch_npu, which is not installed here") from None
+    module = getattr(torch, backend)
+    if not module.is_available():
+        raise RuntimeError(f"--backend {backend}: no {backend.upper()} device is usable here "
+                           f"(torch {torch.__version__} sees none)")
+
+
 def run_bench(socket: str | None, blocks: int, block_bytes: int, rounds: int, backend: str,
               copy_threads: int = 2) -> dict[str, Any]:
     """Store and load GB/s are each paired with the limit measured right before them (best of 3):
     on a shared machine the ratio of a pair is stable while absolute GB/s are not. The reported
     ratio is the median over rounds; GB/s figures are the best round."""
+    require_device(backend)
     results: dict[str, Any] = {"backend": backend, "blocks": blocks, "block_bytes": block_bytes}
     pool_bytes = (2 * rounds + 2) * blocks * block_bytes + (64 << 20)
     ctx = private_daemon(pool_bytes, copy_threads) if socket is None else contextlib.nullcontext(socket)

@@ -314,8 +314,11 @@ def bench(socket: str, blocks: int, block_size: str, rounds: int, backend: str, 
     from kvstore_client.bench import run_bench
 
     size = int(TypeAdapter(ByteSize).validate_python(block_size))
-    results = run_bench(socket=None if spawn else socket, blocks=blocks, block_bytes=size, rounds=rounds,
-                        backend=backend)
+    try:
+        results = run_bench(socket=None if spawn else socket, blocks=blocks, block_bytes=size, rounds=rounds,
+                            backend=backend)
+    except RuntimeError as e:  # the device is not usable here
+        raise click.ClickException(str(e)) from None
     from rich.console import Console
     from rich.table import Table
 

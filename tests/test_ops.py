@@ -146,6 +146,17 @@ def test_bench_reports_every_figure(tmp_path) -> None:
     assert results["blocks"] == 32 and results["block_bytes"] == 64 * 1024
 
 
+def test_bench_on_a_device_this_machine_lacks_is_refused_in_one_line() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is usable here: the refusal is for machines without one")
+    out = kvstore("bench", "--backend", "cuda", "--blocks", "4", "--rounds", "1")
+    assert out.returncode == 1
+    assert out.stderr.strip() == (f"Error: --backend cuda: no CUDA device is usable here (torch {torch.__version__} "
+                                  "sees none)")
+
+
 def test_devices_are_set_up_at_start_or_the_start_is_refused(daemon_factory) -> None:
     """--devices opens a device backend (runtime, pool pinning) before the daemon serves; one that is not
     usable here refuses the start with one clear line, exit 2, and leaves no socket behind."""
