@@ -672,17 +672,15 @@ def step_summary(steps_files: list[dict[str, Any]]) -> dict[str, Any]:
     for data in steps_files:
         s = data["steps"]
         overhead_ns = max(overhead_ns, data["timer_overhead_ns"])
-        for i in range(1, len(s["t_ns"])):
-            if s["phase"][i] != "measure" or s["phase"][i - 1] != "measure":
+        for i in range(len(s["t_ns"]) - 1):  # sample i: one step, timed until the next one starts
+            if s["phase"][i] != "measure" or s["phase"][i + 1] != "measure":
                 continue
-            # Sample i: the worker cycle of step i-1, its output handling, and build_connector_meta of step i,
-            # all between the starts of build_connector_meta i-1 and i.
-            kind = "forward" if s["tokens"][i - 1] > 0 else "empty"
+            kind = "forward" if s["tokens"][i] > 0 else "empty"
             for k in (kind, "all"):
                 rows[k]["conn_us"].append((s["sched_ns"][i] + s["worker_ns"][i]) / 1000)
                 rows[k]["sched_us"].append(s["sched_ns"][i] / 1000)
                 rows[k]["worker_us"].append(s["worker_ns"][i] / 1000)
-                rows[k]["step_ms"].append((s["t_ns"][i] - s["t_ns"][i - 1]) / 1e6)
+                rows[k]["step_ms"].append((s["t_ns"][i + 1] - s["t_ns"][i]) / 1e6)
                 rows[k]["calls"].append(s["calls"][i])
                 per_method[k].append(s["by_method"][i])
     out: dict[str, Any] = {"timer_overhead_ns_per_call": overhead_ns}

@@ -279,8 +279,9 @@ class Scheduler:
     def _idle_wait(self) -> tuple[bool, bool]:
         """(wait, lookups) for a step with nothing to compute: whether the worker waits for progress,
         and whether lookup replies are awaited (the worker in this process wakes on them)."""
-        if InProcess.workers:
-            InProcess.lookup_replied.clear()  # replies from here on wake the wait; earlier ones are seen below
+        replied = InProcess.lookup_replied
+        if InProcess.workers and replied.is_set():
+            replied.clear()  # replies from here on wake the wait; earlier ones are seen below
         lookups = False
         for state in self.lookups.values():
             if not state.read:
