@@ -244,6 +244,10 @@ def control_path(run: Run, keys: list[bytes]) -> dict[str, Any]:
     }
 
 
+class DeviceUnavailable(RuntimeError):
+    """The benchmark's backend cannot run on this machine."""
+
+
 def require_device(backend: str) -> None:
     """Refuse, with one line, a backend this machine cannot run (else torch fails deep inside the limit)."""
     if backend == "cpu":
@@ -252,10 +256,10 @@ def require_device(backend: str) -> None:
         try:
             import torch_npu  # noqa: F401  (registers torch.npu)
         except ImportError:
-            raise RuntimeError("--backend npu needs torch_npu, which is not installed here") from None
+            raise DeviceUnavailable("--backend npu needs torch_npu, which is not installed here") from None
     module = getattr(torch, backend)
     if not module.is_available():
-        raise RuntimeError(f"--backend {backend}: no {backend.upper()} device is usable here "
+        raise DeviceUnavailable(f"--backend {backend}: no {backend.upper()} device is usable here "
                            f"(torch {torch.__version__} sees none)")
 
 

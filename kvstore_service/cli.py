@@ -311,13 +311,13 @@ def bench(socket: str, blocks: int, block_size: str, rounds: int, backend: str, 
     """Measure store/load GB/s against one contiguous memcpy, RPC floor, lookup, poll and submit costs."""
     from pydantic import ByteSize, TypeAdapter
 
-    from kvstore_client.bench import run_bench
+    from kvstore_client.bench import DeviceUnavailable, run_bench
 
     size = int(TypeAdapter(ByteSize).validate_python(block_size))
     try:
         results = run_bench(socket=None if spawn else socket, blocks=blocks, block_bytes=size, rounds=rounds,
                             backend=backend)
-    except RuntimeError as e:  # the device is not usable here
+    except DeviceUnavailable as e:
         raise click.ClickException(str(e)) from None
     from rich.console import Console
     from rich.table import Table
