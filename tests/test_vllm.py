@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from support import VLLM_SCRIPTS
 from support.daemon import wait_for
-from support.redis import RedisServer, free_ports, require_redis_server
 from support.vllm.tiny_model import build_tiny_model
 
 from kvstore_service.pool import sealed_blocks
@@ -108,24 +107,19 @@ def test_outputs_identical_with_connector_and_restart_loads_from_sidecar(model, 
 
 
 def test_an_engine_on_another_node_loads_prefixes_from_the_remote_tier(model, prompts, reference, daemon_factory,
-                                                                         tmp_path) -> None:
-    """Two nodes (two daemons, own pools) share one Redis store: node B's engine, its pool empty,
-    gets node A's prefixes from the store."""
-    require_redis_server()
-    store = RedisServer(tmp_path / "redis", free_ports(1)[0]).start()
-    try:
-        node_a = daemon_factory("--remote", f"redis://{store.address}").start()
-        node_b = daemon_factory("--remote", f"redis://{store.address}").start()
-        run_engine(model, prompts, tmp_path / "a.json", connector_config(node_a))
-        client_a = node_a.client()
-        assert wait_for(lambda: (r := client_a.stats().remote).uploaded == 3 + 4 and not r.queued_blocks, timeout=30)
-        b = run_engine(model, prompts, tmp_path / "b.json", connector_config(node_b))
-        assert outputs(b) == outputs(reference)
-        assert b["requests"][0]["num_cached_tokens"] == len(prompts[0]) - 1
-        stats = node_b.client().stats()
-        assert stats.remote.hits >= 3 + 1 and stats.failed_load_blocks == 0 and stats.loaded_blocks >= 3 + 1
-    finally:
-        store.kill()
+                                                                         fresh_cluster, tmp_path) -> None:
+    """Two nodes (two daemons, own pools) share one 3-master Redis cluster: node B's engine, its pool
+    empty, gets node A's prefixes from the store."""
+    node_a = daemon_factory("--remote", fresh_cluster.url).start()
+    node_b = daemon_factory("--remote", fresh_cluster.url).start()
+    run_engine(model, prompts, tmp_path / "a.json", connector_config(node_a))
+    client_a = node_a.client()
+    assert wait_for(lambda: (r := client_a.stats().remote).uploaded == 3 + 4 and not r.queued_blocks, timeout=30)
+    b = run_engine(model, prompts, tmp_path / "b.json", connector_config(node_b))
+    assert outputs(b) == outputs(reference)
+    assert b["requests"][0]["num_cached_tokens"] == len(prompts[0]) - 1
+    stats = node_b.client().stats()
+    assert stats.remote.hits >= 3 + 1 and stats.failed_load_blocks == 0 and stats.loaded_blocks >= 3 + 1
 
 
 def test_a_restarted_daemon_with_an_empty_pool_serves_prefixes_from_disk(model, prompts, reference, daemon_factory,
