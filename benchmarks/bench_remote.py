@@ -1,6 +1,7 @@
 """The remote tier's throughput against the raw client it runs on, on real redis-server processes.
 
-    python benchmarks/bench_remote.py [--target cluster|single|both] [--mib 256] [--rounds 5] [--loop uvloop]
+    python benchmarks/bench_remote.py [--target cluster|single|both] [--mib 256] [--rounds 5] [--kib 128,1024,4096]
+        [--loop uvloop]
     python benchmarks/bench_remote.py --daemon [--target ...] [--mib 128] [--rounds 3]
 
 For values of 128 KiB, 1 MiB and 4 MiB, in one run, on a 3-master cluster and/or one server on loopback
@@ -241,12 +242,12 @@ async def through_daemons(url: str, client: Redis | RedisCluster, size: int, tot
 
 
 async def run_daemons(name: str, url: str, client: Redis | RedisCluster, total: int, rounds: int,
-                      workdir: Path) -> list[float]:
+                      workdir: Path, sizes: tuple[int, ...] = SIZES) -> list[float]:
     print(f"\n{name}, through daemons: {url}\n(GB/s of payload; ratio: daemon / raw)")
     print(f"{'value':>9} | {'raw SET':>7} {'daemon':>7} {'ratio':>5} {'behind':>7} {'ratio':>5} | "
           f"{'raw GET':>7} {'daemon':>7} {'ratio':>5}")
     ratios = []
-    for size in SIZES:
+    for size in sizes:
         g = await through_daemons(url, client, size, total, rounds, workdir)
         ratios += [g["up behind"], g["fetch"]]
         print(f"{size >> 10:>5} KiB | {g['raw SET']:7.2f} {g['daemon up']:7.2f} {g['up']:5.2f} "
@@ -257,12 +258,12 @@ async def run_daemons(name: str, url: str, client: Redis | RedisCluster, total: 
 
 
 async def run_target(name: str, url: str, client: Redis | RedisCluster, total: int, rounds: int,
-                     stream: int) -> list[float]:
+                     stream: int, sizes: tuple[int, ...] = SIZES) -> list[float]:
     ratios = []
     print(f"\n{name}: {url}\n(GB/s of payload; ratio: tier / raw)")
     print(f"{'value':>9} | {'raw SET':>7} {'tier up':>7} {'ratio':>5} {'+CRC':>7} {'ratio':>5} | "
           f"{'raw GET':>7} {'fetch':>7} {'ratio':>5}")
-    for size in SIZES:
+    for size in sizes:
         g = await measure(url, client, size, total, rounds, stream)
         ratios += [g[name] for name, _, _ in RATIOS]
         print(f"{size >> 10:>5} KiB | {g['raw SET']:7.2f} {g['tier up']:7.2f} {g['up']:5.2f} "
@@ -275,15 +276,17 @@ async def run_target(name: str, url: str, client: Redis | RedisCluster, total: i
 async def main(args: argparse.Namespace) -> None:
     require_redis_server()
     total, stream = args.mib << 20, args.offer_mib << 20
+    sizes = tuple(kib << 10 for kib in args.kib)
     ratios: list[float] = []
     with tempfile.TemporaryDirectory(prefix="kvstore-bench-remote-") as tmp:
         if args.target in ("cluster", "both"):
             procs = ClusterProcs(Path(tmp) / "cluster", maxmemory="4gb").start()
             try:
                 client = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in procs.nodes])
-                ratios += (await run_daemons("3-master cluster", procs.url, client, total, args.rounds, Path(tmp))
+                name = "3-master cluster"
+                ratios += (await run_daemons(name, procs.url, client, total, args.rounds, Path(tmp), sizes)
                            if args.daemon else
-                           await run_target("3-master cluster", procs.url, client, total, args.rounds, stream))
+                           await run_target(name, procs.url, client, total, args.rounds, stream, sizes))
             finally:
                 procs.stop()
         if args.target in ("single", "both"):
@@ -291,8 +294,9 @@ async def main(args: argparse.Namespace) -> None:
             try:
                 url = f"redis://{server.address}"
                 client = Redis(host="127.0.0.1", port=server.port)
-                ratios += (await run_daemons("one server", url, client, total, args.rounds, Path(tmp)) if args.daemon
-                           else await run_target("one server", url, client, total, args.rounds, stream))
+                ratios += (await run_daemons("one server", url, client, total, args.rounds, Path(tmp), sizes)
+                           if args.daemon else
+                           await run_target("one server", url, client, total, args.rounds, stream, sizes))
             finally:
                 server.kill()
     print(f"\nworst tier/raw ratio {min(ratios):.2f} (target >= 0.8)")
@@ -303,6 +307,8 @@ def cli() -> None:
     ap.add_argument("--target", choices=["cluster", "single", "both"], default="both")
     ap.add_argument("--mib", type=int, default=256, help="payload MiB per measurement")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--kib", type=lambda v: [int(k) for k in v.split(",")], default=[s >> 10 for s in SIZES],
+                    help="value sizes in KiB, comma-separated (default: 128,1024,4096)")
     ap.add_argument("--offer-mib", type=int, default=8, help="MiB per offer call (0: all at once)")
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     ap.add_argument("--daemon", action="store_true", help="through running daemons, not the tier module")
