@@ -227,12 +227,12 @@ def test_idle_wait_ends_when_a_load_completes(connector_sides) -> None:
     job = engine.session.load(keys, list(range(8, 16)))
     worker.load_jobs[job] = ("r", list(range(8, 16)), time.monotonic())
     worker.loads_left["r"] = 1
-    worker_module.IDLE_WAIT_MAX_S, saved = 5.0, worker_module.IDLE_WAIT_MAX_S
+    worker_module.IDLE_LOAD_WAIT_MAX_S, saved = 5.0, worker_module.IDLE_LOAD_WAIT_MAX_S
     try:
         t = time.monotonic()
         results = worker.transfer_results(set(), idle_wait=True)
     finally:
-        worker_module.IDLE_WAIT_MAX_S = saved
+        worker_module.IDLE_LOAD_WAIT_MAX_S = saved
     assert results.finished_recving == {"r"} and time.monotonic() - t < 1.0
     assert engine.verify(keys, list(range(8, 16))) == 0
     assert worker.transfer_results(set()).finished_recving == set()  # reported once
@@ -260,3 +260,21 @@ def test_who_waits_for_a_lookup_reply_in_an_idle_step(connector_sides, monkeypat
     assert time.monotonic() - t < 0.05
     gate.set()
     scheduler.request_finished(request)
+
+
+def test_with_a_load_in_flight_the_idle_wait_lasts_up_to_the_load_bound(connector_sides) -> None:
+    """A load reported done in the step that waits for it lets its request run in the next step."""
+    from kvstore_client.vllm.common import IDLE_LOAD_WAIT_MAX_S, IDLE_WAIT_MAX_S
+
+    _, worker, _, _ = connector_sides
+    assert IDLE_LOAD_WAIT_MAX_S > 2 * IDLE_WAIT_MAX_S
+    t = time.monotonic()
+    assert worker._wait_for_progress(lookups=False) == []  # nothing in flight: one short sleep
+    assert time.monotonic() - t < IDLE_LOAD_WAIT_MAX_S * 0.9
+    worker.load_jobs[1 << 40] = ("r", [0], time.monotonic())  # a job that never completes
+    try:
+        t = time.monotonic()
+        assert worker._wait_for_progress(lookups=False) == []
+        assert IDLE_LOAD_WAIT_MAX_S * 0.9 <= time.monotonic() - t < IDLE_LOAD_WAIT_MAX_S + 0.05
+    finally:
+        del worker.load_jobs[1 << 40]

@@ -17,6 +17,7 @@ from kvstore_client.layouts import UnsupportedKVCache, describe_kv_cache
 from kvstore_client.protocol.completion import Completion
 from kvstore_client.shm import SharedKVMemory, move_to_shared_memory, shared_memory_spec
 from kvstore_client.vllm.common import (
+    IDLE_LOAD_WAIT_MAX_S,
     IDLE_SLICE_S,
     IDLE_WAIT_MAX_S,
     IDLE_WAIT_S,
@@ -179,9 +180,10 @@ class Worker:
     def _wait_for_progress(self, lookups: bool) -> list[Completion]:
         """An idle step (vLLM computes nothing) while lookups or loads are in flight: wait until a
         job of this session completes (the completion channel, read every IDLE_SLICE_S) or, with the
-        scheduler in this process, a lookup reply arrives, at most IDLE_WAIT_MAX_S; returns the
-        completions seen. Sleeps, never spins: the GIL and the cores go to the lookup thread and the
-        daemon's copies. A lookup reply in another process cannot be seen from here: IDLE_WAIT_S."""
+        scheduler in this process, a lookup reply arrives, at most IDLE_WAIT_MAX_S (IDLE_LOAD_WAIT_MAX_S
+        with a load in flight); returns the completions seen. Sleeps, never spins: the GIL and the
+        cores go to the lookup thread and the daemon's copies. A lookup reply in another process
+        cannot be seen from here: IDLE_WAIT_S."""
         replied = InProcess.lookup_replied if lookups and InProcess.schedulers else None
         session = self.session
         jobs = session is not None and bool(self.load_jobs or self.store_jobs)
@@ -191,7 +193,7 @@ class Worker:
             else:
                 replied.wait(IDLE_WAIT_MAX_S)
             return []
-        deadline = time.monotonic() + IDLE_WAIT_MAX_S
+        deadline = time.monotonic() + (IDLE_LOAD_WAIT_MAX_S if self.load_jobs else IDLE_WAIT_MAX_S)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
