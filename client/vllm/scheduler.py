@@ -81,6 +81,7 @@ class _Req:
     had_stores = False  # stores were planned: vLLM keeps its blocks until they are done
     load_failed = False  # its load failed: recompute, never offer again
     tail_done = False  # its prompt's partial tail is stored, or was in the pool
+    store_at = 0  # computed tokens before which it has nothing new to store (_plan_store's lower bound)
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -247,6 +248,7 @@ class Scheduler:
         rec.stored_upto = max(rec.stored_upto, min(state.start + count, len(request.block_hashes)))
         if state.tail and state.hits == len(state.keys):  # the tail is in the pool: no need to store it
             rec.tail_done = True
+        rec.store_at = self._store_at(rec, state.start * self.block_size + num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         loads = self.loads
@@ -269,7 +271,7 @@ class Scheduler:
             reqs = self.reqs
             for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
                 rec = reqs.get(req_id)
-                if rec is not None:
+                if rec is not None and rec.request.num_computed_tokens + scheduled >= rec.store_at:
                     self._plan_store(rec, scheduled, block_state, stores)
         if not loads and not stores and not preempted:
             return _NO_JOBS
@@ -306,6 +308,7 @@ class Scheduler:
         prompt = request.num_prompt_tokens
         tail = computed < prompt <= computed + scheduled and prompt % size != 0 and not rec.tail_done
         if done <= first and not tail:
+            rec.store_at = self._store_at(rec, computed + scheduled)
             return
         done = min(done, len(request.block_hashes))  # ... and hashed
         req_id = request.request_id
@@ -323,6 +326,17 @@ class Scheduler:
             stores.append(Transfer(req_id, keys, block_ids, tail_key is not None))
             rec.had_stores = True
         rec.stored_upto = max(first, done)
+        rec.store_at = self._store_at(rec, computed + scheduled)
+
+    def _store_at(self, rec: _Req, computed: int) -> int:
+        """With `computed` tokens computed: the count (a step's tokens included) that completes the
+        request's next block to store, its next full block or its prompt's partial tail. Below it
+        _plan_store has nothing to do (most steps)."""
+        size, prompt = self.block_size, rec.request.num_prompt_tokens
+        next_block = (rec.stored_upto + 1) * size
+        if computed < prompt and prompt % size and not rec.tail_done:
+            return min(next_block, prompt)
+        return next_block
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if not connector_output.finished_recving:
@@ -341,9 +355,10 @@ class Scheduler:
     def request_finished(self, request: Request) -> bool:
         """True: vLLM keeps the blocks until the worker reports the request's stores done."""
         req_id = request.request_id
-        state = self.lookups.pop(req_id, None)
-        if state is not None:
-            self._release(state)
+        if self.lookups:  # empty in most steps: a hit's lookup ends with its load
+            state = self.lookups.pop(req_id, None)
+            if state is not None:
+                self._release(state)
         if self.load_block_ids:
             self.load_block_ids.pop(req_id, None)
         rec = self.reqs.pop(req_id, None)

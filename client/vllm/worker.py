@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The results of a step with nothing to report, shared (vLLM only reads them): made once, not per step.
+NO_RESULTS = KVConnectorTransferResults()
+
 
 class Worker:
     """Moves bytes: registers the KV memory, submits jobs, reports completions."""
@@ -145,6 +148,9 @@ class Worker:
         """Requests whose loads are all done (recving) and finished requests whose stores are (sending).
         `idle_wait`: the step computed nothing while lookups (`lookups`) or loads are in flight: wait
         for progress first (_wait_for_progress)."""
+        if not (idle_wait or self.load_jobs or self.store_jobs or self.refused_loads or self.finished_waiting
+                or (finished_req_ids and self.had_stores)):
+            return NO_RESULTS  # most steps: nothing in flight, nothing to report
         results = KVConnectorTransferResults()
         if self.session is None:
             if idle_wait:
