@@ -3,7 +3,7 @@
     python benchmarks/bench_vllm.py [--json FILE] [--prompts 8] [--prompt-tokens 2048[,2049,...]] [--repeats 3]
         [--tput-prompts 16] [--tput-tokens 1024] [--tput-output 64] [--ab-prompts 8] [--ab-repeats 3]
         [--dtype float32] [--block-size 128] [--kv-cache-bytes 512MiB] [--engine-threads 1]
-        [--model-dir DIR] [--workdir DIR] [--skip ttft|tput|ab ...] [--against-lmcache VENV]
+        [--model-dir DIR] [--workdir DIR] [--skip ttft|tput|ab ...] [--against-lmcache VENV [--sbs-rounds 3]]
 
 Starts its own daemon (fresh pool file in /dev/shm) and a ~100M-parameter random Llama built offline
 (tests/support/vllm/tiny_model.py, size "bench"), then runs one engine at a time, each in its own process
@@ -50,7 +50,10 @@ nor this repo; the engine processes run `VENV/bin/python bench_vllm.py engine ..
 
 Per length: an LMCache server (`python -m lmcache.v1.multiprocess.server`, chunk = --block-size, L1 =
 --pool-size, LRU, shared-memory engine-driven transfer; LMCACHE_TRACK_USAGE=false) on a free loopback
-port; its engine A (LMCacheMPConnector, stores), then a fresh engine B (hits); the server stops. Both
+port. Both systems' engine A stores (LMCacheMPConnector; the plain KVStoreConnector); then --sbs-rounds
+rounds of a fresh engine B per system (hits), the order flipping each round (ours first in round 0),
+so that both are measured across the same stretch of this shared machine's drifting speed; the hit
+p50 is over every B request, the per-round ratios are printed too; the server stops. Both
 systems run vLLM's multi-process mode here (VLLM_ENABLE_V1_MULTIPROCESSING=1: in one process, importing
 lmcache breaks vLLM's CPU kernel scan), so ours runs its own A and B again, multi-process, with the plain
 `KVStoreConnector` (the timed one's step recorder assumes one process); the uniprocess runs above and
@@ -58,7 +61,7 @@ their connector-µs-per-step figures are unchanged. Each side-by-side engine war
 Multi-process engines get VLLM_CPU_OMP_THREADS_BIND=nobind (unless set): vLLM's default ("auto") binds
 the worker's OpenMP threads to every core (2 threads here, --engine-threads ignored), which starves the
 kvstore daemon and speeds up LMCache's in-worker copies and prefill; set it to "auto" to measure that.
-Example (~30-40 min)::
+Example (~50 min; --prompt-tokens 2048,2049 ~30 min)::
 
     python benchmarks/bench_vllm.py --prompts 6 --prompt-tokens 2048,2049,2000 --skip tput --skip ab \
         --against-lmcache /work/lmcache-venv --json /tmp/side_by_side.json
@@ -556,41 +559,64 @@ class Bench:
                 "engines": {"a": engine_a, "b": engine_b, "c": engine_c}}
 
     def side_by_side(self, tokens: int, venv: Path) -> dict[str, Any]:
-        """The TTFT workload (A stores, fresh B hits) for kvstore and for LMCache MP, both multi-process."""
+        """The TTFT workload (A stores, fresh B hits) for kvstore and for LMCache MP, both multi-process.
+        Both A engines store first; then `--sbs-rounds` rounds of one fresh B engine each, the order
+        flipping every round, so that both systems' hits are measured across the same stretch of this
+        shared machine's drifting speed (its one-token forward varies by tens of ms within minutes)."""
         a = self.args
         prompts = random_prompts(f"sbs-{tokens}", a.prompts, tokens)  # not the uniprocess runs' prompts
         w = random_prompts(f"sbs-warmup-{tokens}", 1, tokens)
         run = dict(prompts=prompts, mode="sequential", max_tokens=1, warmup=[w, w], warmup_tokens=1,
                    multiproc=True)
         ours_a = self.engine(f"sbs{tokens}_kvstore_a_store", self.plain_connector(), **run)
-        ours_b = self.engine(f"sbs{tokens}_kvstore_b_hit", self.plain_connector(), **run)
         server = LMCacheServer(venv, self.workdir, f"sbs{tokens}_lmcache_server", a.block_size,
                                parse_bytes(a.pool_size) / (1 << 30))
+        ours_b: list[dict[str, Any]] = []
+        lm_b: list[dict[str, Any]] = []
+        idle_cpu_s = {"lmcache_server_during_ours": 0.0, "daemon_during_lmcache": 0.0}  # the other's server
         try:
             server.start()
+            assert server.proc is not None
             lm_a = self.engine(f"sbs{tokens}_lmcache_a_store", server.connector(), venv=venv, **run)
-            lm_b = self.engine(f"sbs{tokens}_lmcache_b_hit", server.connector(), venv=venv, **run)
+            for r in range(a.sbs_rounds):
+                for ours in (True, False) if r % 2 == 0 else (False, True):
+                    pid = server.proc.pid if ours else self.daemon.pid
+                    cpu = proc_cpu_s(pid)
+                    if ours:
+                        ours_b.append(self.engine(f"sbs{tokens}_kvstore_b_hit_{r}", self.plain_connector(), **run))
+                    else:
+                        lm_b.append(self.engine(f"sbs{tokens}_lmcache_b_hit_{r}", server.connector(), venv=venv,
+                                                **run))
+                    idle_cpu_s["lmcache_server_during_ours" if ours else "daemon_during_lmcache"] += \
+                        proc_cpu_s(pid) - cpu
         finally:
             server.stop()
 
-        def side(engine_a: dict[str, Any], engine_b: dict[str, Any]) -> dict[str, Any]:
-            hit = [r["ttft_s"] for r in engine_b["requests"]]
+        def side(engine_a: dict[str, Any], engines_b: list[dict[str, Any]]) -> dict[str, Any]:
+            reqs = [r for e in engines_b for r in e["requests"]]
+            hit = [r["ttft_s"] for r in reqs]
             store = [r["ttft_s"] for r in engine_a["requests"]]
             return {"hit_p50_ms": 1000 * pct(hit, 50), "hit_min_ms": 1000 * min(hit),
                     "hit_ms": [1000 * x for x in hit],
+                    "round_hit_p50_ms": [1000 * pct([r["ttft_s"] for r in e["requests"]], 50) for e in engines_b],
                     "cold_connector_p50_ms": 1000 * pct(store, 50), "cold_connector_ms": [1000 * x for x in store],
-                    "b_external_hit_tokens": [r["external_prefix_cache_hits"] for r in engine_b["requests"]],
-                    "b_cached_tokens": [r["num_cached_tokens"] for r in engine_b["requests"]],
-                    "b_local_hit_tokens": [r["prefix_cache_hits"] for r in engine_b["requests"]],
+                    "b_external_hit_tokens": [r["external_prefix_cache_hits"] for r in reqs],
+                    "b_cached_tokens": [r["num_cached_tokens"] for r in reqs],
+                    "b_local_hit_tokens": [r["prefix_cache_hits"] for r in reqs],
                     "b_queued_to_scheduled_p50_ms": 1000 * pct(
-                        [r["queued_to_scheduled_s"] for r in engine_b["requests"] if "queued_to_scheduled_s" in r], 50),
-                    "engines": {"a": engine_a, "b": engine_b}}
+                        [r["queued_to_scheduled_s"] for r in reqs if "queued_to_scheduled_s" in r], 50),
+                    "b_scheduled_to_token_p50_ms": 1000 * pct(
+                        [r["scheduled_to_token_s"] for r in reqs if "scheduled_to_token_s" in r], 50),
+                    "engines": {"a": engine_a, "b": engines_b}}
 
         ours, lmc = side(ours_a, ours_b), side(lm_a, lm_b)
         return {"prompt_tokens": tokens, "prompts": a.prompts, "expected_hit_tokens": tokens - 1,
                 "kvstore": ours, "lmcache": lmc,
                 "ratio_hit_p50_kvstore_over_lmcache": ours["hit_p50_ms"] / lmc["hit_p50_ms"],
-                "outputs_identical": outputs(ours_a) == outputs(ours_b) == outputs(lm_a) == outputs(lm_b),
+                "round_ratios": [o / m for o, m in zip(ours["round_hit_p50_ms"], lmc["round_hit_p50_ms"],
+                                                                  strict=True)],
+                "other_server_cpu_s": idle_cpu_s,
+                "outputs_identical": all(outputs(e) == outputs(ours_a) for e in [*ours_b, lm_a, *lm_b]),
                 "lmcache_transfer": lmcache_transfer_mode(Path(lm_b["log"])),
                 "vllm_cpu_omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
                 "lmcache_server": {"port": server.port, "shm_name": server.shm_name, "log": str(server.log)}}
@@ -782,8 +808,21 @@ def _print_side_by_side(rows: list[dict[str, Any]], ttft: list[dict[str, Any]]) 
               f"{_span(m['b_external_hit_tokens']):>12}{c:>11.0f} ms"
               f"{o['cold_connector_p50_ms']:>8.0f} / {m['cold_connector_p50_ms']:.0f}"
               f"  {str(r['outputs_identical']):>9}  {r['lmcache_transfer']}")
-    print("  (loaded = external prefix-cache hit tokens per request in B; expected for ours: tokens - 1; "
-          "A = cold + store, connector on)")
+    print("  (hit p50 over every B engine's requests; loaded = external prefix-cache hit tokens per request in B; "
+          "expected for ours: tokens - 1; A = cold + store, connector on)")
+    for r in rows:
+        if "error" in r:
+            continue
+        o, m = r["kvstore"], r["lmcache"]
+        rounds = " / ".join(f"{x:.1f}/{y:.1f}={z:.2f}" for x, y, z in zip(
+            o["round_hit_p50_ms"], m["round_hit_p50_ms"], r["round_ratios"], strict=True))
+        cpu = r["other_server_cpu_s"]
+        q = f"{o['b_queued_to_scheduled_p50_ms']:.1f} / {m['b_queued_to_scheduled_p50_ms']:.1f}"
+        print(f"  {r['prompt_tokens']:>7}: per round (ours/LMC p50 ms = ratio, alternating order) {rounds}; p50 "
+              f"queued->scheduled {q} ms, "
+              f"scheduled->token {o['b_scheduled_to_token_p50_ms']:.1f} / {m['b_scheduled_to_token_p50_ms']:.1f} ms; "
+              f"idle CPU of the other's server during B: LMCache {cpu['lmcache_server_during_ours']:.2f} s, "
+              f"kvstore {cpu['daemon_during_lmcache']:.2f} s")
 
 
 def _print_steps(s: dict[str, Any]) -> None:
@@ -872,6 +911,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also: TTFT of prompts whose prefixes are only in a shared Redis store (redis-server needed)")
     p.add_argument("--against-lmcache", metavar="VENV", type=Path,
                    help="also run the TTFT workload side by side with LMCache MP, from this venv (see above)")
+    p.add_argument("--sbs-rounds", type=int, default=3,
+                   help="side by side: B engines per system, run alternately (the order flips each round)")
     args = p.parse_args(argv)
     if args.against_lmcache is not None:
         if "ttft" in args.skip:
