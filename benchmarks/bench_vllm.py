@@ -370,6 +370,25 @@ class LMCacheServer:
                 pass
 
 
+def sbs_side(engine_a: dict[str, Any], engines_b: list[dict[str, Any]]) -> dict[str, Any]:
+    """One system's side-by-side figures: its A engine and its B engines (requests pooled)."""
+    reqs = [r for e in engines_b for r in e["requests"]]
+    hit = [r["ttft_s"] for r in reqs]
+    store = [r["ttft_s"] for r in engine_a["requests"]]
+    return {"hit_p50_ms": 1000 * pct(hit, 50), "hit_min_ms": 1000 * min(hit),
+            "hit_ms": [1000 * x for x in hit],
+            "round_hit_p50_ms": [1000 * pct([r["ttft_s"] for r in e["requests"]], 50) for e in engines_b],
+            "cold_connector_p50_ms": 1000 * pct(store, 50), "cold_connector_ms": [1000 * x for x in store],
+            "b_external_hit_tokens": [r["external_prefix_cache_hits"] for r in reqs],
+            "b_cached_tokens": [r["num_cached_tokens"] for r in reqs],
+            "b_local_hit_tokens": [r["prefix_cache_hits"] for r in reqs],
+            "b_queued_to_scheduled_p50_ms": 1000 * pct(
+                [r["queued_to_scheduled_s"] for r in reqs if "queued_to_scheduled_s" in r], 50),
+            "b_scheduled_to_token_p50_ms": 1000 * pct(
+                [r["scheduled_to_token_s"] for r in reqs if "scheduled_to_token_s" in r], 50),
+            "engines": {"a": engine_a, "b": engines_b}}
+
+
 class Bench:
     def __init__(self, args: argparse.Namespace, model: Path, daemon: Daemon, workdir: Path) -> None:
         self.args = args
@@ -592,24 +611,7 @@ class Bench:
         finally:
             server.stop()
 
-        def side(engine_a: dict[str, Any], engines_b: list[dict[str, Any]]) -> dict[str, Any]:
-            reqs = [r for e in engines_b for r in e["requests"]]
-            hit = [r["ttft_s"] for r in reqs]
-            store = [r["ttft_s"] for r in engine_a["requests"]]
-            return {"hit_p50_ms": 1000 * pct(hit, 50), "hit_min_ms": 1000 * min(hit),
-                    "hit_ms": [1000 * x for x in hit],
-                    "round_hit_p50_ms": [1000 * pct([r["ttft_s"] for r in e["requests"]], 50) for e in engines_b],
-                    "cold_connector_p50_ms": 1000 * pct(store, 50), "cold_connector_ms": [1000 * x for x in store],
-                    "b_external_hit_tokens": [r["external_prefix_cache_hits"] for r in reqs],
-                    "b_cached_tokens": [r["num_cached_tokens"] for r in reqs],
-                    "b_local_hit_tokens": [r["prefix_cache_hits"] for r in reqs],
-                    "b_queued_to_scheduled_p50_ms": 1000 * pct(
-                        [r["queued_to_scheduled_s"] for r in reqs if "queued_to_scheduled_s" in r], 50),
-                    "b_scheduled_to_token_p50_ms": 1000 * pct(
-                        [r["scheduled_to_token_s"] for r in reqs if "scheduled_to_token_s" in r], 50),
-                    "engines": {"a": engine_a, "b": engines_b}}
-
-        ours, lmc = side(ours_a, ours_b), side(lm_a, lm_b)
+        ours, lmc = sbs_side(ours_a, ours_b), sbs_side(lm_a, lm_b)
         return {"prompt_tokens": tokens, "prompts": a.prompts, "expected_hit_tokens": tokens - 1,
                 "kvstore": ours, "lmcache": lmc,
                 "ratio_hit_p50_kvstore_over_lmcache": ours["hit_p50_ms"] / lmc["hit_p50_ms"],
@@ -617,7 +619,7 @@ class Bench:
                                                                   strict=True)],
                 "other_server_cpu_s": idle_cpu_s,
                 "outputs_identical": all(outputs(e) == outputs(ours_a) for e in [*ours_b, lm_a, *lm_b]),
-                "lmcache_transfer": lmcache_transfer_mode(Path(lm_b["log"])),
+                "lmcache_transfer": lmcache_transfer_mode(Path(lm_b[-1]["log"])),
                 "vllm_cpu_omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
                 "lmcache_server": {"port": server.port, "shm_name": server.shm_name, "log": str(server.log)}}
 
