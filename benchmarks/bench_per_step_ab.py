@@ -44,9 +44,7 @@ def main() -> int:
     runs: dict[str, list[float]] = {"base": [], "new": []}
     try:
         bench = bv.Bench(args, model, daemon, work)
-        prompts = bv.random_prompts(f"ab-{a.tokens}", a.prompts, a.tokens)
-        warmup = bv.random_prompts(f"ab-warmup-{a.tokens}", 1, a.tokens)
-        run = dict(prompts=prompts, mode="sequential", max_tokens=1, warmup=[warmup, warmup], warmup_tokens=1)
+        run = bv.ttft_run("ab", a.prompts, a.tokens)
         bench.engine("a_store", True, **run)
         for r in range(a.rounds):
             for v in ("base", "new") if r % 2 == 0 else ("new", "base"):

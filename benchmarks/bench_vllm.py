@@ -125,6 +125,15 @@ def random_prompts(seed: int | str, count: int, tokens: int) -> list[list[int]]:
     return [rng.choices(VOCAB, k=tokens) for _ in range(count)]
 
 
+def ttft_run(seed: str, count: int, tokens: int) -> dict[str, Any]:
+    """The TTFT workload's engine arguments: `count` prompts of `tokens` tokens named by `seed` (one per
+    section and length: no shared prefixes), one at a time, one output token each. Warm-up: another
+    prompt twice (cold or a pool hit, then a local prefix hit): every path measured is warm."""
+    w = random_prompts(f"{seed}-warmup-{tokens}", 1, tokens)
+    return dict(prompts=random_prompts(f"{seed}-{tokens}", count, tokens), mode="sequential", max_tokens=1,
+                warmup=[w, w], warmup_tokens=1)
+
+
 def proc_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) process `pid` used so far."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -456,10 +465,7 @@ class Bench:
     def ttft(self, tokens: int) -> dict[str, Any]:
         """Section 1 for one prompt length: engines A (store), B (restart, hits) and C (cold), uniprocess."""
         a = self.args
-        prompts = random_prompts(f"ttft-{tokens}", a.prompts, tokens)  # per length: no shared prefixes
-        w = random_prompts(f"ttft-warmup-{tokens}", 1, tokens)
-        warmup = [w, w]  # cold (or a pool hit in B), then a local prefix hit: warms every path measured
-        run = dict(prompts=prompts, mode="sequential", max_tokens=1, warmup=warmup, warmup_tokens=1)
+        run = ttft_run("ttft", a.prompts, tokens)
         engine_a = self.engine(f"ttft{tokens}_a_store", True, **run)
         after_a = self.daemon.stats()
         engine_b = self.engine(f"ttft{tokens}_b_restart_hit", True, **run)
@@ -499,9 +505,7 @@ class Bench:
         from support.redis import RedisServer, free_ports
 
         a = self.args
-        prompts = random_prompts(f"remote-{tokens}", a.prompts, tokens)
-        w = random_prompts(f"remote-warmup-{tokens}", 1, tokens)
-        run = dict(prompts=prompts, mode="sequential", max_tokens=1, warmup=[w, w], warmup_tokens=1)
+        run = ttft_run("remote", a.prompts, tokens)
         store = RedisServer(self.workdir / "redis", free_ports(1)[0], maxmemory="4gb").start()
         url = f"redis://{store.address}"
         node_a = Daemon(self.workdir / "node_a", a.pool_size, "--remote", url).start()
@@ -542,9 +546,7 @@ class Bench:
         """Section 6: engine A stores through a daemon with a disk tier; the daemon restarts with an empty
         pool (--fresh): a fresh engine B finds the prefixes only on disk; engine C computes them."""
         a = self.args
-        prompts = random_prompts(f"disk-{tokens}", a.prompts, tokens)
-        w = random_prompts(f"disk-warmup-{tokens}", 1, tokens)
-        run = dict(prompts=prompts, mode="sequential", max_tokens=1, warmup=[w, w], warmup_tokens=1)
+        run = ttft_run("disk", a.prompts, tokens)
         disk_dir = Path(a.disk_dir or self.workdir) / f"disk-{os.getpid()}-{tokens}"
         node = Daemon(self.workdir / "disk_node", a.pool_size, "--disk-path", str(disk_dir)).start()
         connector = {**self.plain_connector(), "kv_connector_extra_config": {"socket": node.socket}}
@@ -583,10 +585,7 @@ class Bench:
         flipping every round, so that both systems' hits are measured across the same stretch of this
         shared machine's drifting speed (its one-token forward varies by tens of ms within minutes)."""
         a = self.args
-        prompts = random_prompts(f"sbs-{tokens}", a.prompts, tokens)  # not the uniprocess runs' prompts
-        w = random_prompts(f"sbs-warmup-{tokens}", 1, tokens)
-        run = dict(prompts=prompts, mode="sequential", max_tokens=1, warmup=[w, w], warmup_tokens=1,
-                   multiproc=True)
+        run = dict(ttft_run("sbs", a.prompts, tokens), multiproc=True)  # not the uniprocess runs' prompts
         ours_a = self.engine(f"sbs{tokens}_kvstore_a_store", self.plain_connector(), **run)
         server = LMCacheServer(venv, self.workdir, f"sbs{tokens}_lmcache_server", a.block_size,
                                parse_bytes(a.pool_size) / (1 << 30))
