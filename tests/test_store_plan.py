@@ -9,9 +9,10 @@ import types
 import pytest
 from support.blocks import key_of
 from support.daemon import wait_for
-from support.engine import Engine
+from support.engine import store_blocks
 
 BLOCK = 16
+NS = "plan-ns"
 
 
 @pytest.fixture
@@ -22,7 +23,7 @@ def scheduler(daemon):
 
     config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=BLOCK,
                                                                       prefix_caching_hash_algo="sha256"))
-    scheduler = Scheduler(config, ConnectorSettings(socket=daemon.socket), "plan-ns")  # type: ignore[arg-type]
+    scheduler = Scheduler(config, ConnectorSettings(socket=daemon.socket), NS)  # type: ignore[arg-type]
     yield scheduler
     scheduler.close()
 
@@ -37,7 +38,7 @@ class OneRequest:
         tokens = list(range(prompt_tokens))
         self.request = types.SimpleNamespace(
             request_id="r", num_prompt_tokens=prompt_tokens, num_tokens=prompt_tokens, num_computed_tokens=0,
-            all_token_ids=tokens, block_hashes=[key_of("plan", i) for i in range(prompt_tokens // BLOCK)],
+            all_token_ids=tokens, block_hashes=[key_of(NS, i) for i in range(prompt_tokens // BLOCK)],
             lora_request=None, prompt_embeds=None, cache_salt=None, mm_features=[])
         scheduler.on_new_request(self.request)
 
@@ -65,7 +66,7 @@ class OneRequest:
             r.num_tokens += 1
             r.all_token_ids.append(1000 + r.num_tokens)
             if r.num_tokens % BLOCK == 0:
-                r.block_hashes.append(key_of("plan", len(r.block_hashes)))
+                r.block_hashes.append(key_of(NS, len(r.block_hashes)))
         return [(t.keys, t.block_ids, t.partial_tail) for t in meta.stores]
 
 
@@ -93,14 +94,8 @@ def test_a_prompts_partial_tail_is_stored_once_then_the_block_it_grows_into(sche
 def test_after_a_partial_hit_the_blocks_computed_next_are_stored(scheduler, daemon) -> None:
     engine = OneRequest(scheduler, 4 * BLOCK)
     keys = list(engine.request.block_hashes)
-    pool = Engine(daemon.socket, "plan-ns", BLOCK, 64 * 1024)
-    try:
-        pool.fill(keys[:2], [0, 1])
-        job = pool.session.store(keys[:2], [0, 1])
-        assert pool.session.wait([job])[job].ok
-        assert engine.load_hits() == 2 * BLOCK  # blocks 0 and 1 from the pool
-        assert engine.step(2 * BLOCK) == [(keys[2:4], [102, 103], False)]  # computed here: stored
-        assert engine.step(1) == []
-    finally:
-        pool.close()
+    assert store_blocks(daemon.socket, NS, 2) == keys[:2]  # the request's first two blocks are in the pool
+    assert engine.load_hits() == 2 * BLOCK
+    assert engine.step(2 * BLOCK) == [(keys[2:4], [102, 103], False)]  # computed here: stored
+    assert engine.step(1) == []
     scheduler.request_finished(engine.request)
