@@ -48,12 +48,15 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 MAX_JOB_ID = (1 << 64) - 1  # the completion word holds job_id + 1
-# A job is copied in chunks that double from FIRST_CHUNK_BYTES up to CHUNK_BYTES / CHUNK_BLOCKS,
-# and shrink again at the end to a share of what is left per copy thread: a small first chunk
-# starts the copying after little planning, and the threads finish together. Every chunk costs a
+# A job is copied in chunks that double from FIRST_CHUNK_BYTES (at least FIRST_CHUNK_BLOCKS) up to
+# CHUNK_BYTES / CHUNK_BLOCKS, and end with one equal share of what is left per copy thread: a small
+# first chunk starts the copying after little planning (~2 µs a block), and the threads finish
+# together (a 16-block job of 3 MiB blocks: two chunks of 8 on two threads). Every chunk costs a
 # hand-off to a copy thread and back (~0.5 ms on a busy 2-vCPU VM); the block cap bounds the time
 # the event loop spends planning one chunk (~2 ms).
 FIRST_CHUNK_BYTES = 16 << 20
+FIRST_CHUNK_BLOCKS = 64
+MIN_SHARE_BYTES = 1 << 20  # a smaller job is one chunk: its copy is shorter than a hand-off
 CHUNK_BYTES = 128 << 20
 CHUNK_BLOCKS = 1024
 # Seals (and the verification of recovered blocks) go to the copy threads in batches of at most this
@@ -195,22 +198,6 @@ class Jobs:
 
     # -- the pipeline ----------------------------------------------------------------------------
 
-    def _chunks(self, job: Job) -> list[range]:
-        """A job's blocks in chunks: doubling from FIRST_CHUNK_BYTES, at most CHUNK_BYTES and
-        CHUNK_BLOCKS, and at the end no more than a share of the rest per copy thread."""
-        n, block_bytes, threads = len(job.keys), job.session.layout.block_bytes, self.config.copy_threads
-        most = max(1, min(CHUNK_BYTES // block_bytes, CHUNK_BLOCKS))
-        least = max(1, min(most, FIRST_CHUNK_BYTES // block_bytes))
-        chunks, start, ramp = [], 0, least
-        while start < n:
-            size = min(ramp, max(least, -(-(n - start) // threads)))
-            if n - start - size < least:  # no crumb of a chunk at the end
-                size = n - start
-            chunks.append(range(start, start + size))
-            start += size
-            ramp = min(most, 2 * ramp)
-        return chunks
-
     async def _run(self, job: Job) -> None:
         try:
             await self._transfer(job)
@@ -227,7 +214,7 @@ class Jobs:
         copies instead of adding to them."""
         loop = asyncio.get_running_loop()
         copies = []
-        for part in self._chunks(job):
+        for part in chunks(len(job.keys), job.session.layout.block_bytes, self.config.copy_threads):
             chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part)
             if chunk is not None:
                 self._copies += 1
@@ -482,6 +469,20 @@ class Jobs:
             await self._sealer
         self.executor.shutdown(wait=True)
         self._device_calls.shutdown(wait=True)
+
+
+def chunks(n: int, block_bytes: int, threads: int) -> list[range]:
+    """A job of n blocks in chunks: doubling from the first chunk's size up to the cap, then, once
+    what is left fits in one chunk per copy thread, an equal share per thread."""
+    most = max(1, min(CHUNK_BYTES // block_bytes, CHUNK_BLOCKS))
+    ramp = min(most, max(FIRST_CHUNK_BYTES // block_bytes, FIRST_CHUNK_BLOCKS))
+    parts, start = [], 0
+    while n - start > threads * ramp:
+        parts.append(range(start, start + ramp))
+        start += ramp
+        ramp = min(most, 2 * ramp)
+    share = max(-(-(n - start) // threads), MIN_SHARE_BYTES // block_bytes)
+    return parts + [range(s, min(s + share, n)) for s in range(start, n, share)]
 
 
 def _without(plan: TransferPlan, skip: list[int], n: int) -> TransferPlan:

@@ -22,7 +22,7 @@ from kvstore_service.backends import Backend, Mapping, TransferPlan
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError
 from kvstore_service.index import BlockIndex
-from kvstore_service.jobs import Jobs
+from kvstore_service.jobs import CHUNK_BLOCKS, Jobs, chunks
 from kvstore_service.layout import Layout, Region
 from kvstore_service.metrics import Metrics
 from kvstore_service.peercred import PeerCred
@@ -176,6 +176,22 @@ def test_store_of_present_keys_copies_nothing_and_succeeds(tmp_path: Path) -> No
         assert engine.namespace.counters.stored_blocks == before and core.index.count == 4
 
     run(tmp_path, body)
+
+
+def test_a_job_is_cut_so_every_copy_thread_starts_at_once_and_they_finish_together() -> None:
+    def sizes(n: int, block_bytes: int, threads: int = 2) -> list[int]:
+        parts = chunks(n, block_bytes, threads)
+        assert [b for p in parts for b in p] == list(range(n))  # every block once, in order
+        return [len(p) for p in parts]
+
+    mib = 1 << 20
+    assert sizes(16, 3 * mib) == [8, 8]  # a 2k-token prompt of the benchmark's model: one chunk per thread
+    assert sizes(16, 3 * mib, threads=4) == [4, 4, 4, 4]
+    assert sizes(1, 3 * mib) == [1]
+    assert sizes(3, 64 << 10) == [3]  # smaller than a hand-off is worth: one chunk
+    # A large job: a first chunk of 16 MiB (little planning), doubling to the cap, then a share per thread.
+    big = sizes(8192, 64 << 10)
+    assert big[:3] == [256, 512, 1024] and max(big) == CHUNK_BLOCKS and big[-2] == big[-1] <= CHUNK_BLOCKS
 
 
 def test_store_of_a_key_being_written_finishes_with_that_copy(tmp_path: Path) -> None:
