@@ -37,7 +37,7 @@ from kvstore_client.vllm.common import (
     unsupported,
 )
 from kvstore_client.vllm.scheduler import Scheduler
-from kvstore_client.vllm.worker import Worker
+from kvstore_client.vllm.worker import NO_LOAD_ERRORS, Worker
 
 if TYPE_CHECKING:
     import torch
@@ -97,9 +97,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    # The calls of every step check here whether they have anything to do: after a forward pass
+    # each call and attribute read costs microseconds (caches are cold), and most steps have nothing.
+
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        assert self.scheduler is not None
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if num_external_tokens:  # vLLM calls it for every request it schedules anew
+            assert self.scheduler is not None
+            self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
@@ -110,8 +114,9 @@ class KVStoreConnector(KVConnectorBase_V1):
             self.scheduler.on_new_request(request)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self.scheduler is not None:
-            self.scheduler.update_connector_output(connector_output)
+        loaded = connector_output.finished_recving  # load errors come with it
+        if loaded and self.scheduler is not None:
+            self.scheduler.finish_loads(loaded, connector_output.invalid_block_ids)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
@@ -133,8 +138,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         # those layer hooks ask; this connector reads `_connector_metadata` itself.
         return False
 
-    # The worker-side calls of every step read the bound metadata directly: after a forward pass
-    # each check and call costs microseconds (caches are cold).
+    # The worker-side calls of every step read the bound metadata directly.
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         preempted = kv_connector_metadata.preempted  # type: ignore[attr-defined]
@@ -170,11 +174,13 @@ class KVStoreConnector(KVConnectorBase_V1):
         return results.finished_sending or None, results.finished_recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        assert self.worker is not None
-        return self.worker.take_load_errors()
+        worker = self.worker
+        assert worker is not None
+        return worker.take_load_errors() if worker.load_errors else NO_LOAD_ERRORS
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self.worker.take_stats() if self.worker is not None else None
+        worker = self.worker
+        return worker.take_stats() if worker is not None and worker.stats_changed else None
 
     def shutdown(self) -> None:
         for side in (self.scheduler, self.worker):

@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -232,8 +231,6 @@ class Scheduler:
         return key, end - start
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if num_external_tokens == 0:
-            return
         req_id = request.request_id
         state = self.lookups.get(req_id)
         rec = self.reqs.get(req_id)
@@ -338,11 +335,10 @@ class Scheduler:
             return min(next_block, prompt)
         return next_block
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if not connector_output.finished_recving:
-            return  # load errors come with the request's finished_recving
-        invalid = connector_output.invalid_block_ids
-        for req_id in connector_output.finished_recving:
+    def finish_loads(self, req_ids: set[str], invalid: set[int]) -> None:
+        """These requests' loads are done; `invalid`: blocks that failed to load (their requests
+        recompute and are never offered a load again)."""
+        for req_id in req_ids:
             state = self.lookups.pop(req_id, None)
             if state is not None:
                 self._release(state)

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The results of a step with nothing to report, shared (vLLM only reads them): made once, not per step.
+# What a step with nothing to report returns, shared (vLLM only reads them): made once, not per step.
 NO_RESULTS = KVConnectorTransferResults()
+NO_LOAD_ERRORS: set[int] = set()
 
 
 class Worker:
@@ -244,8 +245,6 @@ class Worker:
         return errors
 
     def take_stats(self) -> KVStoreConnectorStats | None:
-        if not self.stats_changed:
-            return None
         self.stats_changed = False
         stats, self.stats = self.stats, KVStoreConnectorStats()
         return None if stats.is_empty() else stats
