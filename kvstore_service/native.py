@@ -42,15 +42,16 @@ SlotHeaderFields = tuple[int, int, int, int, bytes, bytes]
 
 
 def copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array, sizes: U64Array,
-                threads: int = 1) -> int:
+                threads: int = 1, streaming: bool = True) -> int:
     """Copy ``sizes[i]`` bytes from ``src_base + src_offsets[i]`` to ``dst_base + dst_offsets[i]``.
 
     Blocks contiguous in both source and destination are merged into one run first; the runs are
     split across ``threads`` threads by bytes. Overlapping ranges are undefined (as with memcpy).
-    Returns the number of merged runs.
+    ``streaming``: non-temporal stores (for a destination nothing reads soon: the pool). Returns the
+    number of merged runs.
     """
     return int(_native.copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes),
-                                   threads))
+                                   threads, streaming))
 
 
 def checksum_blocks(base: int, offsets: U64Array, size: int, threads: int = 1) -> list[int]:

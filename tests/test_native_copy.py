@@ -86,8 +86,10 @@ def test_native_extension_built() -> None:
 # ---- copies -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("threads", [1, 2, 5, 16])
-def test_random_scattered_copy_is_byte_exact(threads: int) -> None:
+@pytest.mark.parametrize(("threads", "streaming"), [(1, True), (2, True), (5, True), (16, True), (1, False),
+                                                    (2, False)])
+def test_random_scattered_copy_is_byte_exact(threads: int, streaming: bool) -> None:
+    """Also with plain stores (streaming=False: loads into an engine, read at once by its next forward)."""
     rng = random.Random(threads * 7919 + 6)
     slot, slots = 64 * 1024, 96
     src, dst = Mem(slot * slots, seed=1), Mem(slot * slots, seed=2)
@@ -101,7 +103,7 @@ def test_random_scattered_copy_is_byte_exact(threads: int) -> None:
         do.append(d_id * slot + rng.randrange(0, slot - n + 1))
         sizes.append(n)
     before_src, before_dst = src.read(), dst.read()
-    copy(src.addr, dst.addr, array("Q", so), array("Q", do), array("Q", sizes), threads)
+    copy(src.addr, dst.addr, array("Q", so), array("Q", do), array("Q", sizes), threads, streaming)
     assert src.read() == before_src
     assert dst.read() == expected_copy(before_src, before_dst, so, do, sizes)
 

@@ -71,7 +71,7 @@ class CpuBackend(Backend):
             pass
 
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
-        if to_engine:
-            native.copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes)
+        if to_engine:  # the engine's next forward reads these at once: no non-temporal stores
+            native.copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes, streaming=False)
         else:
             native.copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes)
