@@ -122,9 +122,8 @@ std::vector<std::vector<Run>> split_by_bytes(const std::vector<Run>& runs, int p
 #if defined(__x86_64__)
 // Non-temporal stores: nothing reads a block of the pool right after it was copied, so skip the
 // read-for-ownership memcpy does for every destination line. Measured here on 256 KiB blocks at
-// random places: 22 GB/s against memcpy's 18.7. Not for loads into an engine (`streaming` false):
-// its next forward reads them at once, and a 2k-token hit's one-token forward ran 5-30 ms longer
-// after non-temporal loads (vLLM on CPU, three interleaved pairs).
+// random places: 22 GB/s against memcpy's 18.7. Not for small loads into an engine (`streaming`
+// false, see backends/cpu.py): its next forward reads them at once.
 __attribute__((target("avx2"))) void stream_copy_avx2(uint8_t* dst, const uint8_t* src, uint64_t n) {
   uint64_t head = std::min<uint64_t>(n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
   std::memcpy(dst, src, head);  // up to the first 32-byte aligned destination address
