@@ -4,7 +4,7 @@ Copies `--blocks` blocks of `--block-size` bytes between random, scattered block
 buffers (anonymous mmap, or /dev/shm files with --shm), and compares:
 
   * one contiguous memcpy of the same total bytes (ctypes.memmove, best of --repeat),
-  * the native copy_blocks with 1 and 2 threads,
+  * the native copy_blocks with 1 and 2 threads (and with plain stores instead of streaming ones),
   * CRC32C checksums of the same blocks with 1 and 2 threads, and of one block in cache.
 
 Prints a table with time, GB/s and the ratio to memcpy. Run: python benchmarks/bench_copy.py
@@ -96,6 +96,8 @@ def main() -> None:
     for threads in (1, 2):
         run(f"native copy_blocks, {threads} thread(s)",
             lambda t=threads: native.copy_blocks(src.addr, dst.addr, src_offs, dst_offs, sizes, t))
+    run("native copy_blocks, 2 threads, plain stores (small loads)",
+        lambda: native.copy_blocks(src.addr, dst.addr, src_offs, dst_offs, sizes, 2, False))
     run("native copy_blocks, sequential ids (1 run), 2 threads",
         lambda: native.copy_blocks(src.addr, dst.addr, seq_offs, seq_offs, sizes, 2))
     for threads in (1, 2):
