@@ -51,7 +51,8 @@ MAX_JOB_ID = (1 << 64) - 1  # the completion word holds job_id + 1
 # A job is copied in chunks that double from FIRST_CHUNK_BYTES (at least FIRST_CHUNK_BLOCKS) up to
 # CHUNK_BYTES / CHUNK_BLOCKS, and end with one equal share of what is left per copy thread: a small
 # first chunk starts the copying after little planning (~2 µs a block), and the threads finish
-# together (a 16-block job of 3 MiB blocks: two chunks of 8 on two threads). Every chunk costs a
+# together (a 16-block store of 3 MiB blocks: two chunks of 8 on two threads; a load up to the
+# backend's whole_load_bytes is one chunk, see backends/cpu.py). Every chunk costs a
 # hand-off to a copy thread and back (~0.5 ms on a busy 2-vCPU VM); the block cap bounds the time
 # the event loop spends planning one chunk (~2 ms).
 FIRST_CHUNK_BYTES = 16 << 20
@@ -214,8 +215,10 @@ class Jobs:
         copies instead of adding to them."""
         loop = asyncio.get_running_loop()
         copies = []
-        for part in chunks(len(job.keys), job.session.layout.block_bytes, self.config.copy_threads):
-            chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part)
+        block_bytes = job.session.layout.block_bytes
+        whole = not job.is_store and len(job.keys) * block_bytes <= job.session.backend.whole_load_bytes
+        for part in chunks(len(job.keys), block_bytes, 1 if whole else self.config.copy_threads):
+            chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part, whole)
             if chunk is not None:
                 self._copies += 1
                 copies.append((chunk, loop.run_in_executor(self.executor, self._copy, job, chunk)))
@@ -266,8 +269,8 @@ class Jobs:
             return None
         return self._plan(job, [part.start + i for i in plan.reserved], plan.blocks)
 
-    def _prepare_load(self, job: Job, part: range) -> Chunk | None:
-        """Pin the chunk's present blocks; an absent one fails."""
+    def _prepare_load(self, job: Job, part: range, whole: bool) -> Chunk | None:
+        """Pin the chunk's present blocks; an absent one fails. `whole`: the chunk is the whole job."""
         found = self.index.prepare_load(job.session.namespace, job.keys[part.start:part.stop])
         indexes = [part.start + i for i, block in enumerate(found) if block is not None]
         if len(indexes) < len(found):
@@ -276,6 +279,7 @@ class Jobs:
             return None
         blocks = [block for block in found if block is not None]
         chunk = self._plan(job, indexes, blocks)
+        chunk.plan.whole = whole
         verify = self.config.verify_loads
         if verify > 0:
             chunk.checked = [k for k in range(len(blocks)) if verify >= 1 or random.random() < verify]
@@ -490,5 +494,6 @@ def _without(plan: TransferPlan, skip: list[int], n: int) -> TransferPlan:
     drop = set(skip)
     keep = [k for k in range(n) if k not in drop]
     regions = len(plan.sizes) // n
-    return TransferPlan(*(array("Q", (a[r * n + k] for r in range(regions) for k in keep))
-                          for a in (plan.pool_offsets, plan.engine_addresses, plan.sizes)))
+    pool_offsets, engine_addresses, sizes = (array("Q", (a[r * n + k] for r in range(regions) for k in keep))
+                                             for a in (plan.pool_offsets, plan.engine_addresses, plan.sizes))
+    return TransferPlan(pool_offsets, engine_addresses, sizes, plan.whole)

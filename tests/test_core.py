@@ -48,6 +48,7 @@ class FakeBackend(Backend):
         self.unmapped: list[Mapping] = []
         self.device_seconds = 0.0  # how long opening or closing engine memory takes (a device call)
         self.broken: native.StickyDeviceError | None = None  # raised by every copy once set
+        self.loads: list[tuple[int, bool]] = []  # (bytes, whole) of each load plan copied
 
     def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
         time.sleep(self.device_seconds)
@@ -63,6 +64,7 @@ class FakeBackend(Backend):
         if self.broken is not None:
             raise self.broken
         if to_engine:
+            self.loads.append((plan.total_bytes, plan.whole))
             native.copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes)
         else:
             native.copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes)
@@ -192,6 +194,21 @@ def test_a_job_is_cut_so_every_copy_thread_starts_at_once_and_they_finish_togeth
     # A large job: a first chunk of 16 MiB (little planning), doubling to the cap, then a share per thread.
     big = sizes(8192, 64 << 10)
     assert big[:3] == [256, 512, 1024] and max(big) == CHUNK_BLOCKS and big[-2] == big[-1] <= CHUNK_BLOCKS
+
+
+def test_a_load_up_to_the_backends_whole_load_bytes_goes_whole_to_one_copy_thread(tmp_path: Path) -> None:
+    """(The CPU backend writes such a load with plain stores: the engine's next forward reads it.)"""
+    async def body(core: Core) -> None:
+        engine = await core.engine()
+        core.backend.whole_load_bytes = 16 * BLOCK
+        assert await finish(core.jobs, engine, 1, keys_of(32), list(range(32)), True) == (32, 0)
+        assert await finish(core.jobs, engine, 2, keys_of(16), list(range(16, 32)), False) == (16, 0)
+        assert core.backend.loads == [(16 * BLOCK, True)]
+        core.backend.loads.clear()
+        assert await finish(core.jobs, engine, 3, keys_of(32), list(range(32)), False) == (32, 0)
+        assert sorted(core.backend.loads) == [(16 * BLOCK, False)] * 2  # in chunks over both copy threads
+
+    run(tmp_path, body)
 
 
 def test_store_of_a_key_being_written_finishes_with_that_copy(tmp_path: Path) -> None:

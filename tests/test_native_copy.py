@@ -89,8 +89,8 @@ def test_native_extension_built() -> None:
 @pytest.mark.parametrize(("threads", "streaming"), [(1, True), (2, True), (5, True), (16, True), (1, False),
                                                     (2, False)])
 def test_random_scattered_copy_is_byte_exact(threads: int, streaming: bool) -> None:
-    """Also with plain stores (streaming=False: load chunks up to 32 MiB into an engine, read at once by its
-    next forward)."""
+    """Also with plain stores (streaming=False: loads up to 64 MiB into an engine, read at once by its next
+    forward)."""
     rng = random.Random(threads * 7919 + 6)
     slot, slots = 64 * 1024, 96
     src, dst = Mem(slot * slots, seed=1), Mem(slot * slots, seed=2)

@@ -30,6 +30,7 @@ class TransferPlan:
     pool_offsets: array
     engine_addresses: array
     sizes: array
+    whole: bool = False  # the runs are a whole job: a load of at most Backend.whole_load_bytes
 
     @property
     def total_bytes(self) -> int:
@@ -50,6 +51,9 @@ def pool_pieces(base: int, data_offset: int, segment_size: int, segments: int) -
 
 class Backend(ABC):
     name: str
+    # A load of at most this many bytes is copied whole by one copy thread (a plan with `whole` set),
+    # not in chunks spread over the copy threads.
+    whole_load_bytes = 0
 
     def register_pool(self, pieces: Sequence[tuple[int, int]],  # noqa: B027 - optional hook
                       device: int | None = None) -> None:

@@ -17,11 +17,13 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
 
 POPULATE_CHUNK = 64 << 20  # the session can end between two chunks (~10-20 ms each)
-# A load chunk up to this size is written with plain stores, so its bytes are still in the caches
-# when the engine's next forward reads them (a 2k-token hit's one-token forward ran 5-30 ms longer
-# after non-temporal loads). Larger chunks stream: plain stores copy ~30% slower (the read for
-# ownership), and a chunk past the last-level cache (32 MiB here) would not stay there anyway.
-PLAIN_LOAD_BYTES = 32 << 20
+# A load up to this size is copied whole by one thread with plain stores, so its bytes are still in
+# the caches when the engine's next forward reads them (a 2k-token hit's one-token forward ran 5-30
+# ms longer after non-temporal loads). Plain stores are bound by memory bandwidth (the read for
+# ownership): a second thread adds little, and a 48 MiB load split over two copy threads took 7.6-9.2
+# ms from submit to completion against 5.2-5.6 whole. Larger loads stream, in chunks over all copy
+# threads: plain stores copy ~30% slower, and most of such a load would not stay in the caches anyway.
+PLAIN_LOAD_BYTES = 64 << 20
 
 
 def _populate(addr: int, size: int, stop: threading.Event) -> None:
@@ -48,6 +50,7 @@ class _Held:
 
 class CpuBackend(Backend):
     name = "cpu"
+    whole_load_bytes = PLAIN_LOAD_BYTES
 
     def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
         if fd is None:
@@ -78,6 +81,6 @@ class CpuBackend(Backend):
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         if to_engine:
             native.copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes,
-                               streaming=plan.total_bytes > PLAIN_LOAD_BYTES)
+                               streaming=not plan.whole)
         else:
             native.copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes)
