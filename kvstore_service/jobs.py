@@ -215,9 +215,9 @@ class Jobs:
         copies instead of adding to them."""
         loop = asyncio.get_running_loop()
         copies = []
-        block_bytes = job.session.layout.block_bytes
-        whole = not job.is_store and len(job.keys) * block_bytes <= job.session.backend.whole_load_bytes
-        for part in chunks(len(job.keys), block_bytes, 1 if whole else self.config.copy_threads):
+        n, block_bytes = len(job.keys), job.session.layout.block_bytes
+        whole = not job.is_store and n <= CHUNK_BLOCKS and n * block_bytes <= job.session.backend.whole_load_bytes
+        for part in [range(n)] if whole else chunks(n, block_bytes, self.config.copy_threads):
             chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part, whole)
             if chunk is not None:
                 self._copies += 1

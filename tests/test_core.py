@@ -207,6 +207,10 @@ def test_a_load_up_to_the_backends_whole_load_bytes_goes_whole_to_one_copy_threa
         core.backend.loads.clear()
         assert await finish(core.jobs, engine, 3, keys_of(32), list(range(32)), False) == (32, 0)
         assert sorted(core.backend.loads) == [(16 * BLOCK, False)] * 2  # in chunks over both copy threads
+        core.backend.loads.clear()
+        core.backend.whole_load_bytes = 32 * BLOCK  # the same job, now whole: one chunk, one thread
+        assert await finish(core.jobs, engine, 4, keys_of(32), list(range(32)), False) == (32, 0)
+        assert core.backend.loads == [(32 * BLOCK, True)]
 
     run(tmp_path, body)
 

@@ -51,8 +51,8 @@ def pool_pieces(base: int, data_offset: int, segment_size: int, segments: int) -
 
 class Backend(ABC):
     name: str
-    # A load of at most this many bytes is copied whole by one copy thread (a plan with `whole` set),
-    # not in chunks spread over the copy threads.
+    # A load of at most this many bytes (and CHUNK_BLOCKS blocks) is copied whole by one copy thread (a
+    # plan with `whole` set), not in chunks spread over the copy threads.
     whole_load_bytes = 0
 
     def register_pool(self, pieces: Sequence[tuple[int, int]],  # noqa: B027 - optional hook
