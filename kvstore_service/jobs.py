@@ -32,7 +32,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar, cast
 
 from kvstore_service import native
@@ -218,8 +218,9 @@ class Jobs:
         n, block_bytes = len(job.keys), job.session.layout.block_bytes
         whole = not job.is_store and n <= CHUNK_BLOCKS and n * block_bytes <= job.session.backend.whole_load_bytes
         for part in [range(n)] if whole else chunks(n, block_bytes, self.config.copy_threads):
-            chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part, whole)
+            chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part)
             if chunk is not None:
+                chunk.plan.whole = whole
                 self._copies += 1
                 copies.append((chunk, loop.run_in_executor(self.executor, self._copy, job, chunk)))
             await asyncio.sleep(0)  # serve other requests between chunks of a large job
@@ -269,8 +270,8 @@ class Jobs:
             return None
         return self._plan(job, [part.start + i for i in plan.reserved], plan.blocks)
 
-    def _prepare_load(self, job: Job, part: range, whole: bool) -> Chunk | None:
-        """Pin the chunk's present blocks; an absent one fails. `whole`: the chunk is the whole job."""
+    def _prepare_load(self, job: Job, part: range) -> Chunk | None:
+        """Pin the chunk's present blocks; an absent one fails."""
         found = self.index.prepare_load(job.session.namespace, job.keys[part.start:part.stop])
         indexes = [part.start + i for i, block in enumerate(found) if block is not None]
         if len(indexes) < len(found):
@@ -279,7 +280,6 @@ class Jobs:
             return None
         blocks = [block for block in found if block is not None]
         chunk = self._plan(job, indexes, blocks)
-        chunk.plan.whole = whole
         verify = self.config.verify_loads
         if verify > 0:
             chunk.checked = [k for k in range(len(blocks)) if verify >= 1 or random.random() < verify]
@@ -496,4 +496,4 @@ def _without(plan: TransferPlan, skip: list[int], n: int) -> TransferPlan:
     regions = len(plan.sizes) // n
     pool_offsets, engine_addresses, sizes = (array("Q", (a[r * n + k] for r in range(regions) for k in keep))
                                              for a in (plan.pool_offsets, plan.engine_addresses, plan.sizes))
-    return TransferPlan(pool_offsets, engine_addresses, sizes, plan.whole)
+    return replace(plan, pool_offsets=pool_offsets, engine_addresses=engine_addresses, sizes=sizes)
