@@ -231,6 +231,7 @@ class Session:
         self.session_id = b""
         self.block_bytes = 0
         self.boot_id = b""
+        self.progress_load_bytes = 0  # loads up to this size report their progress (progress())
         self.registrations = 0
         self._handle_sent = False  # the spec's first handle went out in a Register call
         self.channel: CompletionChannel | None = None
@@ -288,6 +289,7 @@ class Session:
         old = self.channel
         self.channel, self.session_id = channel, reply.session_id
         self.block_bytes, self.boot_id = reply.block_bytes, reply.daemon_boot_id
+        self.progress_load_bytes = reply.progress_load_bytes
         self.registrations += 1
         if old is not None:
             old.close()
@@ -397,6 +399,20 @@ class Session:
                         del self._pending[job_id]
                         done.append(completion)
         return done
+
+    def progress(self, job_id: int) -> int:
+        """Regions of an unfinished load that have landed (a load of at most `progress_load_bytes`
+        reports them as it copies, in the layout's region order); 0 before any did or when unknown.
+        Its completion still comes through poll()."""
+        channel = self.channel
+        return channel.progress(job_id) if channel is not None else 0
+
+    def finished(self, job_id: int) -> bool:
+        """Whether a job has finished (its completion is seen or waiting to be returned by poll())."""
+        if job_id not in self._pending:
+            return True
+        channel = self.channel
+        return channel is not None and channel.check(job_id) is not None
 
     @property
     def pending(self) -> int:

@@ -23,7 +23,7 @@ vLLM is imported inside the functions, so this module loads without it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import TYPE_CHECKING
 
@@ -51,6 +51,9 @@ class KVCacheDescription:
     num_blocks: int  # manager blocks (kv_cache_config.num_blocks)
     regions: list[KVRegion]  # block b = concatenation of every region's run, in this order
     layout: str  # KVCacheLayout name, e.g. "LBNHC"; "KV_TUPLES" for per-layer (k, v) tuples
+    # With by_layer: layer name -> how many leading regions hold its pages (a copy in region order has
+    # brought that layer in once they landed). Empty otherwise.
+    layer_regions: dict[str, int] = field(default_factory=dict)
 
 
 class UnsupportedKVCache(ValueError):
@@ -61,6 +64,7 @@ def describe_kv_cache(
     kv_cache_config: KVCacheConfig,
     kv_caches: Mapping[str, torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]],
     layout: str | None,
+    by_layer: bool = False,
 ) -> KVCacheDescription:
     """The runs of every manager block of the KV cache that vLLM handed a connector.
 
@@ -68,6 +72,8 @@ def describe_kv_cache(
     (`vllm_config.cache_config.kv_cache_layout`), used when `kv_cache_config.kv_cache_layout` is not set.
     Entries of `kv_caches` for layers outside the config's group (layers that share another layer's KV, layers
     the worker adds after the connector is made) are not part of the blocks and are ignored.
+    `by_layer`: runs of different layers stay separate regions (a block-outermost layout then gives one run
+    per layer, not one for all) and `layer_regions` says where each layer ends; not for per-layer tuples.
     """
     group = _single_full_attention_group(kv_cache_config)
     num_blocks = kv_cache_config.num_blocks
@@ -90,6 +96,7 @@ def describe_kv_cache(
             assert isinstance(value, (tuple, list))
             layer_tensors[name] = list(value)
         regions = _tuple_regions(layer_tensors, num_blocks, memories)
+        layers = [""] * len(regions)  # not tracked
         layout_name = KV_TUPLES
     else:
         views: dict[str, torch.Tensor] = {}
@@ -99,12 +106,14 @@ def describe_kv_cache(
             memories.index(view)  # number the allocations in kv_caches order; regions follow kv_cache_tensors
             views[name] = view
         resolved = _resolve_layout(kv_cache_config, layout)
-        regions = _view_regions(kv_cache_config, group, views, resolved, memories)
+        regions, layers = _view_regions(kv_cache_config, group, views, resolved, memories)
         layout_name = resolved.name
 
-    regions = _coalesce(regions)
+    regions, layers = _coalesce(regions, layers if by_layer else [""] * len(regions))
     _check_bounds(regions, num_blocks, memories.tensors)
-    return KVCacheDescription(memories=memories.tensors, num_blocks=num_blocks, regions=regions, layout=layout_name)
+    layer_regions = {name: i + 1 for i, name in enumerate(layers) if name and layout_name != KV_TUPLES}
+    return KVCacheDescription(memories=memories.tensors, num_blocks=num_blocks, regions=regions, layout=layout_name,
+                              layer_regions=layer_regions)
 
 
 # -- what can be described --------------------------------------------------------------------------------------------
@@ -165,9 +174,11 @@ class _Memories:
 
 
 def _view_regions(config: KVCacheConfig, group: KVCacheGroupSpec, views: dict[str, torch.Tensor],
-                  layout: KVCacheLayout, memories: _Memories) -> list[KVRegion]:
-    """Runs from kv_cache_tensors: layer l's page of block b starts at offset + l * layer_stride + b * block_stride."""
+                  layout: KVCacheLayout, memories: _Memories) -> tuple[list[KVRegion], list[str]]:
+    """Runs from kv_cache_tensors: layer l's page of block b starts at offset + l * layer_stride + b * block_stride.
+    Also returns the layer of each run."""
     regions: list[KVRegion] = []
+    layers: list[str] = []
     described: set[str] = set()
     for tensor in config.kv_cache_tensors:
         if not tensor.layers:
@@ -195,11 +206,12 @@ def _view_regions(config: KVCacheConfig, group: KVCacheGroupSpec, views: dict[st
         for index in range(len(tensor.layers)):
             page = tensor.offset + index * tensor.layer_stride
             regions.extend(KVRegion(memory, page + start, tensor.block_stride, length) for start, length in runs)
+            layers.extend([tensor.layers[index]] * len(runs))
         described.update(tensor.layers)
     undescribed = [name for name in group.layer_names if name not in described]
     if undescribed:
         raise UnsupportedKVCache(f"layers {undescribed} are in no KVCacheTensor of the KV cache config")
-    return regions
+    return regions, layers
 
 
 def _layer_spec(group: KVCacheGroupSpec, name: str) -> KVCacheSpec:
@@ -345,18 +357,21 @@ def _dense(dims: Iterable[tuple[int, int]]) -> bool:
 # -- all regions ------------------------------------------------------------------------------------------------------
 
 
-def _coalesce(regions: list[KVRegion]) -> list[KVRegion]:
+def _coalesce(regions: list[KVRegion], layers: list[str]) -> tuple[list[KVRegion], list[str]]:
     """Merge a region into the one before it when its run continues that run in every block: same memory and
-    stride, starting where the previous run ends. Block order (runs concatenated in region order) is kept."""
+    stride, starting where the previous run ends, and the same entry of `layers` (a layer name, or "" for
+    any). Block order (runs concatenated in region order) is kept."""
     merged: list[KVRegion] = []
-    for region in regions:
+    merged_layers: list[str] = []
+    for region, layer in zip(regions, layers, strict=True):
         last = merged[-1] if merged else None
         if (last is not None and last.memory == region.memory and last.block_stride == region.block_stride
-                and last.offset + last.block_bytes == region.offset):
+                and last.offset + last.block_bytes == region.offset and merged_layers[-1] == layer):
             merged[-1] = KVRegion(last.memory, last.offset, last.block_stride, last.block_bytes + region.block_bytes)
         else:
             merged.append(region)
-    return merged
+            merged_layers.append(layer)
+    return merged, merged_layers
 
 
 def _check_bounds(regions: list[KVRegion], num_blocks: int, memories: list[torch.Tensor]) -> None:

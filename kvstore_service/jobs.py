@@ -23,6 +23,7 @@ one that differs is dropped and counted in `corrupt_blocks`.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -220,7 +221,8 @@ class Jobs:
         for part in [range(n)] if whole else chunks(n, block_bytes, self.config.copy_threads):
             chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part)
             if chunk is not None:
-                chunk.plan.whole = whole
+                if whole:
+                    _copy_whole(job, chunk.plan)
                 self._copies += 1
                 copies.append((chunk, loop.run_in_executor(self.executor, self._copy, job, chunk)))
             await asyncio.sleep(0)  # serve other requests between chunks of a large job
@@ -487,6 +489,14 @@ def chunks(n: int, block_bytes: int, threads: int) -> list[range]:
         ramp = min(most, 2 * ramp)
     share = max(-(-(n - start) // threads), MIN_SHARE_BYTES // block_bytes)
     return parts + [range(s, min(s + share, n)) for s in range(start, n, share)]
+
+
+def _copy_whole(job: Job, plan: TransferPlan) -> None:
+    """A load copied whole: by one thread, region by region (runs are region-major, one per block),
+    reporting each region's arrival in the engine's completion channel."""
+    plan.whole = True
+    plan.regions = len(job.session.layout.regions)
+    plan.progress = functools.partial(job.session.channel.post_progress, job.job_id)
 
 
 def _without(plan: TransferPlan, skip: list[int], n: int) -> TransferPlan:

@@ -108,7 +108,9 @@ class Servicer(pb_grpc.KVStoreServicer):
         return pb.RegisterResponse(session_id=session.session_id,
                                    block_bytes=registration.layout.slot_bytes if registration.layout else 0,
                                    max_inflight_jobs=self.daemon.config.max_inflight_jobs,
-                                   daemon_version=__version__, daemon_boot_id=self.daemon.boot_id)
+                                   daemon_version=__version__, daemon_boot_id=self.daemon.boot_id,
+                                   progress_load_bytes=session.backend.whole_load_bytes
+                                   if isinstance(session, EngineSession) else 0)
 
     async def Attach(self, request: pb.AttachRequest, context: Any) -> AsyncIterator[pb.SessionEvent]:
         sessions = self.daemon.sessions

@@ -278,3 +278,62 @@ def test_with_a_load_in_flight_the_idle_wait_lasts_up_to_the_load_bound(connecto
         assert IDLE_LOAD_WAIT_MAX_S * 0.9 <= time.monotonic() - t < IDLE_LOAD_WAIT_MAX_S + 0.05
     finally:
         del worker.load_jobs[1 << 40]
+
+
+# -- loads reported before they land (read layer by layer) ----------------------------------------
+
+
+def _early_worker(worker) -> None:
+    """The worker as registered on CPU memory of one layer (the test engine's one region)."""
+    worker.block_bytes, worker.layer_regions, worker.first_regions, worker.total_regions = KB64, {"l0": 1}, 1, 1
+
+
+def test_an_early_load_is_reported_when_it_starts_and_read_once_landed(connector_sides, monkeypatch) -> None:
+    """Where the daemon reports a load's progress (CPU), a load planned `early` is reported done in the
+    step that starts it (no idle wait: its request runs next step); the next forward waits for each
+    layer's regions; the completion, seen after that forward, reports nothing again."""
+    from kvstore_client.vllm.common import Transfer
+
+    _, worker, engine, _ = connector_sides
+    assert engine.session.progress_load_bytes >= 8 * KB64  # the CPU backend's whole loads
+    keys = [key_of("early", i) for i in range(8)]
+    _stored(engine, keys)
+    _early_worker(worker)
+    monkeypatch.setattr(worker, "_wait_for_progress", lambda lookups: pytest.fail("an idle wait"))
+    worker.start_loads([Transfer("r", keys, list(range(8, 16)))], early=True)
+    assert worker.transfer_results(set(), idle_wait=True).finished_recving == {"r"}
+    worker.wait_for_layer(1)  # a forward's first layer
+    assert engine.verify(keys, list(range(8, 16))) == 0
+    assert worker.transfer_results(set()).finished_recving == set()  # after that forward
+    assert not worker.early and not worker.load_jobs and not worker.load_errors
+
+
+def test_an_early_load_that_fails_is_reported_with_the_forward_that_read_it(connector_sides) -> None:
+    from kvstore_client.vllm.common import Transfer
+
+    _, worker, _, _ = connector_sides
+    _early_worker(worker)
+    worker.start_loads([Transfer("f", [key_of("absent", i) for i in range(2)], [3, 4])], early=True)
+    assert worker.transfer_results(set()).finished_recving == {"f"}
+    worker.wait_for_layer(1)  # ends: the load finished (failed)
+    assert worker.transfer_results(set()).finished_recving == set()
+    assert worker.take_load_errors() == {3, 4}  # vLLM recomputes them (and discards what the forward made)
+
+
+def test_a_load_is_reported_early_only_where_planned_so_and_small_enough(connector_sides) -> None:
+    """Larger than the daemon copies region by region, or not planned early (vLLM's engine core in
+    this process steps again at once): reported when it completes."""
+    from kvstore_client.vllm.common import Transfer
+
+    _, worker, engine, _ = connector_sides
+    keys = [key_of("late", i) for i in range(4)]
+    _stored(engine, keys)
+    _early_worker(worker)
+    worker.block_bytes = engine.session.progress_load_bytes  # 4 blocks: 4x too large
+    worker.start_loads([Transfer("big", keys, [4, 5, 6, 7])], early=True)
+    worker.block_bytes = KB64
+    worker.start_loads([Transfer("planned-late", keys, [8, 9, 10, 11])], early=False)
+    assert not worker.early
+    reported: set[str] = set()
+    wait_for(lambda: reported.update(worker.transfer_results(set()).finished_recving) or len(reported) == 2)
+    assert reported == {"big", "planned-late"}

@@ -11,6 +11,7 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from kvstore_client.protocol import PROTOCOL_VERSION
 from kvstore_client.protocol.completion import CompletionChannel
 from kvstore_service import native
 from kvstore_service.backends import Backend, Mapping, TransferPlan
+from kvstore_service.backends.cpu import CpuBackend
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError
 from kvstore_service.index import BlockIndex
@@ -49,6 +51,8 @@ class FakeBackend(Backend):
         self.device_seconds = 0.0  # how long opening or closing engine memory takes (a device call)
         self.broken: native.StickyDeviceError | None = None  # raised by every copy once set
         self.loads: list[tuple[int, bool]] = []  # (bytes, whole) of each load plan copied
+        # Of each progress report of a load: (regions reported, which regions had landed by then).
+        self.progress: list[tuple[int, list[bool]]] = []
 
     def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
         time.sleep(self.device_seconds)
@@ -65,9 +69,28 @@ class FakeBackend(Backend):
             raise self.broken
         if to_engine:
             self.loads.append((plan.total_bytes, plan.whole))
-            native.copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes)
+            if plan.progress is not None:
+                plan = replace(plan, progress=self._observer(pool_base, plan))
+            CpuBackend.copy(self, device, pool_base, plan, to_engine)  # type: ignore[arg-type]
         else:
             native.copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes)
+
+
+    def _observer(self, pool_base: int, plan: TransferPlan) -> Callable[[int], None]:
+        """plan.progress, first noting which of the plan's regions are in the engine at each report."""
+        per, post = len(plan.sizes) // plan.regions, plan.progress
+        assert post is not None
+
+        def landed(run: int) -> bool:
+            size = plan.sizes[run]
+            return (ctypes.string_at(plan.engine_addresses[run], size)
+                    == ctypes.string_at(pool_base + plan.pool_offsets[run], size))
+
+        def observe(regions: int) -> None:
+            self.progress.append((regions, [all(landed(r * per + i) for i in range(per))
+                                            for r in range(plan.regions)]))
+            post(regions)
+        return observe
 
 
 class Core:
@@ -85,10 +108,12 @@ class Core:
         self.sessions = Sessions(self.config, self.pool, self.index, self.jobs.off_loop, {"fake": self.backend})
         self.channels: list[CompletionChannel] = []
 
-    async def engine(self, namespace: str = "ns") -> EngineSession:
+    async def engine(self, namespace: str = "ns", regions: int = 1) -> EngineSession:
+        """An engine whose block b is BLOCK bytes at b * BLOCK, described as `regions` equal runs."""
         channel = CompletionChannel.create(SLOTS)
         self.channels.append(channel)
-        layout = Layout(NUM_BLOCKS, (Region(0, BLOCK, BLOCK),))
+        part = BLOCK // regions
+        layout = Layout(NUM_BLOCKS, tuple(Region(r * part, BLOCK, part) for r in range(regions)))
         session = await self.sessions.register(
             Registration(PROTOCOL_VERSION, "engine", namespace, layout, "fake", (b"",), (NUM_BLOCKS * BLOCK,), 0,
                          SLOTS),
@@ -211,6 +236,28 @@ def test_a_load_up_to_the_backends_whole_load_bytes_goes_whole_to_one_copy_threa
         core.backend.whole_load_bytes = 32 * BLOCK  # the same job, now whole: one chunk, one thread
         assert await finish(core.jobs, engine, 4, keys_of(32), list(range(32)), False) == (32, 0)
         assert core.backend.loads == [(32 * BLOCK, True)]
+
+    run(tmp_path, body)
+
+
+def test_a_whole_load_reports_each_region_as_it_lands(tmp_path: Path) -> None:
+    """The CPU backend copies a whole load region by region, in layout order, and posts each region's
+    arrival in the engine's completion channel (the vLLM connector lets a forward read it layer by
+    layer); a load copied in chunks reports only its completion."""
+    async def body(core: Core) -> None:
+        engine = await core.engine(regions=4)
+        for b in range(8):
+            ctypes.memset(engine.mappings[0].base + b * BLOCK, 0x30 + b, BLOCK)
+        assert await finish(core.jobs, engine, 1, keys_of(8), list(range(8)), True) == (8, 0)
+        core.backend.whole_load_bytes = 8 * BLOCK
+        assert await finish(core.jobs, engine, 2, keys_of(8), list(range(16, 24)), False) == (8, 0)
+        assert core.backend.progress == [(k, [r < k for r in range(4)]) for k in range(1, 5)]
+        assert engine.channel.progress(2) == 4
+        assert engine.channel.progress(2 + SLOTS) == 0  # the same slot, another job: not its progress
+        assert all(block_bytes(engine, 16 + b) == bytes([0x30 + b]) * BLOCK for b in range(8))
+        core.backend.whole_load_bytes = 0
+        assert await finish(core.jobs, engine, 3, keys_of(8), list(range(24, 32)), False) == (8, 0)
+        assert engine.channel.progress(3) == 0 and len(core.backend.progress) == 4
 
     run(tmp_path, body)
 

@@ -283,6 +283,20 @@ def test_regions_of_compact_layouts(layout: str, layers: int, padded: bool, regi
     assert make_case(layout, layers, 1, padded)[2].regions == regions
 
 
+@pytest.mark.parametrize("layout", ["BLHNC", "LBHNC", "LHBNC"])
+def test_by_layer_keeps_each_layers_runs_apart_and_says_where_each_layer_ends(layout: str) -> None:
+    """What a load copied region by region needs (the connector reads it layer by layer): the same bytes per
+    block, in the same order, with no region spanning two layers."""
+    config, kv_caches, merged = make_case(layout, 3, 1, False)
+    fill_random(merged.memories, seed=3)
+    split = describe_kv_cache(config, kv_caches, None, by_layer=True)
+    per_layer = len(split.regions) // 3
+    assert len(split.regions) == 3 * per_layer and (layout != "BLHNC" or len(merged.regions) == 1)
+    assert split.layer_regions == {name: (i + 1) * per_layer for i, name in enumerate(layer_names(3))}
+    assert merged.layer_regions == {}
+    assert [read_block(split, b) for b in range(NUM_BLOCKS)] == [read_block(merged, b) for b in range(NUM_BLOCKS)]
+
+
 @pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
 def test_layouts_with_heads_outside_blocks_give_a_run_per_layer_and_head(layout: str) -> None:
     desc = make_case(layout, 3, 1, False)[2]

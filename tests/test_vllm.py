@@ -163,13 +163,16 @@ def test_loaded_kv_is_really_used(model, prompts, reference, daemon_factory, tmp
     assert outputs(b) != outputs(reference)
 
 
-def test_corrupt_block_is_detected_and_recomputed(model, prompts, reference, daemon_factory, tmp_path) -> None:
+@pytest.mark.parametrize("processes", [(), ("--multiproc",)], ids=["in-process", "multi-process"])
+def test_corrupt_block_is_detected_and_recomputed(model, prompts, reference, daemon_factory, tmp_path,
+                                                  processes: tuple[str, ...]) -> None:
     # With every load verified, the same damage is caught: the load fails, vLLM recomputes,
-    # outputs stay right and the bad blocks are dropped.
+    # outputs stay right and the bad blocks are dropped. Multi-process, the loads are reported done
+    # when they start and read layer by layer: the failure comes with the forward that read them.
     daemon = daemon_factory("--verify-loads", "1").start()
     run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon))
     assert _corrupt_pool(daemon) == 3 + 4  # the shared prefix and each prompt's tail
-    b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon))
+    b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon), *processes)
     assert outputs(b) == outputs(reference)
     stats = daemon.client().stats()
     assert stats.corrupt_blocks >= 1 and stats.failed_blocks >= 1
@@ -316,6 +319,10 @@ def test_a_restarted_engine_loads_all_but_the_last_token_of_any_prompt(model, da
     b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon))
     assert outputs(b) == outputs(reference)
     assert [r["num_cached_tokens"] for r in b["requests"]] == [n - 1 for n in lengths]
+    # Multi-process (vLLM's default), loads are read layer by layer by the forward that follows.
+    c = run_engine(model, prompts, tmp_path / "c.json", connector_config(daemon), "--multiproc")
+    assert outputs(c) == outputs(reference)
+    assert [r["num_cached_tokens"] for r in c["requests"]] == [n - 1 for n in lengths]
     assert daemon.client().stats().failed_load_blocks == 0
 
 

@@ -6,8 +6,11 @@ sees `seq == j + 1` knows job `j` is done (x86-64 keeps stores in order; the dae
 slot from one thread). A client never has more than `slots` unfinished jobs, so a slot is reused
 only after its job was seen.
 
+A load copied region by region (RegisterResponse.progress_load_bytes) also writes, while it copies,
+`progress = (j + 1) << 16 | regions landed` (the job id tags it: a slot's last job left its own).
+
     header (64 bytes): magic "KVSDONE1", u32 version, u32 slots
-    slot i (16 bytes): u64 seq, u32 blocks_ok, u32 blocks_failed
+    slot i (24 bytes): u64 seq, u32 blocks_ok, u32 blocks_failed, u64 progress
 """
 
 from __future__ import annotations
@@ -20,10 +23,14 @@ from dataclasses import dataclass
 from kvstore_client.protocol import memfd
 
 MAGIC = b"KVSDONE1"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("<8sII")
 HEADER_BYTES = 64
-SLOT = struct.Struct("<QII")
+SLOT = struct.Struct("<QIIQ")
+PROGRESS = struct.Struct("<Q")
+PROGRESS_BITS = 16  # regions landed, below the job's tag
+MAX_PROGRESS = (1 << PROGRESS_BITS) - 1
+_TAG_MASK = (1 << (64 - PROGRESS_BITS)) - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +86,24 @@ class CompletionChannel:
         struct.pack_into("<II", self._mm, offset + 8, blocks_ok, blocks_failed)
         struct.pack_into("<Q", self._mm, offset, job_id + 1)
 
+    def post_progress(self, job_id: int, regions: int) -> None:
+        """Daemon side: the first `regions` regions of a load job have landed."""
+        tag = (job_id + 1) & _TAG_MASK
+        PROGRESS.pack_into(self._mm, self._offset(job_id) + 16, tag << PROGRESS_BITS | min(regions, MAX_PROGRESS))
+
     def check(self, job_id: int) -> Completion | None:
         """Client side: the completion of `job_id`, or None while it runs."""
-        seq, blocks_ok, blocks_failed = SLOT.unpack_from(self._mm, self._offset(job_id))
+        seq, blocks_ok, blocks_failed, _ = SLOT.unpack_from(self._mm, self._offset(job_id))
         if seq != job_id + 1:
             return None
         return Completion(job_id, blocks_ok, blocks_failed)
+
+    def progress(self, job_id: int) -> int:
+        """Client side: regions of load `job_id` landed so far (0 before its copy reports any)."""
+        (word,) = PROGRESS.unpack_from(self._mm, self._offset(job_id) + 16)
+        if word >> PROGRESS_BITS != (job_id + 1) & _TAG_MASK:
+            return 0
+        return word & MAX_PROGRESS
 
     def close(self) -> None:
         self._mm.close()

@@ -69,18 +69,20 @@ class RegisterRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., engine_id: _Optional[str] = ..., namespace: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., memories: _Optional[_Iterable[_Union[MemoryHandle, _Mapping]]] = ..., completion_slots: _Optional[int] = ..., peer_token: _Optional[bytes] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("session_id", "block_bytes", "max_inflight_jobs", "daemon_version", "daemon_boot_id")
+    __slots__ = ("session_id", "block_bytes", "max_inflight_jobs", "daemon_version", "daemon_boot_id", "progress_load_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_JOBS_FIELD_NUMBER: _ClassVar[int]
     DAEMON_VERSION_FIELD_NUMBER: _ClassVar[int]
     DAEMON_BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_LOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     block_bytes: int
     max_inflight_jobs: int
     daemon_version: str
     daemon_boot_id: bytes
-    def __init__(self, session_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., max_inflight_jobs: _Optional[int] = ..., daemon_version: _Optional[str] = ..., daemon_boot_id: _Optional[bytes] = ...) -> None: ...
+    progress_load_bytes: int
+    def __init__(self, session_id: _Optional[bytes] = ..., block_bytes: _Optional[int] = ..., max_inflight_jobs: _Optional[int] = ..., daemon_version: _Optional[str] = ..., daemon_boot_id: _Optional[bytes] = ..., progress_load_bytes: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -133,10 +133,18 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.worker.register(kv_caches)
 
     def has_connector_metadata(self) -> bool:
-        # Always False: vLLM's attention layers then skip wait_for_layer_load/save_kv_layer, two
-        # calls per layer and step (~50 µs a step) that have nothing to do here. In vLLM 0.32 only
-        # those layer hooks ask; this connector reads `_connector_metadata` itself.
-        return False
+        # False but while early loads are in flight: vLLM's attention layers then skip
+        # wait_for_layer_load/save_kv_layer, two calls per layer and step (~50 µs a step) that have
+        # nothing to do. In vLLM 0.32 only those layer hooks ask; this connector reads
+        # `_connector_metadata` itself.
+        worker = self.worker
+        return worker is not None and bool(worker.early)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        worker = self.worker
+        if worker is not None and worker.early and connector_metadata.forward:  # type: ignore[attr-defined]
+            worker.wait_for_layer(worker.first_regions)  # the first layer's new KV is written before it waits
 
     # The worker-side calls of every step read the bound metadata directly.
 
@@ -150,10 +158,12 @@ class KVStoreConnector(KVConnectorBase_V1):
         meta: KVStoreConnectorMetadata = self._connector_metadata  # type: ignore[assignment]
         if meta.loads:
             assert self.worker is not None
-            self.worker.start_loads(meta.loads)
+            self.worker.start_loads(meta.loads, meta.early)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        pass  # loads finish before the request is scheduled (asynchronous loading)
+        worker = self.worker  # called only while early loads are in flight (has_connector_metadata)
+        if worker is not None and worker.early:
+            worker.wait_for_layer(worker.layer_regions.get(layer_name, worker.total_regions))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         pass  # whole blocks are stored after the forward, in wait_for_save

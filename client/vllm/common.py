@@ -31,6 +31,8 @@ PREEMPTION_WAIT_S = 30.0
 IDLE_WAIT_MAX_S = 0.002
 IDLE_LOAD_WAIT_MAX_S = 0.010
 IDLE_SLICE_S = 0.0001
+# A forward waiting for a layer of an early load (KVStoreConnectorMetadata.early) checks every:
+EARLY_SLICE_S = 0.00005
 # What cannot be seen from the worker's process (another process's lookups): a fixed sleep.
 IDLE_WAIT_S = 0.0005
 # vLLM's engine core in a process of its own with no other request: how long the scheduler waits for
@@ -174,6 +176,13 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     # process sees).
     idle_wait: bool = False
     lookups: bool = False
+    # The loads may be reported done before they land, where the daemon reports their progress: the
+    # forwards that follow read them layer by layer (Worker.wait_for_layer). Set only in a step with
+    # nothing to compute in vLLM's engine core in its own process, which sleeps 1 ms after such a step:
+    # by the next forward the copy is under way. In-process, or after a forward, the next forward
+    # would come at once and wait for the copy to begin, delaying every request it computes.
+    early: bool = False
+    forward: bool = True  # this step runs a forward (False: nothing scheduled)
 
 
 # -- stats --------------------------------------------------------------------------------------

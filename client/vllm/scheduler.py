@@ -88,7 +88,7 @@ class _Req:
 
 # Metadata of steps without loads, stores or preemptions, shared (never changed once made): most steps.
 _NO_JOBS = KVStoreConnectorMetadata()
-_IDLE = {(wait, lookups): KVStoreConnectorMetadata(idle_wait=wait, lookups=lookups)
+_IDLE = {(wait, lookups): KVStoreConnectorMetadata(idle_wait=wait, lookups=lookups, forward=False)
          for wait in (False, True) for lookups in (False, True)}
 
 
@@ -261,7 +261,7 @@ class Scheduler:
                 return _IDLE[wait, lookups]
             self.loads = []
             return KVStoreConnectorMetadata(loads=loads, preempted=set(preempted or ()), idle_wait=wait,
-                                            lookups=lookups)
+                                            lookups=lookups, early=self.core_sleeps_when_idle, forward=False)
         stores: list[Transfer] = []
         block_state = scheduler_output.kv_connector_block_state
         if self.settings.store and block_state is not None:

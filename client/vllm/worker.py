@@ -17,6 +17,7 @@ from kvstore_client.layouts import UnsupportedKVCache, describe_kv_cache
 from kvstore_client.protocol.completion import Completion
 from kvstore_client.shm import SharedKVMemory, move_to_shared_memory, shared_memory_spec
 from kvstore_client.vllm.common import (
+    EARLY_SLICE_S,
     IDLE_LOAD_WAIT_MAX_S,
     IDLE_SLICE_S,
     IDLE_WAIT_MAX_S,
@@ -66,6 +67,19 @@ class Worker:
         self.stats = KVStoreConnectorStats()
         self.stats_changed = False  # spares the per-step is_empty() scan of the counters
         self.order_copies = False  # device memory: order the step's kernels before each job (not on CPU)
+        # Loads reported done before they landed (KVStoreConnectorMetadata.early): job -> request. Every
+        # forward reads them layer by layer until they are complete (wait_for_layer).
+        self.early: dict[int, str] = {}
+        self.early_reqs: set[str] = set()  # requests reported, whose loads are not complete
+        self.report: set[str] = set()  # requests to report done in this step's results
+        self.read_early = False  # this step's forward waited on early loads: see them complete
+        self.block_bytes = 0  # this engine's bytes of a block
+        # Regions of the layout that must have landed before a layer's attention runs: its own and the
+        # next layer's (vLLM writes a layer's new KV just before that layer's attention, where it waits:
+        # the next layer's pages must be in by then). Set where loads report their progress (CPU).
+        self.layer_regions: dict[str, int] = {}
+        self.first_regions = 0  # before a forward: the first layer's
+        self.total_regions = 0
         InProcess.workers += 1
 
     def register(self, kv_caches: Mapping[str, torch.Tensor | tuple[torch.Tensor, ...]]) -> None:
@@ -75,13 +89,20 @@ class Worker:
             return
         try:
             layout = self.vllm_config.cache_config.kv_cache_layout
-            description = describe_kv_cache(self.kv_cache_config, kv_caches, layout)
+            description = describe_kv_cache(self.kv_cache_config, kv_caches, layout, by_layer=True)
         except UnsupportedKVCache as e:
             log.error("kvstore connector off for this engine (vLLM recomputes): %s", e)
             return
         regions = [(r.offset, r.block_stride, r.block_bytes, r.memory) for r in description.regions]
         self.device = description.memories[0].device
         self.order_copies = self.device.type != "cpu"
+        self.block_bytes = sum(r.block_bytes for r in description.regions)
+        self.total_regions = len(description.regions)
+        ends = list(description.layer_regions.values())  # in region order: the order a load copies them
+        if self.device.type == "cpu" and ends:
+            self.first_regions = ends[0]
+            self.layer_regions = {name: ends[min(i + 1, len(ends) - 1)]
+                                  for i, name in enumerate(description.layer_regions)}
         if self.device.type == "cpu":
             # The daemon maps shared-memory files: move the KV allocations there, in place (every tensor
             # vLLM holds of them, also of layers that share another layer's cache).
@@ -98,8 +119,11 @@ class Worker:
                  "namespace %s", description.layout, len(regions), len(description.memories), spec.num_blocks,
                  spec.shard, spec.shards, self.namespace)
 
-    def start_loads(self, loads: list[Transfer]) -> None:
-        if self.session is None:  # off: every planned load fails (vLLM recomputes those blocks)
+    def start_loads(self, loads: list[Transfer], early: bool = False) -> None:
+        """Submit the loads; with `early` (KVStoreConnectorMetadata.early) those the daemon copies
+        layer by layer are reported done in this step."""
+        session = self.session
+        if session is None:  # off: every planned load fails (vLLM recomputes those blocks)
             for t in loads:
                 self.load_errors.update(t.block_ids)
                 self.refused_loads.add(t.req_id)
@@ -107,10 +131,57 @@ class Worker:
         if loads and self.order_copies:
             assert self.device is not None
             order_before_copies(self.device)  # blocks taken from a preempted request may still be written
+        early = early and bool(self.layer_regions)
         for t in loads:
-            job = self.session.load(t.keys, t.block_ids)
+            job = session.load(t.keys, t.block_ids)
             self.load_jobs[job] = (t.req_id, t.block_ids, time.monotonic())
             self.loads_left[t.req_id] = self.loads_left.get(t.req_id, 0) + 1
+            if early and len(t.block_ids) * self.block_bytes <= session.progress_load_bytes:
+                self.early[job] = t.req_id
+                self.early_reqs.add(t.req_id)
+                self.report.add(t.req_id)
+
+    def wait_for_layer(self, regions: int) -> None:
+        """Before a layer of a forward: wait until the first `regions` regions of every early load
+        landed (or the load finished). A load that does not progress within the session's timeout
+        fails: its blocks are reported as load errors (vLLM recomputes them)."""
+        session = self.session
+        assert session is not None
+        self.read_early = True
+        deadline = 0.0
+        for job in list(self.early):
+            while session.progress(job) < regions and not session.finished(job):
+                now = time.monotonic()
+                if not deadline:
+                    deadline = now + self.settings.timeout_s
+                elif now > deadline:
+                    log.error("kvstore: load job %d made no progress in %ss; its blocks are recomputed",
+                              job, self.settings.timeout_s)
+                    self.load_errors.update(self.load_jobs[job][1])
+                    del self.early[job]
+                    break
+                time.sleep(EARLY_SLICE_S)
+
+    def _report_early(self, results: KVConnectorTransferResults) -> bool:
+        """Report the loads started early in this step as done; after a forward that read early loads,
+        wait for their completions, so that a load that failed is reported (as load errors) with the
+        step that used it. Returns False if a request was reported (it runs next step: no idle wait)."""
+        reported = bool(self.report)
+        results.finished_recving.update(self.report)
+        self.report.clear()
+        if self.read_early and self.early:
+            session = self.session
+            assert session is not None
+            try:
+                done = session.wait(list(self.early), timeout=self.settings.timeout_s)
+            except TimeoutError:
+                log.error("kvstore: early loads %s did not complete in %ss", sorted(self.early),
+                          self.settings.timeout_s)
+                done = {}
+            for completion in done.values():
+                self._completed(completion)
+        self.read_early = False
+        return not reported
 
     def start_stores(self, stores: list[Transfer]) -> None:
         if self.session is None:
@@ -153,12 +224,10 @@ class Worker:
                 or (finished_req_ids and self.had_stores)):
             return NO_RESULTS  # most steps: nothing in flight, nothing to report
         results = KVConnectorTransferResults()
+        if self.report or self.read_early:
+            idle_wait = self._report_early(results) and idle_wait
         if self.session is None:
-            if idle_wait:
-                self._wait_for_progress(lookups)
-            results.finished_recving.update(self.refused_loads)
-            self.refused_loads.clear()
-            return results
+            return self._results_off(results, idle_wait, lookups)
         if finished_req_ids and self.had_stores:
             self.finished_waiting.update(r for r in finished_req_ids if r in self.had_stores)
         # Every job is in load_jobs/store_jobs until its completion is seen: with none there is
@@ -178,11 +247,23 @@ class Worker:
         elif idle_wait:
             self._wait_for_progress(lookups)
         if self.finished_waiting:
-            sending = results.finished_sending
-            sending.update(r for r in self.finished_waiting if r not in self.stores_left)
-            self.finished_waiting -= sending
-            self.had_stores -= sending
+            self._finished_sending(results.finished_sending)
         return results
+
+    def _results_off(self, results: KVConnectorTransferResults, idle_wait: bool,
+                     lookups: bool) -> KVConnectorTransferResults:
+        """The connector is off: the loads planned meanwhile are reported done (and failed)."""
+        if idle_wait:
+            self._wait_for_progress(lookups)
+        results.finished_recving.update(self.refused_loads)
+        self.refused_loads.clear()
+        return results
+
+    def _finished_sending(self, sending: set[str]) -> None:
+        """Finished requests whose stores are all done: vLLM may free their blocks."""
+        sending.update(r for r in self.finished_waiting if r not in self.stores_left)
+        self.finished_waiting -= sending
+        self.had_stores -= sending
 
     def _wait_for_progress(self, lookups: bool) -> list[Completion]:
         """An idle step (vLLM computes nothing) while lookups or loads are in flight: wait until a
@@ -220,6 +301,7 @@ class Worker:
         self.stats_changed = True
         if c.job_id in self.load_jobs:
             req_id, block_ids, submitted = self.load_jobs.pop(c.job_id)
+            self.early.pop(c.job_id, None)
             self.stats.data["load_seconds"].append(time.monotonic() - submitted)
             if c.ok:
                 self.stats.data["loaded_blocks"] += c.blocks_ok
@@ -230,6 +312,9 @@ class Worker:
             self.loads_left[req_id] -= 1
             if self.loads_left[req_id] == 0:
                 del self.loads_left[req_id]
+                if req_id in self.early_reqs:  # reported when it started
+                    self.early_reqs.discard(req_id)
+                    return None
                 return req_id
         elif c.job_id in self.store_jobs:
             req_id = self.store_jobs.pop(c.job_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 PAGE = 4096  # pieces of the pool are pinned page-aligned (aclrtHostRegister requires it; CUDA is happy)
@@ -31,6 +31,10 @@ class TransferPlan:
     engine_addresses: array
     sizes: array
     whole: bool = False  # the runs are a whole job: a load of at most Backend.whole_load_bytes
+    # A whole load reports its progress: its runs are `regions` equal parts in layout order (the
+    # engine reads a layer as soon as its part landed); after part k, progress(k) (see copy()).
+    regions: int = 1
+    progress: Callable[[int], None] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -52,7 +56,8 @@ def pool_pieces(base: int, data_offset: int, segment_size: int, segments: int) -
 class Backend(ABC):
     name: str
     # A load of at most this many bytes (and CHUNK_BLOCKS blocks) is copied whole by one copy thread (a
-    # plan with `whole` set), not in chunks spread over the copy threads.
+    # plan with `whole` set), not in chunks spread over the copy threads, and its copy reports its
+    # progress region by region (TransferPlan.progress).
     whole_load_bytes = 0
 
     def register_pool(self, pieces: Sequence[tuple[int, int]],  # noqa: B027 - optional hook

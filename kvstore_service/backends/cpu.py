@@ -79,7 +79,14 @@ class CpuBackend(Backend):
             pass
 
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
-        if to_engine:
+        if to_engine and plan.progress is not None:
+            per = len(plan.sizes) // plan.regions  # runs of one region (one layer, or a part of one)
+            for k in range(plan.regions):
+                part = slice(k * per, (k + 1) * per)
+                native.copy_blocks(pool_base, 0, plan.pool_offsets[part], plan.engine_addresses[part],
+                                   plan.sizes[part], streaming=False)
+                plan.progress(k + 1)
+        elif to_engine:
             native.copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes,
                                streaming=not plan.whole)
         else:
