@@ -396,7 +396,8 @@ def registering_session(monkeypatch: pytest.MonkeyPatch, spec: MemorySpec,
     def call(method: object, request: object) -> object:
         if failures.pop() if failures else False:
             raise client_module.Unavailable("UNAVAILABLE: the daemon went away mid-call")
-        return SimpleNamespace(session_id=os.urandom(16), block_bytes=4096, daemon_boot_id=b"boot")
+        return SimpleNamespace(session_id=os.urandom(16), block_bytes=4096, daemon_boot_id=b"boot",
+                               progress_load_bytes=0)
 
     monkeypatch.setattr(client_module, "registration", registration)
     monkeypatch.setattr(client_module.CompletionChannel, "create", staticmethod(lambda slots: FakeChannel()))
