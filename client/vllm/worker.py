@@ -89,7 +89,9 @@ class Worker:
             return
         try:
             layout = self.vllm_config.cache_config.kv_cache_layout
-            description = describe_kv_cache(self.kv_cache_config, kv_caches, layout, by_layer=True)
+            description = describe_kv_cache(self.kv_cache_config, kv_caches, layout)
+            if description.memories[0].device.type == "cpu":  # loads may be read layer by layer (start_loads)
+                description = describe_kv_cache(self.kv_cache_config, kv_caches, layout, by_layer=True)
         except UnsupportedKVCache as e:
             log.error("kvstore connector off for this engine (vLLM recomputes): %s", e)
             return
@@ -99,7 +101,7 @@ class Worker:
         self.block_bytes = sum(r.block_bytes for r in description.regions)
         self.total_regions = len(description.regions)
         ends = list(description.layer_regions.values())  # in region order: the order a load copies them
-        if self.device.type == "cpu" and ends:
+        if ends:
             self.first_regions = ends[0]
             self.layer_regions = {name: ends[min(i + 1, len(ends) - 1)]
                                   for i, name in enumerate(description.layer_regions)}
@@ -155,7 +157,7 @@ class Worker:
                 if not deadline:
                     deadline = now + self.settings.timeout_s
                 elif now > deadline:
-                    log.error("kvstore: load job %d made no progress in %ss; its blocks are recomputed",
+                    log.error("kvstore: load job %d did not land in %ss; its blocks are recomputed",
                               job, self.settings.timeout_s)
                     self.load_errors.update(self.load_jobs[job][1])
                     del self.early[job]
@@ -174,9 +176,12 @@ class Worker:
             assert session is not None
             try:
                 done = session.wait(list(self.early), timeout=self.settings.timeout_s)
-            except TimeoutError:
+            except TimeoutError:  # their blocks are recomputed; the forward does not wait for them again
                 log.error("kvstore: early loads %s did not complete in %ss", sorted(self.early),
                           self.settings.timeout_s)
+                for job in self.early:
+                    self.load_errors.update(self.load_jobs[job][1])
+                self.early.clear()
                 done = {}
             for completion in done.values():
                 self._completed(completion)
