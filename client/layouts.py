@@ -111,7 +111,7 @@ def describe_kv_cache(
 
     regions, layers = _coalesce(regions, layers if by_layer else [""] * len(regions))
     _check_bounds(regions, num_blocks, memories.tensors)
-    layer_regions = {name: i + 1 for i, name in enumerate(layers) if name and layout_name != KV_TUPLES}
+    layer_regions = {name: i + 1 for i, name in enumerate(layers) if name}
     return KVCacheDescription(memories=memories.tensors, num_blocks=num_blocks, regions=regions, layout=layout_name,
                               layer_regions=layer_regions)
 

@@ -494,7 +494,6 @@ def chunks(n: int, block_bytes: int, threads: int) -> list[range]:
 def _copy_whole(job: Job, plan: TransferPlan) -> None:
     """A load copied whole: by one thread, region by region (runs are region-major, one per block),
     reporting each region's arrival in the engine's completion channel."""
-    plan.whole = True
     plan.regions = len(job.session.layout.regions)
     plan.progress = functools.partial(job.session.channel.post_progress, job.job_id)
 

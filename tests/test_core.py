@@ -68,7 +68,7 @@ class FakeBackend(Backend):
         if self.broken is not None:
             raise self.broken
         if to_engine:
-            self.loads.append((plan.total_bytes, plan.whole))
+            self.loads.append((plan.total_bytes, plan.progress is not None))
             if plan.progress is not None:
                 plan = replace(plan, progress=self._observer(pool_base, plan))
             CpuBackend.copy(self, device, pool_base, plan, to_engine)  # type: ignore[arg-type]

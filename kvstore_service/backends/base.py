@@ -30,9 +30,9 @@ class TransferPlan:
     pool_offsets: array
     engine_addresses: array
     sizes: array
-    whole: bool = False  # the runs are a whole job: a load of at most Backend.whole_load_bytes
-    # A whole load reports its progress: its runs are `regions` equal parts in layout order (the
-    # engine reads a layer as soon as its part landed); after part k, progress(k) (see copy()).
+    # Set for a whole load (at most Backend.whole_load_bytes): its runs are `regions` equal parts in
+    # layout order, and the copy calls progress(k) once part k landed (the engine reads a layer as soon
+    # as its part is in).
     regions: int = 1
     progress: Callable[[int], None] | None = None
 
@@ -56,7 +56,7 @@ def pool_pieces(base: int, data_offset: int, segment_size: int, segments: int) -
 class Backend(ABC):
     name: str
     # A load of at most this many bytes (and CHUNK_BLOCKS blocks) is copied whole by one copy thread (a
-    # plan with `whole` set), not in chunks spread over the copy threads, and its copy reports its
+    # plan with `progress` set), not in chunks spread over the copy threads, and its copy reports its
     # progress region by region (TransferPlan.progress).
     whole_load_bytes = 0
 

@@ -87,7 +87,6 @@ class CpuBackend(Backend):
                                    plan.sizes[part], streaming=False)
                 plan.progress(k + 1)
         elif to_engine:
-            native.copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes,
-                               streaming=not plan.whole)
+            native.copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes)
         else:
             native.copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes)
