@@ -29,6 +29,7 @@ KUBE_VERSIONS = ["1.27", "1.37"]  # Chart.yaml: kubeVersion >=1.27
 SOCKET_DIR = "/run/kvstore"
 SOCKET = "/run/kvstore/kvstore.sock"
 HEALTH = ["kvstore", "health", "--socket", SOCKET]
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 MiB = 1 << 20
 DISK_MOUNT = "/var/lib/kvstore/disk"
 REMOTE_DIR = "/etc/kvstore/remote"
@@ -84,6 +85,18 @@ def env(container):
     return {item["name"]: item.get("value") for item in container.get("env", [])}
 
 
+def daemon_config(docs, monkeypatch):
+    """The daemon's settings from the rendered env, read by its own config (as `kvstore serve` does)."""
+    from kvstore_service.config import Config
+
+    for name in [name for name in os.environ if name.startswith("KVSTORE_")]:
+        monkeypatch.delenv(name)
+    for name, value in env(daemon(docs)).items():
+        if name.startswith("KVSTORE_"):
+            monkeypatch.setenv(name, value)
+    return Config.load()
+
+
 def volumes(spec):
     return {volume["name"]: volume for volume in spec["volumes"]}
 
@@ -132,12 +145,14 @@ def test_default_values(chart):
     assert container["resources"]["requests"]["memory"] == "5120Mi"
     assert container["resources"]["limits"]["memory"] == "5120Mi"
 
-    # gRPC health through `kvstore health` on the unix socket.
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["exec"]["command"] == HEALTH
+    # Health over HTTP on the metrics port (no Python process per probe).
+    for probe in PROBES:
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+        assert "exec" not in container[probe]
 
-    # No device IPC, so no host IPC namespace.
+    # No device IPC, so no host IPC namespace; the daemon opens the CPU backend at start.
     assert "hostIPC" not in spec
+    assert variables["KVSTORE_DEVICES"] == '["cpu"]'
     assert not any(name.startswith(("NVIDIA_", "ASCEND_")) for name in variables)
 
     # Least privilege: non-root, read-only root filesystem, no capabilities, no API token.
@@ -290,6 +305,27 @@ def test_metrics_off(chart):
     assert env(container)["KVSTORE_METRICS_PORT"] == "0"
     assert "ports" not in container
     assert "annotations" not in only(docs, "DaemonSet")["spec"]["template"]["metadata"]
+    # No HTTP server to ask: gRPC health through `kvstore health` on the unix socket.
+    for probe in PROBES:
+        assert container[probe]["exec"]["command"] == HEALTH
+        assert "httpGet" not in container[probe]
+
+
+@pytest.mark.parametrize("port", [9500, 0], ids=["http", "exec"])
+def test_probe_timings_are_values(chart, port):
+    timings = {
+        "startup": {"periodSeconds": 2, "timeoutSeconds": 1, "failureThreshold": 600},
+        "readiness": {"periodSeconds": 7, "timeoutSeconds": 3, "failureThreshold": 2, "initialDelaySeconds": 4},
+        "liveness": {"periodSeconds": 30, "timeoutSeconds": 9, "failureThreshold": 5},
+    }
+    docs, _ = render(chart, {"metrics": {"port": port}, "probes": timings})
+    container = daemon(docs)
+    for probe, timing in zip(PROBES, timings.values(), strict=True):
+        handler = {"httpGet": {"path": "/healthz", "port": "metrics"}} if port else {"exec": {"command": HEALTH}}
+        assert container[probe] == {**handler, **timing}
+    if port:  # the probe's named port is the metrics port the daemon listens on
+        assert {"name": "metrics", "containerPort": port, "protocol": "TCP"} in container["ports"]
+        assert env(container)["KVSTORE_METRICS_PORT"] == str(port)
 
 
 def test_tcp_with_mutual_tls(chart):
@@ -307,8 +343,8 @@ def test_tcp_with_mutual_tls(chart):
     assert variables["KVSTORE_TLS_CERT"] == f"{tls_dir}/tls.crt"
     assert variables["KVSTORE_TLS_KEY"] == f"{tls_dir}/tls.key"
     assert variables["KVSTORE_TLS_CLIENT_CA"] == f"{tls_dir}/ca.crt"
-    # The unix socket stays the health-checked endpoint.
-    assert container["readinessProbe"]["exec"]["command"] == HEALTH
+    # TCP does not change the health check: the daemon's health over HTTP on the metrics port.
+    assert container["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
 
 
 def test_tcp_insecure(chart):
@@ -342,12 +378,9 @@ def test_settings_and_socket_access(chart):
     assert json.loads(variables["KVSTORE_ADMIN_UIDS"]) == [0]
     assert variables["EXTRA"] == "1"
     assert volume_at(spec, container, "/var/run/kv")["hostPath"]["path"] == "/var/run/kv"
-    assert container["livenessProbe"]["exec"]["command"] == [
-        "kvstore",
-        "health",
-        "--socket",
-        "/var/run/kv/d.sock",
-    ]
+    # With metrics off, the probes ask the daemon on this socket.
+    docs, _ = render(chart, {**values, "metrics": {"port": 0}})
+    assert daemon(docs)["livenessProbe"]["exec"]["command"] == ["kvstore", "health", "--socket", "/var/run/kv/d.sock"]
 
 
 def test_scheduling_values(chart):
@@ -568,8 +601,6 @@ def test_remote_tier_without_secrets(chart):
 
 def test_daemon_accepts_the_tier_settings(chart, monkeypatch):
     """The rendered env, read by the daemon's own config (as `kvstore serve` does)."""
-    from kvstore_service.config import Config
-
     values = {
         "disk": {"size": "1.5TiB"},
         "remote": {"url": "rediss://redis.example:6380", "passwordSecret": {"name": "redis"},
@@ -578,12 +609,7 @@ def test_daemon_accepts_the_tier_settings(chart, monkeypatch):
                      "remote_fetch_bytes": 1 << 30},
     }
     docs, _ = render(chart, values)
-    for name in [name for name in os.environ if name.startswith("KVSTORE_")]:
-        monkeypatch.delenv(name)
-    for name, value in env(daemon(docs)).items():
-        if name.startswith("KVSTORE_"):
-            monkeypatch.setenv(name, value)
-    config = Config.load()
+    config = daemon_config(docs, monkeypatch)
     assert config.disk_path == f"{DISK_MOUNT}/kvstore"
     assert int(config.disk_size) == int(1.5 * 2**40)
     assert int(config.disk_segment_size) == 128 * MiB
@@ -595,6 +621,16 @@ def test_daemon_accepts_the_tier_settings(chart, monkeypatch):
     assert int(config.remote_fetch_bytes) == 1 << 30
 
 
+@pytest.mark.parametrize(
+    ("accelerator", "backend"), [("none", "cpu"), ("nvidia", "cuda"), ("ascend", "npu")]
+)
+def test_daemon_opens_the_accelerator_backend_at_start(chart, monkeypatch, accelerator, backend):
+    """The daemon's --devices follows `accelerator`: it opens that backend before serving, so an image
+    without the device's runtime fails the pod's start, not the first engine's registration."""
+    docs, _ = render(chart, {"accelerator": accelerator})
+    assert daemon_config(docs, monkeypatch).devices == [backend]
+
+
 def test_settings_schema_names_daemon_settings_only(chart):
     """`settings` takes the daemon's own setting names, minus those the chart sets from other values."""
     from kvstore_service.config import Config
@@ -603,7 +639,7 @@ def test_settings_schema_names_daemon_settings_only(chart):
     allowed = set(schema["properties"]["settings"]["properties"])
     assert allowed <= set(Config.model_fields)
     managed = {"disk_path", "disk_size", "remote", "remote_password_file", "remote_tls_ca", "pool_size",
-               "pool_path", "socket", "tls_cert", "tls_key", "tls_client_ca"}
+               "pool_path", "socket", "tls_cert", "tls_key", "tls_client_ca", "devices"}
     assert not allowed & managed
     assert {"disk_segment_size", "disk_queue_bytes", "remote_queue_bytes", "remote_timeout_s",
             "remote_breaker_s", "remote_fetch_bytes"} <= allowed
