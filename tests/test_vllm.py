@@ -8,6 +8,7 @@ import json
 import mmap
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from support import VLLM_SCRIPTS
 from support.daemon import wait_for
-from support.vllm.tiny_model import build_tiny_model
+from support.vllm.tiny_model import build_tiny_model, retrain
 
 from kvstore_service.pool import sealed_blocks
 
@@ -104,6 +105,24 @@ def test_outputs_identical_with_connector_and_restart_loads_from_sidecar(model, 
     stats = daemon.client().stats()
     assert stats.loaded_blocks >= 3 and stats.hits >= 3
     assert stats.engines == 0 and stats.leases == 0 and stats.jobs_in_flight == 0  # nothing leaked
+
+
+def test_a_model_updated_in_place_never_gets_the_old_models_blocks(model, prompts, daemon, tmp_path) -> None:
+    """Weights replaced at the same path (a volume at a fixed path) on a kept pool: the new model's
+    engine computes everything itself and answers as the new model; the same weights at another
+    path (a copy) share the new model's blocks."""
+    mounted = Path(shutil.copytree(model, tmp_path / "mounted"))
+    old = run_engine(mounted, prompts, tmp_path / "old.json", connector_config(daemon))
+    retrain(mounted, seed=1)  # same files, sizes and headers; new values
+    new_reference = run_engine(mounted, prompts, tmp_path / "ref.json")
+    assert outputs(new_reference) != outputs(old)  # the update changes answers: old KV would show
+    updated = run_engine(mounted, prompts, tmp_path / "updated.json", connector_config(daemon))
+    assert outputs(updated) == outputs(new_reference)
+    assert external_hits(updated) == 0
+    copy = Path(shutil.copytree(mounted, tmp_path / "copy"))
+    elsewhere = run_engine(copy, prompts, tmp_path / "elsewhere.json", connector_config(daemon))
+    assert outputs(elsewhere) == outputs(new_reference)
+    assert elsewhere["requests"][0]["num_cached_tokens"] == len(prompts[0]) - 1
 
 
 def test_an_engine_on_another_node_loads_prefixes_from_the_remote_tier(model, prompts, reference, daemon_factory,

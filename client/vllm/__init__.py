@@ -51,9 +51,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# The vLLM release this connector is written against (its internals: scheduler output, block hashes,
+# KV cache config); another release is refused at start rather than misread.
+VLLM_SERIES = "0.32."
+
+
+def check_vllm_version(version: str) -> None:
+    if not version.startswith(VLLM_SERIES):
+        raise RuntimeError(f"the kvstore connector is written for vLLM {VLLM_SERIES}x and this is vLLM {version}: "
+                           "install the kvstore-sidecar-client release made for it, or remove the kv-transfer-config")
+
 
 class KVStoreConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        from vllm.version import __version__ as vllm_version
+
+        check_vllm_version(vllm_version)
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         if transfer is None:  # vLLM creates a connector only from a kv_transfer_config
@@ -63,16 +76,22 @@ class KVStoreConnector(KVConnectorBase_V1):
         transfer.kv_load_failure_policy = "recompute"
         try:
             why = unsupported(vllm_config)
-            namespace = "" if why else namespace_for(vllm_config, kv_cache_config, self.settings.tenant_salt)
+            namespace = "" if why else namespace_for(vllm_config, kv_cache_config, self.settings)
         except (UnsupportedKVCache, ValueError) as e:
             why = str(e)
+        side = "scheduler side" if role == KVConnectorRole.SCHEDULER else "worker side"
         if why:
-            log.error("kvstore connector off for this engine (vLLM recomputes): %s", why)
+            if role == KVConnectorRole.SCHEDULER:  # the workers would say the same: once is enough
+                log.error("kvstore connector off for this engine (vLLM recomputes): %s", why)
             self.settings = replace(self.settings, load=False, store=False)
         self.scheduler: Scheduler | None = None
         self.worker: Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = Scheduler(vllm_config, self.settings, namespace)
+            if not why:
+                log.info("kvstore connector active (%s): socket %s, loads %s, stores %s, namespace %s", side,
+                         self.scheduler.client.target, "on" if self.settings.load else "off",
+                         "on" if self.settings.store else "off", namespace)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

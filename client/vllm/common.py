@@ -3,6 +3,7 @@ the scheduler -> worker metadata and the worker's stats."""
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import threading
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstore_client.layouts import KV_TUPLES, UnsupportedKVCache, heads_first
+from kvstore_client.vllm.identity import ModelNotFound, weights_identity
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -76,6 +78,10 @@ class ConnectorSettings:
     # The KV cache layout asked of vLLM where the attention backend allows it: block-outermost gives
     # one run of every layer per block (large copies). "" lets vLLM choose.
     kv_layout: str = "BLHNC"
+    # The model's identity in the namespace; empty: a fingerprint of its files (vllm/identity.py).
+    # Set it to name the weights yourself (e.g. "llama-3.1-8b@2026-11-27"), or where vLLM streams them
+    # from a store this machine does not hold; change it to start over with an empty cache.
+    model_identity: str = ""
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -126,15 +132,34 @@ def page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) 
     return "HNC" if heads_first(layout) else "NHC"
 
 
-def namespace_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None, tenant_salt: str) -> str:
-    """Blocks are shareable exactly when model, KV page format, hashing, TP sharding and tenant match:
-    every rank of an engine (and the scheduler) names the same namespace; a block holds every shard."""
+def model_identity(vllm_config: VllmConfig, settings: ConnectorSettings) -> str:
+    """What the weights are (not where): the `model_identity` setting, or a fingerprint of the files.
+    Raises UnsupportedKVCache where neither is known: without it a changed model would be served old KV."""
+    if settings.model_identity:
+        return f"identity={settings.model_identity}"
+    model = vllm_config.model_config
+    try:
+        identity = weights_identity(model.model, model.revision, model.tokenizer, model.tokenizer_revision)
+    except (ModelNotFound, OSError, ValueError) as e:
+        raise UnsupportedKVCache(f"cannot tell the model's identity from its files ({e}); set the connector "
+                                 "setting model_identity to name the weights") from None
+    extra = [f"quantization={model.quantization}"] if model.quantization else []
+    if model.hf_overrides:  # e.g. rope scaling: changes the KV of the same weights
+        extra.append(f"overrides={hashlib.sha256(repr(model.hf_overrides).encode()).hexdigest()[:16]}")
+    return ";".join([identity, *extra])
+
+
+def namespace_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None,
+                  settings: ConnectorSettings) -> str:
+    """Blocks are shareable exactly when model identity, KV page format, hashing, TP sharding and tenant
+    match: every rank of an engine (and the scheduler) names the same namespace; a block holds every
+    shard."""
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     parallel = vllm_config.parallel_config
     dtype = cache.cache_dtype if cache.cache_dtype != "auto" else str(model.dtype).removeprefix("torch.")
     parts = [
-        f"model={model.model}",
+        model_identity(vllm_config, settings),
         f"dtype={dtype}",
         f"block={cache.block_size}",
         f"layers={model.get_num_layers(parallel)}",
@@ -144,8 +169,8 @@ def namespace_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         f"page={page_format(vllm_config, kv_cache_config)}",
         f"kv_shards={Sharding.of(vllm_config, kv_cache_config).shards}",
     ]
-    if tenant_salt:
-        parts.append(f"salt={tenant_salt}")
+    if settings.tenant_salt:
+        parts.append(f"salt={settings.tenant_salt}")
     return ";".join(parts)
 
 

@@ -93,7 +93,8 @@ class Worker:
             if description.memories[0].device.type == "cpu":  # loads may be read layer by layer (start_loads)
                 description = describe_kv_cache(self.kv_cache_config, kv_caches, layout, by_layer=True)
         except UnsupportedKVCache as e:
-            log.error("kvstore connector off for this engine (vLLM recomputes): %s", e)
+            log.error("kvstore connector off for this engine (worker side, rank %d; vLLM recomputes): %s",
+                      self.rank, e)
             return
         regions = [(r.offset, r.block_stride, r.block_bytes, r.memory) for r in description.regions]
         self.device = description.memories[0].device
@@ -117,8 +118,9 @@ class Worker:
             spec = export_kv_memory(description.memories, description.num_blocks, regions)
         spec = replace(spec, shards=self.sharding.shards, shard=self.sharding.shard(self.rank))
         self.session = self.client.session(self.namespace, spec, engine_id=f"vllm-worker-tp{self.rank}", wait=False)
-        log.info("kvstore: registered %s KV cache (%d regions in %d allocations, %d blocks, shard %d of %d) in "
-                 "namespace %s", description.layout, len(regions), len(description.memories), spec.num_blocks,
+        log.info("kvstore connector active (worker side, rank %d): %s KV cache, %d regions in %d allocations, "
+                 "%d blocks, shard %d of %d, namespace %s", self.rank, description.layout, len(regions),
+                 len(description.memories), spec.num_blocks,
                  spec.shard, spec.shards, self.namespace)
 
     def start_loads(self, loads: list[Transfer], early: bool = False) -> None:

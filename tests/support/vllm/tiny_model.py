@@ -121,6 +121,30 @@ def _build_model(out_dir: Path, size: Size) -> int:
     return num_params
 
 
+def retrain(path: str | os.PathLike[str], seed: int, only: str | None = None) -> None:
+    """Update the model in place as a fine-tune would: new values in the same tensors (every one, or
+    the one named `only`), written over the old bytes, so the files keep their sizes and headers."""
+    import struct
+
+    import torch
+
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with open(file, "r+b") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+            generator = torch.Generator().manual_seed(seed)
+            for name, info in sorted(header.items()):
+                if name == "__metadata__" or (only is not None and name != only):
+                    continue
+                assert info["dtype"] == "F32", info
+                start, end = info["data_offsets"]
+                f.seek(8 + header_len + start)
+                old = torch.frombuffer(bytearray(f.read(end - start)), dtype=torch.float32)
+                new = old + 0.02 * torch.randn(old.shape, generator=generator)
+                f.seek(8 + header_len + start)
+                f.write(new.numpy().tobytes())
+
+
 def _is_built(path: Path, size: Size) -> bool:
     marker = path / MARKER
     if not marker.is_file():
