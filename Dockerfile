@@ -6,8 +6,9 @@
 # driver: --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/<cuda tag>.
 # accelerator=ascend needs an image built on a CANN base with torch-npu.
 
-# Build the kvstore wheel with its native copy engine (C++, needs g++ and the Python headers), with
-# .ci/build-wheel: the command CI builds the wheel it tests with, so the image cannot drift from it.
+# Build the two wheels, the daemon's (kvstore-sidecar, with its native copy engine: C++, needs g++ and the
+# Python headers) and the client's it requires (kvstore-sidecar-client), with .ci/build-wheel: the
+# command CI builds the wheels it tests with, so the image cannot drift from them.
 FROM python:3.11-slim AS build
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
@@ -24,11 +25,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
-# torch first, from the CPU index: otherwise kvstore's torch requirement pulls a CUDA build of several GB.
+# torch first, from the CPU index: otherwise the daemon's torch requirement pulls a CUDA build of several GB.
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"
 
-# Then kvstore itself: the wheel built in the stage above, installed as CI installs the one it tests.
+# Then kvstore itself: both wheels built in the stage above, installed together as CI installs the ones
+# it tests (the client's wheel satisfies the daemon's kvstore-sidecar-client requirement).
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels pip install /wheels/*.whl
 
 # The chart runs the daemon as this uid/gid (podSecurityContext.runAsUser/runAsGroup).

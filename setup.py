@@ -1,4 +1,4 @@
-"""Builds the native copy engine, kvstore_service._native, which kvstore requires.
+"""Builds the native copy engine, kvstore_service._native, which the daemon (kvstore-sidecar) requires.
 
 pyproject.toml holds all package metadata; this file only adds the C++ extension (needs a C++17
 compiler and the Python headers; no torch, pybind11 or CUDA). If it cannot be built, the install
@@ -98,15 +98,12 @@ class BuildNative(build_ext):
 
 def _packages() -> list[str]:
     """Every subpackage, found rather than listed: a hand-kept list once shipped a wheel without
-    kvstore_service.backends. The client package lives in client/ and installs as kvstore_client."""
-    service = find_packages(include=["kvstore_service", "kvstore_service.*"])
-    client = ["kvstore_client" + name[len("client"):] for name in find_packages(include=["client", "client.*"])]
-    return service + client
+    kvstore_service.backends. The client, kvstore_client, is its own distribution (client/pyproject.toml)."""
+    return find_packages(include=["kvstore_service", "kvstore_service.*"])
 
 
 setup(
     packages=_packages(),
-    package_dir={"kvstore_client": "client"},
     ext_modules=[_native_extension()],
     cmdclass={"build_ext": BuildNative},
 )
