@@ -125,6 +125,33 @@ def test_a_model_updated_in_place_never_gets_the_old_models_blocks(model, prompt
     assert elsewhere["requests"][0]["num_cached_tokens"] == len(prompts[0]) - 1
 
 
+def test_prefixes_an_engine_serves_itself_are_offered_to_a_new_empty_pool(model, prompts, reference, daemon,
+                                                                          tmp_path) -> None:
+    """A new daemon pod (empty pool) under a running engine: the prefixes vLLM keeps serving from its
+    own cache are offered to the pool, so the next engine restart finds them."""
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    engine = start_engine(model, prompts, tmp_path / "a.json", connector_config(daemon), "--rounds", "2",
+                          "--round-gate", str(gate))
+    assert wait_for(lambda: (gate / "done-0").exists() or engine.poll() is not None, timeout=600)
+    daemon.stop()
+    daemon.start("--fresh")
+    registered = "registered: engine 'vllm-scheduler'"
+    assert wait_for(lambda: daemon.log.read_text().count(registered) == 2 and daemon.client().stats().engines == 1,
+                    timeout=60)
+    assert daemon.client().stats().blocks == 0
+    (gate / "go-0").touch()  # round 2: the same prompts, their prefix in vLLM's own cache
+    a = finish(engine, tmp_path / "a.json")
+    assert a["requests"][4]["num_cached_tokens"] >= 3 * BLOCK  # served by vLLM itself
+    assert outputs(a)[4:] == outputs(reference)
+    stats = daemon.client().stats()
+    assert stats.loaded_blocks == 0 and stats.blocks == 3 + 4  # the prefix, offered; the tails, stored
+
+    b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon))
+    assert outputs(b) == outputs(reference)
+    assert b["requests"][0]["num_cached_tokens"] == len(prompts[0]) - 1
+
+
 def test_an_engine_on_another_node_loads_prefixes_from_the_remote_tier(model, prompts, reference, daemon_factory,
                                                                          fresh_cluster, tmp_path) -> None:
     """Two nodes (two daemons, own pools) share one 3-master Redis cluster: node B's engine, its pool

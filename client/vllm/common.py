@@ -78,6 +78,9 @@ class ConnectorSettings:
     # The KV cache layout asked of vLLM where the attention backend allows it: block-outermost gives
     # one run of every layer per block (large copies). "" lets vLLM choose.
     kv_layout: str = "BLHNC"
+    # Blocks vLLM serves from its own cache that the pool lacks (a pool emptied by a new daemon pod,
+    # stores dropped while it was away) are offered to it: at most this many a step (0: never).
+    offer_blocks_per_step: int = 256
     # The model's identity in the namespace; empty: a fingerprint of its files (vllm/identity.py).
     # Set it to name the weights yourself (e.g. "llama-3.1-8b@2026-11-27"), or where vLLM streams them
     # from a store this machine does not hold; change it to start over with an empty cache.

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _hashing: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | None = None
+# Keys the pool holds as far as this scheduler knows (the last key of each prefix it stored, found,
+# or offered), kept until the session re-registers (a new daemon may have an empty pool): at most
+# this many, oldest dropped first.
+KNOWN_KEYS = 65536
 
 
 def _vllm_hashing() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
@@ -81,6 +85,10 @@ class _Req:
     load_failed = False  # its load failed: recompute, never offer again
     tail_done = False  # its prompt's partial tail is stored, or was in the pool
     store_at = 0  # computed tokens before which it has nothing new to store (_plan_store's lower bound)
+    # Blocks vLLM had locally when it was scheduled (`local`), of which the pool holds the first
+    # `pool_has` (-1: not known): the rest is offered to the pool (Scheduler._plan_offers).
+    local = 0
+    pool_has = -1
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -111,6 +119,9 @@ class Scheduler:
         self.load_block_ids: dict[str, set[int]] = {}  # loads in flight
         self.unavailable_warned = False
         self.lookup_errors = 0
+        self.known: dict[bytes, None] = {}  # see KNOWN_KEYS
+        self.known_registration = 0
+        self.offers: list[_Req] = []  # requests with blocks to offer (appended by the background thread too)
         self._handoff = threading.Lock()  # who releases the lease of a lookup dropped before its reply
         self.core_sleeps_when_idle = engine_core_sleeps_when_idle()
         self.early_loads = self.core_sleeps_when_idle and settings.layerwise_loads
@@ -136,8 +147,9 @@ class Scheduler:
             if state is not None:
                 self._release(state)
             tail = self._has_tail(request, full)
-            if full + tail <= start:
-                return 0, False  # vLLM has every block locally
+            if full + tail <= start:  # vLLM has every block locally: does the pool?
+                self._check_pool(rec, request, min(start, full))
+                return 0, False
             # All the rest (the keys, the tail's hash, the RPC) runs on the session's background thread:
             # this thread only queues it. A worker in this process waits for the reply in idle steps.
             state = self.lookups[req_id] = _Lookup(full)
@@ -155,7 +167,7 @@ class Scheduler:
         if not state.read:
             if not state.replied:
                 return None, False
-            self._read(state)
+            self._read(state, rec, min(start, full))
         state.start = start
         # Every cached token but the last: vLLM computes at least one token (a full hit loads the
         # last block whole and recomputes only its final token).
@@ -164,14 +176,16 @@ class Scheduler:
             return 0, False
         return cached - num_computed_tokens, True
 
-    def _read(self, state: _Lookup) -> None:
-        """Take a lookup's reply (once): its errors and the sidecar's absence are logged here."""
+    def _read(self, state: _Lookup, rec: _Req, local: int) -> None:
+        """Take a lookup's reply (once): its errors and the sidecar's absence are logged here; `local`:
+        the blocks vLLM holds itself, offered to the pool where it lacks them."""
         state.read = True
         if state.error is not None:
             self.lookup_errors += 1
             log.warning("kvstore lookup failed (%s); recomputing", state.error)
         elif not state.unavailable:
             self.unavailable_warned = False
+            self._pool_holds(rec, local, state.hits)
         elif not self.unavailable_warned:
             log.warning("kvstore sidecar unavailable: serving without it (recompute) until it is back")
             self.unavailable_warned = True
@@ -200,6 +214,72 @@ class Scheduler:
             InProcess.lookup_replied.set()
             if dropped and state.lease_id:
                 self.session.release_lease(state.lease_id)
+
+    # -- offers: blocks vLLM holds and the pool lacks -------------------------------------------
+
+    def _knows(self, key: bytes) -> bool:
+        if self.known_registration != self.session.registrations:  # a new daemon: forget
+            self.known.clear()
+            self.known_registration = self.session.registrations
+        return key in self.known
+
+    def _remember(self, key: bytes) -> None:
+        known = self.known
+        known[key] = None
+        if len(known) > KNOWN_KEYS:
+            del known[next(iter(known))]
+
+    def _check_pool(self, rec: _Req, request: Request, local: int) -> None:
+        """vLLM serves the request's first `local` blocks itself: unless this scheduler knows the pool
+        holds them, ask (on the background thread, no lease) and offer what it lacks."""
+        if not self.settings.offer_blocks_per_step or not local or rec.pool_has >= 0 or rec.local:
+            return
+        keys = request.block_hashes[:local]
+        rec.local = local
+        if self._knows(keys[-1]):
+            rec.pool_has = local
+            return
+        self.session.run_in_background(self._ask_pool, rec, keys)
+
+    def _ask_pool(self, rec: _Req, keys: Sequence[bytes]) -> None:
+        """On the session's background thread: how many of `keys` the pool holds."""
+        try:
+            if self.session.connected:
+                hits, _ = self.session.lookup(keys)
+                self._pool_holds(rec, len(keys), hits)
+        except Exception as e:  # noqa: BLE001 - an offer is a nicety: nothing to recompute
+            log.debug("kvstore: asking the pool for %d blocks failed: %s", len(keys), e)
+
+    def _pool_holds(self, rec: _Req, local: int, hits: int) -> None:
+        rec.local = local
+        rec.pool_has = hits
+        if hits < local and self.settings.offer_blocks_per_step and self.settings.store:
+            self.offers.append(rec)
+
+    def _plan_offers(self, block_state: Any, stores: list[Transfer]) -> None:
+        """Stores of blocks vLLM served from its own cache that the pool lacks: for requests scheduled
+        this step (their block ids are at hand), at most `offer_blocks_per_step` blocks in all."""
+        budget = self.settings.offer_blocks_per_step
+        keep: list[_Req] = []
+        for rec in self.offers:
+            req_id = rec.request.request_id
+            if self.reqs.get(req_id) is not rec:
+                continue  # finished: its blocks are vLLM's again
+            ids = block_state.get_block_ids(req_id)
+            if ids is None or not budget:
+                keep.append(rec)
+                continue
+            first = rec.pool_has
+            end = min(rec.local, first + budget)
+            keys: list[bytes] = list(rec.request.block_hashes[first:end])
+            stores.append(Transfer(req_id, keys, list(ids[0][first:end])))
+            self._remember(keys[-1])
+            rec.had_stores = True
+            rec.pool_has = end
+            budget -= end - first
+            if end < rec.local:
+                keep.append(rec)
+        self.offers = keep
 
     def _has_tail(self, request: Request, full: int) -> bool:
         """Whether a request is a fresh prompt with a partial last block (see _tail); cheap."""
@@ -271,6 +351,8 @@ class Scheduler:
                 rec = reqs.get(req_id)
                 if rec is not None and rec.request.num_computed_tokens + scheduled >= rec.store_at:
                     self._plan_store(rec, scheduled, block_state, stores)
+            if self.offers:
+                self._plan_offers(block_state, stores)
         if not loads and not stores and not preempted:
             return _NO_JOBS
         self.loads = []
@@ -323,6 +405,8 @@ class Scheduler:
         if keys:
             stores.append(Transfer(req_id, keys, block_ids, tail_key is not None))
             rec.had_stores = True
+            if done > first:
+                self._remember(request.block_hashes[done - 1])
         rec.stored_upto = max(first, done)
         rec.store_at = self._store_at(rec, computed + scheduled)
 

@@ -5,7 +5,7 @@ Meant to be run by tests in a SUBPROCESS (one engine per process)::
     python tests/support/vllm/run_engine.py --model DIR --prompts prompts.json \
         --out result.json [--connector-config JSON|@file] [--max-tokens N] \
         [--mode batch|sequential] [--rounds N] [--reset-prefix-cache] [--multiproc] \
-        [--hold-file PATH] [--block-size 128] [--max-model-len 1024] [--kv-cache-bytes N]
+        [--hold-file PATH] [--round-gate DIR] [--block-size 128] [--max-model-len 1024] [--kv-cache-bytes N]
 
 ``prompts.json`` is a JSON list; each entry is a text (str), a list of token
 ids, or a dict passed to vLLM as-is (e.g. ``{"prompt_token_ids": [...],
@@ -152,6 +152,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     requests: list[dict[str, Any]] = []
     rounds: list[dict[str, Any]] = []
     for round_idx in range(args.rounds):
+        if round_idx > 0 and args.round_gate:
+            # Tell the caller the previous round is done; wait for its go-ahead.
+            gate = Path(args.round_gate)
+            (gate / f"done-{round_idx - 1}").touch()
+            deadline = time.monotonic() + args.hold_timeout
+            while not (gate / f"go-{round_idx - 1}").exists():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{gate}/go-{round_idx - 1} did not appear")
+                time.sleep(0.05)
         if round_idx > 0 and args.reset_prefix_cache:
             if not llm.reset_prefix_cache():
                 raise RuntimeError("reset_prefix_cache() failed")
@@ -246,6 +255,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="after generating (and writing --out), keep the engine alive until this file exists",
     )
     p.add_argument("--hold-timeout", type=float, default=600.0, help="seconds to wait for --hold-file")
+    p.add_argument("--round-gate", help="directory: after round r, create done-r there and wait for go-r")
     p.add_argument(
         "--multiproc",
         action="store_true",
