@@ -14,11 +14,12 @@ import typing
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import annotated_types
 import click
-from pydantic import ValidationError
+from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from kvstore_client.protocol import default_socket
-from kvstore_service.config import Config
+from kvstore_service.config import Config, ConfigError
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -40,29 +41,89 @@ def main() -> None:
     """kvstore: a per-node sidecar that keeps LLM KV-cache blocks in a shared CPU memory pool."""
 
 
+class SizeType(click.ParamType):
+    """A size in bytes: 4GiB, 512MiB, 1000000 (pydantic's ByteSize)."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        try:
+            return int(TypeAdapter(ByteSize).validate_python(value))
+        except ValidationError:
+            self.fail(f"{value!r} is not a size (e.g. 4GiB, 512MiB, 65536)", param, ctx)
+
+
+SIZE = SizeType()
+
+
+def size_text(n: int) -> str:
+    """A size as its largest whole binary unit: 1GiB, 64MiB, 1000 (bytes)."""
+    for shift, unit in ((40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def _number_type(hint: type, metadata: list[Any]) -> click.ParamType:
+    """INTEGER or FLOAT, a range when the field has bounds (ge/gt/le/lt)."""
+    bounds: dict[str, Any] = {}
+    for rule in metadata:
+        if isinstance(rule, annotated_types.Ge):
+            bounds["min"] = rule.ge
+        elif isinstance(rule, annotated_types.Gt):
+            bounds.update(min=rule.gt, min_open=True)
+        elif isinstance(rule, annotated_types.Le):
+            bounds["max"] = rule.le
+        elif isinstance(rule, annotated_types.Lt):
+            bounds.update(max=rule.lt, max_open=True)
+    if hint is int:
+        return click.IntRange(**bounds) if bounds else click.INT
+    return click.FloatRange(**bounds) if bounds else click.FLOAT
+
+
+def _option_type(hint: Any, metadata: list[Any]) -> click.ParamType | None:
+    if hint is ByteSize:
+        return SIZE
+    if hint in (int, float):
+        return _number_type(hint, metadata)
+    if typing.get_origin(hint) is typing.Literal:
+        return click.Choice(typing.get_args(hint))
+    return None  # TEXT
+
+
+def _default_text(hint: Any, default: Any) -> str:
+    if hint is ByteSize:
+        return size_text(int(default))
+    return "none" if default in ("", [], {}) else str(default)
+
+
 def _config_options(func: Any) -> Any:
-    """One flag per Config field; unset flags fall back to KVSTORE_* env vars, then --config."""
+    """One typed flag per Config field; unset flags fall back to KVSTORE_* env vars, then --config."""
     hints = typing.get_type_hints(Config)
     for name, field in reversed(list(Config.model_fields.items())):
         flag = "--" + name.replace("_", "-")
-        default = field.get_default(call_default_factory=True)
-        help_text = f"{field.description} [env KVSTORE_{name.upper()}; default {default}]"
         hint = hints[name]
+        default = _default_text(hint, field.get_default(call_default_factory=True))
+        help_text = f"{field.description} [env KVSTORE_{name.upper()}; default {default}]"
         if hint is bool:
             func = click.option(f"{flag}/--no-{flag[2:]}", name, default=None, help=help_text)(func)
         elif typing.get_origin(hint) is dict:
-            func = click.option(flag, name, default=None, type=_json_or_yaml, help=help_text)(func)
+            func = click.option(flag, name, default=None, type=_json_or_yaml, metavar="YAML", help=help_text)(func)
         elif typing.get_origin(hint) is list:
             func = click.option(flag, name, multiple=True, type=typing.get_args(hint)[0], help=help_text)(func)
         else:
-            func = click.option(flag, name, default=None, help=help_text)(func)
+            func = click.option(flag, name, default=None, type=_option_type(hint, field.metadata),
+                                help=help_text)(func)
     return func
 
 
 def _json_or_yaml(text: str) -> Any:
     import yaml
 
-    return yaml.safe_load(text)  # (JSON is YAML)
+    try:
+        return yaml.safe_load(text)  # (JSON is YAML)
+    except yaml.YAMLError as e:
+        raise click.BadParameter(f"not valid YAML or JSON: {getattr(e, 'problem', e)}") from None
 
 
 @main.command()
@@ -70,12 +131,14 @@ def _json_or_yaml(text: str) -> Any:
               help="YAML file with any of the settings below (snake_case keys).")
 @_config_options
 def serve(config_file: str | None, **flags: Any) -> None:
-    """Run the daemon (flags > KVSTORE_* environment > --config YAML > defaults)."""
+    """Run the daemon (flags > KVSTORE_* environment > --config YAML > defaults). Sizes take units
+    (4GiB, 512MiB); in the environment, lists and mappings are JSON. A bad value is refused naming its
+    flag, variable or file key (exit 2)."""
     overrides = {k: v for k, v in flags.items() if v is not None and v != ()}
     try:
         config = Config.load(config_file, **overrides)
-    except (ValidationError, ValueError) as e:
-        raise click.UsageError(f"bad configuration: {e}") from None
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
     from kvstore_service.daemon import run
 
     run(config)
@@ -124,6 +187,10 @@ def _percent(ns: NamespaceStats | Stats) -> str:
     return f"{ns.hit_rate:.1%}" if ns.hits + ns.misses else "-"
 
 
+def _tokens(ns: NamespaceStats) -> str:
+    return _count(ns.loaded_tokens) if ns.block_tokens else "-"
+
+
 def fetch_stats(client: KVStoreClient) -> Stats:
     from kvstore_service.stats import from_proto
 
@@ -147,26 +214,29 @@ def _compact_namespace(name: str) -> tuple[str, str]:
 
 
 def _namespace_table(stats: Stats, width: int | None) -> Table:
-    """One row per namespace. In `width` columns: short id, model, TP shards and the main figures;
-    width None (--wide): the full namespace string and every figure in full, however wide."""
+    """One row per namespace, what it was served first. In `width` columns: short id, model, TP shards
+    and the main figures; width None (--wide): the full namespace string and every figure in full."""
     from rich.table import Table
 
     if width is None:
-        headers: tuple[str, ...] = ("id", "namespace", "blocks", "used bytes", "block bytes", "hits", "misses",
-                                    "hit%", "stored", "loaded", "evictions", "engines")
-        rows = [(ns.short_id, ns.namespace, *map(str, (ns.blocks, ns.used_bytes, ns.block_bytes, ns.hits,
-                                                         ns.misses)), _percent(ns),
-                 *map(str, (ns.stored_blocks, ns.loaded_blocks, ns.evictions, ns.engines)))
-                for ns in stats.namespaces]
+        headers: tuple[str, ...] = ("id", "namespace", "loaded blocks", "loaded bytes", "loaded tokens", "stored",
+                                    "blocks", "used bytes", "block bytes", "block tokens", "lookup hits",
+                                    "lookup misses", "lookup hit%", "evictions", "engines")
+        rows = [(ns.short_id, ns.namespace, str(ns.loaded_blocks), str(ns.loaded_bytes),
+                 str(ns.loaded_tokens) if ns.block_tokens else "-",
+                 *map(str, (ns.stored_blocks, ns.blocks, ns.used_bytes, ns.block_bytes, ns.block_tokens or "-",
+                            ns.hits, ns.misses)),
+                 _percent(ns), str(ns.evictions), str(ns.engines)) for ns in stats.namespaces]
         left, room, caption = 2, None, None
     else:
-        headers = ("id", "namespace", "shards", "blocks", "used", "hit%", "stored", "loaded")
-        rows = [(ns.short_id, *_compact_namespace(ns.namespace), _count(ns.blocks), _human(ns.used_bytes),
-                 _percent(ns), _count(ns.stored_blocks), _count(ns.loaded_blocks)) for ns in stats.namespaces]
+        headers = ("id", "namespace", "tp", "loaded", "tokens", "stored", "used", "hit%")
+        rows = [(ns.short_id, *_compact_namespace(ns.namespace), _count(ns.loaded_blocks), _tokens(ns),
+                 _count(ns.stored_blocks), _human(ns.used_bytes), _percent(ns)) for ns in stats.namespaces]
         widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
         # No box: two spaces between columns; the namespace column gets what the others leave.
         room = max(len(headers[1]), width - (sum(widths) - widths[1]) - 2 * (len(headers) - 1))
-        left, caption = 3, "full namespace strings: kvstore stats --wide"
+        left, caption = 3, ("loaded, tokens: served; hit%: of lookups (asked); tp: TP shards\n"
+                            "full namespace strings: kvstore stats --wide")
     name_col = 1
     if any(ns.tenant for ns in stats.namespaces):  # (an admin's view of several tenants)
         headers = (headers[0], "tenant", *headers[1:])
@@ -184,21 +254,33 @@ def _namespace_table(stats: Stats, width: int | None) -> Table:
     return table
 
 
-def _render_stats(stats: Stats, width: int, wide: bool = False) -> RenderableType:
-    from rich.console import Group
-    from rich.table import Table
+SUMMARY_WIDTH = 80  # the summary box never grows past this, whatever the namespace table's width
 
-    summary = Table(title="kvstore", show_header=False)
+
+def _served(stats: Stats) -> str:
+    """Blocks, bytes and (where the namespaces name their block size) tokens loaded into engines."""
+    text = f"{stats.loaded_blocks} blocks, {_human(stats.loaded_bytes)}"
+    if stats.loaded_tokens or not stats.tokens_unknown:
+        text += f", {stats.loaded_tokens} tokens"
+    if stats.tokens_unknown:
+        text += " (some tokens unknown: no block=N)" if stats.loaded_tokens else ", tokens unknown (no block=N)"
+    return text
+
+
+def _summary_rows(stats: Stats) -> list[tuple[str, str]]:
     rows = [
-        ("pool", f"{_human(stats.used_bytes)} / {_human(stats.capacity_bytes)} ({stats.used_fraction:.0%})"),
-        ("blocks", str(stats.blocks)),
-        ("hits / misses", f"{stats.hits} / {stats.misses} ({stats.hit_rate:.1%} hit rate)"),
-        ("stored / loaded blocks", f"{stats.stored_blocks} / {stats.loaded_blocks}"),
+        ("served: loaded into engines", _served(stats)),
+        ("stored by engines", f"{stats.stored_blocks} blocks"),
+        ("pool", f"{_human(stats.used_bytes)} / {_human(stats.capacity_bytes)} ({stats.used_fraction:.0%}), "
+                 f"{stats.blocks} blocks"),
+        ("asked: lookup hits / misses", f"{stats.hits} / {stats.misses} blocks" + (
+            f" ({stats.hit_rate:.1%} of lookups; hits include blocks engines held themselves)"
+            if stats.hits + stats.misses else "")),
         ("evictions", str(stats.evictions)),
         ("engines / leases / jobs in flight", f"{stats.engines} / {stats.leases} / {stats.jobs_in_flight}"),
         ("failed blocks (loads) / corrupt",
          f"{stats.failed_blocks} ({stats.failed_load_blocks}) / {stats.corrupt_blocks}"),
-        ("blocks waiting for a seal / recovered, unverified", f"{stats.unsealed_blocks} / {stats.unverified_blocks}"),
+        ("waiting for a seal / unverified", f"{stats.unsealed_blocks} / {stats.unverified_blocks} blocks"),
         ("uptime", f"{stats.uptime_s} s (daemon {stats.daemon_version})"),
     ]
     r = stats.remote
@@ -212,11 +294,25 @@ def _render_stats(stats: Stats, width: int, wide: bool = False) -> RenderableTyp
         rows.append(("disk blocks / used / hits / written",
                      f"{d.blocks} / {_human(d.bytes)} of {_human(d.capacity_bytes)} / {d.hits} / {d.written}"
                      + ("" if d.healthy else f" (disabled: {d.error})")))
-    for k, v in rows:
+    return rows
+
+
+def _render_stats(stats: Stats, width: int, wide: bool = False) -> RenderableType:
+    """The summary (what was served first, then what was asked), at most SUMMARY_WIDTH columns wide,
+    then the namespaces (compact in `width` columns, or --wide: in full)."""
+    from rich.console import Group
+    from rich.constrain import Constrain
+    from rich.table import Table
+
+    summary = Table(title="kvstore", show_header=False)
+    summary.add_column(no_wrap=True)
+    summary.add_column(overflow="fold")
+    for k, v in _summary_rows(stats):
         summary.add_row(k, v)
+    box = Constrain(summary, min(width, SUMMARY_WIDTH))
     if not stats.namespaces:
-        return summary
-    return Group(summary, _namespace_table(stats, None if wide else width))
+        return box
+    return Group(box, _namespace_table(stats, None if wide else width))
 
 
 def _console(wide: bool) -> Console:
@@ -229,11 +325,14 @@ def _console(wide: bool) -> Console:
 @main.command()
 @socket_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object (one a line with --watch).")
-@click.option("--wide", is_flag=True, help="Full namespace strings and every per-namespace figure.")
+@click.option("--wide", is_flag=True, help="Full namespace strings and every per-namespace figure (the summary "
+              "stays within 80 columns).")
 @click.option("--watch", type=float, default=None, metavar="SECONDS", help="Refresh every SECONDS.")
 def stats(socket: str, as_json: bool, wide: bool, watch: float | None) -> None:
-    """Pool use, hits, stores and loads: total and per namespace (namespaces by model, TP shards and a
-    short id; --wide for their full strings)."""
+    """What was served (blocks, bytes and tokens loaded into engines), stored, the pool, then what was
+    asked (lookup hits and misses: not served, hits include blocks the engines held themselves); in
+    total and per namespace (by model, TP shards and a short id; --wide for their full strings).
+    Tokens: whole blocks loaded x the block size the namespace names (block=N); unknown otherwise."""
     from kvstore_service.stats import to_json_dict
 
     with _daemon(socket) as client:
@@ -287,11 +386,17 @@ def health(socket: str) -> None:
 
 @main.command()
 @socket_option
-@click.option("--namespace", "-n", default="", help="Only this namespace (default: all).")
-@click.option("--tenant", default="", help="Admins: the tenant to clear in (default: all tenants, or with "
-              "--namespace the admin's own).")
-def clear(socket: str, namespace: str, tenant: str) -> None:
-    """Drop your tenant's cached blocks (pinned blocks stay)."""
+@click.option("--namespace", "-n", default="", help="The namespace to clear.")
+@click.option("--all", "everything", is_flag=True, help="Every namespace (needed to clear without -n).")
+@click.option("--tenant", default="", help="Admins: the tenant to clear in (default with --all: every tenant; "
+              "with --namespace: the admin's own).")
+def clear(socket: str, namespace: str, everything: bool, tenant: str) -> None:
+    """Drop your tenant's cached blocks of one namespace (-n NS), or of all of them (--all); pinned
+    blocks stay. Without -n or --all nothing is cleared (exit 2)."""
+    if not namespace and not everything:
+        raise click.UsageError("name what to clear: -n NAMESPACE for one namespace, or --all for every namespace")
+    if namespace and everything:
+        raise click.UsageError("-n and --all exclude each other: -n clears one namespace, --all every one")
     with _daemon(socket) as client:
         n = client.clear(namespace, tenant)
     click.echo(f"cleared {n} blocks")

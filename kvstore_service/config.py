@@ -6,20 +6,32 @@ field descriptions below, and every field is also read from `KVSTORE_<FIELD>`.
 
 from __future__ import annotations
 
+import os
 import re
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, InitSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from kvstore_client.protocol import DEFAULT_SOCKET, MAX_MEMORIES
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 # The --config file's settings while Config.load builds a Config (read by settings_customise_sources).
 _file_values: ContextVar[dict[str, Any] | None] = ContextVar("kvstore_config_file_values", default=None)
+
+
+class ConfigError(ValueError):
+    """A bad setting, one line per problem, each naming where the operator gave it: the flag
+    (`--pool-size`), the environment variable (`KVSTORE_POOL_SIZE`) or the --config file's key."""
 
 
 class Tenant(BaseModel):
@@ -183,15 +195,63 @@ class Config(BaseSettings):
 
     @classmethod
     def load(cls, yaml_path: str | None = None, **overrides: Any) -> Config:
-        """Build the config: `overrides` (flags) beat env vars, which beat the YAML file."""
+        """Build the config: `overrides` (flags) beat env vars, which beat the YAML file. A bad value
+        raises ConfigError naming its flag, variable or file key."""
+        file_keys: dict[str, str] = {}  # setting -> the key as the file spells it
         file_values: dict[str, Any] = {}
         if yaml_path:
-            file_values = yaml.safe_load(Path(yaml_path).read_text()) or {}
-            if not isinstance(file_values, dict):
-                raise ValueError(f"{yaml_path}: expected a mapping of settings")
-            file_values = {k.replace("-", "_"): v for k, v in file_values.items()}
+            try:
+                raw = yaml.safe_load(Path(yaml_path).read_text()) or {}
+            except yaml.YAMLError as e:
+                mark = getattr(e, "problem_mark", None)
+                at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+                raise ConfigError(f"--config {yaml_path}: not valid YAML{at}: {getattr(e, 'problem', e)}") from None
+            if not isinstance(raw, dict):
+                raise ConfigError(f"--config {yaml_path}: expected a mapping of settings")
+            file_keys = {str(k).replace("-", "_"): str(k) for k in raw}
+            file_values = {str(k).replace("-", "_"): v for k, v in raw.items()}
         token = _file_values.set(file_values)
         try:
             return cls(**overrides)
+        except ValidationError as e:
+            where = _Sources(overrides, file_keys, yaml_path)
+            raise ConfigError("\n".join(where.describe(error) for error in e.errors())) from None
+        except SettingsError as e:  # a KVSTORE_* list or mapping that is not JSON
+            field = re.search(r'field "(\w+)"', str(e))
+            name = f"KVSTORE_{field.group(1).upper()}" if field else "a KVSTORE_* variable"
+            raise ConfigError(f"{name}: not valid JSON (lists and mappings are given as JSON in the environment, "
+                              "e.g. [1000, 1001])") from None
         finally:
             _file_values.reset(token)
+
+
+class _Sources:
+    """Where each setting of one Config.load came from, to name it in an error."""
+
+    def __init__(self, flags: dict[str, Any], file_keys: dict[str, str], yaml_path: str | None) -> None:
+        self.flags = flags
+        self.file_keys = file_keys
+        self.yaml_path = yaml_path
+        self.env = {k.upper() for k in os.environ}
+
+    def name(self, setting: str) -> str:
+        if setting in self.flags:
+            return "--" + setting.replace("_", "-")
+        if f"KVSTORE_{setting.upper()}" in self.env:
+            return f"KVSTORE_{setting.upper()}"
+        if setting in self.file_keys:
+            return f"--config {self.yaml_path}, key {self.file_keys[setting]}"
+        return f"{setting} (default)"
+
+    def describe(self, error: Any) -> str:
+        """One line: the source, the place inside it (nested settings), what is wrong and the value given."""
+        loc = [str(part) for part in error["loc"]]
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if not loc:  # a rule across settings: its message names them
+            return message
+        where = self.name(loc[0]) + "".join(f"[{part}]" for part in loc[1:])
+        if error["type"] == "extra_forbidden":
+            return f"{where}: not a setting (see kvstore serve --help)"
+        value = error.get("input")
+        given = f" (given: {value!r})" if isinstance(value, str | int | float) and not isinstance(value, bool) else ""
+        return f"{where}: {message}{given}"

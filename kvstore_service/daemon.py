@@ -30,7 +30,7 @@ from kvstore_service.disk import DiskTier
 from kvstore_service.errors import KVError
 from kvstore_service.index import BlockIndex, namespace_hash
 from kvstore_service.jobs import Jobs
-from kvstore_service.metrics import Metrics
+from kvstore_service.metrics import HttpServer, Metrics
 from kvstore_service.native import StickyDeviceError
 from kvstore_service.peercred import PeerCredServer
 from kvstore_service.pool import Pool, PoolFullError
@@ -87,7 +87,8 @@ class Daemon:
             namespaces.append(NamespaceStats(
                 namespace=name, blocks=ns.blocks, used_bytes=ns.blocks * ns.block_bytes, block_bytes=ns.block_bytes,
                 hits=c.hits, misses=c.misses, stored_blocks=c.stored_blocks, loaded_blocks=c.loaded_blocks,
-                evictions=c.evictions, engines=sum(1 for s in engines if s.namespace is ns), tenant=tenant))
+                evictions=c.evictions, engines=sum(1 for s in engines if s.namespace is ns), tenant=tenant,
+                loaded_bytes=c.loaded_bytes))
         visible = [n for n, ns in zip(namespaces, self.index.namespaces.values(), strict=True)
                    if caller is None or caller.admin or (ns.name and n.tenant == caller.tenant)]
         return Stats(
@@ -104,6 +105,8 @@ class Daemon:
             unverified_blocks=self.index.unverified_blocks,
             remote=self.tiers.remote.stats() if self.tiers and self.tiers.remote else RemoteStats(),
             disk=disk_stats(self.tiers.disk) if self.tiers and self.tiers.disk else DiskStats(),
+            loaded_bytes=sum(n.loaded_bytes for n in namespaces),
+            loaded_tokens=sum(n.loaded_tokens for n in namespaces),
         )
 
     async def clear(self, tenant: str | None, namespace: str) -> int:
@@ -248,6 +251,7 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     if config.tcp:
         server.listen(config.tcp, _tcp_credentials(config))
     await server.start()
+    http = HttpServer(config.metrics_port, config.socket) if config.metrics_port else None  # /healthz from now on
     gid = _secure_socket(config.socket, config)
     await creds.start(int(config.socket_mode, 8), gid)
     # The pool is set up (and recovered), and --devices opened, while health says NOT_SERVING.
@@ -260,8 +264,8 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
         raise
 
     loop = asyncio.get_running_loop()
-    if config.metrics_port:
-        daemon.metrics.serve(config.metrics_port, daemon.stats, loop)
+    if http is not None:
+        daemon.metrics.publish(http, daemon.stats, loop)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     what = "--disk-path"
@@ -295,6 +299,8 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     await creds.close()
     await daemon.shutdown()
     _remove(config.socket)
+    if http is not None:
+        http.close()
 
 
 def _remove(path: str) -> None:

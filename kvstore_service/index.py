@@ -77,6 +77,7 @@ class NamespaceCounters:
     misses: int = 0
     stored_blocks: int = 0
     loaded_blocks: int = 0
+    loaded_bytes: int = 0
     evictions: int = 0
 
 
@@ -426,7 +427,9 @@ class BlockIndex:
         for block in corrupt:
             self._discard(block)
         if blocks:
-            blocks[0].namespace.counters.loaded_blocks += len(blocks) - len(corrupt)
+            ns, loaded = blocks[0].namespace, len(blocks) - len(corrupt)
+            ns.counters.loaded_blocks += loaded
+            ns.counters.loaded_bytes += loaded * ns.block_bytes // max(ns.shards, 1)  # this shard's part of each
         self.unpin(blocks)
 
     # -- removal ---------------------------------------------------------------------------------

@@ -1,16 +1,28 @@
-"""Prometheus metrics: pool, blocks, hits, copies, job latency, evictions, errors, engines.
+"""Prometheus metrics (pool, blocks served and stored, lookups, copies, job latency, evictions,
+errors, engines) and a health check over HTTP, both on --metrics-port.
 
 Counters the core already keeps are read at scrape time (a snapshot taken on the event loop, which
 owns them); only job latencies and gRPC errors are recorded as they happen.
+
+`GET /healthz` answers what the gRPC health service on the daemon's socket answers, by asking it:
+200 "SERVING", else 503 with the status (NOT_SERVING while the pool is set up and while the daemon
+shuts down; UNREACHABLE when gRPC does not answer, e.g. a stuck event loop). Probes need no
+interpreter for it (Kubernetes httpGet).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from kvstore_service.stats import DiskStats, NamespaceStats, RemoteStats, Stats
@@ -18,6 +30,8 @@ from kvstore_service.stats import DiskStats, NamespaceStats, RemoteStats, Stats
 # Per-namespace series: the tenant, the model and a short hash of the namespace, never the namespace
 # itself (it may carry a tenant's salt), whoever scrapes /metrics.
 NAMESPACE_LABELS = ["tenant", "model", "namespace_id"]
+# /healthz waits this long for the gRPC health answer (below a probe's usual 1 s timeout).
+HEALTHZ_TIMEOUT_S = 0.8
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -48,10 +62,52 @@ class Metrics:
         self.copy_seconds.labels(kind).inc(copy_seconds)
         self.copied_bytes.labels(kind).inc(nbytes)
 
-    def serve(self, port: int, stats: Callable[[], Stats], loop: asyncio.AbstractEventLoop) -> None:
-        """Serve /metrics on `port`; each scrape calls `stats` on `loop` (which owns the counters)."""
+    def publish(self, http: HttpServer, stats: Callable[[], Stats], loop: asyncio.AbstractEventLoop) -> None:
+        """Serve these metrics at `http`; each scrape calls `stats` on `loop` (which owns the counters)."""
         self.registry.register(_StatsCollector(stats, loop))
-        start_http_server(port, registry=self.registry)
+        http.registry = self.registry
+
+
+class HttpServer:
+    """/healthz and /metrics (any other path) on `port`, in threads of their own. Started before the
+    pool is set up, so /healthz answers 503 meanwhile; /metrics answers 503 until `Metrics.publish`."""
+
+    def __init__(self, port: int, socket: str) -> None:
+        self.registry: CollectorRegistry | None = None
+        self._channel = grpc.insecure_channel(f"unix://{socket}")
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._httpd = make_server("0.0.0.0", port, self._app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        threading.Thread(target=self._httpd.serve_forever, name="kvstore-http", daemon=True).start()
+
+    def health(self) -> str:
+        """The gRPC health status of the daemon (service ""), as its name."""
+        try:
+            reply = self._health.Check(health_pb2.HealthCheckRequest(), timeout=HEALTHZ_TIMEOUT_S)
+        except grpc.RpcError as e:
+            return f"UNREACHABLE ({e.code().name})"
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        registry = self.registry
+        if environ.get("PATH_INFO") == "/healthz":
+            status = self.health()
+            code = "200 OK" if status == "SERVING" else "503 Service Unavailable"
+        elif registry is None:
+            status, code = "starting: no metrics before the pool is set up", "503 Service Unavailable"
+        else:
+            return make_wsgi_app(registry)(environ, start_response)
+        start_response(code, [("Content-Type", "text/plain; charset=utf-8")])
+        return [status.encode() + b"\n"]
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._channel.close()
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # (probes and scrapes: no line each)
+        pass
 
 
 class _StatsCollector(Collector):
@@ -71,7 +127,8 @@ class _StatsCollector(Collector):
         yield GaugeMetricFamily("kvstore_jobs_in_flight", "Copy jobs not finished.", value=s.jobs_in_flight)
         yield GaugeMetricFamily("kvstore_unsealed_blocks", "Stored blocks waiting for their checksum.",
                                 value=s.unsealed_blocks)
-        yield GaugeMetricFamily("kvstore_hit_ratio", "Looked-up blocks found / looked up, since start.",
+        yield GaugeMetricFamily("kvstore_hit_ratio", "Lookup hits / blocks looked up, since start: asked, not "
+                                "served (hits include blocks engines held themselves; served: kvstore_loaded_*).",
                                 value=s.hit_rate)
         yield CounterMetricFamily("kvstore_failed_blocks", "Blocks whose job failed.", value=s.failed_blocks)
         yield CounterMetricFamily("kvstore_failed_load_blocks", "Blocks whose load failed (engines recompute them).",
@@ -90,14 +147,22 @@ class _StatsCollector(Collector):
              lambda ns: ns.blocks),
             (GaugeMetricFamily("kvstore_namespace_used_bytes", "Pool bytes per namespace.", labels=NAMESPACE_LABELS),
              lambda ns: ns.used_bytes),
-            (CounterMetricFamily("kvstore_lookup_hits", "Looked-up blocks found.", labels=NAMESPACE_LABELS),
+            (CounterMetricFamily("kvstore_lookup_hits", "Looked-up blocks found (asked, not served: see "
+                                 "kvstore_loaded_blocks).", labels=NAMESPACE_LABELS),
              lambda ns: ns.hits),
             (CounterMetricFamily("kvstore_lookup_misses", "Looked-up blocks missing.", labels=NAMESPACE_LABELS),
              lambda ns: ns.misses),
             (CounterMetricFamily("kvstore_stored_blocks", "Blocks stored.", labels=NAMESPACE_LABELS),
              lambda ns: ns.stored_blocks),
-            (CounterMetricFamily("kvstore_loaded_blocks", "Blocks loaded.", labels=NAMESPACE_LABELS),
+            (CounterMetricFamily("kvstore_loaded_blocks", "Served: block loads into engines (TP: one per shard's "
+                                 "part).", labels=NAMESPACE_LABELS),
              lambda ns: ns.loaded_blocks),
+            (CounterMetricFamily("kvstore_namespace_loaded_bytes", "Served: bytes loaded into engines.",
+                                 labels=NAMESPACE_LABELS),
+             lambda ns: ns.loaded_bytes),
+            (CounterMetricFamily("kvstore_namespace_loaded_tokens", "Served: tokens loaded into engines (0 when the "
+                                 "namespace names no block size in tokens).", labels=NAMESPACE_LABELS),
+             lambda ns: ns.loaded_tokens),
             (CounterMetricFamily("kvstore_evictions", "Blocks evicted (LRU).", labels=NAMESPACE_LABELS),
              lambda ns: ns.evictions),
         ]
@@ -107,7 +172,9 @@ class _StatsCollector(Collector):
                 family.add_metric(labels, value(ns))
         yield from (family for family, _ in per_ns)
         yield CounterMetricFamily("kvstore_stored_bytes", "Bytes stored.", value=s.stored_bytes)
-        yield CounterMetricFamily("kvstore_loaded_bytes", "Bytes loaded.", value=s.loaded_bytes)
+        yield CounterMetricFamily("kvstore_loaded_bytes", "Served: bytes loaded into engines.", value=s.loaded_bytes)
+        yield CounterMetricFamily("kvstore_loaded_tokens", "Served: tokens loaded into engines, of the namespaces "
+                                  "that name their block size in tokens.", value=s.loaded_tokens)
         if s.remote.url:
             yield from _remote_metrics(s.remote)
         if s.disk.capacity_bytes:

@@ -2,8 +2,11 @@
 
 `Stats` and `NamespaceStats` carry exactly the fields of the `kvstore.v1.StatsResponse` and
 `kvstore.v1.NamespaceStats` messages, in their order (a test keeps the two in step), and convert
-to and from them generically: `to_proto`, `from_proto`. Derived figures (hit rates, bytes moved,
-a namespace's short id) are properties here, computed in one place for every consumer.
+to and from them generically: `to_proto`, `from_proto`. Derived figures (lookup hit rates, tokens
+loaded, a namespace's short id) are properties here, computed in one place for every consumer.
+
+What the sidecar served is what it LOADED into engines (loaded blocks, bytes, tokens). Lookup hits
+are only what was asked: the connector also looks up blocks its engine holds itself and never loads.
 
 Of the client package this module imports only `kvstore_client.protocol` (the daemon loads it).
 """
@@ -21,13 +24,22 @@ from google.protobuf.message import Message
 
 from kvstore_client.protocol import kvstore_pb2 as pb
 
-__all__ = ["DiskStats", "NamespaceStats", "RemoteStats", "Stats", "from_dict", "from_proto", "namespace_id",
-           "to_json_dict", "to_proto"]
+__all__ = ["DiskStats", "NamespaceStats", "RemoteStats", "Stats", "block_tokens", "from_dict", "from_proto",
+           "namespace_id", "to_json_dict", "to_proto"]
 
 
 def namespace_id(namespace: str) -> str:
     """A short stable id for a namespace string: 8 hex digits of its BLAKE2b hash."""
     return hashlib.blake2b(namespace.encode(), digest_size=4).hexdigest()
+
+
+def block_tokens(namespace: str) -> int:
+    """Tokens per block, from a namespace's `block=N` part (the vLLM connector's names carry it); 0: unknown."""
+    for part in namespace.split(";"):
+        key, _, value = part.partition("=")
+        if key == "block" and value.isdigit():
+            return int(value)
+    return 0
 
 
 def _ratio(part: int, whole: int) -> float:
@@ -47,10 +59,12 @@ class NamespaceStats:
     evictions: int
     engines: int
     tenant: str
+    loaded_bytes: int  # copied into engines (with TP shards, each load copies its shard's part)
 
     @property
     def hit_rate(self) -> float:
-        """Looked-up blocks found / looked up, since the daemon started (0 before any lookup)."""
+        """Lookup hits / blocks looked up, since the daemon started (0 before any lookup). Not what was
+        served: a lookup also finds blocks the engine holds itself and does not load."""
         return _ratio(self.hits, self.hits + self.misses)
 
     @property
@@ -58,8 +72,14 @@ class NamespaceStats:
         return self.stored_blocks * self.block_bytes
 
     @property
-    def loaded_bytes(self) -> int:
-        return self.loaded_blocks * self.block_bytes
+    def block_tokens(self) -> int:
+        """Tokens per block when the namespace names it (`block=N`), else 0."""
+        return block_tokens(self.namespace)
+
+    @property
+    def loaded_tokens(self) -> int:
+        """Tokens loaded into engines: whole blocks' bytes loaded x tokens per block (0 when unknown)."""
+        return self.loaded_bytes // self.block_bytes * self.block_tokens if self.block_bytes else 0
 
     @property
     def short_id(self) -> str:
@@ -145,10 +165,13 @@ class Stats:
     unverified_blocks: int
     remote: RemoteStats
     disk: DiskStats
+    loaded_bytes: int
+    loaded_tokens: int  # of the namespaces whose block size in tokens is known
 
     @property
     def hit_rate(self) -> float:
-        """Looked-up blocks found / looked up, since the daemon started (0 before any lookup)."""
+        """Lookup hits / blocks looked up, since the daemon started (0 before any lookup): what was asked,
+        not what was served (see loaded_blocks)."""
         return _ratio(self.hits, self.hits + self.misses)
 
     @property
@@ -160,8 +183,9 @@ class Stats:
         return sum(ns.stored_bytes for ns in self.namespaces)
 
     @property
-    def loaded_bytes(self) -> int:
-        return sum(ns.loaded_bytes for ns in self.namespaces)
+    def tokens_unknown(self) -> bool:
+        """Some shown namespace loaded blocks whose size in tokens it does not name (not in loaded_tokens)."""
+        return any(ns.loaded_blocks and not ns.block_tokens for ns in self.namespaces)
 
 
 # -- conversions, written once over dataclasses.fields -----------------------------------------------
@@ -214,5 +238,9 @@ def from_dict(data: Mapping[str, Any]) -> Stats:
 
 
 def to_json_dict(stats: Stats) -> dict[str, Any]:
-    """Every field (namespaces as a list of objects) plus the derived `hit_rate`: `kvstore stats --json`."""
-    return {**dataclasses.asdict(stats), "hit_rate": stats.hit_rate}
+    """Every field (namespaces as a list of objects) plus the derived `hit_rate` (of lookups) and, per
+    namespace, `block_tokens` and `loaded_tokens`: `kvstore stats --json`."""
+    data = {**dataclasses.asdict(stats), "hit_rate": stats.hit_rate}
+    for ns, row in zip(stats.namespaces, data["namespaces"], strict=True):
+        row.update(block_tokens=ns.block_tokens, loaded_tokens=ns.loaded_tokens)
+    return data

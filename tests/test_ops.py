@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from support.engine import Engine, kvstore, store_blocks
 
 from kvstore_client import InvalidArgument
 from kvstore_service import native
-from kvstore_service.config import Config
+from kvstore_service.config import Config, ConfigError
 from kvstore_service.stats import namespace_id
 
 KB64 = 64 * 1024
@@ -33,7 +34,7 @@ def test_cli_stats_lookup_clear_health(daemon) -> None:
         assert key in stats
     assert stats["blocks"] == 5 and stats["stored_blocks"] == 5 and stats["used_bytes"] == 5 * KB64
     table = kvstore("stats", env={"KVSTORE_SOCKET": daemon.socket, "COLUMNS": "160"})  # the env var selects the daemon
-    assert table.returncode == 0 and "cli-ns" in table.stdout and "hit rate" in table.stdout
+    assert table.returncode == 0 and "cli-ns" in table.stdout and "lookup hits" in table.stdout
     out = kvstore("lookup", "--socket", daemon.socket, "-n", "cli-ns", *(k.hex() for k in keys[:3]), "00" * 32)
     assert out.returncode == 0 and "3 of 4" in out.stdout
     out = kvstore("lookup", "--socket", daemon.socket, "-n", "cli-ns", "00")  # refused: the daemon's reason
@@ -44,10 +45,39 @@ def test_cli_stats_lookup_clear_health(daemon) -> None:
 
 
 def test_cli_unreachable_daemon(tmp_path) -> None:
-    for command in ("stats", "health", "clear"):
-        out = kvstore(command, "--socket", str(tmp_path / "none.sock"))
+    for command in (["stats"], ["health"], ["clear", "--all"]):
+        out = kvstore(*command, "--socket", str(tmp_path / "none.sock"))
         assert out.returncode == 3
         assert "cannot reach the daemon" in out.stderr and "kvstore serve" in out.stderr
+
+
+def test_clear_needs_a_namespace_or_all(daemon) -> None:
+    store_blocks(daemon.socket, "kept", 3)
+    out = kvstore("clear", "--socket", daemon.socket)
+    assert out.returncode == 2 and "-n NAMESPACE for one namespace, or --all for every namespace" in out.stderr
+    out = kvstore("clear", "--socket", daemon.socket, "-n", "kept", "--all")
+    assert out.returncode == 2 and "-n and --all exclude each other" in out.stderr
+    assert daemon.client().lookup("kept", [key_of("kept", i) for i in range(3)]) == 3  # nothing was dropped
+    out = kvstore("clear", "--all", "--socket", daemon.socket)
+    assert out.returncode == 0 and "cleared 3 blocks" in out.stdout
+    assert daemon.client().lookup("kept", [key_of("kept", 0)]) == 0
+
+
+def test_serve_help_types_every_option() -> None:
+    out = kvstore("serve", "--help", env={"COLUMNS": "200"})
+    lines = {line.split()[0]: line for line in out.stdout.splitlines() if line.strip().startswith("--")}
+    flat = " ".join(out.stdout.split())
+    assert "--pool-size SIZE" in lines["--pool-size"] and "KVSTORE_POOL_SIZE; default 1GiB]" in flat
+    assert "KVSTORE_MAX_SESSION_MEMORY; default 256GiB]" in flat and str(1 << 30) not in flat
+    assert "--copy-threads INTEGER RANGE" in lines["--copy-threads"] and "default 2] [1<=x<=64]" in flat
+    assert "--verify-loads FLOAT RANGE" in lines["--verify-loads"]
+    assert "--lease-ttl-s FLOAT RANGE" in lines["--lease-ttl-s"]
+    assert "--log-level [DEBUG|INFO|WARNING|ERROR]" in lines["--log-level"]
+    assert "--tenants YAML" in lines["--tenants"] and "--allowed-uids INTEGER" in lines["--allowed-uids"]
+    texts = [flag for flag, line in lines.items() if f"{flag} TEXT" in line]
+    assert set(texts) == {"--config", "--socket", "--socket-mode", "--socket-group", "--admin-tls-names", "--tcp",
+                          "--tls-cert", "--tls-key", "--tls-client-ca", "--pool-path", "--devices", "--disk-path",
+                          "--remote", "--remote-password-file", "--remote-tls-ca"} - {"--config"}
 
 
 def test_serve_help_documents_every_setting() -> None:
@@ -72,13 +102,40 @@ def test_config_precedence(tmp_path, monkeypatch) -> None:
     assert config.pool_size == 2 << 30  # from the file
     assert config.copy_threads == 4  # env beats the file
     assert config.lease_ttl_s == 7  # a flag beats both
-    with pytest.raises(ValueError, match="pool_size"):
+    with pytest.raises(ConfigError, match="^--pool-size: "):
         Config.load(None, pool_size="-1GiB")
 
 
-def test_bad_config_is_a_usage_error(tmp_path) -> None:
-    out = kvstore("serve", "--pool-size", "lots", "--socket", str(tmp_path / "s.sock"))
-    assert out.returncode == 2 and "pool_size" in out.stderr
+def _error_line(out: subprocess.CompletedProcess[str]) -> str:
+    """The one line that says what is wrong (after click's usage lines)."""
+    assert out.returncode == 2, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and "Traceback" not in out.stderr and "pydantic" not in out.stderr, out.stderr
+    return errors[0]
+
+
+def test_bad_config_names_the_flag_the_variable_or_the_file_key(tmp_path) -> None:
+    sock = str(tmp_path / "s.sock")
+    assert _error_line(kvstore("serve", "--pool-size", "lots", "--socket", sock)) == (
+        "Error: Invalid value for '--pool-size': 'lots' is not a size (e.g. 4GiB, 512MiB, 65536)")
+    assert _error_line(kvstore("serve", "--pool-size", "0", "--socket", sock)) == (
+        "Error: --pool-size: must be positive (given: 0)")
+    assert "'--copy-threads': 0 is not in the range 1<=x<=64" in _error_line(
+        kvstore("serve", "--copy-threads", "0", "--socket", sock))
+    assert _error_line(kvstore("serve", "--socket", sock, env={"KVSTORE_VERIFY_LOADS": "2"})) == (
+        "Error: KVSTORE_VERIFY_LOADS: Input should be less than or equal to 1 (given: '2')")
+    assert _error_line(kvstore("serve", "--socket", sock, env={"KVSTORE_ALLOWED_UIDS": "uid 1000"})).startswith(
+        "Error: KVSTORE_ALLOWED_UIDS: not valid JSON")
+    path = tmp_path / "kvstore.yaml"
+    path.write_text("segment-size: 1 byte\n")
+    assert _error_line(kvstore("serve", "--config", str(path), "--socket", sock)) == (
+        f"Error: --config {path}, key segment-size: could not interpret byte unit: byte (given: '1 byte')")
+    path.write_text("pool_sise: 1GiB\n")
+    assert _error_line(kvstore("serve", "--config", str(path), "--socket", sock)) == (
+        f"Error: --config {path}, key pool_sise: not a setting (see kvstore serve --help)")
+    path.write_text("pool_size: [1GiB\n")
+    assert _error_line(kvstore("serve", "--config", str(path), "--socket", sock)).startswith(
+        f"Error: --config {path}: not valid YAML at line 2")
 
 
 def _free_port() -> int:
@@ -111,6 +168,51 @@ def test_prometheus_metrics(daemon_factory) -> None:
     ]
     for line in expected:
         assert line in text, line
+    assert _get(f"http://127.0.0.1:{port}/healthz") == (200, "SERVING")
+    daemon.stop()
+    with pytest.raises(urllib.error.URLError):  # gone with the daemon
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10)
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return reply.status, reply.read().decode().strip()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode().strip()
+
+
+def test_healthz_answers_what_the_grpc_health_service_answers(tmp_path) -> None:
+    """The daemon's states, played on a real gRPC health service: NOT_SERVING (pool setup), SERVING,
+    graceful shutdown, gone. /healthz asks it each time."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from kvstore_service.metrics import HttpServer
+
+    sock = str(tmp_path / "health.sock")
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix://{sock}")
+    server.start()
+    port = _free_port()
+    http = HttpServer(port, sock)
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        assert _get(f"http://127.0.0.1:{port}/healthz") == (503, "NOT_SERVING")
+        assert _get(f"http://127.0.0.1:{port}/metrics")[0] == 503  # no figures before the pool is up
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert _get(f"http://127.0.0.1:{port}/healthz") == (200, "SERVING")
+        servicer.enter_graceful_shutdown()
+        assert _get(f"http://127.0.0.1:{port}/healthz") == (503, "NOT_SERVING")
+        server.stop(0).wait()
+        assert _get(f"http://127.0.0.1:{port}/healthz") == (503, "UNREACHABLE (UNAVAILABLE)")
+    finally:
+        http.close()
+        server.stop(0)
 
 
 def test_sigterm_is_graceful(daemon) -> None:
