@@ -416,7 +416,7 @@ def bench(socket: str, blocks: int, block_size: str, rounds: int, backend: str, 
     """Measure store/load GB/s against one contiguous memcpy, RPC floor, lookup, poll and submit costs."""
     from pydantic import ByteSize, TypeAdapter
 
-    from kvstore_client.bench import DeviceUnavailable, run_bench
+    from kvstore_service.bench import DeviceUnavailable, run_bench
 
     size = int(TypeAdapter(ByteSize).validate_python(block_size))
     try:
