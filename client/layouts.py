@@ -75,7 +75,7 @@ def describe_kv_cache(
     `by_layer`: runs of different layers stay separate regions (a block-outermost layout then gives one run
     per layer, not one for all) and `layer_regions` says where each layer ends; not for per-layer tuples.
     """
-    group = _single_full_attention_group(kv_cache_config)
+    group = served_group(kv_cache_config)
     num_blocks = kv_cache_config.num_blocks
     if num_blocks < 1:
         raise UnsupportedKVCache(f"the KV cache config has {num_blocks} blocks")
@@ -119,7 +119,7 @@ def describe_kv_cache(
 # -- what can be described --------------------------------------------------------------------------------------------
 
 
-def _single_full_attention_group(config: KVCacheConfig) -> KVCacheGroupSpec:
+def served_group(config: KVCacheConfig) -> KVCacheGroupSpec:
     """The config's only cache group. A block id means one page per layer only with one full-attention group:
     with several groups (the hybrid allocator) each group has its own block table, and other specs (sliding
     window, mamba) drop or rewrite pages, so a block's bytes are not its tokens' KV."""

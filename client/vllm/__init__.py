@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -35,6 +36,7 @@ from kvstore_client.vllm.common import (
     KVStoreConnectorStats,
     namespace_for,
     unsupported,
+    unsupported_kv_cache,
 )
 from kvstore_client.vllm.scheduler import Scheduler
 from kvstore_client.vllm.worker import NO_LOAD_ERRORS, Worker
@@ -62,7 +64,10 @@ def check_vllm_version(version: str) -> None:
                            "install the kvstore-sidecar-client release made for it, or remove the kv-transfer-config")
 
 
-class KVStoreConnector(KVConnectorBase_V1):
+class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """Declares SupportsHMA so that vLLM keeps its hybrid allocator on (window memory savings; Mamba
+    and linear-attention hybrids start at all); KV cache configs it cannot serve turn it off."""
+
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         from vllm.version import __version__ as vllm_version
 
@@ -75,7 +80,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         # A cache miss is never fatal: a block that fails to load is recomputed.
         transfer.kv_load_failure_policy = "recompute"
         try:
-            why = unsupported(vllm_config)
+            why = unsupported(vllm_config) or unsupported_kv_cache(kv_cache_config)
             namespace = "" if why else namespace_for(vllm_config, kv_cache_config, self.settings)
         except (UnsupportedKVCache, ValueError) as e:
             why = str(e)
@@ -87,7 +92,7 @@ class KVStoreConnector(KVConnectorBase_V1):
         self.scheduler: Scheduler | None = None
         self.worker: Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = Scheduler(vllm_config, self.settings, namespace)
+            self.scheduler = Scheduler(vllm_config, self.settings, namespace, kv_cache_config)
             if not why:
                 log.info("kvstore connector active (%s): socket %s, loads %s, stores %s, namespace %s", side,
                          self.scheduler.client.target, "on" if self.settings.load else "off",
@@ -135,10 +140,15 @@ class KVStoreConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         loaded = connector_output.finished_recving  # load errors come with it
         if loaded and self.scheduler is not None:
-            self.scheduler.finish_loads(loaded, connector_output.invalid_block_ids)
+            self.scheduler.finish_loads(loaded, connector_output.invalid_block_ids, connector_output.failed_recving)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
+        return self.scheduler.request_finished(request), None
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None  # SupportsHMA: vLLM calls this one, not request_finished
         return self.scheduler.request_finished(request), None
 
     @classmethod

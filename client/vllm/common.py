@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvstore_client.layouts import KV_TUPLES, UnsupportedKVCache, heads_first
+from kvstore_client.layouts import KV_TUPLES, UnsupportedKVCache, heads_first, served_group
 from kvstore_client.vllm.identity import ModelNotFound, weights_identity
 
 if TYPE_CHECKING:
@@ -184,6 +184,19 @@ def unsupported(vllm_config: VllmConfig) -> str:
               "prefill context": getattr(parallel, "prefill_context_parallel_size", 1)}
     used = [f"{name} parallel size {size}" for name, size in others.items() if size > 1]
     return f"{', '.join(used)}: only tensor parallelism is supported" if used else ""
+
+
+def unsupported_kv_cache(kv_cache_config: KVCacheConfig | None) -> str:
+    """Why the connector cannot serve this KV cache config ("" if it can): checked on both sides, so
+    that with a config it cannot serve (several groups of the hybrid allocator, sliding-window or
+    Mamba groups) the scheduler plans nothing and the worker registers nothing."""
+    if kv_cache_config is None:
+        return "vLLM gave no KV cache config"
+    try:
+        served_group(kv_cache_config)
+    except UnsupportedKVCache as e:
+        return str(e)
+    return ""
 
 
 # -- scheduler -> worker ------------------------------------------------------------------------

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,8 @@ _IDLE = {(wait, lookups): KVStoreConnectorMetadata(idle_wait=wait, lookups=looku
 class Scheduler:
     """Bookkeeping only: keys, block ids, leases. Holds no tensors."""
 
-    def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings, namespace: str) -> None:
+    def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings, namespace: str,
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         self.settings = settings
         self.block_size = vllm_config.cache_config.block_size
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -124,7 +126,10 @@ class Scheduler:
         self.offers: list[_Req] = []  # requests with blocks to offer (appended by the background thread too)
         self._handoff = threading.Lock()  # who releases the lease of a lookup dropped before its reply
         self.core_sleeps_when_idle = engine_core_sleeps_when_idle()
-        self.early_loads = self.core_sleeps_when_idle and settings.layerwise_loads
+        # With several KV cache groups vLLM takes load failures only from requests still waiting for
+        # their loads (failed_recving): a load is reported once it landed, never early.
+        self.early_loads = (self.core_sleeps_when_idle and settings.layerwise_loads
+                            and (kv_cache_config is None or len(kv_cache_config.kv_cache_groups) == 1))
         InProcess.schedulers += 1
 
     def on_new_request(self, request: Request) -> None:
@@ -420,15 +425,16 @@ class Scheduler:
             return min(next_block, prompt)
         return next_block
 
-    def finish_loads(self, req_ids: set[str], invalid: set[int]) -> None:
-        """These requests' loads are done; `invalid`: blocks that failed to load (their requests
-        recompute and are never offered a load again)."""
+    def finish_loads(self, req_ids: set[str], invalid: set[int], failed: set[str]) -> None:
+        """These requests' loads are done; `invalid`: blocks that failed to load, `failed`: requests
+        whose loads failed (several KV cache groups); those requests recompute and are never offered a
+        load again."""
         for req_id in req_ids:
             state = self.lookups.pop(req_id, None)
             if state is not None:
                 self._release(state)
             block_ids = self.load_block_ids.pop(req_id, None)
-            if invalid and block_ids and not invalid.isdisjoint(block_ids):
+            if req_id in failed or (invalid and block_ids and not invalid.isdisjoint(block_ids)):
                 rec = self.reqs.get(req_id)
                 if rec is not None:
                     rec.load_failed = True

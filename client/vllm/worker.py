@@ -64,6 +64,10 @@ class Worker:
         self.finished_waiting: set[str] = set()  # finished requests whose stores are in flight
         self.had_stores: set[str] = set()
         self.load_errors: set[int] = set()
+        # With several KV cache groups a block id names a block of each group: vLLM takes load failures
+        # per request (failed_recving), not per block id; those requests then recompute.
+        self.groups = len(kv_cache_config.kv_cache_groups)
+        self.failed_reqs: set[str] = set()
         self.stats = KVStoreConnectorStats()
         self.stats_changed = False  # spares the per-step is_empty() scan of the counters
         self.order_copies = False  # device memory: order the step's kernels before each job (not on CPU)
@@ -129,7 +133,7 @@ class Worker:
         session = self.session
         if session is None:  # off: every planned load fails (vLLM recomputes those blocks)
             for t in loads:
-                self.load_errors.update(t.block_ids)
+                self._load_failed(t.req_id, t.block_ids)
                 self.refused_loads.add(t.req_id)
             return
         if loads and self.order_copies:
@@ -161,7 +165,7 @@ class Worker:
                 elif now > deadline:
                     log.error("kvstore: load job %d did not land in %ss; its blocks are recomputed",
                               job, self.settings.timeout_s)
-                    self.load_errors.update(self.load_jobs[job][1])
+                    self._load_failed(*self.load_jobs[job][:2])
                     del self.early[job]
                     break
                 time.sleep(EARLY_SLICE_S)
@@ -182,7 +186,7 @@ class Worker:
                 log.error("kvstore: early loads %s did not complete in %ss", sorted(self.early),
                           self.settings.timeout_s)
                 for job in self.early:
-                    self.load_errors.update(self.load_jobs[job][1])
+                    self._load_failed(*self.load_jobs[job][:2])
                 self.early.clear()
                 done = {}
             for completion in done.values():
@@ -250,12 +254,18 @@ class Worker:
             for completion in completions:
                 loaded = self._completed(completion)
                 if loaded is not None:
-                    results.finished_recving.add(loaded)
+                    self._loaded(loaded, results)
         elif idle_wait:
             self._wait_for_progress(lookups)
         if self.finished_waiting:
             self._finished_sending(results.finished_sending)
         return results
+
+    def _loaded(self, req_id: str, results: KVConnectorTransferResults) -> None:
+        results.finished_recving.add(req_id)
+        if req_id in self.failed_reqs:
+            self.failed_reqs.discard(req_id)
+            results.failed_recving.add(req_id)
 
     def _results_off(self, results: KVConnectorTransferResults, idle_wait: bool,
                      lookups: bool) -> KVConnectorTransferResults:
@@ -263,6 +273,8 @@ class Worker:
         if idle_wait:
             self._wait_for_progress(lookups)
         results.finished_recving.update(self.refused_loads)
+        results.failed_recving.update(self.failed_reqs & self.refused_loads)
+        self.failed_reqs -= self.refused_loads
         self.refused_loads.clear()
         return results
 
@@ -314,7 +326,7 @@ class Worker:
                 self.stats.data["loaded_blocks"] += c.blocks_ok
             else:
                 # Which blocks failed is not in the completion word: recompute them all.
-                self.load_errors.update(block_ids)
+                self._load_failed(req_id, block_ids)
                 self.stats.data["load_failed_blocks"] += len(block_ids)
             self.loads_left[req_id] -= 1
             if self.loads_left[req_id] == 0:
@@ -331,6 +343,12 @@ class Worker:
             if self.stores_left[req_id] == 0:
                 del self.stores_left[req_id]
         return None
+
+    def _load_failed(self, req_id: str, block_ids: list[int]) -> None:
+        if self.groups > 1:
+            self.failed_reqs.add(req_id)
+        else:
+            self.load_errors.update(block_ids)
 
     def take_load_errors(self) -> set[int]:
         errors, self.load_errors = self.load_errors, set()

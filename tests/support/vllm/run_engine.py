@@ -27,7 +27,8 @@ Output JSON (see ``run()``): ``requests`` (flat list over rounds, each with
 as reported by ``RequestOutput.num_cached_tokens``), ``kv_transfer_params``
 (the dict the connector's ``request_finished`` returned), ``finish_reason``
 and, in sequential mode, ``generate_s`` and ``metrics_delta``), ``rounds``
-(per-round timing and metric deltas), ``metrics`` (final Prometheus counters,
+(per-round timing and metric deltas), ``kv_cache`` (the KV cache config's blocks and groups,
+in-process only), ``metrics`` (final Prometheus counters,
 e.g. ``vllm:external_prefix_cache_hits``), and ``timing``.
 """
 
@@ -123,6 +124,29 @@ def _request_result(output: Any) -> dict[str, Any]:
     }
 
 
+def _pass_gate(gate: Path, done_round: int, timeout: float) -> None:
+    """Tell the caller round `done_round` is done; wait for its go-ahead."""
+    (gate / f"done-{done_round}").touch()
+    deadline = time.monotonic() + timeout
+    while not (gate / f"go-{done_round}").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{gate}/go-{done_round} did not appear")
+        time.sleep(0.05)
+
+
+def _kv_cache(llm: Any) -> dict[str, Any] | None:
+    """The KV cache config vLLM's scheduler runs with: its blocks and its groups (kind, block size,
+    sliding window, layers). Only in-process (without --multiproc); None otherwise."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        return None
+    config = core.scheduler.kv_cache_config
+    groups = [{"kind": type(g.kv_cache_spec).__name__, "block_size": g.kv_cache_spec.block_size,
+               "sliding_window": getattr(g.kv_cache_spec, "sliding_window", None), "layers": len(g.layer_names)}
+              for g in config.kv_cache_groups]
+    return {"num_blocks": config.num_blocks, "groups": groups}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     from vllm import LLM, SamplingParams
@@ -153,14 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rounds: list[dict[str, Any]] = []
     for round_idx in range(args.rounds):
         if round_idx > 0 and args.round_gate:
-            # Tell the caller the previous round is done; wait for its go-ahead.
-            gate = Path(args.round_gate)
-            (gate / f"done-{round_idx - 1}").touch()
-            deadline = time.monotonic() + args.hold_timeout
-            while not (gate / f"go-{round_idx - 1}").exists():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{gate}/go-{round_idx - 1} did not appear")
-                time.sleep(0.05)
+            _pass_gate(Path(args.round_gate), round_idx - 1, args.hold_timeout)
         if round_idx > 0 and args.reset_prefix_cache:
             if not llm.reset_prefix_cache():
                 raise RuntimeError("reset_prefix_cache() failed")
@@ -201,6 +218,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "requests": requests,
         "rounds": rounds,
         "metrics": metrics,
+        "kv_cache": _kv_cache(llm),
         "timing": {
             "import_s": t_imported - t_start,
             "engine_start_s": t_engine - t_imported,
