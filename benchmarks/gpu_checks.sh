@@ -16,7 +16,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/kvstore-site
 fi
-python3 -m pip install -q --no-deps --no-build-isolation . || exit 1
+python3 -m pip install -q --no-deps --no-build-isolation ./client . || exit 1
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
 (nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
  python3 -c "import torch; from kvstore_service import native; print(torch.__version__, native.features())"

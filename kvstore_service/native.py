@@ -23,8 +23,8 @@ try:
 except ImportError as exc:
     raise ImportError(
         f"kvstore's native copy engine kvstore_service._native cannot be imported ({exc}). It is built from "
-        "csrc/ when kvstore is installed: reinstall kvstore (pip install .) on a machine with a C++17 compiler "
-        "and the Python development headers, and check the build output for errors."
+        "csrc/ when kvstore is installed: reinstall it (pip install ./client .) on a machine with a C++17 "
+        "compiler and the Python development headers, and check the build output for errors."
     ) from exc
 
 CHECKSUM_ALGORITHM: Final = "crc32c"
