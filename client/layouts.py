@@ -23,7 +23,7 @@ vLLM is imported inside the functions, so this module loads without it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from math import prod
 from typing import TYPE_CHECKING
 
@@ -75,7 +75,10 @@ def describe_kv_cache(
     `by_layer`: runs of different layers stay separate regions (a block-outermost layout then gives one run
     per layer, not one for all) and `layer_regions` says where each layer ends; not for per-layer tuples.
     """
-    group = served_group(kv_cache_config)
+    groups = served_groups(kv_cache_config)
+    if len(groups) > 1:
+        return _describe_aliased_groups(kv_cache_config, groups, kv_caches, layout)
+    group = groups[0]
     num_blocks = kv_cache_config.num_blocks
     if num_blocks < 1:
         raise UnsupportedKVCache(f"the KV cache config has {num_blocks} blocks")
@@ -119,24 +122,54 @@ def describe_kv_cache(
 # -- what can be described --------------------------------------------------------------------------------------------
 
 
-def served_group(config: KVCacheConfig) -> KVCacheGroupSpec:
-    """The config's only cache group. A block id means one page per layer only with one full-attention group:
-    with several groups (the hybrid allocator) each group has its own block table, and other specs (sliding
-    window, mamba) drop or rewrite pages, so a block's bytes are not its tokens' KV."""
-    from vllm.v1.kv_cache_interface import is_full_attention_spec, iter_layer_specs
+def served_groups(config: KVCacheConfig) -> list[KVCacheGroupSpec]:
+    """The config's cache groups, if a block id means one page per layer of its group: full-attention and
+    sliding-window groups (a sliding-window block holds its tokens' KV while in the window) of one block size.
+    Mamba and linear-attention states are rewritten in place, not per block: refused."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec, is_full_attention_spec, iter_layer_specs
 
     groups = config.kv_cache_groups
-    if len(groups) != 1:
-        raise UnsupportedKVCache(f"the KV cache has {len(groups)} KV cache groups (hybrid allocator); only a "
-                                 "single full-attention group can be described as per-block runs")
-    group = groups[0]
-    if not is_full_attention_spec(group.kv_cache_spec):
-        kinds = sorted({type(spec).__name__ for spec in iter_layer_specs(group.kv_cache_spec)})
-        raise UnsupportedKVCache(f"the KV cache group's layers use {kinds}, not full attention (FullAttentionSpec "
-                                 "or MLAAttentionSpec): their pages do not hold one block's tokens")
-    if group.host_resident or any(tensor.host_resident for tensor in config.kv_cache_tensors):
+    for group in groups:
+        spec = group.kv_cache_spec
+        if not (is_full_attention_spec(spec) or isinstance(spec, SlidingWindowSpec)):
+            kinds = sorted({type(s).__name__ for g in groups for s in iter_layer_specs(g.kv_cache_spec)})
+            raise UnsupportedKVCache(f"the KV cache's layers use {kinds} in {len(groups)} KV cache group(s); only "
+                                     "full-attention (FullAttentionSpec, MLAAttentionSpec) and sliding-window "
+                                     "groups hold one block's tokens per page")
+        if group.host_resident:
+            raise UnsupportedKVCache("host_resident KV cache memory (HiSparse host pool) is not described")
+    sizes = sorted({g.kv_cache_spec.block_size for g in groups})
+    if len(sizes) != 1:
+        raise UnsupportedKVCache(f"the KV cache groups have block sizes {sizes}; only one block size is served")
+    if any(tensor.host_resident for tensor in config.kv_cache_tensors):
         raise UnsupportedKVCache("host_resident KV cache memory (HiSparse host pool) is not described")
-    return group
+    return list(groups)
+
+
+def _describe_aliased_groups(config: KVCacheConfig, groups: list[KVCacheGroupSpec],
+                             kv_caches: Mapping[str, torch.Tensor | tuple[torch.Tensor, ...] | list[torch.Tensor]],
+                             layout: str | None) -> KVCacheDescription:
+    """Several groups (vLLM's hybrid allocator): one description for all, where every group's block b is the same
+    bytes. vLLM overlays the groups' tensors on one allocation and one block-id space (a block id belongs to one
+    group at a time), so a block's pages are those of whichever group holds it; the group is in the key."""
+    first: KVCacheDescription | None = None
+    for group in groups:
+        members = set(group.layer_names)
+        tensors = [t for t in config.kv_cache_tensors if members.intersection(t.layers)]
+        mixed = [t.layers for t in tensors if not members.issuperset(t.layers)]
+        if mixed:
+            raise UnsupportedKVCache(f"KVCacheTensors {mixed} mix layers of several KV cache groups")
+        one = replace(config, kv_cache_tensors=tensors, kv_cache_groups=[group])
+        description = describe_kv_cache(one, {n: v for n, v in kv_caches.items() if n in members}, layout)
+        if first is None:
+            first = description
+        elif (description.regions != first.regions or description.layout != first.layout
+              or [m.untyped_storage().data_ptr() for m in description.memories]
+              != [m.untyped_storage().data_ptr() for m in first.memories]):
+            raise UnsupportedKVCache(f"KV cache group {group.layer_names} is not laid over the same bytes as group "
+                                     f"{groups[0].layer_names} (regions {description.regions} vs {first.regions})")
+    assert first is not None
+    return first
 
 
 def _resolve_layout(config: KVCacheConfig, layout: str | None) -> KVCacheLayout:

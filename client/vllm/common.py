@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvstore_client.layouts import KV_TUPLES, UnsupportedKVCache, heads_first, served_group
+from kvstore_client.layouts import KV_TUPLES, UnsupportedKVCache, heads_first, served_groups
 from kvstore_client.vllm.identity import ModelNotFound, weights_identity
 
 if TYPE_CHECKING:
@@ -172,6 +172,9 @@ def namespace_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         f"page={page_format(vllm_config, kv_cache_config)}",
         f"kv_shards={Sharding.of(vllm_config, kv_cache_config).shards}",
     ]
+    if group_kinds(kv_cache_config) is not None:  # a single full-attention group keeps today's namespace
+        assert kv_cache_config is not None
+        parts.append(group_signature(kv_cache_config))
     if settings.tenant_salt:
         parts.append(f"salt={settings.tenant_salt}")
     return ";".join(parts)
@@ -193,10 +196,41 @@ def unsupported_kv_cache(kv_cache_config: KVCacheConfig | None) -> str:
     if kv_cache_config is None:
         return "vLLM gave no KV cache config"
     try:
-        served_group(kv_cache_config)
+        groups = served_groups(kv_cache_config)
     except UnsupportedKVCache as e:
         return str(e)
+    block_size = groups[0].kv_cache_spec.block_size
+    if kv_cache_config.hash_block_size not in (None, block_size):
+        return (f"vLLM hashes blocks of {kv_cache_config.hash_block_size} tokens, not the KV cache's "
+                f"{block_size}-token blocks")
     return ""
+
+
+def group_kinds(kv_cache_config: KVCacheConfig | None) -> list[int | None] | None:
+    """Per KV cache group, None for full attention or the blocks a hit needs before it for sliding window
+    (vLLM's ceil((window - 1) / block size)); None for a single full-attention group (today's keys)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    if kv_cache_config is None:
+        return None
+    specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
+    if len(specs) == 1 and not isinstance(specs[0], SlidingWindowSpec):
+        return None
+    return [-(-(spec.sliding_window - 1) // spec.block_size) if isinstance(spec, SlidingWindowSpec) else None
+            for spec in specs]
+
+
+def group_signature(kv_cache_config: KVCacheConfig) -> str:
+    """The KV cache groups as the namespace names them: kind, block size, window, layers; and the hash
+    block size. Keys of different groups differ by their tag (Scheduler.group_keys)."""
+    parts = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        window = getattr(spec, "sliding_window", None)
+        parts.append(f"{type(spec).__name__}/{spec.block_size}" + (f"/w{window}" if window else "")
+                     + f"/{len(group.layer_names)}")
+    hash_block = kv_cache_config.hash_block_size or kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    return f"groups={','.join(parts)};hash_block={hash_block}"
 
 
 # -- scheduler -> worker ------------------------------------------------------------------------
@@ -215,6 +249,8 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     stores: list[Transfer] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    # Requests whose sliding-window blocks vLLM freed this step: their stores must finish before the forward.
+    flush: set[str] = field(default_factory=set)
     # Nothing scheduled while lookups or loads are in flight: the worker waits for progress (see
     # IDLE_WAIT_MAX_S); `lookups`: lookup replies are awaited too (progress a worker in the scheduler's
     # process sees).

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvstore_client.client import KVStoreClient, Session
@@ -21,6 +22,7 @@ from kvstore_client.vllm.common import (
     KVStoreConnectorMetadata,
     Transfer,
     engine_core_sleeps_when_idle,
+    group_kinds,
 )
 
 if TYPE_CHECKING:
@@ -37,6 +39,28 @@ _hashing: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | No
 # or offered), kept until the session re-registers (a new daemon may have an empty pool): at most
 # this many, oldest dropped first.
 KNOWN_KEYS = 65536
+# Several KV cache groups (vLLM's hybrid allocator): group g's key of a block is vLLM's block hash, this tag
+# and g, so it never equals another group's key or a single-group key (a bare hash).
+GROUP_TAG = b"g"
+
+
+def hit_blocks(windows: Sequence[int | None], start: int, end: int, present: Callable[[int, int], bool]) -> int:
+    """vLLM's hit rule for several KV cache groups (HybridKVCacheCoordinator.find_longest_cache_hit): the
+    largest n <= end such that every full-attention group (window None) has blocks [start, n) and every
+    sliding-window group the `window` blocks before n (those from `start` on: vLLM holds the rest), iterated
+    to the fixed point, as one group's shorter hit shortens the others'. `present(g, i)`: group g's block i
+    is in the pool. Returns `start` where nothing past it hits."""
+    n = end
+    changed = True
+    while changed and n > start:
+        changed = False
+        for g, window in enumerate(windows):
+            first = start if window is None else max(start, n - window)
+            missing = [i for i in range(first, n) if not present(g, i)]
+            if missing:  # full attention stops at its first gap; a window ends just before its last one
+                n = missing[0] if window is None else missing[-1]
+                changed = True
+    return max(n, start)
 
 
 def _vllm_hashing() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
@@ -90,6 +114,9 @@ class _Req:
     # `pool_has` (-1: not known): the rest is offered to the pool (Scheduler._plan_offers).
     local = 0
     pool_has = -1
+    # Sliding-window blocks stored, (group, block index, block id): vLLM frees such a block once out of its
+    # window, without telling the connector, and may reuse it in the next forward (see _volatile_freed).
+    volatile: list[tuple[int, int, int]] | None = None
 
     def __init__(self, request: Request) -> None:
         self.request = request
@@ -106,8 +133,16 @@ class Scheduler:
 
     def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings, namespace: str,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
+        # Several KV cache groups, or a sliding-window one: per group None (full attention) or the blocks a
+        # sliding-window hit needs before it; None: one full-attention group (today's keys and namespace).
+        self.windows = group_kinds(kv_cache_config)
+        if self.windows is not None:  # no partial-tail keys and no offers for grouped keys (yet)
+            settings = replace(settings, offer_blocks_per_step=0)
         self.settings = settings
         self.block_size = vllm_config.cache_config.block_size
+        if self.windows is not None:
+            assert kv_cache_config is not None
+            self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         from vllm.utils.hashing import get_hash_fn_by_name
 
         self.hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
@@ -174,12 +209,29 @@ class Scheduler:
                 return None, False
             self._read(state, rec, min(start, full))
         state.start = start
-        # Every cached token but the last: vLLM computes at least one token (a full hit loads the
-        # last block whole and recomputes only its final token).
-        cached = min(state.cached_tokens(self.block_size), request.num_tokens - 1)
+        cached = self._cached(state, start, request.num_tokens)
         if cached <= num_computed_tokens:
             return 0, False
         return cached - num_computed_tokens, True
+
+    def group_keys(self, hashes: Sequence[bytes]) -> list[bytes]:
+        """Every group's key of each block, block by block: [block 0 of group 0, of group 1, ..., block 1 of
+        group 0, ...]. The pool's count of leading present keys then gives the blocks every group holds."""
+        tags = [GROUP_TAG + bytes([g]) for g in range(len(self.windows or ()))]
+        return [bytes(h) + tag for h in hashes for tag in tags]
+
+    def _cached(self, state: _Lookup, start: int, num_tokens: int) -> int:
+        """Tokens a lookup's reply lets vLLM skip, from the first (vLLM's local hit: `start` blocks)."""
+        if self.windows is None:
+            # Every cached token but the last: vLLM computes at least one token (a full hit loads the
+            # last block whole and recomputes only its final token).
+            return min(state.cached_tokens(self.block_size), num_tokens - 1)
+        # Several groups: by vLLM's rule for them (hit_blocks), in whole blocks, all but the last token at
+        # most. The lookup answers how many leading keys are present: group g's block i is known present if
+        # its key is among them.
+        groups, hits = len(self.windows), state.hits
+        end = min(state.full, (num_tokens - 1) // self.block_size)
+        return hit_blocks(self.windows, start, end, lambda g, i: i * groups + g < hits) * self.block_size
 
     def _read(self, state: _Lookup, rec: _Req, local: int) -> None:
         """Take a lookup's reply (once): its errors and the sidecar's absence are logged here; `local`:
@@ -200,7 +252,8 @@ class Scheduler:
         of its prompt's partial tail (`tail`), looked up with a lease on the hits; the reply goes into
         `state`, `replied` last."""
         try:
-            keys: list[bytes] = list(request.block_hashes[: state.full])
+            hashes = request.block_hashes[: state.full]
+            keys: list[bytes] = list(hashes) if self.windows is None else self.group_keys(hashes)
             if tail and (tail_key := self._tail(request)) is not None:
                 keys.append(tail_key[0])
                 state.tail = tail_key[1]
@@ -289,7 +342,8 @@ class Scheduler:
     def _has_tail(self, request: Request, full: int) -> bool:
         """Whether a request is a fresh prompt with a partial last block (see _tail); cheap."""
         end = request.num_prompt_tokens
-        return request.num_tokens == end and 0 < end - full * self.block_size < self.block_size
+        return (self.windows is None and request.num_tokens == end
+                and 0 < end - full * self.block_size < self.block_size)
 
     def _tail_key(self, request: Request) -> bytes | None:
         """The key of the prompt's partial last block: the one its lookup hashed, if it had one."""
@@ -323,8 +377,17 @@ class Scheduler:
         if state is None or rec is None:
             return
         count = -(-num_external_tokens // self.block_size)  # the last one may be loaded for part of its tokens
-        block_ids = blocks.get_block_ids()[0][state.start : state.start + count]
-        keys = list(state.keys[state.start : state.start + count])
+        if self.windows is None:
+            block_ids = blocks.get_block_ids()[0][state.start : state.start + count]
+            keys = list(state.keys[state.start : state.start + count])
+        else:  # each group's blocks vLLM allocated (a sliding-window group's out of its window are null)
+            groups = len(self.windows)
+            keys, block_ids = [], []
+            for g, ids in enumerate(blocks.get_block_ids()):
+                for i in range(state.start, state.start + count):
+                    if ids[i]:
+                        keys.append(state.keys[i * groups + g])
+                        block_ids.append(ids[i])
         self.loads.append(Transfer(req_id, keys, list(block_ids)))
         self.load_block_ids[req_id] = set(block_ids)
         # Loaded full blocks need no store; a loaded tail's block does once output tokens fill it.
@@ -349,19 +412,40 @@ class Scheduler:
             return KVStoreConnectorMetadata(loads=loads, preempted=set(preempted or ()), idle_wait=wait,
                                             lookups=lookups, early=self.early_loads, forward=False)
         stores: list[Transfer] = []
+        flush: set[str] = set()
         block_state = scheduler_output.kv_connector_block_state
         if self.settings.store and block_state is not None:
-            reqs = self.reqs
-            for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
-                rec = reqs.get(req_id)
-                if rec is not None and rec.request.num_computed_tokens + scheduled >= rec.store_at:
-                    self._plan_store(rec, scheduled, block_state, stores)
+            self._plan_stores(scheduler_output.num_scheduled_tokens, block_state, stores, flush)
             if self.offers:
                 self._plan_offers(block_state, stores)
-        if not loads and not stores and not preempted:
+        if not loads and not stores and not preempted and not flush:
             return _NO_JOBS
         self.loads = []
-        return KVStoreConnectorMetadata(loads=loads, stores=stores, preempted=set(preempted or ()))
+        return KVStoreConnectorMetadata(loads=loads, stores=stores, preempted=set(preempted or ()), flush=flush)
+
+    def _plan_stores(self, scheduled_tokens: dict[str, int], block_state: Any, stores: list[Transfer],
+                     flush: set[str]) -> None:
+        reqs = self.reqs
+        for req_id, scheduled in scheduled_tokens.items():
+            rec = reqs.get(req_id)
+            if rec is None:
+                continue
+            if rec.volatile and self._volatile_freed(rec, block_state):
+                flush.add(req_id)
+            if rec.request.num_computed_tokens + scheduled >= rec.store_at:
+                self._plan_store(rec, scheduled, block_state, stores)
+
+    def _volatile_freed(self, rec: _Req, block_state: Any) -> bool:
+        """Whether vLLM freed a sliding-window block of the request's stores (it left the window) this step:
+        another request may be given it, so the stores must have read it before this step's forward
+        (KVStoreConnectorMetadata.flush). Then the request's stores so far are waited for: forget them."""
+        ids = block_state.get_block_ids(rec.request.request_id)
+        volatile = rec.volatile
+        assert volatile is not None
+        if ids is not None and all(i < len(ids[g]) and ids[g][i] == b for g, i, b in volatile):
+            return False
+        rec.volatile = None
+        return True
 
     def _idle_wait(self) -> tuple[bool, bool]:
         """(wait, lookups) for a step with nothing to compute: whether the worker waits for progress,
@@ -400,8 +484,11 @@ class Scheduler:
         ids = block_state.get_block_ids(req_id)
         if ids is None:
             return
-        keys: list[bytes] = list(request.block_hashes[first:done])
-        block_ids = list(ids[0][first:done])
+        if self.windows is not None:
+            keys, block_ids = self._group_stores(rec, ids, first, done)
+        else:
+            keys = list(request.block_hashes[first:done])
+            block_ids = list(ids[0][first:done])
         tail_key = self._tail_key(request) if tail else None
         if tail_key is not None:
             keys.append(tail_key)
@@ -414,6 +501,27 @@ class Scheduler:
                 self._remember(request.block_hashes[done - 1])
         rec.stored_upto = max(first, done)
         rec.store_at = self._store_at(rec, computed + scheduled)
+
+    def _group_stores(self, rec: _Req, ids: tuple[list[int], ...], first: int,
+                      done: int) -> tuple[list[bytes], list[int]]:
+        """Keys and block ids of blocks [first, done) in every group (all in vLLM's tables: they were just
+        computed); the sliding-window ones are remembered as volatile."""
+        assert self.windows is not None
+        keys = self.group_keys(rec.request.block_hashes[first:done])
+        groups = len(self.windows)
+        out_keys, block_ids = [], []
+        for i in range(first, done):
+            for g, window in enumerate(self.windows):
+                block = ids[g][i] if i < len(ids[g]) else 0
+                if not block:
+                    continue
+                out_keys.append(keys[(i - first) * groups + g])
+                block_ids.append(block)
+                if window is not None:
+                    if rec.volatile is None:
+                        rec.volatile = []
+                    rec.volatile.append((g, i, block))
+        return out_keys, block_ids
 
     def _store_at(self, rec: _Req, computed: int) -> int:
         """With `computed` tokens computed: the count (a step's tokens included) that completes the
