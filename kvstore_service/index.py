@@ -3,7 +3,8 @@
 The event loop owns the index; nothing else touches its maps, and there are no locks. The rest of
 the daemon keeps books through the verbs below, in the order vLLM's offload manager uses them:
 `lookup`; `prepare_store` -> (copy) -> `complete_store`, later `hold` -> (checksum) -> `seal`;
-`prepare_load` -> (copy) -> `complete_load`; `pin`/`unpin` for leases; `clear`; after a restart
+`prepare_load` -> (copy) -> `complete_load`; `pin`/`unpin` for leases (`pin_present` while a lookup's
+misses are promoted); `clear`; after a restart
 `recover`, then `recovered` -> `hold` -> (checksum) -> `verify`.
 
 A block is WRITING while its store copy runs (invisible to lookups and loads) and COMMITTED after.
@@ -191,6 +192,13 @@ class BlockIndex:
         """How many of the leading keys are committed (no hit or miss counted)."""
         return sum(1 for _ in takewhile(ns._committed.__contains__, keys))
 
+    def pin_present(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
+        """Pin the committed blocks of these keys (a lookup's, while its misses are promoted: the
+        promotion's evictions must not take the blocks it is completing); returns them, to unpin."""
+        held: list[Block] = list(filter(_is_block, map(ns._committed.get, keys)))  # type: ignore[arg-type]
+        self.pin(held)
+        return held
+
     def pin(self, blocks: Iterable[Block]) -> None:
         """Keep blocks from eviction (a lease, a load, a seal), most recently used from now."""
         for block in blocks:
@@ -307,6 +315,9 @@ class BlockIndex:
         `complete_store(blocks, ok, whole=True)`."""
         committed, writing = ns._committed, ns._writing
         absent = list(takewhile(lambda k: k not in committed and k not in writing, keys))
+        if ns._recovered:  # an unverified copy is replaced by the tier's verified one, as by a store
+            for key in ns._recovered.keys() & absent:
+                self._discard(ns._recovered[key])
         blocks = self._reserve(ns, absent)
         if ns.shards > 1:
             for block in blocks:

@@ -17,7 +17,7 @@ from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_service import __version__
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
-from kvstore_service.index import unpack_keys
+from kvstore_service.index import Block, Namespace, unpack_keys
 from kvstore_service.layout import Layout, Region
 from kvstore_service.peercred import Handshake, PeerCredServer, close_fds
 from kvstore_service.sessions import EngineSession, Registration, Session
@@ -155,15 +155,36 @@ class Servicer(pb_grpc.KVStoreServicer):
             if handshake is not None:
                 close_fds(handshake.fds)
             name = scoped(caller.member("look up blocks"), request.namespace)
-        tiers = self.daemon.tiers
-        if tiers is not None:  # the pool's misses are brought in from the tier below first
+        if self.daemon.tiers is not None:  # the pool's misses are brought in from the tiers below first
             ns = self.daemon.index.find_namespace(session.namespace_name if session is not None else name)
             if ns is not None:
                 # Shielded: a promotion cut short would leave its reserved slots WRITING for good.
-                await asyncio.shield(tiers.promote(ns, list(unpack_keys(request.keys, request.key_size))))
+                await asyncio.shield(self._promote(ns, list(unpack_keys(request.keys, request.key_size))))
         hits, lease_id = self.daemon.sessions.lookup(session, name, request.keys, request.key_size,
                                                      request.lease, request.lease_ttl_ms)
         return pb.LookupResponse(hits=hits, lease_id=lease_id)
+
+    async def _promote(self, ns: Namespace, keys: list[bytes]) -> None:
+        """Bring a lookup's misses in from the tiers, a run at a time (a promotion stops at a block the
+        pool holds), as far as the pool can hold them and --remote-fetch-bytes allows. The lookup's
+        blocks in the pool are pinned meanwhile: the promotion's evictions must not take them."""
+        tiers, index = self.daemon.tiers, self.daemon.index
+        assert tiers is not None
+        budget = max(1, int(self.daemon.config.remote_fetch_bytes) // ns.block_bytes)
+        held: list[Block] = []
+        try:
+            while budget > 0:
+                index.unpin(held)
+                held = index.pin_present(ns, keys)
+                start = index.leading(ns, keys)
+                if start == len(keys):
+                    break
+                promoted = await tiers.promote(ns, keys[:start + budget])
+                if not promoted:
+                    break
+                budget -= promoted
+        finally:
+            index.unpin(held)
 
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Any) -> pb.ReleaseLeaseResponse:
         self.daemon.sessions.release_lease(self._session(request.session_id, context), request.lease_id)

@@ -295,3 +295,59 @@ def test_blocks_evicted_before_their_seal_are_counted_as_dropped_writes(daemon_f
     assert disk.healthy and stats.evictions > 0
     assert disk.write_dropped > 0  # (the write queue holds more than the pool: nothing else drops)
     assert disk.written + disk.write_dropped == sum(stored)
+
+
+PROMPT = 29  # blocks of one prompt
+SLOT_BLOCK = 100 * 1024  # 40 of these fill a 4 MiB pool segment
+
+
+def store_prompt(daemon, name: str) -> list[bytes]:
+    """A prompt's 29 blocks stored by an engine that then goes away."""
+    engine = Engine(daemon.socket, NS, PROMPT, SLOT_BLOCK)
+    try:
+        keys = [key_of(name, i) for i in range(PROMPT)]
+        engine.fill(keys, list(range(PROMPT)))
+        job = engine.session.store(keys, list(range(PROMPT)))
+        assert engine.session.wait([job])[job].ok
+        return keys
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("pool_holds", ["its last blocks", "its last blocks and a middle run"])
+def test_a_restarted_daemon_serves_a_whole_prompt_from_its_pool_and_disk(daemon_factory, tmp_path: Path,
+                                                                         pool_holds: str) -> None:
+    """A pool of 40 blocks, prompts of 29, every block on disk: after a restart the pool holds some of
+    a prompt's blocks (recovered) and the disk all of them. The first lookup of that prompt gets all 29:
+    the promotion neither evicts the prompt's own blocks from the pool nor stops at one it finds there
+    (it used to hit 18 of 29, and 10 with a run in the middle, as a fresh engine's first prompt did)."""
+    daemon = daemon_factory("--disk-path", str(tmp_path / "disk"), *DISK, pool_size="4MiB",
+                            segment_size="4MiB").start()
+    client = daemon.client()
+    first = store_prompt(daemon, "first")
+    wait_written(daemon, PROMPT)
+    store_prompt(daemon, "second")  # the pool keeps the first prompt's last 11 blocks
+    wait_written(daemon, 2 * PROMPT)
+    if pool_holds == "its last blocks and a middle run":
+        assert client.lookup(NS, first[5:10]) == 5  # promoted, in place of the second prompt's oldest
+    assert wait_for(lambda: client.stats().unsealed_blocks == 0)
+    daemon.stop()
+    daemon.start()  # the pool re-attached: its blocks recovered
+    assert wait_for(lambda: client.stats().unverified_blocks == 0)
+    assert client.stats().blocks == 40
+    assert load_on_blocks(daemon, first) == (PROMPT, 0)
+
+
+def load_on_blocks(daemon, keys: list[bytes]) -> tuple[int, int]:
+    """As load_on, for prompts of SLOT_BLOCK-byte blocks."""
+    engine = Engine(daemon.socket, NS, len(keys), SLOT_BLOCK)
+    try:
+        hits, lease = engine.session.lookup(keys, lease=True)
+        if hits:
+            job = engine.session.load(keys[:hits], list(range(hits)))
+            assert engine.session.wait([job])[job].ok
+        if lease:
+            engine.session.release_lease(lease)
+        return hits, engine.verify(keys[:hits], list(range(hits)))
+    finally:
+        engine.close()
