@@ -53,6 +53,10 @@ def target_for(socket: str | None) -> str:
     return f"unix://{os.path.abspath(socket)}"
 
 
+# The daemon's answers to a handshake over a limit of handshakes in progress (kvstore_service.peercred).
+_BUSY = {b"\x03": "--max-handshakes-per-uid: of this uid", b"\x04": "--max-handshakes: of all uids"}
+
+
 def peer_handshake(target: str, fds: Sequence[int] = (), timeout: float = 5.0) -> bytes:
     """Tell the daemon who we are (it reads SO_PEERCRED on `<socket>.cred`) and hand it our shared
     memory (`fds`, by SCM_RIGHTS); returns the token to name in Register/Clear, or b"" for a daemon
@@ -70,8 +74,12 @@ def peer_handshake(target: str, fds: Sequence[int] = (), timeout: float = 5.0) -
             raise Unavailable(f"UNAVAILABLE: cannot reach the daemon's handshake socket: {e}") from None
     if reply == b"\x01":
         raise PermissionDenied(f"PERMISSION_DENIED: the daemon does not allow uid {os.getuid()}")
+    if reply in _BUSY:
+        raise ResourceExhausted(f"RESOURCE_EXHAUSTED: the daemon has too many handshakes in progress "
+                                f"({_BUSY[reply]}); retry shortly")
     if reply != b"\x00":
-        raise ResourceExhausted("RESOURCE_EXHAUSTED: the daemon refused the handshake (more than 2 descriptors?)")
+        raise ResourceExhausted(f"RESOURCE_EXHAUSTED: the daemon refused the handshake: a short token, or "
+                                f"descriptors lost in transit (sent {len(fds)})")
     return token
 
 

@@ -177,7 +177,8 @@ class Jobs:
                           f"job {job_id}: completion slot busy ({len(session.jobs)} jobs in flight, "
                           f"{session.channel.slots} slots); wait for completions")
         if len(session.jobs) >= self.config.max_inflight_jobs:
-            raise KVError("RESOURCE_EXHAUSTED", f"{len(session.jobs)} jobs in flight (max)")
+            raise KVError("RESOURCE_EXHAUSTED", f"{len(session.jobs)} jobs in flight (--max-inflight-jobs "
+                          f"{self.config.max_inflight_jobs}); wait for completions")
 
         job = Job(job_id, is_store, session, keys, block_ids, [False] * len(keys), partial_tail)
         session.jobs[slot] = job

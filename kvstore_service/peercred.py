@@ -38,7 +38,9 @@ HANDSHAKE_TIMEOUT_S = 2.0
 MAX_HANDSHAKES_PER_UID = 16
 MAX_HANDSHAKES = 256
 _REFUSAL_LOG_INTERVAL_S = 10.0
-ACCEPTED, NOT_ALLOWED, REFUSED = b"\x00", b"\x01", b"\x02"
+# The one-byte answers. REFUSED: a short token or descriptors lost in transit; BUSY_UID / BUSY: over
+# --max-handshakes-per-uid / --max-handshakes (the client names the flag).
+ACCEPTED, NOT_ALLOWED, REFUSED, BUSY_UID, BUSY = b"\x00", b"\x01", b"\x02", b"\x03", b"\x04"
 _UCRED = struct.Struct("3i")
 
 
@@ -127,20 +129,23 @@ class PeerCredServer:
             except OSError:
                 conn.close()
                 continue
-            if not self._admit(cred):
-                self._refuse_now(conn, cred)
+            busy = self._over_limit(cred)
+            if busy is not None:
+                self._refuse_now(conn, cred, busy)
                 continue
             self._in_progress[cred.uid] = self._in_progress.get(cred.uid, 0) + 1
             handler = loop.create_task(self._handle(conn, cred))
             self._handlers.add(handler)
             handler.add_done_callback(self._handlers.discard)
 
-    def _admit(self, cred: PeerCred) -> bool:
-        return (self._in_progress.get(cred.uid, 0) < self.max_handshakes_per_uid
-                and self.handshakes_in_progress < self.max_handshakes)
+    def _over_limit(self, cred: PeerCred) -> bytes | None:
+        """The answer to a connection over a limit of handshakes in progress (None: admitted)."""
+        if self._in_progress.get(cred.uid, 0) >= self.max_handshakes_per_uid:
+            return BUSY_UID
+        return BUSY if self.handshakes_in_progress >= self.max_handshakes else None
 
-    def _refuse_now(self, conn: socket.socket, cred: PeerCred) -> None:
-        """Over a limit: answer REFUSED if the socket takes it, close, count. Whatever the client has
+    def _refuse_now(self, conn: socket.socket, cred: PeerCred, answer: bytes) -> None:
+        """Over a limit: answer which one if the socket takes it, close, count. Whatever the client has
         sent already (descriptors included) is read and closed, so the answer is not lost to a reset."""
         self.refused_handshakes += 1
         now = time.monotonic()
@@ -156,7 +161,7 @@ class PeerCredServer:
                 close_fds(fds)
             except OSError:
                 pass
-            conn.send(REFUSED)
+            conn.send(answer)
         except OSError:
             pass
         finally:

@@ -156,7 +156,8 @@ class Sessions:
                               f"(--max-sessions-per-uid {self.config.max_sessions_per_uid})")
             if len(self.by_id) + self._registering >= self.config.max_sessions:
                 raise KVError("RESOURCE_EXHAUSTED",
-                              f"the daemon already has {len(self.by_id) + self._registering} sessions (max)")
+                              f"the daemon already has {len(self.by_id) + self._registering} sessions "
+                              f"(--max-sessions {self.config.max_sessions})")
             if request.layout is None:
                 name = scoped(request.tenant, request.namespace)
                 session = Session(session_id=secrets.token_bytes(16), engine_id=request.engine_id,

@@ -185,13 +185,35 @@ def test_jobs_beyond_completion_slots_fail_without_blocking(daemon) -> None:
     memory.close()
 
 
+def test_jobs_over_max_inflight_jobs_are_refused_naming_the_flag(daemon_factory) -> None:
+    """It used to say "1 jobs in flight (max)"."""
+    daemon = daemon_factory("--max-inflight-jobs", "1", pool_size="256MiB").start()
+    engine = Engine(daemon.socket, "inflight", 256, KB64)
+    stub = pb_grpc.KVStoreStub(grpc.insecure_channel(f"unix://{daemon.socket}"))
+    refusals: list[str] = []
+    for attempt in range(10):  # 8 stores of 16 MiB at once: one runs while the others arrive
+        calls = [stub.Store.future(transfer(engine, [key_of(f"j{attempt}-{n}", i) for i in range(256)],
+                                            list(range(256)), job_id=n), timeout=10) for n in range(8)]
+        for call in calls:
+            try:
+                call.result()
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.details()
+                refusals.append(e.details())
+        if refusals:
+            break
+        engine.session.wait([])
+    assert refusals and all("1 jobs in flight (--max-inflight-jobs 1)" in r for r in refusals), refusals
+    engine.close()
+
+
 def test_too_many_sessions(daemon_factory) -> None:
     daemon = daemon_factory("--max-sessions", "2").start()
     from kvstore_client import KVStoreClient, ResourceExhausted
 
     client = KVStoreClient(daemon.socket)
     sessions = [client.session("n"), client.session("n")]
-    with pytest.raises(ResourceExhausted, match="sessions"):
+    with pytest.raises(ResourceExhausted, match=r"already has 2 sessions \(--max-sessions 2\)"):
         client.session("n")
     sessions[0].close()
     client.session("n").close()

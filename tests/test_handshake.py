@@ -57,8 +57,8 @@ for _ in range(4):
 conns = [(connect(), time.monotonic()) for _ in range(silent)]
 time.sleep(0.3)
 answers = [reply(s, 0) for s, _ in conns]
-print(json.dumps({"partial": partial, "open": answers.count(None), "refused": answers.count("02"),
-                  "other": [a for a in answers if a not in (None, "02")]}), flush=True)
+print(json.dumps({"partial": partial, "open": answers.count(None), "refused": answers.count("03"),
+                  "other": [a for a in answers if a not in (None, "03")]}), flush=True)
 closed = []
 deadline = time.monotonic() + 15.0
 for (s, t0), answer in zip(conns, answers):
@@ -103,7 +103,8 @@ def test_slow_loris_of_one_uid_does_not_stall_other_engines(daemon_factory) -> N
             pytest.fail(f"honest registration failed under the slow-loris: {e!r}")
         print(f"honest registration under a slow-loris of {SILENT} connections: {latency * 1000:.1f} ms")
         assert latency < 1.0, f"honest registration took {latency:.2f} s under the slow-loris"
-        # Half a token is refused; the uid's connections beyond its limit are refused at once.
+        # Half a token is refused; the uid's connections beyond its limit are refused at once (03:
+        # over --max-handshakes-per-uid).
         assert first["partial"] == ["02"] * 4, first
         assert first["open"] == PER_UID and first["refused"] == SILENT - PER_UID, first
         assert not first["other"], first
@@ -132,7 +133,7 @@ def test_silent_connections_are_bounded_and_closed_at_the_deadline(daemon) -> No
     t0 = time.monotonic()
     time.sleep(0.3)
     refused = [s for s in conns if select.select([s], [], [], 0)[0]]
-    assert len(refused) == 4 and all(s.recv(1) == b"\x02" for s in refused)
+    assert len(refused) == 4 and all(s.recv(1) == b"\x03" for s in refused)  # over --max-handshakes-per-uid
     silent = [s for s in conns if s not in refused]
     for s in silent:
         assert select.select([s], [], [], DEADLINE_S + 2.0)[0], "not closed by the deadline"
@@ -155,3 +156,18 @@ def test_a_token_sent_late_within_the_deadline_is_accepted(daemon) -> None:
             os.close(r)
             os.close(w)
         assert s.recv(1) == b"\x00"
+
+
+@pytest.mark.parametrize(("flag", "reason"), [("--max-handshakes-per-uid", "of this uid"),
+                                              ("--max-handshakes", "of all uids")])
+def test_a_handshake_over_a_limit_is_refused_naming_it(daemon_factory, flag: str, reason: str) -> None:
+    """The client is told which limit refused it (it used to read "more than 2 descriptors?")."""
+    from kvstore_client import ResourceExhausted
+
+    daemon = daemon_factory(flag, "1").start()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.connect(daemon.socket + ".cred")  # in progress until the deadline
+        time.sleep(0.2)
+        with pytest.raises(ResourceExhausted, match=f"too many handshakes in progress \\({flag}: {reason}\\)"):
+            daemon.client().session("n")
+    assert _register(daemon) < 1.0  # the silent connection closed: its slot is given back
