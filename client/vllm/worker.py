@@ -66,7 +66,7 @@ class Worker:
         self.load_errors: set[int] = set()
         # With several KV cache groups a block id names a block of each group: vLLM takes load failures
         # per request (failed_recving), not per block id; those requests then recompute.
-        self.groups = len(kv_cache_config.kv_cache_groups)
+        self.groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         self.failed_reqs: set[str] = set()
         self.stats = KVStoreConnectorStats()
         self.stats_changed = False  # spares the per-step is_empty() scan of the counters
