@@ -126,6 +126,13 @@ class Config(BaseSettings):
         10.0, gt=0, description="After 3 failed calls in a row, the remote store is not asked for this long.")
     remote_fetch_bytes: ByteSize = Field(
         ByteSize(256 << 20), description="Most bytes one lookup brings in from the disk or the remote store.")
+    remote_secret_file: str = Field(
+        "", description="File holding the remote store's secret (32+ random bytes; not readable by others): keys "
+        "are derived and values authenticated with it (a key per tenant), so store clients can neither read "
+        "nor plant blocks. Needed with --tenants.")
+    remote_encrypt: bool = Field(
+        False, description="Also encrypt values (AES-256-GCM, a key per tenant) with --remote-secret-file: for a "
+        "store others can read.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0: off.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     handshake_timeout_s: float = Field(
@@ -158,6 +165,15 @@ class Config(BaseSettings):
         if self.tcp and rules and not self.tls_client_ca:
             raise ValueError("--tcp with --tenants, --allowed-uids or admins needs --tls-client-ca (mTLS): a TCP "
                              "caller has no uid, only a client certificate can say who it is")
+        return self
+
+    @model_validator(mode="after")
+    def _remote_secret(self) -> Config:
+        if self.remote and self.tenants and not self.remote_secret_file:
+            raise ValueError("--remote with --tenants needs --remote-secret-file: without a secret, whoever can write "
+                             "the store can plant any tenant's blocks and whoever can read it reads them")
+        if self.remote_encrypt and not self.remote_secret_file:
+            raise ValueError("--remote-encrypt needs --remote-secret-file: the encryption keys are derived from it")
         return self
 
     @field_validator("socket_mode")

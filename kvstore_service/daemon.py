@@ -140,6 +140,7 @@ class Daemon:
         if config.remote:
             remote = RemoteTier.from_url(config.remote, password_file=config.remote_password_file or None,
                                          tls_ca_file=config.remote_tls_ca or None, timeout_s=config.remote_timeout_s,
+                                         secret_file=config.remote_secret_file or None, encrypt=config.remote_encrypt,
                                          queue_bytes=int(config.remote_queue_bytes),
                                          breaker_s=config.remote_breaker_s)
             log.info("remote tier %s", remote.url)

@@ -4,33 +4,40 @@
     tier.offer(tenant, namespace, keys, payloads)         # on the event loop; never waits for the store
     found = await tier.fetch(tenant, namespace, missing)  # the leading run of verified payloads
 
-Keys and values. One key per block, ``kvs1:<scope>:<block key hex>``, where ``scope`` is 32 hex digits of a
-hash of (tenant, namespace): a new prefix version never reads old values, tenants and namespaces never
-collide, and no ``{hashtag}`` pins the keys to one cluster slot. The value describes itself: a 24-byte
-header (magic ``KVSR``, version, header length, payload length, CRC32C of the payload, CRC32C of the key
-it belongs under; little-endian) then the payload; so a value read under the wrong key (a mixed-up
-reply, a copied key) is caught like a corrupt one. Capacity and eviction belong to the server
-(``maxmemory`` + ``allkeys-lru``): the tier never deletes a valid value, and a fetched block is the
-caller's to copy into its pool.
+Keys and values (`Keyring`). Anyone who can reach the store may be hostile, so nothing read from it is
+trusted until checked under a secret store clients do not have (``secret_file``; a key per tenant is
+derived from it). One key per block, ``kvs2:<48 hex>``: an HMAC of (namespace, block key) under the
+tenant's key, so a key says nothing about its tenant, namespace or prompt, and nobody without the
+secret can compute the key of a guessed prompt (nor ask EXISTS about it); no ``{hashtag}`` pins the keys
+to one cluster slot. A value is a 32-byte header (magic ``KVSR``, version, mode, header length, payload
+length, salt; little-endian), then either the payload and an HMAC-SHA256 of (header, key, payload), or
+(``encrypt``) the payload encrypted with AES-256-GCM under a key of its own (derived from the random
+salt), header and key authenticated with it, then the tag. A value is used only after its MAC or tag
+checked out under this key: one planted, altered, or moved from another key (a mixed-up reply, a copied
+key) is caught like a corrupt one. Without a secret the same scheme runs with an empty key: integrity
+only. Capacity and eviction belong to the server (``maxmemory`` + ``allkeys-lru``): the tier never
+deletes a valid value, and a fetched block is the caller's to copy into its pool.
 
 Failure model: the store is a cache, so every failure is a miss and none reaches the caller.
-- Write-behind: ``offer`` queues a header per block and a view of its payload, never a copy: an upload
-  task sends them in pipelined batches, header and payload as one value in two pieces, straight from the
-  caller's memory (the daemon's pool slots, pinned until ``release`` says the tier is done with them).
+- Write-behind: ``offer`` queues a view of each payload, never a copy: an upload task seals them a
+  batch at a time and sends them in pipelined batches, each value in pieces (header, payload, MAC),
+  straight from the caller's memory (the daemon's pool slots, pinned until ``release`` says the tier is
+  done with them); encrypted values leave from their ciphertext, a copy made as the batch is sealed.
   Queued and in-flight bytes stay within ``queue_bytes``. A full queue, an open breaker or a closed
   tier drops the block (counted); a failed upload is counted, not retried.
 - Reads: ``fetch`` pipelines GETs (grouped by cluster node, so a dead node fails only its own keys) in
   batches of ``fetch_batch`` keys (fewer when that exceeds ``fetch_batch_bytes`` of known-size payloads) and
   stops at the first miss. A value that fails verification (magic,
-  version, lengths, CRC32Cs, the expected payload size) is deleted, counted as corrupt, and is a miss.
+  version, mode, lengths, the expected payload size, its MAC or AEAD tag) is deleted, counted as corrupt,
+  and is a miss.
 - Every store call (one batch) is bounded by ``timeout_s``; an error or timeout fails the keys of that
   call (misses, or dropped uploads), counted as errors/timeouts.
 - Circuit breaker: ``breaker_failures`` failed calls in a row open it. While open (``breaker_s``) fetches
   return nothing without asking the store and uploads are dropped; then one call probes the store:
   success closes the breaker, failure opens it again.
-- Nothing blocks the event loop on the store: all store I/O is asyncio. CPU work on the loop is, per
-  offered block, a CRC32C unless the caller gives it (the daemon gives its seal checksums), and per
-  fetched block a CRC32C (a batch of 8 MiB or more is checked in a thread).
+- Nothing blocks the event loop on the store: all store I/O is asyncio. Sealing an upload batch (a MAC or
+  an encryption of each payload) runs in a thread; so does opening a fetched batch of 1 MiB or more (its
+  MAC or decryption, and a CRC32C: the pool's seal checksum of the block).
 
 Credentials come from the ``password`` argument, else ``password_file``, else the URL's
 ``user:password@``, else the environment variable KVSTORE_REMOTE_PASSWORD; they are never logged (logs
@@ -45,9 +52,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
+import hmac
 import logging
 import os
+import stat
 import struct
 import time
 from collections import OrderedDict
@@ -58,6 +66,8 @@ from pathlib import Path
 from typing import Any, Final, NamedTuple, Protocol, TypeAlias, TypeVar
 from urllib.parse import unquote
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
@@ -79,36 +89,145 @@ T = TypeVar("T")
 # batch ends there).
 Place: TypeAlias = Callable[[int, int], Sequence[memoryview]]
 
-KEY_PREFIX: Final = b"kvs1:"
+KEY_PREFIX: Final = b"kvs2:"
 VALUE_MAGIC: Final = b"KVSR"
-VALUE_VERSION: Final = 1
-# magic, version, header bytes, payload bytes, CRC32C of the payload, CRC32C of the key it was stored under
-_HEADER = struct.Struct("<4sHHQII")
+VALUE_VERSION: Final = 2
+MODE_MAC: Final = 1  # the payload, then HMAC-SHA256 of (header, key, payload)
+MODE_AEAD: Final = 2  # the payload encrypted with AES-256-GCM, then its tag (header and key authenticated)
+# magic, version, mode, header bytes, payload bytes, salt (AEAD: the value's key is derived from it)
+_HEADER = struct.Struct("<4sBBHQ16s")
 HEADER_BYTES: Final = _HEADER.size
+_MAC_BYTES: Final = 32
+_GCM_TAG: Final = 16
+_NONCE: Final = bytes(12)
+MIN_SECRET_BYTES: Final = 32
 PASSWORD_ENV: Final = "KVSTORE_REMOTE_PASSWORD"
 DEFAULT_PORT: Final = 6379
 _SCHEMES: Final = {"redis": (False, False), "rediss": (False, True),  # scheme -> (cluster, tls)
                    "redis+cluster": (True, False), "rediss+cluster": (True, True)}
-_VERIFY_IN_THREAD_BYTES: Final = 8 << 20  # a fetched batch at least this big is checksummed off the loop
+_VERIFY_IN_THREAD_BYTES: Final = 1 << 20  # a fetched batch at least this big is verified off the loop
 
 
-# -- keys and values (pure) ----------------------------------------------------------------------
+# -- keys and values -----------------------------------------------------------------------------
 
-def scope_hash(tenant: str, namespace: str) -> bytes:
-    """16 bytes naming (tenant, namespace); length-prefixed, so no two pairs share an encoding."""
-    t, n = tenant.encode(), namespace.encode()
-    return hashlib.blake2b(struct.pack("<I", len(t)) + t + n, digest_size=16, person=b"kvstore-remote").digest()
+class Keyring:
+    """The store's secret and the keys derived from it, one set per tenant (HMAC-SHA256 of the secret and
+    the tenant's name): one that names blocks (remote keys), one that authenticates values (HMAC-SHA256),
+    one that encrypts them (AES-256-GCM, with ``encrypt``). Without a secret (``b""``) the same derivation
+    runs on an empty key: values are checked for integrity only, and anyone can compute the keys.
+    Thread-safe."""
+
+    def __init__(self, secret: bytes = b"", encrypt: bool = False) -> None:
+        if encrypt and not secret:
+            raise ValueError("encrypting the remote store's values needs a secret")
+        self.authenticated, self.encrypt = bool(secret), encrypt
+        self.mode = MODE_AEAD if encrypt else MODE_MAC
+        self.tag_bytes = _GCM_TAG if encrypt else _MAC_BYTES
+        self._secret = secret
+        self._tenants: dict[str, tuple[bytes, bytes, bytes]] = {}  # tenant -> (names, MACs, encryption) keys
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], encrypt: bool = False) -> Keyring:
+        """The secret in ``path`` (its bytes, one trailing newline stripped): at least 32 bytes, in a file
+        others cannot read. ValueError naming the file otherwise."""
+        try:
+            mode = os.stat(path).st_mode
+            secret = Path(path).read_bytes().removesuffix(b"\n").removesuffix(b"\r")
+        except OSError as e:
+            raise ValueError(f"--remote-secret-file {path}: {e.strerror or e}") from None
+        if mode & 0o007:
+            raise ValueError(f"--remote-secret-file {path}: others may read it (mode {stat.S_IMODE(mode):04o}); "
+                             "chmod o-rwx it")
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"--remote-secret-file {path}: {len(secret)} bytes, want at least {MIN_SECRET_BYTES} "
+                             "random bytes (e.g. head -c 48 /dev/urandom | base64 > FILE)")
+        return cls(secret, encrypt)
+
+    def _keys(self, tenant: str) -> tuple[bytes, bytes, bytes]:
+        keys = self._tenants.get(tenant)
+        if keys is None:
+            t = tenant.encode()
+            root = hmac.digest(self._secret, b"kvstore remote v2 tenant\0" + t, "sha256")
+            keys = (hmac.digest(root, b"names", "sha256"), hmac.digest(root, b"values", "sha256"),
+                    hmac.digest(root, b"encryption", "sha256"))
+            self._tenants[tenant] = keys
+        return keys
+
+    def remote_keys(self, tenant: str, namespace: str, block_keys: Iterable[bytes]) -> list[bytes]:
+        """The store key of each block: ``kvs2:`` and 48 hex digits of an HMAC (under the tenant's key) of
+        the namespace and the block key. Nothing in it can be computed or told apart without the secret:
+        not the tenant, the namespace, the block, nor which keys share a namespace; no hashtag, so keys
+        spread over a cluster's slots."""
+        n = namespace.encode()
+        scope = hmac.new(self._keys(tenant)[0], struct.pack("<I", len(n)) + n, "sha256")
+        out = []
+        for key in block_keys:
+            h = scope.copy()
+            h.update(struct.pack("<H", len(key)) + key)
+            out.append(KEY_PREFIX + h.digest()[:24].hex().encode())
+        return out
+
+    def value_bytes(self, payload_bytes: int) -> int:
+        """The size of the value holding a payload of this size."""
+        return HEADER_BYTES + payload_bytes + self.tag_bytes
+
+    def seal(self, tenant: str, key: bytes, payload: Buffer) -> tuple[Buffer, ...]:
+        """The value stored under remote key ``key``, as pieces sent one after the other: the header,
+        then the payload (a view of it: not copied) and its MAC, or the payload encrypted and its tag."""
+        view = _bytes_view(payload)
+        _, mac_key, aead_key = self._keys(tenant)
+        salt = os.urandom(16) if self.encrypt else bytes(16)
+        header = _HEADER.pack(VALUE_MAGIC, VALUE_VERSION, self.mode, HEADER_BYTES, view.nbytes, salt)
+        bound = header + struct.pack("<H", len(key)) + key  # what the tag covers besides the payload
+        if self.encrypt:  # a fresh key per value (from its random salt): the nonce can be fixed
+            sealed = bytearray(view.nbytes + _GCM_TAG)
+            AESGCM(hmac.digest(aead_key, salt, "sha256")).encrypt_into(_NONCE, view, bound, sealed)
+            return header, sealed
+        mac = hmac.new(mac_key, bound, "sha256")
+        mac.update(view)
+        return header, view, mac.digest()
+
+    def open(self, tenant: str, key: bytes, value: Buffer, payload_bytes: int | None = None,
+             into: memoryview | None = None) -> tuple[memoryview, int] | None:
+        """The payload of the value read under ``key`` and its CRC32C, or None unless the value is one
+        this keyring sealed under this key (its MAC or AEAD tag checked before anything is used), of this
+        mode, ``payload_bytes`` long when that is given. With ``into``, the payload lands there (whatever
+        it holds is garbage when None is returned)."""
+        view = _bytes_view(value)
+        if view.nbytes < HEADER_BYTES + self.tag_bytes:
+            return None
+        magic, version, mode, header_bytes, length, salt = _HEADER.unpack_from(view)
+        if (magic != VALUE_MAGIC or version != VALUE_VERSION or mode != self.mode or header_bytes != HEADER_BYTES
+                or view.nbytes != self.value_bytes(length) or (payload_bytes is not None and length != payload_bytes)):
+            return None
+        _, mac_key, aead_key = self._keys(tenant)
+        bound = bytes(view[:HEADER_BYTES]) + struct.pack("<H", len(key)) + key
+        body = view[HEADER_BYTES:]
+        if self.encrypt:
+            out = into if into is not None else memoryview(bytearray(length))
+            try:
+                AESGCM(hmac.digest(aead_key, salt, "sha256")).decrypt_into(_NONCE, body, bound, out)
+            except InvalidTag:
+                return None
+            return out, native.crc32c(out)
+        payload = body[:length]
+        mac = hmac.new(mac_key, bound, "sha256")
+        mac.update(payload)
+        if not hmac.compare_digest(mac.digest(), body[length:]):
+            return None
+        return payload, native.crc32c(payload) if into is None else native.crc32c_copy(payload, into)
 
 
-def remote_key(tenant: str, namespace: str, block_key: bytes) -> bytes:
-    """The store key of a block: versioned prefix, scope hash, block key; hex only (so no hashtag)."""
-    return remote_keys(tenant, namespace, [block_key])[0]
+PUBLIC: Final = Keyring()  # no secret: integrity only
 
 
-def remote_keys(tenant: str, namespace: str, block_keys: Iterable[bytes]) -> list[bytes]:
-    """`remote_key` of each block key (the scope hashed once)."""
-    prefix = b"%s%s:" % (KEY_PREFIX, scope_hash(tenant, namespace).hex().encode())
-    return [prefix + k.hex().encode() for k in block_keys]
+def remote_key(tenant: str, namespace: str, block_key: bytes, keyring: Keyring = PUBLIC) -> bytes:
+    """The store key of a block (see `Keyring.remote_keys`)."""
+    return keyring.remote_keys(tenant, namespace, [block_key])[0]
+
+
+def remote_keys(tenant: str, namespace: str, block_keys: Iterable[bytes], keyring: Keyring = PUBLIC) -> list[bytes]:
+    return keyring.remote_keys(tenant, namespace, block_keys)
 
 
 def _bytes_view(data: Buffer) -> memoryview:
@@ -116,44 +235,16 @@ def _bytes_view(data: Buffer) -> memoryview:
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
-def encode_header(key: bytes, payload: Buffer, crc: int | None = None) -> bytes:
-    """The header of the value stored under remote key ``key``; the value is this header, then the payload.
-    ``crc`` is the payload's CRC32C if the caller has it (the pool's seal checksum is one), else it is
-    computed. Thread-safe."""
-    view = _bytes_view(payload)
-    if crc is None:
-        crc = native.crc32c(view)
-    return _HEADER.pack(VALUE_MAGIC, VALUE_VERSION, HEADER_BYTES, view.nbytes, crc, native.crc32c(key))
+def encode_value(key: bytes, payload: Buffer, tenant: str = "", keyring: Keyring = PUBLIC) -> bytes:
+    """The whole value, joined, as a reader sees it."""
+    return b"".join(bytes(p) for p in keyring.seal(tenant, key, payload))
 
 
-def encode_value(key: bytes, payload: Buffer, crc: int | None = None) -> bytes:
-    """The whole value (a copy of the payload after its header), as a reader sees it."""
-    return encode_header(key, payload, crc) + bytes(payload)
-
-
-def decode_value(key: bytes, value: Buffer, payload_bytes: int | None = None) -> memoryview | None:
-    """The payload of the value read under ``key`` (a view, no copy), or None if it is not a valid value
-    for that key: wrong magic, version or lengths, a bad CRC32C, written under another key, or not
-    ``payload_bytes`` long when that is given."""
-    decoded = _decode(key, value, payload_bytes)
-    return None if decoded is None else decoded[0]
-
-
-def _decode(key: bytes, value: Buffer, payload_bytes: int | None,
-            into: memoryview | None = None) -> tuple[memoryview, int] | None:
-    """decode_value, and the payload's CRC32C (verified); with `into`, the payload is copied there in
-    the same pass (whatever it holds is garbage if the value is not valid)."""
-    view = _bytes_view(value)
-    if view.nbytes < HEADER_BYTES:
-        return None
-    magic, version, header_bytes, length, crc, key_crc = _HEADER.unpack_from(view)
-    if (magic != VALUE_MAGIC or version != VALUE_VERSION or header_bytes != HEADER_BYTES
-            or length != view.nbytes - HEADER_BYTES or (payload_bytes is not None and length != payload_bytes)
-            or key_crc != native.crc32c(key)):
-        return None
-    payload = view[HEADER_BYTES:]
-    actual = native.crc32c(payload) if into is None else native.crc32c_copy(payload, into)
-    return (payload, crc) if actual == crc else None
+def decode_value(key: bytes, value: Buffer, payload_bytes: int | None = None, tenant: str = "",
+                 keyring: Keyring = PUBLIC) -> memoryview | None:
+    """The payload of a valid value read under ``key`` (see `Keyring.open`), else None."""
+    opened = keyring.open(tenant, key, value, payload_bytes)
+    return None if opened is None else opened[0]
 
 
 # -- URLs and credentials ------------------------------------------------------------------------
@@ -419,12 +510,12 @@ _COUNTERS = tuple(f.name for f in dataclasses.fields(RemoteStats)
 
 
 class _Upload(NamedTuple):
-    """A queued block: its value is ``header`` then ``payload`` (a view of the caller's memory)."""
+    """A queued block: its value is sealed from ``payload`` (a view of the caller's memory) when it is sent."""
 
-    header: bytes
+    tenant: str
     payload: memoryview
     release: Callable[[], None]  # the caller's memory is no longer read
-    size: int  # header + payload bytes
+    size: int  # value bytes
 
 
 def _keep(_: int) -> None:
@@ -435,10 +526,10 @@ class RemoteTier:
     """Write-behind and prefix fetch over a `RemoteStore`; see the module docstring for the failure model.
     Use it from one event loop (the daemon's): nothing in it is thread-safe."""
 
-    def __init__(self, store: RemoteStore, *, url: str = "", queue_bytes: int = 256 << 20, timeout_s: float = 1.0,
-                 breaker_s: float = 10.0, breaker_failures: int = 3, fetch_batch: int = 16,
+    def __init__(self, store: RemoteStore, *, url: str = "", keyring: Keyring = PUBLIC, queue_bytes: int = 256 << 20,
+                 timeout_s: float = 1.0, breaker_s: float = 10.0, breaker_failures: int = 3, fetch_batch: int = 16,
                  fetch_batch_bytes: int = 16 << 20, upload_batch_bytes: int = 32 << 20) -> None:
-        self.store, self.url = store, url
+        self.store, self.url, self.keyring = store, url, keyring
         self.queue_bytes, self.timeout_s = queue_bytes, timeout_s
         self.fetch_batch, self.upload_batch_bytes = max(1, fetch_batch), upload_batch_bytes
         self.fetch_batch_bytes = fetch_batch_bytes
@@ -457,28 +548,37 @@ class RemoteTier:
 
     @classmethod
     def from_url(cls, url: str, *, password: str | None = None, password_file: str | os.PathLike[str] | None = None,
-                 tls_ca_file: str | None = None, timeout_s: float = 1.0, **options: int | float) -> RemoteTier:
-        """A tier on the Redis/Valkey store at ``url``; ``options`` are the constructor's. Connects lazily
-        (an unreachable store is a miss, not an error here); ValueError for a bad URL."""
+                 tls_ca_file: str | None = None, timeout_s: float = 1.0,
+                 secret_file: str | os.PathLike[str] | None = None, encrypt: bool = False,
+                 **options: int | float) -> RemoteTier:
+        """A tier on the Redis/Valkey store at ``url``, its keys and values sealed with the secret in
+        ``secret_file`` (`Keyring`; encrypted too with ``encrypt``); ``options`` are the constructor's.
+        Connects lazily (an unreachable store is a miss, not an error here); ValueError for a bad URL or
+        secret file."""
         parsed = parse_url(url)
+        keyring = Keyring.from_file(secret_file, encrypt) if secret_file is not None else Keyring(b"", encrypt)
         secret = resolve_password(parsed, password, password_file)
         store = RedisStore(parsed, secret, timeout_s, tls_ca_file)
         masked = parsed.masked(secret is not None)
-        log.info("remote tier: %s", masked)
-        return cls(store, url=masked, timeout_s=timeout_s, **options)  # type: ignore[arg-type]
+        if keyring.authenticated:
+            log.info("remote tier: %s; keys derived from the secret, values %s", masked,
+                     "encrypted (AES-256-GCM)" if encrypt else "authenticated (HMAC-SHA256)")
+        else:
+            log.warning("remote tier: %s without a secret (--remote-secret-file): whoever can write the store can "
+                        "plant blocks, whoever can read it reads them (see Security in README)", masked)
+        return cls(store, url=masked, keyring=keyring, timeout_s=timeout_s, **options)  # type: ignore[arg-type]
 
     # -- write-behind --
 
     def offer(self, tenant: str, namespace: str, keys: Sequence[bytes], payloads: Sequence[Buffer],
-              checksums: Sequence[int] | None = None, release: Callable[[int], None] | None = None) -> int:
+              release: Callable[[int], None] | None = None) -> int:
         """Queue blocks for upload. The payloads are not copied: each must stay unchanged until
         ``release(i)`` is called for it (once per offered block, when it is uploaded, failed, dropped or
-        skipped; maybe before this returns). ``checksums`` (the payloads' CRC32C, e.g. the pool's seal
-        checksums) saves computing them. Never waits. Returns how many were newly queued: keys already
-        queued or uploading are skipped; when the queue is full, or the breaker open, the rest are
-        dropped (counted). Call it on the loop."""
-        if len(keys) != len(payloads) or (checksums is not None and len(checksums) != len(keys)):
-            raise ValueError("offer: keys, payloads and checksums differ in length")
+        skipped; maybe before this returns). Never waits. Returns how many were newly queued: keys
+        already queued or uploading are skipped; when the queue is full, or the breaker open, the rest
+        are dropped (counted). Call it on the loop."""
+        if len(keys) != len(payloads):
+            raise ValueError("offer: keys and payloads differ in length")
         done = release or _keep
         if self._closed or self.breaker.blocked():
             self._counts["dropped_closed" if self._closed else "dropped_unhealthy"] += len(keys)
@@ -486,9 +586,9 @@ class RemoteTier:
                 done(i)
             return 0
         queued = 0
-        for i, rkey in enumerate(remote_keys(tenant, namespace, keys)):
+        for i, rkey in enumerate(self.keyring.remote_keys(tenant, namespace, keys)):
             payload = _bytes_view(payloads[i])
-            size = HEADER_BYTES + payload.nbytes
+            size = self.keyring.value_bytes(payload.nbytes)
             if rkey in self._queue or rkey in self._in_flight:
                 done(i)
                 continue
@@ -497,8 +597,7 @@ class RemoteTier:
                 for j in range(i, len(keys)):
                     done(j)
                 break
-            header = encode_header(rkey, payload, None if checksums is None else checksums[i])
-            self._queue[rkey] = _Upload(header, payload, partial(done, i), size)
+            self._queue[rkey] = _Upload(tenant, payload, partial(done, i), size)
             self._bytes += size
             queued += 1
         if queued:
@@ -535,8 +634,9 @@ class RemoteTier:
         return batch
 
     async def _upload(self, batch: list[tuple[bytes, _Upload]]) -> None:
-        try:
-            results = await self._call(self.store.put_many([(k, (u.header, u.payload)) for k, u in batch]), len(batch))
+        try:  # (sealed off the loop: a MAC or an encryption is a pass over the payload)
+            values = await asyncio.to_thread(self._seal, batch)
+            results = await self._call(self.store.put_many(values), len(batch))
         finally:
             for key, upload in batch:
                 self._bytes -= self._in_flight.pop(key)
@@ -547,6 +647,9 @@ class RemoteTier:
                 continue
             self._counts["uploaded"] += 1
             self._counts["bytes_up"] += upload.size
+
+    def _seal(self, batch: list[tuple[bytes, _Upload]]) -> list[tuple[bytes, Sequence[Buffer]]]:
+        return [(key, self.keyring.seal(u.tenant, key, u.payload)) for key, u in batch]
 
     def _drop_queue(self) -> None:
         for upload in self._queue.values():
@@ -587,7 +690,7 @@ class RemoteTier:
                 self._counts["skipped"] += len(keys)
                 return
             asked = True
-            rkeys = remote_keys(tenant, namespace, keys)
+            rkeys = self.keyring.remote_keys(tenant, namespace, keys)
             size = self.fetch_batch
             if payload_bytes:  # batches of at most fetch_batch_bytes: the caller copies one as the next comes
                 size = max(1, min(size, self.fetch_batch_bytes // payload_bytes))
@@ -597,7 +700,7 @@ class RemoteTier:
                 values, ahead = await reading, None
                 if n + 1 < len(chunks):
                     ahead = reading = asyncio.ensure_future(self._get(chunks[n + 1]))
-                good = await self._verify(chunk, values, payload_bytes, place, n * size)
+                good = await self._verify(tenant, chunk, values, payload_bytes, place, n * size)
                 found += len(good)
                 self._counts["bytes_down"] += sum(payload.nbytes for payload, _ in good)
                 if good:
@@ -617,8 +720,8 @@ class RemoteTier:
     async def _get(self, keys: list[bytes]) -> list[bytes | BaseException | None]:
         return await self._call(self.store.get_many(keys), len(keys))
 
-    async def _verify(self, keys: list[bytes], values: list[bytes | BaseException | None], payload_bytes: int | None,
-                      place: Place | None, first: int) -> list[tuple[memoryview, int]]:
+    async def _verify(self, tenant: str, keys: list[bytes], values: list[bytes | BaseException | None],
+                      payload_bytes: int | None, place: Place | None, first: int) -> list[tuple[memoryview, int]]:
         """The payloads (and CRC32C) of the leading valid values (copied to their places, with `place`:
         keys[i] is the request's key first + i); a value that fails verification is deleted."""
         present: list[bytes] = []
@@ -630,13 +733,25 @@ class RemoteTier:
         if places is not None:
             present = present[:len(places)]
         if sum(map(len, present)) >= _VERIFY_IN_THREAD_BYTES:
-            good = await asyncio.to_thread(_decode_leading, keys, present, payload_bytes, places)
+            good = await asyncio.to_thread(self._open_leading, tenant, keys, present, payload_bytes, places)
         else:
-            good = _decode_leading(keys, present, payload_bytes, places)
+            good = self._open_leading(tenant, keys, present, payload_bytes, places)
         if len(good) < len(present):  # present[len(good)] is corrupt
             self._counts["corrupt"] += 1
-            log.warning("remote store: corrupt value under %r deleted", keys[len(good)][:48])
+            log.warning("remote store: a value under %r failed verification (corrupt, or not sealed with this "
+                        "daemon's secret) and was deleted", keys[len(good)][:24])
             await self._call(self._delete([keys[len(good)]]), 1)
+        return good
+
+    def _open_leading(self, tenant: str, keys: Sequence[bytes], values: Sequence[bytes], payload_bytes: int | None,
+                      places: Sequence[memoryview] | None) -> list[tuple[memoryview, int]]:
+        """The leading values that open (a prefix of `keys`), each copied to its place if given."""
+        good = []
+        for i, value in enumerate(values):
+            opened = self.keyring.open(tenant, keys[i], value, payload_bytes, None if places is None else places[i])
+            if opened is None:
+                break
+            good.append(opened)
         return good
 
     async def _delete(self, keys: list[bytes]) -> list[BaseException | None]:
@@ -692,15 +807,3 @@ class RemoteTier:
 def _log_death(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.error("remote tier: the upload task died; restarted on the next offer", exc_info=task.exception())
-
-
-def _decode_leading(keys: Sequence[bytes], values: Sequence[bytes], payload_bytes: int | None,
-                    places: Sequence[memoryview] | None) -> list[tuple[memoryview, int]]:
-    """The decoded leading valid values (a prefix of `keys`), each copied to its place if given."""
-    good = []
-    for i, value in enumerate(values):
-        decoded = _decode(keys[i], value, payload_bytes, None if places is None else places[i])
-        if decoded is None:
-            break
-        good.append(decoded)
-    return good

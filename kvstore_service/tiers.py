@@ -71,7 +71,7 @@ class Tiers:
             held = self.index.hold([blocks[n] for n in mine])  # sent from their slots: pinned until sent
             self.remote.offer(tenant, name, [b.key for b in held],
                               [self.pool.view(b.offset, ns.block_bytes) for b in held],
-                              checksums=[checksums[n] for n in mine], release=lambda i: self.index.unpin((held[i],)))
+                              release=lambda i: self.index.unpin((held[i],)))
 
     async def _write(self, blocks: list[Block], checksums: list[int]) -> None:
         assert self.disk is not None

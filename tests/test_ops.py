@@ -77,7 +77,8 @@ def test_serve_help_types_every_option() -> None:
     texts = [flag for flag, line in lines.items() if f"{flag} TEXT" in line]
     assert set(texts) == {"--config", "--socket", "--socket-mode", "--socket-group", "--admin-tls-names", "--tcp",
                           "--tls-cert", "--tls-key", "--tls-client-ca", "--pool-path", "--devices", "--disk-path",
-                          "--remote", "--remote-password-file", "--remote-tls-ca"} - {"--config"}
+                          "--remote", "--remote-password-file", "--remote-tls-ca",
+                          "--remote-secret-file"} - {"--config"}
 
 
 def test_serve_help_documents_every_setting() -> None:

@@ -74,7 +74,8 @@ def test_remote_key_scheme() -> None:
     k = key_of(1)
     key = remote_key(TENANT, NS, k)
     assert key == remote_key(TENANT, NS, k)
-    assert key.startswith(KEY_PREFIX) and key.endswith(k.hex().encode())
+    assert key.startswith(KEY_PREFIX) and len(key) == len(KEY_PREFIX) + 48
+    assert k.hex().encode()[:8] not in key  # the block hash is not in it
     assert b"{" not in key and b"}" not in key  # no hashtag: keys spread over the cluster's slots
     assert key.decode("ascii").isprintable()
     scopes = [("acme", "ns"), ("acme", "ns2"), ("acme2", "ns"), ("", "acmens"), ("acmens", ""), ("ac", "mens"),
@@ -92,17 +93,19 @@ def test_value_format() -> None:
     payload = payload_of(7, 100_000)
     key, other = remote_key(TENANT, NS, key_of(7)), remote_key(TENANT, NS, key_of(8))
     value = encode_value(key, payload)
-    assert len(value) == HEADER_BYTES + len(payload) and value[:4] == b"KVSR"
+    assert len(value) == HEADER_BYTES + len(payload) + 32 and value[:4] == b"KVSR"
+    assert value[HEADER_BYTES:-32] == payload  # no secret, no encryption: the payload as it is, then its MAC
     assert bytes(decode_value(key, value) or b"") == payload
-    assert encode_value(key, memoryview(payload), native.crc32c(payload)) == value  # a known checksum is reused
+    assert encode_value(key, memoryview(payload)) == value
     assert bytes(decode_value(key, value, payload_bytes=len(payload)) or b"") == payload
     assert decode_value(key, value, payload_bytes=len(payload) - 1) is None  # not this namespace's block size
     assert decode_value(other, value) is None  # a value under another key than its own
+    assert decode_value(key, value, tenant="other") is None  # another tenant's MAC key
     assert decode_value(key, encode_value(key, b"")) == b""
     for bad in (value[:-1], value + b"x", value[:HEADER_BYTES - 1], b"", b"KVSR", b"garbage" * 100,
-                b"XXXX" + value[4:], value[:4] + b"\x02" + value[5:],  # magic, version
-                value[:-1] + bytes([value[-1] ^ 1]),  # one payload bit
-                encode_value(key, payload, crc=native.crc32c(payload) ^ 1)):  # a wrong CRC
+                b"XXXX" + value[4:], value[:4] + b"\x03" + value[5:], value[:5] + b"\x02" + value[6:],  # magic,
+                value[:-1] + bytes([value[-1] ^ 1]),  # version, mode; one bit of the MAC,
+                value[:HEADER_BYTES + 9] + bytes([value[HEADER_BYTES + 9] ^ 1]) + value[HEADER_BYTES + 10:]):  # payload
         assert decode_value(key, bad) is None
 
 
@@ -190,7 +193,7 @@ def test_round_trip(kind: str, loop: str, request: pytest.FixtureRequest) -> Non
         assert await tier.fetch(TENANT, "other-ns", keys) == []
         s = tier.stats()
         assert (s.uploaded, s.upload_failed, s.errors, s.corrupt) == (len(keys), 0, 0, 0)
-        assert s.bytes_up == sum(sizes) + HEADER_BYTES * len(sizes) and s.bytes_down == sum(sizes)
+        assert s.bytes_up == sum(sizes) + (HEADER_BYTES + 32) * len(sizes) and s.bytes_down == sum(sizes)
         assert (s.hits, s.misses, s.fetches, s.fetch_seconds_count) == (len(keys), 3 * len(keys), 4, 4)
         assert s.fetch_seconds_sum > 0 and (s.queued_blocks, s.queued_bytes, s.breaker) == (0, 0, "closed")
         assert s.url == url
@@ -242,7 +245,7 @@ def test_payloads_are_sent_from_the_callers_memory_and_released_once(server: Red
     size = 64 << 10
 
     async def main() -> None:
-        tier = RemoteTier.from_url(f"redis://{server.address}", queue_bytes=4 * (size + HEADER_BYTES))
+        tier = RemoteTier.from_url(f"redis://{server.address}", queue_bytes=4 * (size + HEADER_BYTES + 32))
         memory = bytearray(b"".join(payload_of(i, size) for i in range(6)))
         views = [memoryview(memory)[i * size:(i + 1) * size] for i in range(6)]
         released: list[int] = []
@@ -257,11 +260,10 @@ def test_payloads_are_sent_from_the_callers_memory_and_released_once(server: Red
         got = await tier.fetch(TENANT, NS, keys[:4], payload_bytes=size)
         assert [bytes(g) for g in got] == [payload_of(i, size) for i in range(4)]
 
-        views[0][:8] = b"changed!"  # memory changed before its upload was sent: stored as it is then
-        tier.offer(TENANT, NS, [key_of(0, "late")], [views[0]], checksums=[native.crc32c(payload_of(0, size))])
+        tier.offer(TENANT, NS, [key_of(0, "late")], [views[0]])
+        views[0][:8] = b"changed!"  # memory changed before its upload was sent: stored (and sealed) as it is then
         await tier.drain()
-        assert await tier.fetch(TENANT, NS, [key_of(0, "late")]) == []  # its checksum catches it
-        assert tier.stats().corrupt == 1
+        assert [bytes(g) for g in await tier.fetch(TENANT, NS, [key_of(0, "late")])] == [bytes(views[0])]
 
         closed: list[int] = []
         tier.offer(TENANT, NS, [key_of(i, "closing") for i in range(3)], views[:3], release=closed.append)
@@ -273,19 +275,18 @@ def test_payloads_are_sent_from_the_callers_memory_and_released_once(server: Red
     asyncio.run(main())
 
 
-def test_offer_with_pool_checksums(server: RedisServer) -> None:
+def test_values_as_stored(server: RedisServer) -> None:
     payloads = [payload_of(i, 64 << 10) for i in range(4)]
     keys = [key_of(i) for i in range(4)]
 
     async def main() -> None:
         tier = RemoteTier.from_url(f"redis://{server.address}")
-        crcs = [native.crc32c(p) for p in payloads]
-        assert tier.offer(TENANT, NS, keys, payloads, checksums=crcs) == 4
+        assert tier.offer(TENANT, NS, keys, payloads) == 4
         await tier.drain()
         assert [bytes(g) for g in await tier.fetch(TENANT, NS, keys, payload_bytes=64 << 10)] == payloads
         raw = redis.asyncio.Redis(host="127.0.0.1", port=server.port)
         assert await raw.get(remote_key(TENANT, NS, keys[0])) == encode_value(remote_key(TENANT, NS, keys[0]),
-                                                                              payloads[0])
+                                                                              payloads[0], TENANT)
         await raw.aclose()
         await tier.close()
 
@@ -315,7 +316,7 @@ def test_corrupt_and_truncated_values_are_deleted_misses(cluster: RedisCluster) 
         assert raw.exists(rkeys[3]) == 0 and tier.stats().corrupt == 2
 
         flipped = bytearray(value)
-        flipped[HEADER_BYTES + 1000] ^= 0x40  # one bit of the payload: only the CRC sees it
+        flipped[HEADER_BYTES + 1000] ^= 0x40  # one bit of the payload: only the MAC sees it
         raw.set(rkeys[5], bytes(flipped))
         assert [bytes(g) for g in await tier.fetch(TENANT, NS, keys[4:])] == payloads[4:5]
         assert raw.exists(rkeys[5]) == 0
