@@ -8,23 +8,26 @@ registration (after a daemon restart):
 
 * CUDA: `UntypedStorage._share_cuda_()` (a cudaIpcMemHandle of the caching allocator's segment,
   the storage's offset in it, torch's shared-memory reference counter and an IPC event), plus the
-  handle of the engine's ordering event (`order_event`);
-* NPU: `UntypedStorage._share_npu_()` from torch_npu (the same eight fields; Ascend IPC).
+  handles of the engine's ring of ordering events (`order_event`);
+* NPU: `UntypedStorage._share_npu_()` from torch_npu (the same eight fields; Ascend IPC; for an
+  expandable segment, vllm-ascend's default, the list of its physical handles).
 
 `order_before_copies(device)` is the ordering step the engine runs before it submits a step's
-stores or loads: on CUDA it records the ordering event (the daemon's copy stream waits on it), on
-NPU it synchronizes the device (`synchronize_before_store`).
+stores or loads: on CUDA it records the next event of the ring (the daemon polls it from the host
+before it copies), on NPU it synchronizes the device (`synchronize_before_store`).
+
+`unsupported_allocator(vllm_config)` says why an engine's KV memory cannot be exported at all (vLLM
+sleep mode, the cumem allocator, vllm-ascend's CaMem allocator): the connector stays off then.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvstore_client.client import MemorySpec
 from kvstore_client.protocol.handle import (
     KINDS,
-    check_npu_alignment,
     cuda_device_uuid,
     encode_handle,
     handle_from_share,
@@ -34,9 +37,38 @@ from kvstore_client.protocol.handle import (
 if TYPE_CHECKING:
     import torch
 
-# The engine's interprocess event per CUDA device index: one per process and device, exported with
-# every registration of that device's KV memory and recorded before each step's copies.
-_order_events: dict[int, torch.cuda.Event] = {}
+# The engine's ring of interprocess events per CUDA device index: one ring per process and device,
+# exported with every registration of that device's KV memory; each step's copies record the next
+# event. The daemon notes, when a job arrives, which events are still pending and copies once each of
+# them has completed: the records made before the job, not a later step's. A ring (not one event)
+# because an event re-recorded by the next step before the daemon looks would make it wait for that
+# step too, and under steady load for ever later ones. vLLM's host runs at most a step or two ahead
+# of its GPU, far fewer than ORDER_EVENTS records.
+ORDER_EVENTS = 8
+_order_events: dict[int, list[torch.cuda.Event]] = {}
+_order_next: dict[int, int] = {}
+
+
+def unsupported_allocator(vllm_config: Any) -> str:
+    """Why this engine's KV memory cannot be shared with the daemon ("" if it can): call it where the
+    connector decides whether it is on, and leave it off with this reason.
+
+    vLLM's sleep mode (`enable_sleep_mode`) and its cumem allocator (`enable_cumem_allocator`, which
+    sleep mode forces on CUDA) allocate the KV cache with cuMemCreate/cuMemMap: legacy CUDA IPC cannot
+    export such memory (`_share_cuda_()` raises), and `sleep()` unmaps its pages under the daemon's
+    mapping, where a copy would fault the daemon for every engine. vllm-ascend's sleep mode does the
+    same with its CaMem allocator (aclrtMallocPhysical/aclrtMapMem)."""
+    model = getattr(vllm_config, "model_config", None)
+    if model is None:
+        return ""
+    if getattr(model, "enable_sleep_mode", False):
+        return ("vLLM sleep mode (enable_sleep_mode) allocates the KV cache with the cumem (CUDA) or CaMem "
+                "(Ascend) allocator, which device IPC cannot export, and sleep() would unmap it under the "
+                "daemon: turn sleep mode off to use kvstore")
+    if getattr(model, "enable_cumem_allocator", False):
+        return ("vLLM's cumem allocator (enable_cumem_allocator) allocates the KV cache with cuMemCreate, which "
+                "CUDA IPC cannot export: turn it off to use kvstore")
+    return ""
 
 
 def export_kv_memory(memories: Sequence[torch.Tensor], num_blocks: int,
@@ -65,9 +97,13 @@ def export_kv_memory(memories: Sequence[torch.Tensor], num_blocks: int,
         uuid = cuda_device_uuid(index)
         order = cuda_order_event_handle(index)
     else:
-        for storage in storages:
-            check_npu_alignment(storage.data_ptr())
+        # No alignment demand on the storage: torch_npu exports the base allocation (or the expandable
+        # segment's handles) and sends the storage's offset in it.
         uuid = npu_device_uuid(index)
+        if not uuid:
+            raise ValueError(f"cannot identify NPU {index} (no uuid from torch_npu, no answer from npu-smi): the "
+                             "daemon would have to guess it by index, and an import on another NPU fails every "
+                             "copy; make npu-smi available to the engine")
 
     def export() -> tuple[bytes, ...]:
         # Each export gets its own IPC reference counter (torch: GetNewRefCountedSentData, set to 1),
@@ -80,25 +116,30 @@ def export_kv_memory(memories: Sequence[torch.Tensor], num_blocks: int,
                       device=index, reexport=export)
 
 
-def order_event(index: int) -> torch.cuda.Event:
-    """The engine's interprocess event on CUDA device `index`, made on first use."""
+def order_events(index: int) -> list[torch.cuda.Event]:
+    """The engine's ring of interprocess events on CUDA device `index`, made on first use."""
     import torch
 
-    event = _order_events.get(index)
-    if event is None:
+    ring = _order_events.get(index)
+    if ring is None:
         # CUDA allows IPC only for events without timing and without blocking sync (torch's defaults).
-        event = _order_events[index] = torch.cuda.Event(interprocess=True)
-    return event
+        ring = _order_events[index] = [torch.cuda.Event(interprocess=True) for _ in range(ORDER_EVENTS)]
+        _order_next[index] = 0
+    return ring
 
 
 def cuda_order_event_handle(index: int) -> bytes:
-    """The 64-byte cudaIpcEventHandle_t of the ordering event, which goes into every device handle.
-    Recording it first creates it on device `index` (an event never recorded takes the current device)."""
+    """The ring's cudaIpcEventHandle_t's (64 bytes each, in ring order), which go into every device
+    handle. Recording each first creates it on device `index` (an event never recorded takes the
+    current device)."""
     import torch
 
-    event = order_event(index)
-    event.record(torch.cuda.current_stream(index))
-    return bytes(event.ipc_handle())
+    stream = torch.cuda.current_stream(index)
+    handles = []
+    for event in order_events(index):
+        event.record(stream)
+        handles.append(bytes(event.ipc_handle()))
+    return b"".join(handles)
 
 
 def order_before_copies(device: torch.device | str) -> None:
@@ -106,16 +147,20 @@ def order_before_copies(device: torch.device | str) -> None:
     arrives, from its own process, while this step's (or, for a load into blocks just taken from a
     preempted request, the previous step's) kernels may still write the blocks.
 
-    CUDA: records the engine's interprocess event on the current stream; the daemon's copy stream
-    waits on it before the copies (cuStreamWaitEvent), so nothing here waits. Work on other streams
-    must be joined into the current stream before this (vLLM's forward ends on it). NPU: no event
-    crosses processes here, so the device is synchronized (`synchronize_before_store`). CPU: nothing."""
+    CUDA: records the next event of the ring on the current stream; the daemon polls it (cuEventQuery)
+    before it copies, so nothing here waits. Work on other streams must be joined into the current
+    stream before this (vLLM's forward ends on it), and the ring must be recorded on one stream. NPU:
+    no event crosses processes here, so the device is synchronized (`synchronize_before_store`).
+    CPU: nothing."""
     import torch
 
     dev = torch.device(device)
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else torch.cuda.current_device()
-        order_event(index).record(torch.cuda.current_stream(index))
+        ring = order_events(index)
+        k = _order_next[index]
+        _order_next[index] = (k + 1) % len(ring)
+        ring[k].record(torch.cuda.current_stream(index))
     else:
         synchronize_before_store(dev)
 

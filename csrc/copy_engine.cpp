@@ -512,10 +512,9 @@ PyMethodDef kMethods[] = {
      "The merged (src, dst, size) runs the copy functions would execute."},
     {"cuda_copy_blocks", KV_KW(py_cuda_copy_blocks),
      "cuda_copy_blocks(src_base, dst_base, src_offsets, dst_offsets, sizes, direction, device, stream=0,\n"
-     "                 allow_batch=True, *, wait_event=0) -> None\n\n"
+     "                 allow_batch=True) -> None\n\n"
      "Copy merged runs with cuMemcpyBatchAsync (driver >= 12.8) or cuMemcpyAsync per run, on `stream` or\n"
-     "a dedicated stream of `device`, and wait for completion (GIL released). direction: 'h2d', 'd2h', 'd2d'.\n"
-     "A non-zero wait_event (from cuda_open_ipc_event) is waited on by the stream before the copies."},
+     "a dedicated stream of `device`, and wait for completion (GIL released). direction: 'h2d', 'd2h', 'd2d'."},
     {"cuda_host_register", KV_KW(py_cuda_host_register),
      "cuda_host_register(addr, size, device=0) -> None\n\nPin host memory (cuMemHostRegister, portable)."},
     {"cuda_host_unregister", KV_KW(py_cuda_host_unregister),
@@ -523,6 +522,9 @@ PyMethodDef kMethods[] = {
     {"cuda_open_ipc_event", KV_KW(py_cuda_open_ipc_event),
      "cuda_open_ipc_event(handle, device=0) -> int\n\n"
      "Open another process's 64-byte IPC event handle (cuIpcOpenEventHandle) on `device`; the CUevent."},
+    {"cuda_query_event", KV_KW(py_cuda_query_event),
+     "cuda_query_event(event, device=0) -> bool\n\n"
+     "Whether the work recorded in an event cuda_open_ipc_event opened is done (cuEventQuery; never blocks)."},
     {"cuda_destroy_event", KV_KW(py_cuda_destroy_event),
      "cuda_destroy_event(event, device=0) -> None\n\nDestroy an event cuda_open_ipc_event opened."},
     {"acl_copy_blocks", KV_KW(py_acl_copy_blocks),

@@ -12,8 +12,13 @@
 // (KVSTORE_CUDA_ABI_CHECK) static_asserts at the end of this file compare them with the real header.
 //
 // Without a GPU, tests/test_cuda_backend.py runs this file against a fake libcuda.so.1 that logs the
-// calls (which ones, in which order: the event wait before the copies, pinning piece by piece); how
-// a real driver answers them needs a GPU to be verified.
+// calls (which ones, in which order: event queries, copies, pinning piece by piece); how a real driver
+// answers them needs a GPU to be verified.
+//
+// The engine's IPC events are only ever queried from the host (cuEventQuery), never waited on by a
+// daemon stream: a GPU-side wait on an event whose recording process died or stalls never ends, and
+// it would hold the stream (and a copy thread) for good. The daemon polls with a deadline instead and
+// stops when the engine's session ends (kvstore_service/jobs.py).
 
 #include <dlfcn.h>
 #include <strings.h>
@@ -58,6 +63,7 @@ struct CUmemcpyAttributes {
 };
 
 constexpr CUresult kSuccess = 0;
+constexpr CUresult kErrorNotReady = 600;
 constexpr CUresult kErrorNotSupported = 801;
 constexpr int kLocationInvalid = 0x0;  // a zeroed CUmemLocation: "no hint"
 constexpr int kSrcAccessOrderStream = 0x1;
@@ -85,7 +91,7 @@ using PFN_cuEventRecord = CUresult (*)(CUevent, CUstream);
 using PFN_cuEventSynchronize = CUresult (*)(CUevent);
 using PFN_cuEventDestroy = CUresult (*)(CUevent);
 using PFN_cuIpcOpenEventHandle = CUresult (*)(CUevent*, CUipcEventHandle);
-using PFN_cuStreamWaitEvent = CUresult (*)(CUstream, CUevent, unsigned int);
+using PFN_cuEventQuery = CUresult (*)(CUevent);
 using PFN_cuMemcpyAsync = CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
 // The CUDA 12.8 ABI of cuMemcpyBatchAsync (with failIdx). CUDA 13 headers call this one
 // cuMemcpyBatchAsync and add a _v2 without failIdx; asking cuGetProcAddress for version 12080
@@ -151,7 +157,7 @@ struct Driver {
   cu::PFN_cuEventSynchronize event_synchronize = nullptr;
   cu::PFN_cuEventDestroy event_destroy = nullptr;
   cu::PFN_cuIpcOpenEventHandle ipc_open_event = nullptr;
-  cu::PFN_cuStreamWaitEvent stream_wait_event = nullptr;
+  cu::PFN_cuEventQuery event_query = nullptr;
   cu::PFN_cuMemcpyAsync memcpy_async = nullptr;
   cu::PFN_cuMemcpyBatchAsync memcpy_batch_async = nullptr;  // null: driver older than 12.8
   cu::PFN_cuMemHostRegister mem_host_register = nullptr;
@@ -224,7 +230,7 @@ Driver load_driver() {
   d.event_synchronize = reinterpret_cast<cu::PFN_cuEventSynchronize>(resolve("cuEventSynchronize", kBase));
   d.event_destroy = reinterpret_cast<cu::PFN_cuEventDestroy>(resolve("cuEventDestroy", kBase));
   d.ipc_open_event = reinterpret_cast<cu::PFN_cuIpcOpenEventHandle>(resolve("cuIpcOpenEventHandle", kBase));
-  d.stream_wait_event = reinterpret_cast<cu::PFN_cuStreamWaitEvent>(resolve("cuStreamWaitEvent", kBase));
+  d.event_query = reinterpret_cast<cu::PFN_cuEventQuery>(resolve("cuEventQuery", kBase));
   d.memcpy_async = reinterpret_cast<cu::PFN_cuMemcpyAsync>(resolve("cuMemcpyAsync", kBase));
   d.mem_host_register = reinterpret_cast<cu::PFN_cuMemHostRegister>(resolve("cuMemHostRegister", kBase));
   d.mem_host_unregister = reinterpret_cast<cu::PFN_cuMemHostUnregister>(resolve("cuMemHostUnregister", kBase));
@@ -233,7 +239,7 @@ Driver load_driver() {
   }
   if (!d.device_get_count || !d.device_get || !d.primary_ctx_retain || !d.ctx_get_current ||
       !d.ctx_set_current || !d.stream_create || !d.event_create || !d.event_record || !d.event_synchronize ||
-      !d.event_destroy || !d.ipc_open_event || !d.stream_wait_event || !d.memcpy_async || !d.mem_host_register ||
+      !d.event_destroy || !d.ipc_open_event || !d.event_query || !d.memcpy_async || !d.mem_host_register ||
       !d.mem_host_unregister) {
     d.error = "CUDA driver " + std::to_string(d.version) + " lacks a required entry point";
   }
@@ -427,12 +433,11 @@ std::vector<std::pair<size_t, size_t>> split_runs(const std::vector<Run>& runs, 
 }
 
 // The whole device copy, run with the GIL released. Returns "" or an error message; *code is the
-// CUresult of the failed driver call (0 when the failure was not a driver call's). A non-zero
-// `wait_event` (an event opened with cuda_open_ipc_event on this device) is waited on by every
-// stream before any copy is enqueued: the copies start only after the engine's work recorded in it.
-// Without a caller's stream, the runs are spread over up to copy_streams streams of our own.
+// CUresult of the failed driver call (0 when the failure was not a driver call's). Ordering against
+// the engine is the caller's (cuda_query_event before the copy). Without a caller's stream, the runs
+// are spread over up to copy_streams streams of our own.
 std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_stream, bool allow_batch,
-                      uint64_t wait_event, cu::CUresult* code) {
+                      cu::CUresult* code) {
   return in_context(device, code, [&](const Driver& d, DeviceState* dev) -> std::string {
     if (runs.empty()) return "";
     auto parts = split_runs(runs, user_stream != 0 ? 1 : d.copy_streams);
@@ -450,16 +455,6 @@ std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_st
     auto stream_of = [&](size_t i) {
       return user_stream != 0 ? reinterpret_cast<cu::CUstream>(user_stream) : lanes[i].stream;
     };
-    if (wait_event != 0) {
-      for (size_t i = 0; i < parts.size(); ++i) {
-        cu::CUresult rc = d.stream_wait_event(stream_of(i), reinterpret_cast<cu::CUevent>(wait_event), 0);
-        if (rc != cu::kSuccess) {  // nothing enqueued yet: no copy may run unordered
-          release();
-          *code = rc;
-          return "cuStreamWaitEvent on the engine's event failed: " + describe(d, rc);
-        }
-      }
-    }
     size_t enqueued = 0;
     for (; enqueued < parts.size() && err.empty(); ++enqueued) {
       auto [begin, end] = parts[enqueued];
@@ -490,6 +485,18 @@ std::string host_register(uint64_t addr, uint64_t size, int device, bool reg, cu
       return std::string(reg ? "cuMemHostRegister" : "cuMemHostUnregister") + " failed: " + describe(d, rc);
     }
     return "";
+  });
+}
+
+// Whether the work recorded in `event` (an engine's event opened with cuda_open_ipc_event) is done:
+// cuEventQuery, which never blocks. *done is set; any answer but success / not-ready is an error.
+std::string query_event(uint64_t event, int device, bool* done, cu::CUresult* code) {
+  return in_context(device, code, [&](const Driver& d, DeviceState*) -> std::string {
+    cu::CUresult rc = d.event_query(reinterpret_cast<cu::CUevent>(event));
+    *done = rc == cu::kSuccess;
+    if (rc == cu::kSuccess || rc == cu::kErrorNotReady) return "";
+    *code = rc;
+    return "cuEventQuery on the engine's event failed: " + describe(d, rc);
   });
 }
 
@@ -532,27 +539,12 @@ void raise_cuda_error(const std::string& message, cu::CUresult code) {
 }  // namespace
 
 PyObject* py_cuda_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
-  // wait_event is keyword-only and CUDA's alone: taken out here, so that the argument parser shared
-  // with acl_copy_blocks stays as it is.
-  uint64_t wait_event = 0;
-  PyObject* event_obj = kwargs != nullptr ? PyDict_GetItemString(kwargs, "wait_event") : nullptr;
-  PyObject* rest = kwargs;
-  if (event_obj != nullptr) {
-    if (event_obj != Py_None && !parse_u64(event_obj, "wait_event", &wait_event)) return nullptr;
-    rest = PyDict_Copy(kwargs);
-    if (rest == nullptr || PyDict_DelItemString(rest, "wait_event") != 0) {
-      Py_XDECREF(rest);
-      return nullptr;
-    }
-  }
   DeviceCopyArgs a;
-  bool parsed = parse_device_copy_args(args, rest, "OOOOOOi|Op:cuda_copy_blocks", &a);
-  if (rest != kwargs) Py_DECREF(rest);
-  if (!parsed) return nullptr;
+  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|Op:cuda_copy_blocks", &a)) return nullptr;
   std::string err;
   cu::CUresult code = cu::kSuccess;
   Py_BEGIN_ALLOW_THREADS
-  err = cuda_copy(a.runs, a.device, a.stream, a.allow_batch, wait_event, &code);
+  err = cuda_copy(a.runs, a.device, a.stream, a.allow_batch, &code);
   Py_END_ALLOW_THREADS
   if (!err.empty()) {
     raise_cuda_error(err, code);
@@ -622,6 +614,29 @@ PyObject* py_cuda_open_ipc_event(PyObject*, PyObject* args, PyObject* kwargs) {
   return PyLong_FromUnsignedLongLong(event);
 }
 
+PyObject* py_cuda_query_event(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kw[] = {"event", "device", nullptr};
+  PyObject* event_obj;
+  int device = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|i:cuda_query_event", const_cast<char**>(kw), &event_obj,
+                                   &device)) {
+    return nullptr;
+  }
+  uint64_t event = 0;
+  if (!parse_u64(event_obj, "event", &event)) return nullptr;
+  std::string err;
+  bool done = false;
+  cu::CUresult code = cu::kSuccess;
+  Py_BEGIN_ALLOW_THREADS
+  err = query_event(event, device, &done, &code);
+  Py_END_ALLOW_THREADS
+  if (!err.empty()) {
+    raise_cuda_error(err, code);
+    return nullptr;
+  }
+  return PyBool_FromLong(done);
+}
+
 PyObject* py_cuda_destroy_event(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* kw[] = {"event", "device", nullptr};
   PyObject* event_obj;
@@ -676,6 +691,7 @@ static_assert(sizeof(kvstore::cu::CUdeviceptr) == sizeof(::CUdeviceptr), "CUdevi
 static_assert(sizeof(kvstore::cu::CUresult) == sizeof(::CUresult), "CUresult");
 static_assert(sizeof(kvstore::cu::CUdevice) == sizeof(::CUdevice), "CUdevice");
 static_assert(kvstore::cu::kErrorNotSupported == ::CUDA_ERROR_NOT_SUPPORTED, "kErrorNotSupported");
+static_assert(kvstore::cu::kErrorNotReady == ::CUDA_ERROR_NOT_READY, "kErrorNotReady");
 static_assert(kvstore::cu::kStreamNonBlocking == ::CU_STREAM_NON_BLOCKING, "kStreamNonBlocking");
 static_assert(kvstore::cu::kEventBlockingSync == ::CU_EVENT_BLOCKING_SYNC, "kEventBlockingSync");
 static_assert(kvstore::cu::kEventDisableTiming == ::CU_EVENT_DISABLE_TIMING, "kEventDisableTiming");

@@ -57,6 +57,7 @@ PyObject* py_cuda_copy_blocks(PyObject* self, PyObject* args, PyObject* kwargs);
 PyObject* py_cuda_host_register(PyObject* self, PyObject* args, PyObject* kwargs);
 PyObject* py_cuda_host_unregister(PyObject* self, PyObject* args, PyObject* kwargs);
 PyObject* py_cuda_open_ipc_event(PyObject* self, PyObject* args, PyObject* kwargs);
+PyObject* py_cuda_query_event(PyObject* self, PyObject* args, PyObject* kwargs);
 PyObject* py_cuda_destroy_event(PyObject* self, PyObject* args, PyObject* kwargs);
 // Adds cuda_* keys to `features`; probes the driver (dlopen + cuInit) on first use.
 bool add_cuda_features(PyObject* features);

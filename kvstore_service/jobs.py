@@ -15,6 +15,13 @@ so a restarted daemon recovers sealed blocks only: one killed before a seal lose
 they run when no copy is in flight, or once the oldest has waited SEAL_DEFER_S. A burst of stores
 runs at copy speed; under stores without pause seals take their share.
 
+Device jobs are ordered against the engine first (CUDA: its IPC events): when a job arrives, the
+backend notes which of the engine's ordering records are still pending (`order_pending`), and the
+loop polls them from the host (`order_waiting`) before it plans the job, with a deadline
+(ORDER_WAIT_S) and for no longer than the session lives. No copy thread waits on an engine: one that
+died or stalls fails its own jobs, and its session's end is not held up by them. Each device has its
+own copy threads (`--copy-threads` per device), so one GPU's copies never queue behind another's.
+
 After a restart, the blocks recovered from the pool are verified in the background, batch by batch
 on the copy threads: a block becomes visible once its bytes match the checksum in its header, and
 one that differs is dropped and counted in `corrupt_blocks`.
@@ -66,6 +73,12 @@ CHUNK_BLOCKS = 1024
 # SEAL_DEFER_S seals no longer yield to copies.
 SEAL_BATCH_BYTES = 32 << 20
 SEAL_DEFER_S = 1.0
+# The longest a job waits for the engine's work recorded before it (a step's forward; a long prefill
+# takes seconds): beyond it the engine's stream is taken as stalled and the job fails. The poll
+# interval starts short (a load usually waits for the step just launched) and backs off.
+ORDER_WAIT_S = 60.0
+ORDER_POLL_FIRST_S = 0.0002
+ORDER_POLL_MAX_S = 0.002
 
 
 def _lower_priority() -> None:
@@ -101,6 +114,7 @@ class Job:
     waits: list[tuple[int, asyncio.Future[bool]]] = field(default_factory=list)
     error: str = ""
     submitted: float = field(default_factory=time.monotonic)
+    order: list[int] = field(default_factory=list)  # the engine's records still pending at arrival
     copy_seconds: float = 0.0
     copied_bytes: int = 0
 
@@ -128,6 +142,10 @@ class Jobs:
         # Device calls that may block for long (runtime init, pinning, opening or closing IPC memory):
         # their own threads, so that they neither block the loop nor wait behind copies.
         self._device_calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-device")
+        # Copy threads of each device (backend name, device index), made on first use; CPU jobs and
+        # seals use `executor`.
+        self._lanes: dict[tuple[str, int], ThreadPoolExecutor] = {}
+        self.order_wait_s = ORDER_WAIT_S
         self.failed_blocks = 0
         self.failed_load_blocks = 0
         self.store_failures_pool_full = 0
@@ -181,6 +199,7 @@ class Jobs:
                           f"{self.config.max_inflight_jobs}); wait for completions")
 
         job = Job(job_id, is_store, session, keys, block_ids, [False] * len(keys), partial_tail)
+        job.order = self._order_pending(job)  # now, at arrival: the records the job must follow
         session.jobs[slot] = job
         task = asyncio.get_running_loop().create_task(self._run(job))
         session.tasks.add(task)
@@ -199,11 +218,66 @@ class Jobs:
         session.results.clear()
         return results
 
+    # -- ordering against the engine -------------------------------------------------------------
+
+    def _order_pending(self, job: Job) -> list[int]:
+        session = job.session
+        try:
+            return session.backend.order_pending(session.mappings[0])
+        except RuntimeError as e:  # cannot tell when the engine's writes are done: copying would be unordered
+            job.error = f"cannot order the copy after the engine's work: {e}"
+            if isinstance(e, native.StickyDeviceError):
+                self.fatal(e)
+            return []
+
+    async def _wait_for_engine(self, job: Job) -> bool:
+        """Poll, on the loop, until the engine's records pending at the job's arrival are done. False
+        (job.error says why) when the session ends first (the engine died or left), after
+        order_wait_s (its stream stalls), or when a query fails."""
+        session, pending = job.session, job.order
+        deadline = time.monotonic() + self.order_wait_s
+        delay = ORDER_POLL_FIRST_S
+        while pending:
+            if session.closed:
+                job.error = "the session ended before the engine's work this job must follow was done"
+                return False
+            if time.monotonic() >= deadline:
+                job.error = (f"the engine's work recorded before this job was not done within {self.order_wait_s:g} s "
+                             "(its stream is stalled?)")
+                return False
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, ORDER_POLL_MAX_S)
+            try:
+                pending = session.backend.order_waiting(session.mappings[0], pending)
+            except RuntimeError as e:
+                job.error = f"cannot order the copy after the engine's work: {e}"
+                if isinstance(e, native.StickyDeviceError):
+                    self.fatal(e)
+                return False
+        return not job.error
+
+    def _lane(self, session: EngineSession) -> ThreadPoolExecutor:
+        """The copy threads of the session's device (once shutting down, the shared ones, which refuse
+        new work: no copy may start while the pool closes)."""
+        backend = session.backend
+        if backend.name == "cpu" or self._draining:
+            return self.executor
+        key = (backend.name, session.mappings[0].device)
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = ThreadPoolExecutor(
+                max_workers=self.config.copy_threads, thread_name_prefix=f"kvstore-copy-{key[0]}{key[1]}",
+                initializer=_lower_priority)
+        return lane
+
     # -- the pipeline ----------------------------------------------------------------------------
 
     async def _run(self, job: Job) -> None:
         try:
-            await self._transfer(job)
+            if await self._wait_for_engine(job):
+                await self._transfer(job)
+            else:
+                self._publish(job)  # every block failed
         except Exception as e:  # a bug: still tell the engine, never leave the job pending forever
             log.exception("job %d failed", job.job_id)
             if job.session.jobs.get(job.job_id % job.session.channel.slots) is job:
@@ -216,6 +290,7 @@ class Jobs:
         the next one and completes the previous one, so the per-block bookkeeping hides behind the
         copies instead of adding to them."""
         loop = asyncio.get_running_loop()
+        lane = self._lane(job.session)
         copies = []
         n, block_bytes = len(job.keys), job.session.layout.block_bytes
         whole = not job.is_store and n <= CHUNK_BLOCKS and n * block_bytes <= job.session.backend.whole_load_bytes
@@ -225,7 +300,7 @@ class Jobs:
                 if whole:
                     _copy_whole(job, chunk.plan)
                 self._copies += 1
-                copies.append((chunk, loop.run_in_executor(self.executor, self._copy, job, chunk)))
+                copies.append((chunk, loop.run_in_executor(lane, self._copy, job, chunk)))
             await asyncio.sleep(0)  # serve other requests between chunks of a large job
         stored: list[Block] = []
         for chunk, copying in copies:
@@ -475,6 +550,8 @@ class Jobs:
         if self._sealer is not None:
             await self._sealer
         self.executor.shutdown(wait=True)
+        for lane in self._lanes.values():
+            lane.shutdown(wait=True)
         self._device_calls.shutdown(wait=True)
 
 

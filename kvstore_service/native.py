@@ -200,14 +200,12 @@ def _cuda_error(e: RuntimeError, device: int) -> RuntimeError:
 
 def cuda_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array,
                      sizes: U64Array, direction: str, device: int, stream: int = 0,
-                     allow_batch: bool = True, wait_event: int = 0) -> None:
-    """Copy between GPU memory and host memory ('h2d', 'd2h', 'd2d') and wait for completion. A
-    non-zero `wait_event` (from cuda_open_ipc_event) is waited on by the copy stream first
-    (cuStreamWaitEvent), so the copies start after the work recorded in it.
+                     allow_batch: bool = True) -> None:
+    """Copy between GPU memory and host memory ('h2d', 'd2h', 'd2d') and wait for completion.
     StickyDeviceError when the driver reports an error that leaves the context unusable."""
     try:
         _native.cuda_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets),
-                                 _as_u64(sizes), direction, device, stream, allow_batch, wait_event=wait_event)
+                                 _as_u64(sizes), direction, device, stream, allow_batch)
     except RuntimeError as e:
         err = _cuda_error(e, device)
         if err is e:
@@ -220,6 +218,18 @@ def cuda_open_ipc_event(handle: bytes, device: int) -> int:
     primary context, the one the copies run in; returns the CUevent. Destroy it with cuda_destroy_event."""
     try:
         return int(_native.cuda_open_ipc_event(handle, device))
+    except RuntimeError as e:
+        err = _cuda_error(e, device)
+        if err is e:
+            raise
+        raise err from e
+
+
+def cuda_query_event(event: int, device: int) -> bool:
+    """Whether the work recorded in an event opened with cuda_open_ipc_event is done (cuEventQuery,
+    never blocks). RuntimeError for any other answer (StickyDeviceError for a sticky one)."""
+    try:
+        return bool(_native.cuda_query_event(event, device))
     except RuntimeError as e:
         err = _cuda_error(e, device)
         if err is e:

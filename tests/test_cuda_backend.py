@@ -315,7 +315,7 @@ CUDA_12_1_HEADER = """
 #define CUDA_VERSION 12010
 typedef unsigned long long CUdeviceptr;
 typedef int CUdevice;
-typedef enum cudaError_enum { CUDA_SUCCESS = 0, CUDA_ERROR_NOT_SUPPORTED = 801 } CUresult;
+typedef enum cudaError_enum { CUDA_SUCCESS = 0, CUDA_ERROR_NOT_READY = 600, CUDA_ERROR_NOT_SUPPORTED = 801 } CUresult;
 typedef enum CUstream_flags_enum { CU_STREAM_DEFAULT = 0x0, CU_STREAM_NON_BLOCKING = 0x1 } CUstream_flags;
 typedef enum CUevent_flags_enum { CU_EVENT_DEFAULT = 0x0, CU_EVENT_BLOCKING_SYNC = 0x1,
                                   CU_EVENT_DISABLE_TIMING = 0x2, CU_EVENT_INTERPROCESS = 0x4 } CUevent_flags;
@@ -507,14 +507,19 @@ def test_order_before_copies_records_the_event_without_a_host_sync(monkeypatch: 
     def no_sync(*args: Any) -> None:
         raise AssertionError("a host-side synchronize on the engine's critical path")
 
-    events: dict[int, Event] = {}
-    monkeypatch.setattr(device_module, "order_event", lambda index: events.setdefault(index, Event(index)))
+    made = iter(range(100))
+    monkeypatch.setattr(torch.cuda, "Event", lambda interprocess: Event(next(made)) if interprocess else None)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: f"stream-{index}")
     monkeypatch.setattr(torch.cuda, "synchronize", no_sync)
-    device_module.order_before_copies("cuda:1")
-    device_module.order_before_copies(torch.device("cuda", 1))
+    monkeypatch.setattr(device_module, "_order_events", {})
+    ring = device_module.order_events(1)
+    assert len(ring) == device_module.ORDER_EVENTS and len(set(map(id, ring))) == len(ring)
+    for _ in range(device_module.ORDER_EVENTS + 2):
+        device_module.order_before_copies("cuda:1")
     device_module.order_before_copies("cpu")  # nothing to order
-    assert recorded == [(1, "stream-1"), (1, "stream-1")]  # one event per device, on its current stream
+    # Round robin over the device's ring, every record on the current stream, no host wait.
+    assert [e for e, _ in recorded] == [e.index for e in ring] + [ring[0].index, ring[1].index]
+    assert {stream for _, stream in recorded} == {"stream-1"}
 
 
 # -- the native engine against a fake driver: ordering on the engine's event, pinning in pieces ------
@@ -531,7 +536,7 @@ typedef unsigned long long CUdeviceptr;
 typedef unsigned long long U;
 struct CUipcEventHandle { char reserved[64]; };
 static std::string g_log;
-static long g_streams = 0, g_events = 0, g_registers = 0;
+static long g_streams = 0, g_events = 0, g_registers = 0, g_opens = 0;
 static void* g_ctx = nullptr;
 static long knob(const char* name) { const char* v = getenv(name); return v ? atol(v) : 0; }
 static void note(const char* fmt, U a = 0, U b = 0, U c = 0, U d = 0) {
@@ -554,11 +559,12 @@ static CUresult event_destroy(void* e) { note("destroy %#llx ctx=%#llx", P(e), P
 static CUresult ipc_open(void** e, CUipcEventHandle h) {
   *e = (void*)(uintptr_t)(0x300 + (unsigned char)h.reserved[0]);
   note("open %#llx ctx=%#llx", P(*e), P(g_ctx));
+  if (++g_opens == knob("FAKE_OPEN_FAIL_AT")) return 201;
   return (CUresult)knob("FAKE_OPEN_RC");
 }
-static CUresult wait_event(void* s, void* e, unsigned flags) {
-  note("wait %#llx %#llx flags=%llu", P(s), P(e), flags);
-  return (CUresult)knob("FAKE_WAIT_RC");
+static CUresult event_query(void* e) {  // FAKE_QUERY_RC: 0 done, 600 not ready, other: an error
+  note("query %#llx ctx=%#llx", P(e), P(g_ctx));
+  return (CUresult)knob("FAKE_QUERY_RC");
 }
 static CUresult memcpy_async(CUdeviceptr d, CUdeviceptr s, size_t n, void* st) {
   memcpy((void*)d, (const void*)s, n);
@@ -592,7 +598,7 @@ CUresult cuGetProcAddress_v2(const char* name, void** fn, int, unsigned long lon
       {"cuCtxSetCurrent", (void*)ctx_set}, {"cuStreamCreate", (void*)stream_create},
       {"cuEventCreate", (void*)event_create}, {"cuEventRecord", (void*)event_record},
       {"cuEventSynchronize", (void*)event_sync}, {"cuEventDestroy", (void*)event_destroy},
-      {"cuIpcOpenEventHandle", (void*)ipc_open}, {"cuStreamWaitEvent", (void*)wait_event},
+      {"cuIpcOpenEventHandle", (void*)ipc_open}, {"cuEventQuery", (void*)event_query},
       {"cuMemcpyAsync", (void*)memcpy_async}, {"cuMemcpyBatchAsync", (void*)batch},
       {"cuMemHostRegister", (void*)host_register}, {"cuMemHostUnregister", (void*)host_unregister},
   };
@@ -668,8 +674,9 @@ out["pool"] = [pool.base, pool.data_offset, pool.size]
 backend = step("open", sessions.open_backend, "cuda", pool)  # pinned now, on GPU 0
 backend._allocation_range = lambda ptr: (0, ptr, 8 * BLOCK)
 out["pinned"] = backend.pinned
-a1 = step("map a1", backend.map, handle(1, b"\x0a" * 64), 8 * BLOCK, 0)
-a2 = step("map a2", backend.map, handle(1, b"\x0a" * 64), 8 * BLOCK, 0)  # the same engine again
+RING_A = b"\x0a" * 64 + b"\x1a" * 64  # engine a's ring of two events
+a1 = step("map a1", backend.map, handle(1, RING_A), 8 * BLOCK, 0)
+a2 = step("map a2", backend.map, handle(1, RING_A), 8 * BLOCK, 0)  # the same engine again
 b = step("map b", backend.map, handle(2, b"\x0b" * 64), 8 * BLOCK, 0)
 c = step("map c", backend.map, handle(3, b""), 8 * BLOCK, 0)  # version 1: an older client
 slot = pool.data_offset + 1024
@@ -677,6 +684,8 @@ plan = TransferPlan(array("Q", [slot, slot + 2 * BLOCK]), array("Q", [0, 0]), ar
 def at(mapping, blocks):
     return TransferPlan(plan.pool_offsets, array("Q", [mapping.base + i * BLOCK for i in blocks]), plan.sizes)
 if a1 is not None:
+    out["pending"] = step("pending a", backend.order_pending, a1)
+    out["waiting"] = step("waiting a", backend.order_waiting, a1, out["pending"] or [])
     step("store a", backend.copy, a1, pool.base, at(a1, [0, 2]), False)
 if a1 is not None:  # 16 MiB of runs: spread over several streams
     wide = TransferPlan(array("Q", [slot] * 4096), array("Q", [a1.base] * 4096), array("Q", [BLOCK] * 4096))
@@ -685,6 +694,7 @@ if b is not None:
     step("load b", backend.copy, b, pool.base, at(b, [5, 7]), True)
     out["loaded"] = [engines[2].raw[i * BLOCK:(i + 1) * BLOCK] == bytes([1]) * BLOCK for i in range(8)]
 if c is not None:
+    out["pending c"] = step("pending c", backend.order_pending, c)
     step("store c", backend.copy, c, pool.base, at(c, [1, 3]), False)
 for name, mapping in (("unmap a1", a1), ("unmap a2", a2), ("unmap b", b), ("unmap c", c)):
     if mapping is not None:
@@ -723,69 +733,82 @@ def words(lines: list[str]) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("version", ["12040", "12080"])  # cuMemcpyAsync per run; cuMemcpyBatchAsync
-def test_every_copy_waits_on_its_sessions_event_before_any_byte_moves(fake_libcuda: Path, tmp_path: Path,
-                                                                      version: str) -> None:
+def test_copies_never_wait_on_the_engines_event_on_the_gpu(fake_libcuda: Path, tmp_path: Path, version: str) -> None:
+    """The copy itself touches no engine event (no daemon stream may wait on one: it would never end if
+    the engine died); it enqueues the runs on its own stream and waits for them on its own event."""
     out = run_scenario(fake_libcuda, tmp_path, FAKE_CUDA_VERSION=version)
     steps = out["by_step"]
     assert all(s["error"] is None for s in out["steps"]), out["steps"]
-    for name, event in (("store a", "0x30a"), ("load b", "0x30b")):  # d2h and h2d, each its engine's event
+    for name in ("store a", "load b", "store c"):  # d2h and h2d, with and without events
         calls = words(steps[name]["calls"])
-        assert calls[0][0] == "wait" and calls[0][2] == event and calls[0][3] == "flags=0", calls
+        assert {c[0] for c in calls} == {"copy", "record", "sync"}, calls
         stream = calls[0][1]
-        copies = [c for c in calls if c[0] == "copy"]
-        assert copies and all(c[1] == stream for c in copies)  # on the stream that waits
-        assert [c[0] for c in calls[-2:]] == ["record", "sync"] and calls[-2][2] == stream  # then completion
+        assert [c[0] for c in calls[-2:]] == ["record", "sync"] and calls[-2][2] == stream
     assert out["loaded"] == [False] * 5 + [True, False, True]  # the load moved a's bytes into b's blocks 5 and 7
-    # A version-1 handle has no event: its copies do not wait (the older client synchronized itself).
-    calls = [c[0] for c in words(steps["store c"]["calls"])]
-    assert calls[0] == "copy" and "wait" not in calls and calls[-2:] == ["record", "sync"]
+
+
+@pytest.mark.parametrize("rc,pending", [("0", []), ("600", ["0x30a", "0x31a"])])
+def test_the_engines_records_are_queried_from_the_host(fake_libcuda: Path, tmp_path: Path, rc: str,
+                                                      pending: list[str]) -> None:
+    """order_pending asks every event of the session's ring (cuEventQuery, in the copies' context of
+    GPU 1) and returns those not done; order_waiting asks again about those only."""
+    out = run_scenario(fake_libcuda, tmp_path, FAKE_QUERY_RC=rc)
+    steps = out["by_step"]
+    assert steps["pending a"]["calls"] == ["query 0x30a ctx=0x11", "query 0x31a ctx=0x11"]
+    assert [hex(e) for e in out["pending"]] == pending
+    assert steps["waiting a"]["calls"] == [f"query {e} ctx=0x11" for e in pending]
+    assert [hex(e) for e in out["waiting"]] == pending
+    # A version-1 handle (an older client) has no event: nothing to ask, nothing pending.
+    assert steps["pending c"]["calls"] == [] and out["pending c"] == []
+
+
+@pytest.mark.parametrize("rc,error", [("400", "RuntimeError"), ("700", "StickyDeviceError")])
+def test_a_failed_query_is_an_error_with_the_drivers_code(fake_libcuda: Path, tmp_path: Path, rc: str,
+                                                         error: str) -> None:
+    out = run_scenario(fake_libcuda, tmp_path, FAKE_QUERY_RC=rc)
+    failed = out["by_step"]["pending a"]["error"]
+    assert failed.startswith(f"{error}: cuEventQuery on the engine's event failed") and f"({rc})" in failed
 
 
 @pytest.mark.parametrize("version", ["12040", "12080"])
 @pytest.mark.parametrize("streams", [None, "4"])  # the default (2), KVSTORE_CUDA_COPY_STREAMS
-def test_a_large_copy_is_spread_over_streams_each_waiting_on_the_event(fake_libcuda: Path, tmp_path: Path,
-                                                                       version: str, streams: str | None) -> None:
+def test_a_large_copy_is_spread_over_streams(fake_libcuda: Path, tmp_path: Path, version: str,
+                                             streams: str | None) -> None:
     env = {"FAKE_CUDA_VERSION": version, **({"KVSTORE_CUDA_COPY_STREAMS": streams} if streams else {})}
     calls = words(run_scenario(fake_libcuda, tmp_path, **env)["by_step"]["store wide"]["calls"])
     n = int(streams or 2)
-    waits = [c for c in calls if c[0] == "wait"]
-    used = [c[1] for c in waits]
-    assert len(set(used)) == n and all(c[2] == "0x30a" for c in waits), waits
-    assert [c[0] for c in calls[:n]] == ["wait"] * n  # every stream waits before any byte moves
+    ends = calls[-2 * n:]
+    used = [c[2] for c in ends[::2]]
+    assert [c[0] for c in ends] == ["record", "sync"] * n and len(set(used)) == n
     copies = [c[1] for c in calls if c[0] == "copy"]
-    assert set(copies) == set(used)
+    assert set(copies) == set(used) and len(copies) + 2 * n == len(calls)
     if version == "12040":  # one cuMemcpyAsync per run: the 4096 runs shared evenly
         assert [copies.count(s) for s in used] == [4096 // n] * n
-    ends = calls[-2 * n:]
-    assert [c[0] for c in ends] == ["record", "sync"] * n and {c[2] for c in ends[::2]} == set(used)
 
 
-def test_the_engine_event_is_opened_once_and_destroyed_with_its_last_mapping(fake_libcuda: Path,
-                                                                             tmp_path: Path) -> None:
+def test_the_engine_events_are_opened_once_and_destroyed_with_their_last_mapping(fake_libcuda: Path,
+                                                                                tmp_path: Path) -> None:
     steps = run_scenario(fake_libcuda, tmp_path)["by_step"]
-    assert steps["map a1"]["calls"] == ["open 0x30a ctx=0x11"]  # in GPU 1's primary context, the copies'
-    assert steps["map a2"]["calls"] == []  # the same engine event: shared
+    assert steps["map a1"]["calls"] == ["open 0x30a ctx=0x11", "open 0x31a ctx=0x11"]  # GPU 1's context
+    assert steps["map a2"]["calls"] == []  # the same engine's ring: shared
     assert steps["map b"]["calls"] == ["open 0x30b ctx=0x11"]
     assert steps["map c"]["calls"] == []
-    assert steps["unmap a1"]["calls"] == []  # a2 still uses it
-    assert steps["unmap a2"]["calls"] == ["destroy 0x30a ctx=0x11"]
+    assert steps["unmap a1"]["calls"] == []  # a2 still uses them
+    assert steps["unmap a2"]["calls"] == ["destroy 0x30a ctx=0x11", "destroy 0x31a ctx=0x11"]
     assert steps["unmap b"]["calls"] == ["destroy 0x30b ctx=0x11"]
     assert steps["unmap c"]["calls"] == []
 
 
-def test_a_failed_wait_moves_no_byte(fake_libcuda: Path, tmp_path: Path) -> None:
-    out = run_scenario(fake_libcuda, tmp_path, FAKE_WAIT_RC="400")
-    store = out["by_step"]["store a"]
-    assert "cuStreamWaitEvent on the engine's event failed" in store["error"] and "(400)" in store["error"]
-    assert [c[0] for c in words(store["calls"])] == ["wait"]
-    assert out["loaded"] == [False] * 8
-
-
-def test_an_event_that_cannot_be_opened_refuses_the_mapping(fake_libcuda: Path, tmp_path: Path) -> None:
-    out = run_scenario(fake_libcuda, tmp_path, FAKE_OPEN_RC="201")
-    assert "cannot open the engine's IPC event on GPU 1" in out["by_step"]["map a1"]["error"]
-    assert "copies could not be ordered" in out["by_step"]["map a1"]["error"]
-    assert out["by_step"]["map c"]["error"] is None  # a handle without an event does not open one
+@pytest.mark.parametrize("env", [{"FAKE_OPEN_RC": "201"}, {"FAKE_OPEN_FAIL_AT": "2"}])
+def test_an_event_that_cannot_be_opened_refuses_the_mapping(fake_libcuda: Path, tmp_path: Path,
+                                                           env: dict[str, str]) -> None:
+    out = run_scenario(fake_libcuda, tmp_path, **env)
+    steps = out["by_step"]
+    assert "cannot open the engine's IPC event on GPU 1" in steps["map a1"]["error"]
+    assert "copies could not be ordered" in steps["map a1"]["error"]
+    if "FAKE_OPEN_FAIL_AT" in env:  # the ring's first event opened, its second failed: the first is closed
+        assert steps["map a1"]["calls"] == ["open 0x30a ctx=0x11", "open 0x31a ctx=0x11", "destroy 0x30a ctx=0x11"]
+    assert steps["map c"]["error"] is None  # a handle without an event does not open one
     assert out["events_left"] == 0
 
 

@@ -17,17 +17,22 @@ from hypothesis import strategies as st
 from support.blocks import key_of
 
 from kvstore_client.client import peer_handshake
-from kvstore_client.device import export_kv_memory, order_before_copies, synchronize_before_store
+from kvstore_client.device import (
+    export_kv_memory,
+    order_before_copies,
+    synchronize_before_store,
+    unsupported_allocator,
+)
 from kvstore_client.protocol import PROTOCOL_VERSION
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import CompletionChannel
 from kvstore_client.protocol.handle import (
     MAX_HANDLE_BYTES,
-    NPU_IPC_ALIGNMENT,
+    MAX_IPC_HANDLE_BYTES,
+    MAX_ORDER_EVENTS,
     DeviceHandle,
     check_inside_allocation,
-    check_npu_alignment,
     decode_handle,
     device_index_for_uuid,
     encode_handle,
@@ -105,7 +110,7 @@ def _cases() -> list[tuple[str, bytes, str]]:
         ("no format", raw({k: v for k, v in good.items() if k != "format"}), "not a kvstore device handle"),
         ("other format", raw({**good, "format": "pickle"}), "not a kvstore device handle"),
         ("deep nesting", b"[" * 4000, "nested too deeply|not JSON"),
-        ("oversized", encode_handle(sample()) + b" " * MAX_HANDLE_BYTES, "more than the 4096 allowed"),
+        ("oversized", encode_handle(sample()) + b" " * MAX_HANDLE_BYTES, f"more than the {MAX_HANDLE_BYTES} allowed"),
         ("NaN", raw(good).replace(b'"storage_offset": 2097152', b'"storage_offset": NaN'), "NaN is not allowed"),
         ("duplicate field", raw(good)[:-1] + b', "device": 0}', "'device' appears twice"),
         ("unknown field", raw({**good, "extra": 1}), "unknown field"),
@@ -123,7 +128,8 @@ def _cases() -> list[tuple[str, bytes, str]]:
         ("bad base64", raw({**good, "ipc_handle": "!!notbase64!!"}), "ipc_handle is not valid base64"),
         ("unpadded base64", raw({**good, "ipc_handle": "AAA"}), "not valid base64"),
         ("empty ipc handle", raw({**good, "ipc_handle": ""}), "ipc_handle has 0 bytes"),
-        ("long ipc handle", raw({**good, "ipc_handle": base64.b64encode(bytes(1025)).decode()}), "too long|1025"),
+        ("long ipc handle", raw({**good, "ipc_handle": base64.b64encode(bytes(MAX_IPC_HANDLE_BYTES + 1)).decode()}),
+         f"too long|{MAX_IPC_HANDLE_BYTES + 1}"),
         ("long event", raw({**good, "event_handle": base64.b64encode(bytes(300)).decode()}), "event_handle has 300"),
         ("ref counter path", raw({**good, "ref_counter": "/etc/passwd"}), "not a torch IPC reference counter"),
         ("ref counter pool", raw({**good, "ref_counter": "/kvstore-pool"}), "not a torch IPC reference counter"),
@@ -144,7 +150,11 @@ def _cases() -> list[tuple[str, bytes, str]]:
         ("v2 empty order_event", raw({**v2, "order_event": ""}), "version 2 handle carries an order_event"),
         ("v2 short order_event", raw({**v2, "order_event": base64.b64encode(bytes(63)).decode()}),
          "order_event has 63 bytes"),
-        ("v2 npu order_event", raw({**v2, "kind": "npu"}), "only a cuda handle carries one"),
+        ("v2 npu order_event", raw({**v2, "kind": "npu"}), "only a cuda handle carries them"),
+        ("v2 order_event of 1.5 events", raw({**v2, "order_event": base64.b64encode(bytes(96)).decode()}),
+         "order_event has 96 bytes.*1..16 events of 64 bytes"),
+        ("v2 ring too long", raw({**v2, "order_event": base64.b64encode(bytes(64 * 17)).decode()}),
+         "order_event has 1088 bytes"),
         ("v2 order_event not base64", raw({**v2, "order_event": "!"}), "order_event is not valid base64"),
         ("v1 with order_event", raw({**good, "order_event": v2["order_event"]}), "unknown field.*order_event"),
     ]
@@ -190,7 +200,7 @@ def test_handle_from_share_carries_the_order_event() -> None:
     share = (1, b"\x01c" + bytes(range(64)), 1 << 30, 4 << 20, b"/torch_99_1234_0", 5, bytes(64), True)
     handle = handle_from_share("cuda", share, UUID_A, EVENT)
     assert handle.order_event == EVENT and decode_handle(encode_handle(handle)) == handle
-    with pytest.raises(ValueError, match="only a cuda handle carries one"):
+    with pytest.raises(ValueError, match="only a cuda handle carries them"):
         handle_from_share("npu", share, "vdie-1", EVENT)
 
 
@@ -250,11 +260,13 @@ def test_resolve_handle_checks_size_device_and_kind() -> None:
         resolve_handle(data, 4096, "cuda", [UUID_B])
     with pytest.raises(ValueError, match="a cuda handle was sent for the npu backend"):
         resolve_handle(data, 4096, "npu", [UUID_A])
-    # NPU without an identity falls back to the index, which must exist.
+    # NPU without an identity is refused, not guessed by index: an import on another NPU would
+    # succeed and then fail every copy.
     npu = encode_handle(sample(kind="npu", device_uuid="", device=1))
-    assert resolve_handle(npu, 4096, "npu", ["", ""])[0] == 1
-    with pytest.raises(ValueError, match="npu device 1 does not exist here"):
-        resolve_handle(npu, 4096, "npu", [""])
+    with pytest.raises(ValueError, match="could not identify its npu device 1.*refusing to guess it by index"):
+        resolve_handle(npu, 4096, "npu", ["", ""])
+    npu = encode_handle(sample(kind="npu", device_uuid="vdie-0a1b2c", device=1))
+    assert resolve_handle(npu, 4096, "npu", ["vdie-ffff", "vdie-0a1b2c"])[0] == 1
 
 
 def test_inside_allocation() -> None:
@@ -266,13 +278,20 @@ def test_inside_allocation() -> None:
         check_inside_allocation(0x0FFF_F000, 4096, 0x1000_0000, 0x10_0000)
 
 
-def test_npu_alignment() -> None:
-    check_npu_alignment(0)
-    check_npu_alignment(7 * NPU_IPC_ALIGNMENT)
-    with pytest.raises(ValueError, match="4096 bytes past a 2 MiB boundary.*2 MiB-aligned"):
-        check_npu_alignment(3 * NPU_IPC_ALIGNMENT + 4096)
-    with pytest.raises(ValueError, match="2 MiB"):
-        check_npu_alignment(NPU_IPC_ALIGNMENT // 2)
+def test_a_ring_of_order_events_round_trips() -> None:
+    ring = bytes(range(256)) * (MAX_ORDER_EVENTS // 4)  # 16 handles of 64 bytes
+    assert decode_handle(encode_handle(sample(order_event=ring))).order_event == ring
+    assert decode_handle(encode_handle(sample(order_event=EVENT))).order_event == EVENT  # a ring of one
+
+
+def test_npu_expandable_segment_handles_fit() -> None:
+    """torch_npu's share of an expandable segment: a header plus 8 bytes per 20 MiB physical handle. A
+    100 GiB tensor (5120 handles, 40 KiB) round-trips; past the limit is refused clearly."""
+    big = bytes(range(256)) * 160 + bytes(24)
+    handle = sample(kind="npu", device_uuid="vdie-0a1b2c", ipc_handle=big, storage_bytes=100 << 30)
+    assert decode_handle(encode_handle(handle), "npu") == handle
+    with pytest.raises(ValueError, match=f"ipc_handle has {MAX_IPC_HANDLE_BYTES + 1} bytes"):
+        encode_handle(replace(handle, ipc_handle=bytes(MAX_IPC_HANDLE_BYTES + 1)))
 
 
 def test_npu_smi_identity() -> None:
@@ -288,6 +307,28 @@ def test_npu_smi_identity() -> None:
 def test_export_of_cpu_tensors_points_to_shared_memory() -> None:
     with pytest.raises(ValueError, match="move_to_shared_memory"):
         export_kv_memory([torch.zeros(4, 8)], 4, [(0, 8, 8)])
+
+
+class Config:
+    def __init__(self, **model: object) -> None:
+        self.model_config = type("ModelConfig", (), model)()
+
+
+def test_sleep_mode_and_the_cumem_allocator_leave_the_connector_off() -> None:
+    """vLLM's sleep mode (CuMemAllocator on CUDA, CaMem on vllm-ascend) and the cumem allocator put
+    the KV cache where device IPC cannot export it and sleep() would unmap it under the daemon."""
+    assert unsupported_allocator(Config(enable_sleep_mode=False, enable_cumem_allocator=False)) == ""
+    assert unsupported_allocator(Config()) == "" and unsupported_allocator(object()) == ""
+    assert "sleep mode" in unsupported_allocator(Config(enable_sleep_mode=True, enable_cumem_allocator=True))
+    assert "CaMem" in unsupported_allocator(Config(enable_sleep_mode=True))
+    assert "cumem allocator" in unsupported_allocator(Config(enable_cumem_allocator=True))
+
+
+def test_sleep_mode_is_detected_on_vllms_own_config() -> None:
+    vllm_config = pytest.importorskip("vllm.config")
+    model = vllm_config.ModelConfig.__new__(vllm_config.ModelConfig)  # no model files: the fields only
+    model.enable_sleep_mode, model.enable_cumem_allocator = True, True  # what __post_init__ sets on CUDA
+    assert "sleep mode" in unsupported_allocator(type("C", (), {"model_config": model})())
 
 
 def test_synchronize_before_store_on_cpu_is_a_no_op() -> None:

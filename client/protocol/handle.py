@@ -10,10 +10,11 @@ client bytes and must not execute them. Format version 1:
      "ref_counter": <str [4], torch's "/torch_<pid>_<rand>_<n>" shared-memory name>,
      "ref_counter_offset": <int [5]>, "event_handle": <base64 of [6]>, "event_sync": <bool [7]>}
 
-Version 2 is version 1 plus "order_event": base64 of the engine's interprocess event (CUDA: the
-64-byte cudaIpcEventHandle_t of `torch.cuda.Event(interprocess=True)`), which the engine records
-before it submits a step's copies and the daemon's copy stream waits on. Only CUDA handles carry
-one, so a handle without an event is written as version 1, which older daemons read. Both versions
+Version 2 is version 1 plus "order_event": base64 of the engine's interprocess events (CUDA: the
+64-byte cudaIpcEventHandle_t of each `torch.cuda.Event(interprocess=True)`, 1..MAX_ORDER_EVENTS of
+them back to back), a ring the engine records round robin before it submits a step's copies and
+the daemon polls from the host before it copies. Only CUDA handles carry them, so a handle without
+an event is written as version 1, which older daemons read. Both versions
 are read; a version-1 CUDA handle (an older client) has no event: the daemon copies unordered, and
 such a client synchronizes its stream before stores itself.
 
@@ -39,13 +40,17 @@ from typing import Any
 
 HANDLE_FORMAT = "kvstore-device-handle"
 HANDLE_VERSION = 2  # the newest this side reads and writes; 1 is still read (and written without an event)
-MAX_HANDLE_BYTES = 4096
 KINDS = ("cuda", "npu")
-NPU_IPC_ALIGNMENT = 2 << 20  # Ascend IPC exports page-aligned memory only; KV caches use 2 MiB pages
+NPU_IPC_ALIGNMENT = 2 << 20  # the granularity of Ascend device allocations (the NPU bounds check rounds to it)
 
-MAX_IPC_HANDLE_BYTES = 1024  # cudaIpcMemHandle is 64 bytes (+ torch's 2-byte prefix); ACL keys 65
+# cudaIpcMemHandle is 64 bytes (+ torch's 2-byte prefix), an ACL export key 65. torch_npu's share of an
+# expandable segment (vllm-ascend's default allocator) is a header plus 8 bytes per 20 MiB physical
+# handle (NPUCachingAllocator.cpp, kLargeBuffer): 64 KiB covers a 160 GiB tensor.
+MAX_IPC_HANDLE_BYTES = 64 << 10
+MAX_HANDLE_BYTES = 96 << 10  # the JSON: the IPC handle in base64 (4/3) plus the other fields
 MAX_EVENT_HANDLE_BYTES = 256
 IPC_EVENT_HANDLE_BYTES = 64  # cudaIpcEventHandle_t (CU_IPC_HANDLE_SIZE)
+MAX_ORDER_EVENTS = 16  # the engine's ring of ordering events (kvstore_client.device.ORDER_EVENTS)
 MAX_DEVICE = 127  # c10::DeviceIndex is int8
 REF_COUNTER_SLOTS = 10000  # torch's CUDA_IPC_REF_COUNTER_FILE_SIZE (torch_npu uses the same)
 # torch's at::NewProcessWideShmHandle(): "/torch_<pid>_<random>_<counter>" (older: no counter).
@@ -86,7 +91,7 @@ class DeviceHandle:
 
 def handle_from_share(kind: str, share: Sequence[Any], device_uuid: str, order_event: bytes = b"") -> DeviceHandle:
     """A DeviceHandle from the 8-tuple `storage._share_cuda_()` / `_share_npu_()` returns, and the
-    engine's ordering event (`event.ipc_handle()`, CUDA only)."""
+    engine's ring of ordering events (each `event.ipc_handle()`, back to back; CUDA only)."""
     if len(share) != 8:
         raise ValueError(f"_share_{kind}_() returned {len(share)} fields, expected 8")
     device, ipc_handle, size, offset, ref_counter, ref_offset, event_handle, event_sync = share
@@ -170,9 +175,11 @@ def validate_handle(h: DeviceHandle) -> None:
         raise ValueError("device handle: a cuda handle needs the GPU's device_uuid")
     if not 0 < len(h.ipc_handle) <= MAX_IPC_HANDLE_BYTES:
         raise ValueError(f"device handle: ipc_handle has {len(h.ipc_handle)} bytes, expected 1..{MAX_IPC_HANDLE_BYTES}")
-    if h.order_event and (h.kind != "cuda" or len(h.order_event) != IPC_EVENT_HANDLE_BYTES):
+    if h.order_event and (h.kind != "cuda" or len(h.order_event) % IPC_EVENT_HANDLE_BYTES
+                          or len(h.order_event) > MAX_ORDER_EVENTS * IPC_EVENT_HANDLE_BYTES):
         raise ValueError(f"device handle: order_event has {len(h.order_event)} bytes; only a cuda handle carries "
-                         f"one, of {IPC_EVENT_HANDLE_BYTES} bytes (cudaIpcEventHandle_t)")
+                         f"them, 1..{MAX_ORDER_EVENTS} events of {IPC_EVENT_HANDLE_BYTES} bytes "
+                         "(cudaIpcEventHandle_t)")
     if len(h.event_handle) > MAX_EVENT_HANDLE_BYTES:
         raise ValueError(f"device handle: event_handle has {len(h.event_handle)} bytes, "
                          f"more than {MAX_EVENT_HANDLE_BYTES}")
@@ -269,12 +276,13 @@ def resolve_handle(data: bytes, size: int, kind: str, local_uuids: Sequence[str]
         raise ValueError("memory.size must be positive")
     if size > h.storage_bytes:
         raise ValueError(f"the layout needs {size} bytes but the exported {kind} storage has {h.storage_bytes}")
-    if h.device_uuid:
-        return device_index_for_uuid(h.device_uuid, local_uuids), h
-    # npu without an identity: only correct when engine and daemon see the same devices in the same order.
-    if h.device >= len(local_uuids):
-        raise ValueError(f"the engine's {kind} device {h.device} does not exist here ({len(local_uuids)} visible)")
-    return h.device, h
+    if not h.device_uuid:
+        # Falling back to the index would import on whichever device has it here; on Ascend an import on
+        # another device succeeds and then fails every host <-> device copy (CANN: not supported).
+        raise ValueError(f"the engine could not identify its {kind} device {h.device} (no UUID, no npu-smi in its "
+                         "container?): refusing to guess it by index; give the engine npu-smi (or a torch_npu "
+                         "with the uuid property)")
+    return device_index_for_uuid(h.device_uuid, local_uuids), h
 
 
 def check_inside_allocation(ptr: int, size: int, alloc_base: int, alloc_size: int) -> None:
@@ -283,15 +291,6 @@ def check_inside_allocation(ptr: int, size: int, alloc_base: int, alloc_size: in
     if ptr < alloc_base or ptr + size > alloc_base + alloc_size:
         raise ValueError(f"the engine's KV memory [0x{ptr:x}, +{size}) is not inside the shared allocation "
                          f"[0x{alloc_base:x}, +{alloc_size}): storage_bytes/storage_offset are wrong")
-
-
-def check_npu_alignment(address: int) -> None:
-    """Ascend IPC exports page-aligned memory only; KV caches are in 2 MiB huge pages."""
-    misaligned = address % NPU_IPC_ALIGNMENT
-    if misaligned:
-        raise ValueError(f"the NPU KV cache starts at 0x{address:x}, {misaligned} bytes past a 2 MiB boundary: "
-                         "Ascend IPC can only export 2 MiB-aligned memory. Allocate the KV cache 2 MiB aligned "
-                         "(vllm-ascend does so when a kv_transfer_config is set)")
 
 
 def parse_npu_smi_board(output: str) -> str:

@@ -77,10 +77,19 @@ class Backend(ABC):
     def unmap(self, mapping: Mapping) -> None:
         """Release the mapping. Called only when no copy uses it any more."""
 
+    def order_pending(self, mapping: Mapping) -> list[int]:
+        """When a job of the session whose first mapping is `mapping` arrives (event loop; never
+        blocks): the engine's ordering records, made before the job, that are not done yet. The job's
+        copies start once order_waiting returns [] for them. [] : nothing to wait for (CPU)."""
+        return []
+
+    def order_waiting(self, mapping: Mapping, pending: list[int]) -> list[int]:
+        """Of `pending` (from order_pending), those still not done (event loop; never blocks)."""
+        return []
+
     @abstractmethod
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         """Copy the plan's runs (pool -> engine if to_engine) between the pool and the session's
         engine memory, and return when every byte landed. `mapping` is the session's first mapping:
-        its device is the device of all of them, and what it holds orders the copies against the
-        engine (CUDA: the engine's event). Runs in one of the daemon's copy threads, beside the
-        others; raises on any failure."""
+        its device is the device of all of them. The job's order_pending records are done by now.
+        Runs in one of the daemon's copy threads of the mapping's device; raises on any failure."""

@@ -16,13 +16,16 @@ mid-copy); the host-side logic is also tested without a GPU. See docs/devices.md
 * bounds: the driver's range of the allocation holding the mapping (cuMemGetAddressRange) must
   contain the `size` bytes the layout needs; when it cannot be queried the registration is refused
   (fail closed: the handle's sizes come from the client).
-* ordering: a version-2 handle carries the engine's interprocess event (one per engine device,
-  recorded by the engine on its stream before it submits a step's copies). map opens it
-  (cuIpcOpenEventHandle, once per engine event and device: the mappings of a session, and a
-  re-registration of the same engine, share it), every copy's stream waits on it
-  (cuStreamWaitEvent) before its first byte moves, both directions, and the last unmap using it
-  destroys it (cuEventDestroy). A version-1 handle (an older client) has none: its copies are not
-  ordered here, and such a client synchronizes its stream before stores itself.
+* ordering: a version-2 handle carries the engine's ring of interprocess events (one ring per engine
+  device, recorded round robin by the engine on its stream before it submits a step's copies). map
+  opens them (cuIpcOpenEventHandle, once per engine ring and device: the mappings of a session, and a
+  re-registration of the same engine, share them) and the last unmap using them destroys them
+  (cuEventDestroy). When a job arrives, `order_pending` notes which of them are still pending
+  (cuEventQuery, from the host); the job's copies start once each of those has completed
+  (`order_waiting`, polled by kvstore_service.jobs with a deadline and the session's liveness). No
+  daemon stream ever waits on an engine's event: such a wait never ends when the engine dies or its
+  stream stalls. A version-1 handle (an older client) has none: its copies are not ordered here, and
+  such a client synchronizes its stream before stores itself.
 * pool: pinned (cuMemHostRegister, portable: one registration serves every GPU) in segment-sized
   pieces (base.pool_pieces), all or none: at the daemon's start (--devices cuda) on its GPU 0,
   else on the device of the first mapping, not on GPU 0, which would create a context on a GPU no
@@ -43,7 +46,12 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from kvstore_client.protocol.handle import check_inside_allocation, local_cuda_uuids, resolve_handle
+from kvstore_client.protocol.handle import (
+    IPC_EVENT_HANDLE_BYTES,
+    check_inside_allocation,
+    local_cuda_uuids,
+    resolve_handle,
+)
 from kvstore_service import native
 from kvstore_service.backends.base import Backend, Mapping, TransferPlan
 from kvstore_service.native import StickyDeviceError, is_sticky_cuda_error
@@ -92,8 +100,8 @@ class Held:
     """What a CUDA mapping keeps until unmap."""
 
     storage: Any  # torch's shared storage: dropping it closes the IPC mapping
-    event: int  # the engine's ordering event opened here (a CUevent); 0: none (a version-1 handle)
-    event_key: tuple[int, bytes] | None  # (device, event handle): its entry in CudaBackend.events
+    events: list[int]  # the engine's ring of ordering events opened here (CUevents); []: none (version 1)
+    event_key: tuple[int, bytes] | None  # (device, event handles): their entry in CudaBackend.events
 
 
 class CudaBackend(Backend):
@@ -106,8 +114,8 @@ class CudaBackend(Backend):
         self.pinned: list[tuple[int, int]] = []  # the pieces pinned
         self.pinned_on: int | None = None  # the device whose context pinned them
         self._pin_lock = threading.Lock()
-        # Engine events opened here: (device, handle) -> [CUevent, mappings using it].
-        self.events: dict[tuple[int, bytes], list[int]] = {}
+        # Engine event rings opened here: (device, handles) -> ([CUevent, ...], mappings using them).
+        self.events: dict[tuple[int, bytes], tuple[list[int], list[int]]] = {}
         self._event_lock = threading.Lock()
         self._warned_unordered = False
         self._cuda: ctypes.CDLL | None = None
@@ -170,12 +178,12 @@ class CudaBackend(Backend):
                 if storage.nbytes() < size:
                     raise ValueError(f"the shared storage has {storage.nbytes()} bytes, the layout needs {size}")
                 check_ipc_bounds(base, size, self._allocation_range)
-                event = self._open_event(local, h.order_event)
+                events = self._open_events(local, h.order_event)
             except BaseException:
                 del storage  # close the IPC mapping now, not when the traceback goes
                 raise
-        key = (local, h.order_event) if event else None
-        mapping = Mapping(base, size, device=local, handle=Held(storage, event, key))
+        key = (local, h.order_event) if events else None
+        mapping = Mapping(base, size, device=local, handle=Held(storage, events, key))
         try:
             self.pin_pool_on(local)
         except BaseException:
@@ -196,57 +204,71 @@ class CudaBackend(Backend):
         rc = fn(ctypes.byref(alloc_base), ctypes.byref(alloc_size), ctypes.c_uint64(ptr))
         return int(rc), alloc_base.value, alloc_size.value
 
-    def _open_event(self, device: int, handle: bytes) -> int:
-        """The engine's ordering event on `device`, opened once per engine event (0 without one)."""
-        if not handle:
+    def _open_events(self, device: int, handles: bytes) -> list[int]:
+        """The engine's ring of ordering events on `device`, opened once per ring ([] without one)."""
+        if not handles:
             if not self._warned_unordered:
                 log.warning("an engine sent a CUDA handle without an ordering event (a client older than handle "
                             "version 2): the daemon does not order its copies; such a client synchronizes its "
                             "stream before stores")
                 self._warned_unordered = True
-            return 0
+            return []
         with self._event_lock:
-            known = self.events.get((device, handle))
+            known = self.events.get((device, handles))
             if known is not None:
-                known[1] += 1
+                known[1][0] += 1
                 return known[0]
+            events: list[int] = []
             try:
-                event = native.cuda_open_ipc_event(handle, device)
-            except StickyDeviceError:
-                raise
+                for i in range(0, len(handles), IPC_EVENT_HANDLE_BYTES):
+                    events.append(native.cuda_open_ipc_event(handles[i:i + IPC_EVENT_HANDLE_BYTES], device))
             except RuntimeError as e:
+                self._destroy(events, device)
+                if isinstance(e, StickyDeviceError):
+                    raise
                 raise ValueError(f"cannot open the engine's IPC event on GPU {device}: {e}; the copies could not "
                                  "be ordered after the engine's writes") from None
-            self.events[(device, handle)] = [event, 1]
-            return event
+            self.events[(device, handles)] = (events, [1])
+            return events
 
-    def _release_event(self, key: tuple[int, bytes]) -> None:
+    def _release_events(self, key: tuple[int, bytes]) -> None:
         with self._event_lock:
-            known = self.events[key]
-            known[1] -= 1
-            if known[1] > 0:
+            events, users = self.events[key]
+            users[0] -= 1
+            if users[0] > 0:
                 return
             del self.events[key]
-        try:
-            native.cuda_destroy_event(known[0], key[0])
-        except RuntimeError as e:
-            log.warning("cuEventDestroy of an engine's event failed: %s", e)
+        self._destroy(events, key[0])
+
+    @staticmethod
+    def _destroy(events: list[int], device: int) -> None:
+        for event in events:
+            try:
+                native.cuda_destroy_event(event, device)
+            except RuntimeError as e:
+                log.warning("cuEventDestroy of an engine's event failed: %s", e)
 
     def unmap(self, mapping: Mapping) -> None:
         held, mapping.handle = mapping.handle, None
         assert isinstance(held, Held)
         key, held.storage = held.event_key, None  # torch's deleter: stream sync, ref counter release, IPC close
-        if key is not None:  # this session's copies are over: nothing waits on the event any more
-            self._release_event(key)
+        if key is not None:  # this session's copies are over: nothing polls its events any more
+            self._release_events(key)
 
-    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+    def order_pending(self, mapping: Mapping) -> list[int]:
         held = mapping.handle
         assert isinstance(held, Held)
-        # The copy stream waits on the engine's event first: the engine recorded it after the work
-        # that wrote the blocks (a store) or last wrote blocks a load now overwrites.
+        return self.order_waiting(mapping, held.events)
+
+    def order_waiting(self, mapping: Mapping, pending: list[int]) -> list[int]:
+        return [e for e in pending if not native.cuda_query_event(e, mapping.device)]
+
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+        # Ordered already: the job's copies start only once the engine's records made before the job
+        # arrived are done (order_pending / order_waiting).
         if to_engine:
             native.cuda_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes,
-                                    "h2d", mapping.device, wait_event=held.event)
+                                    "h2d", mapping.device)
         else:
             native.cuda_copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes,
-                                    "d2h", mapping.device, wait_event=held.event)
+                                    "d2h", mapping.device)

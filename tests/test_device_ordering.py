@@ -1,0 +1,219 @@
+"""Ordering device copies against the engine, in the daemon's job pipeline (no GPU: a fake backend
+whose "engine records" complete when the test says so, as CUDA IPC events do when the engine's
+stream reaches them):
+
+* a job's copies start only once the records pending when it arrived are done, and never wait for
+  a record made after it arrived;
+* the wait is on the event loop, not in a copy thread: another engine's jobs copy meanwhile;
+* an engine that dies (its session ends) or stalls (past the deadline) fails only its own jobs, and
+  its session's end is not held up by them;
+* each device has its own copy threads: a slow copy on one GPU does not hold another GPU's jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+
+from test_core import BLOCK, NUM_BLOCKS, SLOTS, Core, FakeBackend, block_bytes, fill, keys_of, run
+
+from kvstore_client.protocol import PROTOCOL_VERSION
+from kvstore_client.protocol.completion import CompletionChannel
+from kvstore_service import native
+from kvstore_service.backends import Mapping, TransferPlan
+from kvstore_service.layout import Layout, Region
+from kvstore_service.sessions import EngineSession, Registration
+
+
+class RecordingBackend(FakeBackend):
+    """Each mapping's engine has records (ints) that are pending until `done` holds them; a new
+    record is pending as soon as it is made. Copies on a device in `slow` wait for `slow_gate`."""
+
+    name = "fakegpu"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[int, list[int]] = {}  # mapping base -> the engine's records so far
+        self.done: set[int] = set()
+        self.queries = 0
+        self.query_error: RuntimeError | None = None
+        self.copied: list[tuple[int, float]] = []  # (device, when)
+        self.slow: set[int] = set()
+        self.slow_gate = threading.Event()
+
+    def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
+        mapping = super().map(handle, size, device, fd)
+        mapping.device = device
+        self.records[mapping.base] = []
+        return mapping
+
+    def record(self, mapping: Mapping, name: int) -> None:
+        self.records[mapping.base].append(name)
+
+    def order_pending(self, mapping: Mapping) -> list[int]:
+        return self.order_waiting(mapping, list(self.records[mapping.base]))
+
+    def order_waiting(self, mapping: Mapping, pending: list[int]) -> list[int]:
+        self.queries += 1
+        if self.query_error is not None:
+            raise self.query_error
+        return [r for r in pending if r not in self.done]
+
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+        if mapping.device in self.slow:
+            assert self.slow_gate.wait(10)
+        self.copied.append((mapping.device, time.monotonic()))
+        super().copy(mapping, pool_base, plan, to_engine)
+
+
+async def engine(core: Core, device: int = 0) -> EngineSession:
+    channel = CompletionChannel.create(SLOTS)
+    core.channels.append(channel)
+    layout = Layout(NUM_BLOCKS, (Region(0, BLOCK, BLOCK),))
+    session = await core.sessions.register(
+        Registration(PROTOCOL_VERSION, "engine", "ns", layout, "fakegpu", (b"",), (NUM_BLOCKS * BLOCK,), device,
+                     SLOTS), fds=[os.dup(channel.fd)])
+    assert isinstance(session, EngineSession)
+    return session
+
+
+def with_backend(tmp_path: Path, body, **settings: object) -> None:  # type: ignore[no-untyped-def]
+    backend = RecordingBackend()
+
+    async def wrapped(core: Core) -> None:
+        core.backend = backend
+        core.sessions._backends["fakegpu"] = backend
+        await body(core, backend)
+
+    run(tmp_path, wrapped, **settings)
+
+
+async def outcome(session: EngineSession, job_id: int, timeout: float = 5.0) -> tuple[int, int] | None:
+    """(blocks ok, failed) once the job completes, None if it has not within `timeout`."""
+    end = time.monotonic() + timeout
+    while True:
+        done = session.channel.check(job_id)
+        if done is not None:
+            return done.blocks_ok, done.blocks_failed
+        if time.monotonic() >= end:
+            return None
+        await asyncio.sleep(0.002)
+
+
+def error_of(session: EngineSession, job_id: int) -> str:
+    return next(r.error for r in session.results if r.job_id == job_id)
+
+
+def test_a_job_copies_once_the_records_before_it_are_done_and_not_a_later_one(tmp_path: Path) -> None:
+    async def body(core: Core, backend: RecordingBackend) -> None:
+        a = await engine(core)
+        fill(a, 0, 0x5A)
+        backend.record(a.mappings[0], 1)  # the step that writes block 0
+        core.jobs.submit(a, 1, keys_of(1), [0], True)
+        backend.record(a.mappings[0], 2)  # the next step, recorded after the job arrived: never done
+        assert await outcome(a, 1, timeout=0.2) is None and backend.copied == []  # record 1 still runs
+        backend.done.add(1)
+        assert await outcome(a, 1) == (1, 0)  # record 2 is not waited for
+        assert len(backend.copied) == 1
+        assert await outcome(a, 2, timeout=0) is None
+        # Records done before the job arrived: it copies at once, asking nothing more.
+        backend.done.add(2)
+        queries = backend.queries
+        core.jobs.submit(a, 2, keys_of(1, tag=1), [0], True)
+        assert await outcome(a, 2) == (1, 0) and backend.queries == queries + 1
+
+    with_backend(tmp_path, body)
+
+
+def test_the_wait_holds_no_copy_thread(tmp_path: Path) -> None:
+    """One copy thread: engine A's job waits for A's step, engine B's jobs copy meanwhile."""
+    async def body(core: Core, backend: RecordingBackend) -> None:
+        a, b = await engine(core), await engine(core)
+        backend.record(a.mappings[0], 1)
+        core.jobs.submit(a, 1, keys_of(1), [0], True)
+        fill(b, 3, 0x33)
+        for job in range(1, 4):
+            core.jobs.submit(b, job, keys_of(1, tag=10 + job), [3], True)
+            assert await outcome(b, job) == (1, 0)
+        assert await outcome(a, 1, timeout=0) is None
+        backend.done.add(1)
+        assert await outcome(a, 1) == (1, 0)
+
+    with_backend(tmp_path, body, copy_threads=1)
+
+
+def test_a_dead_engines_waiting_jobs_fail_and_its_session_ends(tmp_path: Path) -> None:
+    """The engine died mid-step: its record never completes. Ending its session (its Attach stream
+    closed) releases the wait at once; its memory is unmapped; the other engine keeps working."""
+    async def body(core: Core, backend: RecordingBackend) -> None:
+        dead, alive = await engine(core), await engine(core)
+        backend.record(dead.mappings[0], 1)
+        core.jobs.submit(dead, 1, keys_of(4), [0, 1, 2, 3], True)
+        core.jobs.submit(dead, 2, keys_of(4, tag=1), [4, 5, 6, 7], False)
+        await asyncio.sleep(0.05)
+        started = time.monotonic()
+        await asyncio.wait_for(core.sessions.end(dead), timeout=2)
+        assert time.monotonic() - started < 0.5, "the session's end waited for the dead engine's step"
+        assert [m.base for m in backend.unmapped] == [dead.mappings[0].base]
+        finished = {r.job_id: (r.blocks - len(r.failed), len(r.failed)) for r in dead.results}
+        assert finished == {1: (0, 4), 2: (0, 4)} and "session ended" in error_of(dead, 1)
+        assert backend.copied == []  # nothing of the dead engine's was copied
+        fill(alive, 0, 0x11)
+        core.jobs.submit(alive, 1, keys_of(1, tag=2), [0], True)
+        assert await outcome(alive, 1) == (1, 0)
+        core.jobs.submit(alive, 2, keys_of(1, tag=2), [9], False)
+        assert await outcome(alive, 2) == (1, 0) and block_bytes(alive, 9) == bytes([0x11]) * BLOCK
+
+    with_backend(tmp_path, body)
+
+
+def test_a_stalled_engine_fails_its_job_at_the_deadline(tmp_path: Path) -> None:
+    async def body(core: Core, backend: RecordingBackend) -> None:
+        core.jobs.order_wait_s = 0.2
+        a = await engine(core)
+        backend.record(a.mappings[0], 1)
+        core.jobs.submit(a, 1, keys_of(2), [0, 1], True)
+        assert await outcome(a, 1, timeout=0.1) is None
+        assert await outcome(a, 1, timeout=2) == (0, 2)
+        assert "not done within 0.2 s" in error_of(a, 1) and backend.copied == []
+        assert core.index.prepare_load(a.namespace, keys_of(2)) == [None, None]  # nothing was stored
+
+    with_backend(tmp_path, body)
+
+
+def test_a_failed_query_fails_the_job_and_a_sticky_one_is_fatal(tmp_path: Path) -> None:
+    async def body(core: Core, backend: RecordingBackend) -> None:
+        a = await engine(core)
+        backend.record(a.mappings[0], 1)
+        backend.query_error = RuntimeError("cuEventQuery on the engine's event failed: CUDA_ERROR_X (400)")
+        core.jobs.submit(a, 1, keys_of(1), [0], True)  # fails at arrival
+        assert await outcome(a, 1) == (0, 1) and "(400)" in error_of(a, 1)
+        backend.query_error = None
+        core.jobs.submit(a, 2, keys_of(1), [0], True)
+        await asyncio.sleep(0.01)
+        backend.query_error = native.StickyDeviceError("cuEventQuery failed (700)", 700, 0)  # while it polls
+        assert await outcome(a, 2) == (0, 1)
+        assert [e.code for e in core.fatal] == [700] and backend.copied == []
+
+    with_backend(tmp_path, body)
+
+
+def test_each_device_has_its_own_copy_threads(tmp_path: Path) -> None:
+    """GPU 0's copies are stuck (slow DMA); GPU 1's jobs still copy, on GPU 1's own threads."""
+    async def body(core: Core, backend: RecordingBackend) -> None:
+        backend.slow = {0}
+        gpu0, gpu1 = await engine(core, device=0), await engine(core, device=1)
+        for job in (1, 2):
+            core.jobs.submit(gpu0, job, keys_of(1, tag=job), [job], True)
+        await asyncio.sleep(0.05)
+        core.jobs.submit(gpu1, 1, keys_of(1, tag=9), [0], True)
+        assert await outcome(gpu1, 1) == (1, 0)  # both of GPU 0's threads are busy
+        assert await outcome(gpu0, 1, timeout=0) is None
+        backend.slow_gate.set()
+        assert await outcome(gpu0, 1) == (1, 0) and await outcome(gpu0, 2) == (1, 0)
+        assert [d for d, _ in backend.copied] == [1, 0, 0]
+
+    with_backend(tmp_path, body, copy_threads=2)
