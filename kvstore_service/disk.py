@@ -28,8 +28,12 @@ while a tier is open):
   (offset, payload length, payload CRC32C, key length, scope, key), CRC32C of all that. It is used only
   if it matches the segment's footer (same count and entries CRC); otherwise the segment is scanned.
 - ``catalog``: what a restart needs besides the segments (header ``KVDCATLG``, version, entry count, the
-  position of the last clear of everything; per namespace: scope, the position of its last clear, its name;
-  CRC32C of all that), replaced atomically (a temporary file, fsync, rename, fsync of the directory).
+  position of the last clear of everything, the generation: how many clears there have been; per namespace:
+  scope, the position of its last clear, its name; CRC32C of all that), replaced atomically (a temporary
+  file, fsync, rename, fsync of the directory). Written at every ``open``, so one always exists beside
+  segments.
+- A clear marker: a block like a footer (kind 3, the clear's generation in place of the record count) that
+  a clear writes into the active segment after the catalog; a segment's index checkpoint keeps its newest.
 
 Clear (``clear``): a namespace's blocks leave the index at once, and its clear is recorded as a position,
 the (segment, offset) where the next record would go: a record of that namespace before it was written
@@ -39,9 +43,12 @@ and scans find later: ``open`` skips dead records, and a write under way at the 
 records it had placed before it. Blocks written after the clear are kept, even under a key cleared. The
 catalog (``save_catalog``, on a worker thread after the clear) makes it last: until it is written a
 crash forgets the clear, never anything else. A clear's position is dropped once no segment at or before
-it is left (reclaimed): it can match nothing. A catalog that fails its check counts as a clear of every
-segment there is (a cache may lose blocks; it must not bring cleared ones back); ``open`` writes the
-catalog it ends with. The names (given to
+it is left (reclaimed): it can match nothing. Then the clear's marker goes into the active segment
+(flushed), stamped with the catalog's generation. A catalog in doubt counts as a clear of every segment
+there is (a cache may lose blocks; it must not bring cleared ones back): one that fails its check, one
+missing beside segments (deleted), or one older than the segments' newest marker (restored from before a
+clear); that clear gets its own marker, so the same catalog put back again is caught again. ``open``
+writes the catalog it ends with. The names (given to
 ``write``, saved before a namespace's first record) let a clear of a tenant find its namespaces after a
 restart; ``open`` forgets those with no block left.
 
@@ -120,8 +127,11 @@ IO_MODES: Final = {"staged": native.DISK_MODE_STAGED, "direct": native.DISK_MODE
 _FOOTER = struct.Struct("<IHHQQQII")
 _FOOTER_MAGIC: Final = 0x4644564B  # "KVDF"
 _KIND_FOOTER: Final = 2
-# magic, version, entry bytes, segment, footer offset, records, CRC32C of the entries
-_INDEX_HEADER = struct.Struct("<8sIIQQQI")
+_KIND_CLEAR: Final = 3  # a clear marker: the same block, with the clear's generation in place of the record count
+_INDEX_VERSION: Final = 2
+# magic, version, entry bytes, segment, footer offset, records, CRC32C of the entries, the segment's newest
+# clear marker (its generation; 0: none)
+_INDEX_HEADER = struct.Struct("<8sIIQQQIQ")
 _INDEX_MAGIC: Final = b"KVDINDEX"
 _ENTRY = struct.Struct("<QQII16s64s")  # offset, payload length, payload CRC32C, key length, scope, key
 _CRC = struct.Struct("<I")
@@ -129,9 +139,11 @@ _SEGMENT_FILE = re.compile(r"seg-([0-9a-f]{16})\.kvd")
 _LOCK_FILE: Final = "lock"
 _PROBE_FILE: Final = "probe.tmp"
 _CATALOG_FILE: Final = "catalog"
-# magic, version, entries, the last clear of everything (segment, offset); then entries, then CRC32C of it all
-_CATALOG_HEADER = struct.Struct("<8sIIQQ")
+# magic, version, entries, the last clear of everything (segment, offset), generation (clears so far); then
+# entries, then CRC32C of it all
+_CATALOG_HEADER = struct.Struct("<8sIIQQQ")
 _CATALOG_MAGIC: Final = b"KVDCATLG"
+_CATALOG_VERSION: Final = 2
 _CATALOG_ENTRY = struct.Struct("<16sQQI")  # scope, its last clear (segment, offset), name length; the name follows
 _NO_CLEAR: Final = (0, 0)  # a position before every record
 
@@ -208,6 +220,7 @@ class _Segment:
     sealed: bool = False
     keys: dict[bytes, list[bytes]] = field(default_factory=dict)  # scope -> keys written to it (some gone since)
     readers: int = 0  # read() calls reading it now: it is not reclaimed meanwhile
+    cleared: int = 0  # the generation of its newest clear marker (0: none)
 
 
 def _directory_problem(st: os.stat_result) -> str:
@@ -247,13 +260,20 @@ def _open_directory(path: str) -> int:
     return fd
 
 
-def _parse_footer(block: bytes) -> tuple[int, int, int, int] | None:
-    """(segment, offset, records, entries CRC32C) of a valid footer block, else None."""
-    magic, version, kind, seq, offset, records, entries_crc, crc = _FOOTER.unpack_from(block)
-    if (magic != _FOOTER_MAGIC or version != FORMAT_VERSION or kind != _KIND_FOOTER
+def _parse_footer(block: bytes, kind: int = _KIND_FOOTER) -> tuple[int, int, int, int] | None:
+    """(segment, offset, records, entries CRC32C) of a valid footer block, else None; with `kind`
+    _KIND_CLEAR, (segment, offset, generation, 0) of a valid clear marker."""
+    magic, version, got_kind, seq, offset, records, entries_crc, crc = _FOOTER.unpack_from(block)
+    if (magic != _FOOTER_MAGIC or version != FORMAT_VERSION or got_kind != kind
             or crc != native.crc32c(block[:_FOOTER.size - 4])):
         return None
     return seq, offset, records, entries_crc
+
+
+def _footer_block(kind: int, seq: int, offset: int, count: int, entries_crc: int) -> bytes:
+    footer = _FOOTER.pack(_FOOTER_MAGIC, FORMAT_VERSION, kind, seq, offset, count, entries_crc, 0)
+    block = footer[:-4] + _CRC.pack(native.crc32c(footer[:-4]))
+    return block + bytes(ALIGN - len(block))
 
 
 class DiskTier:
@@ -291,6 +311,11 @@ class DiskTier:
         self._clear_all: Position = _NO_CLEAR  # records before it are dead: see Clear in the module docstring
         self._clears: dict[bytes, Position] = {}  # scope -> records of it before this are dead
         self._names: dict[bytes, str] = {}  # scope -> the namespace's name, as given to write
+        # Clears so far: stamped into the catalog and, as a clear marker, into the active segment, so that a
+        # catalog older than the segments (restored from before a clear) shows.
+        self._generation = 0
+        self._saved_generation = 0  # the catalog file's
+        self._marker_due = False  # a clear's marker is still to be written
         self._catalog_lock = threading.Lock()  # one catalog file write at a time
         self._catalog_saved = b""  # the catalog as last written
         self._stats = DiskStats(capacity_bytes=self.max_segments * segment_bytes)
@@ -380,10 +405,13 @@ class DiskTier:
                 dropped, self._index = self._index, {}
                 if dropped:
                     self._clear_all, self._clears = at, {}
-                return dropped
-            dropped = {scope: keys for scope in scopes if (keys := self._index.pop(scope, None))}
-            for scope in dropped:  # (one without a block has no record to kill but those being written,
-                self._clears[scope] = at  # which the pool still holds: they stay, on disk too)
+            else:
+                dropped = {scope: keys for scope in scopes if (keys := self._index.pop(scope, None))}
+                for scope in dropped:  # (one without a block has no record to kill but those being written,
+                    self._clears[scope] = at  # which the pool still holds: they stay, on disk too)
+            if dropped:
+                self._generation += 1
+                self._marker_due = True
             return dropped
 
     def names(self) -> dict[bytes, str]:
@@ -456,10 +484,14 @@ class DiskTier:
         return out
 
     def save_catalog(self) -> None:
-        """Write the catalog (clears, names) if it changed, flushed: a clear lasts from when this returns.
-        Blocking, for a worker thread. Never raises for I/O failures (the tier disables itself)."""
+        """Write the catalog (clears, names) if it changed, flushed, then a clear's marker into the active
+        segment: a clear lasts from when this returns. Blocking, for a worker thread (it waits for a write
+        under way). Never raises for I/O failures (the tier disables itself)."""
         try:
             self._write_catalog()
+            with self._write_lock:
+                if self._usable():
+                    self._write_marker()
         except OSError as e:
             self._fail("writing the catalog", e)
 
@@ -470,6 +502,9 @@ class DiskTier:
             if self._closed:
                 return
             try:
+                if self._stats.healthy:
+                    self._write_catalog()
+                    self._write_marker()
                 if self._active is not None and self._stats.healthy:
                     self._seal_active()
                 if self._stats.healthy:
@@ -541,10 +576,21 @@ class DiskTier:
             stale = name.endswith(".tmp") or (name.endswith(".idx") and name[:-4] + ".kvd" not in names)
             if stale and (name.startswith("seg-") or name == _CATALOG_FILE + ".tmp"):
                 os.unlink(name, dir_fd=self._dir_fd)
-        self._read_catalog(seqs[-1] + 1 if seqs else 1)
+        catalog = self._read_catalog()
         scanned = 0
         for seq in seqs:
             scanned += self._load_segment(seq)
+        newest = max((seg.cleared for seg in self._segments.values()), default=0)
+        doubt = ("is damaged" if catalog is False else f"is missing beside {len(seqs)} segment(s)"
+                 if catalog is None and seqs else f"is older than the segments (it knows {self._generation} "
+                 f"clear(s), they {newest})" if self._generation < newest else "")
+        if doubt:  # a clear may be missing from it: drop every block there is, and stamp that clear too
+            log.warning("disk tier %s: the catalog (clears, names) %s: every block on disk is dropped, lest a "
+                        "cleared one come back", self.path, doubt)
+            self._clear_all, self._clears, self._names, self._index = (seqs[-1] + 1 if seqs else 1, 0), {}, {}, {}
+            for seg in self._segments.values():
+                seg.keys = {}
+            self._generation, self._marker_due = max(self._generation, newest) + 1, True
         # Past every clear's position too: a record written from now on must come after them all.
         self._next_seq = max([seqs[-1] + 1 if seqs else 1] + [at[0] + 1 for at in self._clears.values()]
                              + [self._clear_all[0] + 1])
@@ -552,6 +598,7 @@ class DiskTier:
         while len(self._segments) >= self.max_segments and self._reclaim_oldest():
             pass  # a smaller --disk-size than last time: keep room for a new segment
         self._write_catalog()  # (a damaged one replaced now: else a crash would drop this run's blocks too)
+        self._write_marker()
         free = os.statvfs(self._dir_fd)
         have = free.f_bavail * free.f_frsize + sum(s.size for s in self._segments.values())
         if have < self._stats.capacity_bytes:
@@ -568,8 +615,8 @@ class DiskTier:
         loaded = self._read_index(seq)
         scanned = loaded is None
         if loaded is None:
-            entries, end, sealed = self._scan(seq)
-            if not entries:
+            entries, end, sealed, cleared = self._scan(seq)
+            if not entries and not cleared:
                 self._remove_files(seq)
                 return 1
             if not sealed:
@@ -579,12 +626,12 @@ class DiskTier:
                          dir_fd=self._dir_fd)
             try:
                 packed = [_ENTRY.pack(off, n, crc, len(key), scope, key) for off, n, crc, scope, key in entries]
-                self._seal(seq, fd, end, packed, write_footer=not sealed)
+                self._seal(seq, fd, end, packed, not sealed, cleared)
             finally:
                 os.close(fd)
         else:
-            entries, end = loaded
-        seg = _Segment(seq, end + ALIGN, sealed=True)
+            entries, end, cleared = loaded
+        seg = _Segment(seq, end + ALIGN, sealed=True, cleared=cleared)
         for off, length, crc, scope, key in entries:
             if (seq, off) < max(self._clear_all, self._clears.get(scope, _NO_CLEAR)):
                 continue  # written before a clear of its namespace
@@ -593,27 +640,26 @@ class DiskTier:
         self._segments[seq] = seg
         return int(scanned)
 
-    def _read_catalog(self, next_seq: int) -> None:
-        """The clears and names of the catalog. One that fails its check is a clear of everything up to
-        segment `next_seq` (every segment there is): a clear must never be undone."""
+    def _read_catalog(self) -> bool | None:
+        """Take the clears, names and generation of the catalog: True; None if there is none, False if it
+        fails its check (`_load` then drops every block: a clear must never be undone)."""
         try:
             fd = os.open(_CATALOG_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
         except FileNotFoundError:
-            return
+            return None
         with os.fdopen(fd, "rb") as f:
             data = f.read()
         catalog = _parse_catalog(data)
         if catalog is None:
-            log.warning("disk tier %s: the catalog (clears, names) is damaged: every block on disk is dropped, "
-                        "lest a cleared one come back", self.path)
-            self._clear_all = (next_seq, 0)
-            return
-        self._clear_all, self._clears, self._names = catalog
+            return False
+        self._clear_all, self._clears, self._names, self._generation = catalog
+        self._saved_generation = self._generation
         self._catalog_saved = data
+        return True
 
-    def _read_index(self, seq: int) -> tuple[list[Entry], int] | None:
-        """A segment's entries and footer offset from its index file, if that is valid and matches the
-        segment's footer; else None."""
+    def _read_index(self, seq: int) -> tuple[list[Entry], int, int] | None:
+        """A segment's entries, footer offset and newest clear marker from its index file, if that is valid
+        and matches the segment's footer; else None."""
         try:
             fd = os.open(_index_file(seq), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
         except FileNotFoundError:
@@ -622,9 +668,10 @@ class DiskTier:
             data = f.read()
         if len(data) < _INDEX_HEADER.size + _CRC.size:
             return None
-        magic, version, entry_bytes, got_seq, footer_at, records, entries_crc = _INDEX_HEADER.unpack_from(data)
+        magic, version, entry_bytes, got_seq, footer_at, records, entries_crc, cleared = \
+            _INDEX_HEADER.unpack_from(data)
         body = memoryview(data)[_INDEX_HEADER.size:-_CRC.size]
-        if (magic != _INDEX_MAGIC or version != FORMAT_VERSION or entry_bytes != _ENTRY.size or got_seq != seq
+        if (magic != _INDEX_MAGIC or version != _INDEX_VERSION or entry_bytes != _ENTRY.size or got_seq != seq
                 or len(body) != records * _ENTRY.size or _CRC.unpack_from(data, len(data) - _CRC.size)[0]
                 != native.crc32c(memoryview(data)[:-_CRC.size]) or native.crc32c(body) != entries_crc):
             return None
@@ -637,21 +684,27 @@ class DiskTier:
             return None
         entries = [(off, n, crc, scope, key[:key_len])
                    for off, n, crc, key_len, scope, key in _ENTRY.iter_unpack(body)]
-        return entries, footer_at
+        return entries, footer_at, cleared
 
-    def _scan(self, seq: int) -> tuple[list[Entry], int, bool]:
-        """The records of a segment read from their headers: (entries, where they end, sealed)."""
+    def _scan(self, seq: int) -> tuple[list[Entry], int, bool, int]:
+        """The records of a segment read from their headers: (entries, where they end, sealed, the
+        generation of its newest clear marker)."""
         fd = os.open(_segment_file(seq), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
         entries: list[Entry] = []
-        off = 0
+        off = cleared = 0
         try:
             file_size = os.fstat(fd).st_size
             while off + ALIGN <= file_size:
                 block = os.pread(fd, ALIGN, off)
                 header = native.disk_parse_header(block) if len(block) == ALIGN else None
                 if header is None:
+                    marker = _parse_footer(block, _KIND_CLEAR) if len(block) == ALIGN else None
+                    if marker is not None and marker[:2] == (seq, off):
+                        cleared = max(cleared, marker[2])
+                        off += ALIGN
+                        continue
                     footer = _parse_footer(block) if len(block) == ALIGN else None
-                    return entries, off, footer is not None and footer[:2] == (seq, off)
+                    return entries, off, footer is not None and footer[:2] == (seq, off), cleared
                 _, got_seq, at, length, crc, scope, key = header
                 end = off + ALIGN + _pad(length)
                 if got_seq != seq or at != off or end > file_size:
@@ -660,7 +713,7 @@ class DiskTier:
                 off = end
         finally:
             os.close(fd)
-        return entries, off, False
+        return entries, off, False, cleared
 
     # -- writing ----------------------------------------------------------------------------------
 
@@ -682,6 +735,7 @@ class DiskTier:
             return 0, len(todo)
         written = 0
         try:
+            self._write_marker()  # (one that found no room before)
             if todo and name:
                 self._name(scope, name)
             while todo and self._usable():
@@ -758,31 +812,31 @@ class DiskTier:
             self._active = None
         self._active_fd = -1
         try:
-            if self._active_entries:
-                self._seal(seg.seq, fd, seg.size, self._active_entries, write_footer=True)
+            if self._active_entries or seg.cleared:
+                self._seal(seg.seq, fd, seg.size, self._active_entries, True, seg.cleared)
                 seg.size += ALIGN
                 seg.sealed = True
         finally:
             os.close(fd)
-        if not self._active_entries:  # nothing written to it
+        if not self._active_entries and not seg.cleared:  # nothing written to it
             with self._lock:
                 del self._segments[seg.seq]
             self._remove_files(seg.seq)
         self._active_entries = []
 
-    def _seal(self, seq: int, fd: int, end: int, packed: list[bytes], write_footer: bool) -> None:
-        """Footer at `end` (unless one is there), the file cut after it, and the index checkpoint."""
+    def _seal(self, seq: int, fd: int, end: int, packed: list[bytes], write_footer: bool, cleared: int) -> None:
+        """Footer at `end` (unless one is there), the file cut after it, and the index checkpoint (with
+        the segment's newest clear marker)."""
         entries = b"".join(packed)
         entries_crc = native.crc32c(entries)
         if write_footer:
-            footer = _FOOTER.pack(_FOOTER_MAGIC, FORMAT_VERSION, _KIND_FOOTER, seq, end, len(packed), entries_crc, 0)
-            block = footer[:-4] + _CRC.pack(native.crc32c(footer[:-4]))
-            self._block[:] = block + bytes(ALIGN - len(block))
+            self._block[:] = _footer_block(_KIND_FOOTER, seq, end, len(packed), entries_crc)
             if os.pwrite(fd, self._block, end) != ALIGN:
                 raise OSError(errno.EIO, "short write of a segment footer", _segment_file(seq))
         os.ftruncate(fd, end + ALIGN)
         self._unsynced.append(seq)  # flushed at close (not here: a flush costs as much as writing the segment)
-        header = _INDEX_HEADER.pack(_INDEX_MAGIC, FORMAT_VERSION, _ENTRY.size, seq, end, len(packed), entries_crc)
+        header = _INDEX_HEADER.pack(_INDEX_MAGIC, _INDEX_VERSION, _ENTRY.size, seq, end, len(packed), entries_crc,
+                                    cleared)
         data = header + entries
         data += _CRC.pack(native.crc32c(data))
         tmp = _index_file(seq) + ".tmp"
@@ -791,6 +845,27 @@ class DiskTier:
         with os.fdopen(out, "wb") as f:
             f.write(data)
         os.replace(tmp, _index_file(seq), src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+
+    def _write_marker(self) -> None:
+        """A clear's marker (the generation of the catalog as saved) into the active segment, flushed: from
+        then on a catalog older than it is known for one (see Clear in the module docstring). Under the
+        write lock; left for the next write if no segment has room."""
+        with self._lock:
+            if not self._marker_due:
+                return
+            generation = self._saved_generation
+        seg = self._room(ALIGN)
+        if seg is None:
+            return
+        with self._lock:
+            at = seg.size
+            seg.size += ALIGN
+            self._marker_due = generation < self._generation
+        self._block[:] = _footer_block(_KIND_CLEAR, seg.seq, at, generation, 0)
+        if os.pwrite(self._active_fd, self._block, at) != ALIGN:
+            raise OSError(errno.EIO, "short write of a clear marker", _segment_file(seg.seq))
+        os.fdatasync(self._active_fd)
+        seg.cleared = generation
 
     def _position(self) -> Position:
         """Where the next record goes (under the lock): every record before it was placed before now."""
@@ -812,7 +887,8 @@ class DiskTier:
             self._clear_all = _NO_CLEAR
         self._clears = {scope: at for scope, at in self._clears.items() if oldest is not None and oldest <= at[0]}
         scopes = sorted(self._clears.keys() | self._names.keys())
-        parts = [_CATALOG_HEADER.pack(_CATALOG_MAGIC, FORMAT_VERSION, len(scopes), *self._clear_all)]
+        parts = [_CATALOG_HEADER.pack(_CATALOG_MAGIC, _CATALOG_VERSION, len(scopes), *self._clear_all,
+                                      self._generation)]
         for scope in scopes:
             name = self._names.get(scope, "").encode()
             parts += [_CATALOG_ENTRY.pack(scope, *self._clears.get(scope, _NO_CLEAR), len(name)), name]
@@ -826,6 +902,7 @@ class DiskTier:
                 if self._closed or self._dir_fd < 0:
                     return
                 data = self._catalog()
+                generation = self._generation
             if data == self._catalog_saved:
                 return
             tmp = _CATALOG_FILE + ".tmp"
@@ -838,6 +915,7 @@ class DiskTier:
             os.replace(tmp, _CATALOG_FILE, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
             os.fsync(self._dir_fd)
             self._catalog_saved = data
+            self._saved_generation = generation
 
     def _flush(self) -> None:
         """Make the segments sealed since open and their index files durable (the device's write cache)."""
@@ -957,13 +1035,14 @@ class DiskTier:
         log.error("disk tier %s: %s", self.path, self._stats.error)
 
 
-def _parse_catalog(data: bytes) -> tuple[Position, dict[bytes, Position], dict[bytes, str]] | None:
-    """(the last clear of everything, clears by scope, names by scope) of a valid catalog, else None."""
+def _parse_catalog(data: bytes) -> tuple[Position, dict[bytes, Position], dict[bytes, str], int] | None:
+    """(the last clear of everything, clears by scope, names by scope, generation) of a valid catalog, else
+    None."""
     if len(data) < _CATALOG_HEADER.size + _CRC.size or _CRC.unpack_from(data, len(data) - _CRC.size)[0] != \
             native.crc32c(memoryview(data)[:-_CRC.size]):
         return None
-    magic, version, count, all_seq, all_off = _CATALOG_HEADER.unpack_from(data)
-    if magic != _CATALOG_MAGIC or version != FORMAT_VERSION:
+    magic, version, count, all_seq, all_off, generation = _CATALOG_HEADER.unpack_from(data)
+    if magic != _CATALOG_MAGIC or version != _CATALOG_VERSION:
         return None
     clears: dict[bytes, Position] = {}
     names: dict[bytes, str] = {}
@@ -978,7 +1057,7 @@ def _parse_catalog(data: bytes) -> tuple[Position, dict[bytes, Position], dict[b
                 names[scope] = data[at - name_len:at].decode()
     except (struct.error, UnicodeDecodeError):
         return None
-    return ((all_seq, all_off), clears, names) if at == len(data) - _CRC.size else None
+    return ((all_seq, all_off), clears, names, generation) if at == len(data) - _CRC.size else None
 
 
 def _check_batch(scope: bytes, keys: Sequence[bytes], length: int, offsets: Sequence[int],

@@ -512,6 +512,79 @@ def test_a_damaged_catalog_drops_every_block(tmp_path: Path, mem: Memory, tiers:
     assert tier.leading(SCOPE, keys) == 0 and tier.leading(SCOPE, later) == 2
 
 
+@pytest.mark.parametrize("restart", ["close", "crash"])
+@pytest.mark.parametrize("catalog", ["deleted", "rolled back"])
+@pytest.mark.parametrize("active", [True, False], ids=["clear in a written segment", "clear after a restart"])
+def test_a_deleted_or_rolled_back_catalog_brings_nothing_cleared_back(
+        tmp_path: Path, mem: Memory, tiers: list[DiskTier], restart: str, catalog: str, active: bool) -> None:
+    """The catalog is replaced while the daemon is down: deleted, or restored from before the clear (a
+    backup, a file system rolled back). The segments still hold the cleared records; none is served. The
+    clear's marker in the segments (and, for a missing catalog, the segments alone) give it away: every
+    block is dropped, again at each later open with that catalog, while blocks written since are kept."""
+    path, length = tmp_path / "disk", 64 * KB
+    tier = open_tier(tiers, path)
+    keys, other = keys_of(12), keys_of(5, "o")
+    write_keys(tier, mem, keys, length, name="tenant\x1fns")
+    write_keys(tier, mem, other, length, scope=OTHER_SCOPE)
+    before = (path / "catalog").read_bytes()
+    if not active:  # the segments sealed, no segment open when the clear comes
+        tier.close()
+        tier = open_tier(tiers, path)
+    assert sorted(tier.clear([SCOPE])[SCOPE]) == sorted(keys)
+    tier.save_catalog()
+    if restart == "close":
+        tier.close()
+    else:
+        crash(tier, tiers)
+
+    for _ in range(2):  # and once more, the catalog rewritten at the first open replaced again
+        if catalog == "deleted":
+            (path / "catalog").unlink()
+        else:
+            (path / "catalog").write_bytes(before)
+        tier = open_tier(tiers, path)
+        assert [tier.leading(SCOPE, [k]) for k in keys] == [0] * 12
+        assert read_keys(tier, mem, keys, length) == [None] * 12
+        assert tier.stats().blocks == 0  # in doubt, the other namespace's blocks go too
+        tier.close()
+
+    tier = open_tier(tiers, path)  # its own catalog: blocks written from now on stay
+    later = keys_of(3, "later")
+    assert write_keys(tier, mem, later, length) == 3
+    tier.close()
+    tier = open_tier(tiers, path)
+    assert tier.leading(SCOPE, later) == 3 and tier.leading(SCOPE, keys) == 0
+
+
+def test_an_untouched_catalog_keeps_what_was_not_cleared(tmp_path: Path, mem: Memory,
+                                                          tiers: list[DiskTier]) -> None:
+    """The checks that catch a catalog replaced do not fire on restarts with the right one: clears (their
+    markers in sealed, scanned and reclaimed segments) and the blocks they left."""
+    path, length = tmp_path / "disk", 200 * KB
+    tier = open_tier(tiers, path, size=6 * MB, segment_bytes=2 * MB)
+    keys, other = keys_of(4), keys_of(3, "o")
+    write_keys(tier, mem, keys, length)
+    write_keys(tier, mem, other, length, scope=OTHER_SCOPE)
+    tier.clear([OTHER_SCOPE])
+    tier.save_catalog()
+    tier.close()
+    tier = open_tier(tiers, path, size=6 * MB, segment_bytes=2 * MB)
+    assert tier.leading(SCOPE, keys) == 4 and tier.leading(OTHER_SCOPE, other) == 0
+    tier.clear([OTHER_SCOPE])  # nothing of it on disk: no clear to record
+    write_keys(tier, mem, other, length, scope=OTHER_SCOPE)
+    tier.clear([OTHER_SCOPE])
+    tier.save_catalog()
+    crash(tier, tiers)  # the marker's segment scanned
+    tier = open_tier(tiers, path, size=6 * MB, segment_bytes=2 * MB)
+    assert tier.leading(SCOPE, keys) == 4 and tier.leading(OTHER_SCOPE, other) == 0
+    per_segment = (2 * MB - ALIGN) // record_bytes(length)
+    for batch in range(3):  # every segment with a marker reclaimed
+        write_keys(tier, mem, keys_of(per_segment, f"b{batch}-"), length)
+    tier.close()
+    tier = open_tier(tiers, path, size=6 * MB, segment_bytes=2 * MB)
+    assert tier.leading(SCOPE, keys_of(per_segment, "b2-")) == per_segment
+
+
 def test_clears_and_names_go_with_the_segments_they_concern(tmp_path: Path, mem: Memory,
                                                             tiers: list[DiskTier]) -> None:
     path, length = tmp_path / "disk", 200 * KB
@@ -520,17 +593,17 @@ def test_clears_and_names_go_with_the_segments_they_concern(tmp_path: Path, mem:
     write_keys(tier, mem, keys_of(3, "o"), length, scope=OTHER_SCOPE, name="other")
     tier.clear([OTHER_SCOPE])
     tier.save_catalog()
-    all_cleared, clears, names = _parse_catalog((path / "catalog").read_bytes()) or ((0, 0), {}, {})
+    all_cleared, clears, names, _ = _parse_catalog((path / "catalog").read_bytes()) or ((0, 0), {}, {}, 0)
     assert list(clears) == [OTHER_SCOPE] and names == {OTHER_SCOPE: "other"}
     for batch in range(3):  # the segment of the clear (the first) is reclaimed
         write_keys(tier, mem, keys_of(per_segment, f"b{batch}-"), length)
     assert tier.stats().reclaimed_segments == 1
     tier.close()
-    assert _parse_catalog((path / "catalog").read_bytes()) == ((0, 0), {}, {OTHER_SCOPE: "other"})
+    assert _parse_catalog((path / "catalog").read_bytes()) == ((0, 0), {}, {OTHER_SCOPE: "other"}, 1)
     tier = open_tier(tiers, path, size=6 * MB, segment_bytes=2 * MB)
     assert tier.names() == {}  # no block of it left
     tier.close()
-    assert _parse_catalog((path / "catalog").read_bytes()) == ((0, 0), {}, {})
+    assert _parse_catalog((path / "catalog").read_bytes()) == ((0, 0), {}, {}, 1)
 
 
 def test_unwritten_counts_a_dropped_write_unless_on_disk(tmp_path: Path, mem: Memory, tiers: list[DiskTier]) -> None:
