@@ -134,6 +134,12 @@ class Config(BaseSettings):
         False, description="Also encrypt values (AES-256-GCM, a key per tenant) with --remote-secret-file: for a "
         "store others can read.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0: off.")
+    metrics_host: str = Field(
+        "127.0.0.1", description="Address /metrics and /healthz listen on (no authentication: loopback by default; "
+        "the Helm chart gives the pod IP so that Prometheus can scrape).")
+    metrics_namespaces: bool = Field(
+        True, description="Per-namespace series on /metrics (labelled with the tenant, the model and a namespace "
+        "id); off: daemon-wide figures only, no tenant named.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
     handshake_timeout_s: float = Field(
         2.0, gt=0, description="A connection to <socket>.cred that has not sent its token within this is closed."
@@ -144,6 +150,17 @@ class Config(BaseSettings):
     max_handshakes: int = Field(
         256, ge=1, description="Most handshakes in progress on <socket>.cred in all; more are refused at once."
     )
+    max_engine_id_bytes: int = Field(
+        256, ge=1, description="Longest engine_id a Register may give, in bytes (UTF-8); it is logged.")
+    max_memory_per_uid: ByteSize = Field(
+        ByteSize(1 << 40), description="Most engine memory one caller's sessions (a peer uid's, or a TLS client "
+        "name's) address together, registrations in progress included.")
+    max_leases_per_uid: int = Field(
+        8192, ge=1, description="Most leases one caller's sessions (a peer uid's, or a TLS client name's) hold "
+        "together.")
+    max_lease_share: float = Field(
+        0.5, gt=0, le=1, description="With --tenants: most of the pool's capacity one tenant's leases pin (blocks "
+        "counted once), so that the rest stays evictable for the other tenants' stores.")
 
     @field_validator("tenants")
     @classmethod

@@ -252,7 +252,8 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     if config.tcp:
         server.listen(config.tcp, _tcp_credentials(config))
     await server.start()
-    http = HttpServer(config.metrics_port, config.socket) if config.metrics_port else None  # /healthz from now on
+    # /healthz from now on
+    http = HttpServer(config.metrics_port, config.socket, config.metrics_host) if config.metrics_port else None
     gid = _secure_socket(config.socket, config)
     await creds.start(int(config.socket_mode, 8), gid)
     # The pool is set up (and recovered), and --devices opened, while health says NOT_SERVING.
@@ -266,7 +267,7 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
 
     loop = asyncio.get_running_loop()
     if http is not None:
-        daemon.metrics.publish(http, daemon.stats, loop)
+        daemon.metrics.publish(http, daemon.stats, loop, per_namespace=config.metrics_namespaces)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     what = "--disk-path"

@@ -1,5 +1,9 @@
 """Prometheus metrics (pool, blocks served and stored, lookups, copies, job latency, evictions,
-errors, engines) and a health check over HTTP, both on --metrics-port.
+errors, engines) and a health check over HTTP, both on --metrics-host:--metrics-port.
+
+Neither asks who calls: they listen on loopback unless told otherwise (the Helm chart gives the pod
+IP). Per-namespace series name each namespace's tenant and model (never the namespace string); with
+--no-metrics-namespaces there are none, only daemon-wide figures.
 
 Counters the core already keeps are read at scrape time (a snapshot taken on the event loop, which
 owns them); only job latencies and gRPC errors are recorded as they happen.
@@ -13,6 +17,7 @@ interpreter for it (Kubernetes httpGet).
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -62,21 +67,24 @@ class Metrics:
         self.copy_seconds.labels(kind).inc(copy_seconds)
         self.copied_bytes.labels(kind).inc(nbytes)
 
-    def publish(self, http: HttpServer, stats: Callable[[], Stats], loop: asyncio.AbstractEventLoop) -> None:
-        """Serve these metrics at `http`; each scrape calls `stats` on `loop` (which owns the counters)."""
-        self.registry.register(_StatsCollector(stats, loop))
+    def publish(self, http: HttpServer, stats: Callable[[], Stats], loop: asyncio.AbstractEventLoop,
+                per_namespace: bool = True) -> None:
+        """Serve these metrics at `http`; each scrape calls `stats` on `loop` (which owns the counters).
+        `per_namespace` False: no per-namespace series (no tenant or model named)."""
+        self.registry.register(_StatsCollector(stats, loop, per_namespace))
         http.registry = self.registry
 
 
 class HttpServer:
-    """/healthz and /metrics (any other path) on `port`, in threads of their own. Started before the
-    pool is set up, so /healthz answers 503 meanwhile; /metrics answers 503 until `Metrics.publish`."""
+    """/healthz and /metrics (any other path) on `host`:`port`, in threads of their own. Started before
+    the pool is set up, so /healthz answers 503 meanwhile; /metrics answers 503 until `Metrics.publish`."""
 
-    def __init__(self, port: int, socket: str) -> None:
+    def __init__(self, port: int, grpc_socket: str, host: str = "127.0.0.1") -> None:
         self.registry: CollectorRegistry | None = None
-        self._channel = grpc.insecure_channel(f"unix://{socket}")
+        self._channel = grpc.insecure_channel(f"unix://{grpc_socket}")
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._httpd = make_server("0.0.0.0", port, self._app, ThreadingWSGIServer, handler_class=_QuietHandler)
+        server = _ThreadingWSGIServer6 if ":" in host else ThreadingWSGIServer  # (an IPv6 pod IP)
+        self._httpd = make_server(host, port, self._app, server, handler_class=_QuietHandler)
         threading.Thread(target=self._httpd.serve_forever, name="kvstore-http", daemon=True).start()
 
     def health(self) -> str:
@@ -105,15 +113,20 @@ class HttpServer:
         self._channel.close()
 
 
+class _ThreadingWSGIServer6(ThreadingWSGIServer):
+    address_family = socket.AF_INET6
+
+
 class _QuietHandler(WSGIRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # (probes and scrapes: no line each)
         pass
 
 
 class _StatsCollector(Collector):
-    def __init__(self, stats: Callable[[], Stats], loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, stats: Callable[[], Stats], loop: asyncio.AbstractEventLoop, per_namespace: bool) -> None:
         self.stats = stats
         self.loop = loop
+        self.per_namespace = per_namespace
 
     def collect(self) -> Iterator[Metric]:
         async def take() -> Stats:
@@ -166,11 +179,12 @@ class _StatsCollector(Collector):
             (CounterMetricFamily("kvstore_evictions", "Blocks evicted (LRU).", labels=NAMESPACE_LABELS),
              lambda ns: ns.evictions),
         ]
-        for ns in s.namespaces:
-            labels = [ns.tenant, model_of(ns.namespace), ns.short_id]
-            for family, value in per_ns:
-                family.add_metric(labels, value(ns))
-        yield from (family for family, _ in per_ns)
+        if self.per_namespace:
+            for ns in s.namespaces:
+                labels = [ns.tenant, model_of(ns.namespace), ns.short_id]
+                for family, value in per_ns:
+                    family.add_metric(labels, value(ns))
+            yield from (family for family, _ in per_ns)
         yield CounterMetricFamily("kvstore_stored_bytes", "Bytes stored.", value=s.stored_bytes)
         yield CounterMetricFamily("kvstore_loaded_bytes", "Served: bytes loaded into engines.", value=s.loaded_bytes)
         yield CounterMetricFamily("kvstore_loaded_tokens", "Served: tokens loaded into engines, of the namespaces "

@@ -13,7 +13,7 @@ import logging
 import os
 import secrets
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -60,6 +60,13 @@ def open_backend(name: str, pool: Pool, pin_now: bool = True) -> Backend:
     return backend
 
 
+def _take(counter: Counter[str], key: str, n: int) -> None:
+    """Count n less for key; a count of 0 goes (owners come and go)."""
+    counter[key] -= n
+    if not counter[key]:
+        del counter[key]
+
+
 @dataclass(eq=False)
 class Lease:
     lease_id: bytes
@@ -93,6 +100,7 @@ class EngineSession(Session):
     layout: Layout
     backend: Backend
     mappings: list[Mapping]  # one per KV memory, in the layout's memory order
+    memory_bytes: int  # what the layout addresses (mapped): counts against --max-memory-per-uid
     channel: CompletionChannel
     jobs: dict[int, Job] = field(default_factory=dict)  # completion slot -> unfinished job
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -129,6 +137,16 @@ class Sessions:
         self.by_id: dict[bytes, Session] = {}
         self.lease_expiries = 0
         self._registering = 0  # registrations waiting for a device call: they count against max_sessions
+        # Per owner, the registrations in progress and the memory they will map: counted from before their
+        # first await, so that concurrent registrations cannot all pass a per-owner limit.
+        self._registering_by_owner: Counter[str] = Counter()
+        self._registering_memory: Counter[str] = Counter()
+        self.leases_by_owner: Counter[str] = Counter()
+        # Per tenant, the blocks its leases pin (a block leased twice counted once) and their bytes.
+        self._leased: dict[str, dict[Block, int]] = {}
+        self._leased_bytes: Counter[str] = Counter()
+        # --max-lease-share: with tenants only (a lone tenant starves no one).
+        self.max_leased_bytes = int(pool.capacity * config.max_lease_share) if config.tenants else pool.capacity
         # By name; others are made on first use, once (concurrent registrations wait for the same one).
         self._backends: dict[str, asyncio.Future[Backend] | Backend] = dict(backends or {})
 
@@ -144,16 +162,22 @@ class Sessions:
         return await asyncio.shield(self._register(request, peer, list(fds or [])))
 
     async def _register(self, request: Registration, peer: PeerCred | None, fds: list[int]) -> Session:
+        owner = request.owner
+        counted = False
         try:
             if request.protocol_version != PROTOCOL_VERSION:
                 raise KVError("FAILED_PRECONDITION",
                               f"client speaks protocol {request.protocol_version}, this daemon speaks "
                               f"{PROTOCOL_VERSION}; upgrade the client or the daemon so both match")
             check_namespace(request.namespace, self.config.max_namespace_bytes)
-            mine = sum(1 for x in self.by_id.values() if x.owner == request.owner)
+            engine_id_bytes = len(request.engine_id.encode())
+            if engine_id_bytes > self.config.max_engine_id_bytes:
+                raise invalid(f"engine_id is {engine_id_bytes} bytes, more than --max-engine-id-bytes "
+                              f"{self.config.max_engine_id_bytes}")
+            mine = sum(1 for x in self.by_id.values() if x.owner == owner) + self._registering_by_owner[owner]
             if mine >= self.config.max_sessions_per_uid:
-                raise KVError("RESOURCE_EXHAUSTED", f"{request.owner} already has {mine} sessions "
-                              f"(--max-sessions-per-uid {self.config.max_sessions_per_uid})")
+                raise KVError("RESOURCE_EXHAUSTED", f"{owner} already has {mine} sessions, registrations in "
+                              f"progress included (--max-sessions-per-uid {self.config.max_sessions_per_uid})")
             if len(self.by_id) + self._registering >= self.config.max_sessions:
                 raise KVError("RESOURCE_EXHAUSTED",
                               f"the daemon already has {len(self.by_id) + self._registering} sessions "
@@ -164,30 +188,48 @@ class Sessions:
                                   tenant=request.tenant, namespace_name=name, owner=request.owner, peer=peer,
                                   namespace=self.index.find_namespace(name))
             else:
+                memory = self._check_memory(request, request.layout)
                 self._registering += 1
-                try:
-                    session = await self._register_engine(request, request.layout, peer, fds)
-                finally:
-                    self._registering -= 1
+                self._registering_by_owner[owner] += 1
+                self._registering_memory[owner] += memory
+                counted = True
+                session = await self._register_engine(request, request.layout, peer, fds, memory)
         finally:
             close_fds(fds)
+            if counted:  # (the session, if any, counts from the same step on)
+                self._registering -= 1
+                _take(self._registering_by_owner, owner, 1)
+                _take(self._registering_memory, owner, memory)
         self.by_id[session.session_id] = session
         log.info("session %s registered: engine %r (pid %s, uid %s) namespace %r", session.session_id.hex()[:8],
                  request.engine_id, peer.pid if peer else "?", peer.uid if peer else "?", request.namespace)
         return session
 
-    async def _register_engine(self, request: Registration, layout: Layout, peer: PeerCred | None,
-                               fds: list[int]) -> EngineSession:
+    def _check_memory(self, request: Registration, layout: Layout) -> int:
+        """The bytes an engine registration's layout addresses (what the daemon will map), checked
+        against the limits per session and per owner (its sessions and registrations in progress)."""
         memories = len(request.memory_sizes)
         if not memories or len(request.handles) != memories:
             raise invalid("an engine registration needs at least one KV memory")
         if layout.shards > self.config.max_shards:
             raise invalid(f"layout: {layout.shards} TP shards, more than --max-shards {self.config.max_shards}")
         layout.check(list(request.memory_sizes))
-        extents = layout.extents(memories)
-        if sum(extents) > self.config.max_session_memory:
-            raise KVError("RESOURCE_EXHAUSTED", f"the layout addresses {sum(extents)} bytes, more than "
+        memory = sum(layout.extents(memories))
+        if memory > self.config.max_session_memory:
+            raise KVError("RESOURCE_EXHAUSTED", f"the layout addresses {memory} bytes, more than "
                           f"--max-session-memory {int(self.config.max_session_memory)}")
+        owner = request.owner
+        mapped = sum(x.memory_bytes for x in self.by_id.values() if isinstance(x, EngineSession) and x.owner == owner)
+        mapped += self._registering_memory[owner]
+        if mapped + memory > self.config.max_memory_per_uid:
+            raise KVError("RESOURCE_EXHAUSTED", f"{owner}'s sessions address {mapped} bytes already, with this "
+                          f"layout's {memory} more than --max-memory-per-uid {int(self.config.max_memory_per_uid)}")
+        return memory
+
+    async def _register_engine(self, request: Registration, layout: Layout, peer: PeerCred | None,
+                               fds: list[int], memory: int) -> EngineSession:
+        memories = len(request.memory_sizes)
+        extents = layout.extents(memories)
         if not 0 < request.completion_slots <= MAX_COMPLETION_SLOTS:
             raise invalid(f"completion_slots must be 1..{MAX_COMPLETION_SLOTS}")
         backend = await self._backend(request.backend)
@@ -224,7 +266,8 @@ class Sessions:
             raise
         return EngineSession(session_id=secrets.token_bytes(16), engine_id=request.engine_id, tenant=request.tenant,
                              namespace_name=name, owner=request.owner, peer=peer, namespace=namespace,
-                             layout=layout, backend=backend, mappings=mappings, channel=channel)
+                             layout=layout, backend=backend, mappings=mappings, channel=channel,
+                             memory_bytes=memory)
 
     def _check_block_size(self, name: str, layout: Layout) -> None:
         existing = self.index.find_namespace(name)
@@ -335,8 +378,18 @@ class Sessions:
         found = self.index.lookup(ns, keys, key_size) if ns is not None else []
         if not (lease and found and session is not None):
             return len(found), b""
+        leased = self._leased.setdefault(session.tenant, {})
+        added = sum(1 for b in found if b not in leased) * found[0].namespace.block_bytes
+        if self._leased_bytes[session.tenant] + added > self.max_leased_bytes:
+            raise KVError("RESOURCE_EXHAUSTED", f"the tenant's leases pin {self._leased_bytes[session.tenant]} "
+                          f"bytes of the pool; {added} more would pass --max-lease-share "
+                          f"{self.config.max_lease_share:g} ({self.max_leased_bytes} bytes); release some")
         lease_id = secrets.token_bytes(16)
         self.index.pin(found)
+        for block in found:
+            leased[block] = leased.get(block, 0) + 1
+        self._leased_bytes[session.tenant] += added
+        self.leases_by_owner[session.owner] += 1
         ttl = ttl_ms / 1000 if ttl_ms else self.config.lease_ttl_s
         session.leases[lease_id] = Lease(lease_id, found, time.monotonic() + ttl)
         return len(found), lease_id
@@ -344,9 +397,15 @@ class Sessions:
     def _check_lease(self, session: Session | None, ttl_ms: int) -> None:
         if ttl_ms / 1000 > self.config.max_lease_ttl_s:
             raise invalid(f"lease_ttl_ms {ttl_ms} is longer than --max-lease-ttl-s {self.config.max_lease_ttl_s:g}")
-        if session is not None and len(session.leases) >= self.config.max_leases_per_session:
+        if session is None:
+            return
+        if len(session.leases) >= self.config.max_leases_per_session:
             raise KVError("RESOURCE_EXHAUSTED", f"the session holds {len(session.leases)} leases "
                           f"(--max-leases-per-session {self.config.max_leases_per_session}); release some")
+        if self.leases_by_owner[session.owner] >= self.config.max_leases_per_uid:
+            raise KVError("RESOURCE_EXHAUSTED", f"{session.owner}'s sessions hold "
+                          f"{self.leases_by_owner[session.owner]} leases (--max-leases-per-uid "
+                          f"{self.config.max_leases_per_uid}); release some")
 
     def release_lease(self, session: Session, lease_id: bytes) -> None:
         lease = session.leases.get(lease_id)
@@ -357,6 +416,14 @@ class Sessions:
     def _drop_lease(self, session: Session, lease: Lease) -> None:
         del session.leases[lease.lease_id]
         self.index.unpin(lease.blocks)
+        _take(self.leases_by_owner, session.owner, 1)
+        leased = self._leased[session.tenant]
+        for block in lease.blocks:
+            if leased[block] > 1:
+                leased[block] -= 1
+            else:
+                del leased[block]
+                self._leased_bytes[session.tenant] -= block.namespace.block_bytes
 
     def expire_leases(self) -> int:
         now = time.monotonic()

@@ -207,6 +207,17 @@ def test_jobs_over_max_inflight_jobs_are_refused_naming_the_flag(daemon_factory)
     engine.close()
 
 
+def test_an_engine_id_over_max_engine_id_bytes_is_refused(setup) -> None:
+    """It used to be accepted, 20 MiB of it written to the log per registration."""
+    daemon, _, _, stub = setup
+    before = daemon.log.stat().st_size
+    expect(grpc.StatusCode.INVALID_ARGUMENT, f"engine_id is {20 << 20} bytes, more than --max-engine-id-bytes 256",
+           stub.Register, pb.RegisterRequest(protocol_version=PROTOCOL_VERSION, namespace="big-id",
+                                             engine_id="e" * (20 << 20),
+                                             peer_token=peer_handshake(f"unix://{daemon.socket}")))
+    assert daemon.log.stat().st_size - before < 4096
+
+
 def test_too_many_sessions(daemon_factory) -> None:
     daemon = daemon_factory("--max-sessions", "2").start()
     from kvstore_client import KVStoreClient, ResourceExhausted

@@ -34,6 +34,7 @@ PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
 MiB = 1 << 20
 DISK_MOUNT = "/var/lib/kvstore/disk"
 REMOTE_DIR = "/etc/kvstore/remote"
+POD_FIELDS = {"status.podIP": "10.1.2.3"}  # what the kubelet gives the downward API's env values
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +93,10 @@ def daemon_config(docs, monkeypatch):
 
     for name in [name for name in os.environ if name.startswith("KVSTORE_")]:
         monkeypatch.delenv(name)
-    for name, value in env(daemon(docs)).items():
-        if name.startswith("KVSTORE_"):
-            monkeypatch.setenv(name, value)
+    for item in daemon(docs).get("env", []):
+        if item["name"].startswith("KVSTORE_"):
+            field = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            monkeypatch.setenv(item["name"], POD_FIELDS[field] if field else item["value"])
     return Config.load()
 
 
@@ -293,6 +295,17 @@ def test_metrics_service_monitor(chart):
     (endpoint,) = monitor["spec"]["endpoints"]
     assert endpoint["port"] == port["name"]
     assert endpoint["path"] == "/metrics"
+
+
+def test_metrics_listen_on_the_pod_ip(chart, monkeypatch):
+    """/metrics has no authentication: the daemon listens on loopback unless told, and the chart tells it
+    the pod's IP (downward API), where Prometheus and the probes reach it; with metrics off, nothing."""
+    docs, _ = render(chart)
+    (host,) = [item for item in daemon(docs)["env"] if item["name"] == "KVSTORE_METRICS_HOST"]
+    assert host == {"name": "KVSTORE_METRICS_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert daemon_config(docs, monkeypatch).metrics_host == POD_FIELDS["status.podIP"]
+    docs, _ = render(chart, {"metrics": {"port": 0}})
+    assert "KVSTORE_METRICS_HOST" not in env(daemon(docs))
 
 
 def test_metrics_service_without_monitor(chart):
@@ -573,7 +586,7 @@ def test_remote_tier(chart):
     assert variables["KVSTORE_REMOTE_QUEUE_BYTES"] == "1GiB"
     # The password reaches the daemon only as a file: no env var holds it or refers to a Secret.
     assert "KVSTORE_REMOTE_PASSWORD" not in variables
-    assert not any("valueFrom" in item for item in container["env"])
+    assert not any("secretKeyRef" in item.get("valueFrom", {}) for item in container["env"])
     assert "@" not in variables["KVSTORE_REMOTE"]
 
     # Both files come read-only from the Secrets (mode 0440: the daemon reads them through fsGroup).

@@ -78,7 +78,7 @@ def test_serve_help_types_every_option() -> None:
     assert set(texts) == {"--config", "--socket", "--socket-mode", "--socket-group", "--admin-tls-names", "--tcp",
                           "--tls-cert", "--tls-key", "--tls-client-ca", "--pool-path", "--devices", "--disk-path",
                           "--remote", "--remote-password-file", "--remote-tls-ca",
-                          "--remote-secret-file"} - {"--config"}
+                          "--remote-secret-file", "--metrics-host"} - {"--config"}
 
 
 def test_serve_help_documents_every_setting() -> None:

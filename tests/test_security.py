@@ -11,9 +11,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support.daemon import wait_for
+from support.engine import store_blocks
 from support.pki import free_port, make_pki, tls_client
 
-from kvstore_client import KVStoreClient, PermissionDenied, Unavailable
+from kvstore_client import KVStoreClient, PermissionDenied, ResourceExhausted, Unavailable
 from kvstore_client.protocol import PROTOCOL_VERSION
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
@@ -174,3 +176,61 @@ def test_a_pool_that_does_not_fit_refuses_the_start_cleanly(daemon_factory) -> N
     assert "lower --pool-size or grow the shared-memory mount" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not os.path.exists(daemon.socket) and not os.path.exists(daemon.socket + ".cred")
+
+
+def _register_at_once(daemon, count: int, spec) -> tuple[list, list[str]]:
+    """`count` engine registrations of this uid, all at once (one thread each): the sessions, the refusals."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def register(_: int):
+        try:
+            return daemon.client().session("many", spec)
+        except ResourceExhausted as e:
+            return str(e)
+
+    with ThreadPoolExecutor(count) as pool:
+        results = list(pool.map(register, range(count)))
+    return [r for r in results if not isinstance(r, str)], [r for r in results if isinstance(r, str)]
+
+
+@pytest.mark.parametrize("limit", ["--max-sessions-per-uid", "--max-memory-per-uid"])
+def test_concurrent_registrations_of_one_uid_stay_within_its_limits(daemon_factory, limit: str) -> None:
+    """24 registrations of one uid at once, each mapping 64 MiB: the limit holds (with a cap of 4
+    sessions it used to let 5-6 through, counting only the registrations that had finished), and the
+    memory registered per uid, across sessions, has a limit of its own."""
+    from kvstore_client.client import MemorySpec
+    from kvstore_client.protocol import memfd
+
+    cap = "4" if limit == "--max-sessions-per-uid" else str(4 * 64 << 20)
+    daemon = daemon_factory(limit, cap).start()
+    fd = memfd.create("many", 64 << 20)
+    try:
+        spec = MemorySpec.cpu(fd, 64 << 20, 1024, [(0, 64 << 10, 64 << 10)])  # 64 MiB addressed
+        sessions, refusals = _register_at_once(daemon, 24, spec)
+        assert len(sessions) == 4 and daemon.client().stats().engines == 4, refusals
+        assert len(refusals) == 20 and all(limit in r for r in refusals), refusals
+        for session in sessions:
+            session.close()
+        assert wait_for(lambda: daemon.client().stats().engines == 0)
+        sessions, _ = _register_at_once(daemon, 6, spec)  # the slots were given back
+        assert len(sessions) == 4
+        for session in sessions:
+            session.close()
+    finally:
+        os.close(fd)
+
+
+def test_leases_of_one_uid_are_limited_across_its_sessions(daemon_factory) -> None:
+    """One uid used to hold 20,001 leases over 5 sessions (4096 per session)."""
+    daemon = daemon_factory("--max-leases-per-uid", "3").start()
+    keys = store_blocks(daemon.socket, "leased", 4)
+    client = daemon.client()
+    first, second = client.session("leased"), client.session("leased")
+    leases = [first.lookup(keys, lease=True)[1], first.lookup(keys, lease=True)[1], second.lookup(keys, lease=True)[1]]
+    with pytest.raises(ResourceExhausted, match=r"holds? 3 leases \(--max-leases-per-uid 3\)"):
+        second.lookup(keys, lease=True)
+    first.release_lease(leases[0], wait=True)
+    assert second.lookup(keys, lease=True)[0] == 4
+    assert client.stats().leases == 3
+    first.close()
+    second.close()

@@ -11,11 +11,12 @@ import urllib.request
 
 import pytest
 from support import child_env
+from support.blocks import key_of
 from support.daemon import wait_for
 from support.engine import Engine, store_blocks
 from support.pki import free_port, make_pki, tls_client
 
-from kvstore_client import KVStoreClient, PermissionDenied
+from kvstore_client import KVStoreClient, PermissionDenied, ResourceExhausted
 from kvstore_client.protocol import kvstore_pb2 as pb
 
 OTHER_UID = 54321  # no such user on a CI runner
@@ -79,8 +80,6 @@ def victim_loads(daemon) -> int:
     """Blocks the victim's own engine loads byte-exact."""
     engine = Engine(daemon.socket, VICTIM_NS, BLOCKS, 64 * 1024)
     try:
-        from support.blocks import key_of
-
         keys = [key_of(VICTIM_NS, i) for i in range(BLOCKS)]
         job = engine.session.load(keys, list(range(BLOCKS)))
         engine.session.wait([job])
@@ -189,3 +188,51 @@ def test_admins_alone_lock_no_engine_out(daemon_factory) -> None:
     daemon = daemon_factory("--admin-uids", str(os.getuid() + 1)).start()
     store_blocks(daemon.socket, VICTIM_NS, 2)  # a uid that is no admin still registers and stores
     assert [n.namespace for n in daemon.client().stats().namespaces] == [VICTIM_NS]
+
+
+# As OTHER_UID: an engine of tenant b stores 256 blocks of 64 KiB; prints how many went in.
+_STORER = r"""
+import os, sys
+from support.blocks import key_of  # imported as root: the interpreter may be private
+from support.engine import Engine
+workdir, socket_name, uid = sys.argv[1], sys.argv[2], int(sys.argv[3])
+os.chdir(workdir)
+os.setgroups([])
+os.setgid(uid)
+os.setuid(uid)
+engine = Engine("unix:" + socket_name, "b-model", 256, 64 * 1024)
+keys = [key_of("b", i) for i in range(256)]
+engine.fill(keys, list(range(256)))
+job = engine.session.store(keys, list(range(256)))
+print(engine.session.wait([job])[job].blocks_ok)
+engine.close()
+"""
+
+
+@needs_root
+def test_one_tenants_leases_leave_the_pool_to_the_other_tenants_stores(daemon_factory) -> None:
+    """Tenant a fills the pool (1008 blocks of 64 KiB) and leases all it can for 600 s, the longest
+    lease: its leases pin at most --max-lease-share (0.5) of the pool, so tenant b's engine then stores
+    its 256 blocks (it used to store 0 of 256, every block of the pool leased by a)."""
+    tenants = json.dumps({"a": {"uids": [os.getuid()]}, "b": {"uids": [OTHER_UID]}})
+    daemon = daemon_factory("--socket-mode", "0666", "--tenants", tenants).start()
+    engine = Engine(daemon.socket, "a-model", 1008, 64 * 1024)
+    keys = [key_of("a", i) for i in range(1008)]
+    engine.fill(keys, list(range(1008)))
+    job = engine.session.store(keys, list(range(1008)))
+    assert engine.session.wait([job])[job].blocks_ok == 1008
+    leased, refusals = 0, []
+    for first in range(0, 1008, 126):
+        try:
+            leased += engine.session.lookup(keys[first:first + 126], lease=True, lease_ttl_ms=600_000)[0]
+        except ResourceExhausted as e:
+            refusals.append(str(e))
+    assert leased == 504 and len(refusals) == 4, refusals  # 512 blocks' bytes: half of the 64 MiB pool
+    assert all("--max-lease-share 0.5" in r for r in refusals), refusals
+    os.chmod(daemon.workdir, 0o755)  # the other uid looks the socket up from there, whatever the umask
+    out = subprocess.run([sys.executable, "-c", _STORER, str(daemon.workdir), os.path.basename(daemon.socket),
+                          str(OTHER_UID)], capture_output=True, text=True, timeout=120, env=child_env())
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == 256
+    assert engine.session.lookup(keys[:504])[0] == 504  # a's leased blocks stayed
+    engine.close()
