@@ -102,7 +102,12 @@ std::atomic<bool> g_batch_unsupported{false};
 // -1: nothing registered yet; 0: the last registration used the legacy call (not page-locked); 1: pinned.
 std::atomic<int> g_last_register_pinned{-1};
 
+// The aclError of the last failed call on this thread: describe() runs for every failed call, and the
+// Python error carries it (`acl_error`), so that kvstore_service.native can tell device-fatal errors.
+thread_local aclError t_failed = ACL_SUCCESS;
+
 std::string describe(const Runtime& rt, aclError rc) {
+  t_failed = rc;
   std::string s = "aclError " + std::to_string(rc);
   const char* msg = rt.recent_error ? rt.recent_error() : nullptr;
   if (msg != nullptr && *msg != '\0') s += std::string(": ") + msg;
@@ -359,6 +364,21 @@ std::string acl_register(uint64_t addr, uint64_t size, int device, bool reg, uin
   return "";
 }
 
+// RuntimeError(message) with the failed call's aclError (0: not a runtime call's) as `acl_error`.
+void raise_acl_error(const std::string& message, aclError code) {
+  PyObject* exc = PyObject_CallFunction(PyExc_RuntimeError, "s", message.c_str());
+  if (exc == nullptr) return;
+  PyObject* value = PyLong_FromLong(code);
+  if (value == nullptr || PyObject_SetAttrString(exc, "acl_error", value) != 0) {
+    Py_XDECREF(value);
+    Py_DECREF(exc);
+    return;
+  }
+  Py_DECREF(value);
+  PyErr_SetObject(PyExc_RuntimeError, exc);
+  Py_DECREF(exc);
+}
+
 }  // namespace
 #else
 namespace {
@@ -372,11 +392,14 @@ PyObject* py_acl_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
   if (!parse_device_copy_args(args, kwargs, "OOOOOOi|Op:acl_copy_blocks", &a)) return nullptr;
 #if defined(KVSTORE_WITH_ACL)
   std::string err;
+  aclError code = ACL_SUCCESS;
   Py_BEGIN_ALLOW_THREADS
+  t_failed = ACL_SUCCESS;
   err = acl_copy(a.runs, a.dir, a.device, a.stream, a.allow_batch);
+  code = t_failed;
   Py_END_ALLOW_THREADS
   if (!err.empty()) {
-    PyErr_SetString(PyExc_RuntimeError, err.c_str());
+    raise_acl_error(err, code);
     return nullptr;
   }
   Py_RETURN_NONE;
@@ -402,11 +425,14 @@ static PyObject* acl_register_common(PyObject* args, PyObject* kwargs, bool reg)
   std::string err;
   uint64_t dev_ptr = 0;
   bool pinned = false;
+  aclError code = ACL_SUCCESS;
   Py_BEGIN_ALLOW_THREADS
+  t_failed = ACL_SUCCESS;
   err = acl_register(addr, size, device, reg, &dev_ptr, &pinned);
+  code = t_failed;
   Py_END_ALLOW_THREADS
   if (!err.empty()) {
-    PyErr_SetString(PyExc_RuntimeError, err.c_str());
+    raise_acl_error(err, code);
     return nullptr;
   }
   if (reg) {

@@ -183,6 +183,20 @@ class StickyDeviceError(RuntimeError):
         self.device = device
 
 
+# aclErrors (acl_base.h) after which the NPU or its memory is gone for this process: device memory
+# (UCE) and HBM ECC errors, which torch_npu itself answers by stopping the device, a lost device
+# heartbeat, a closed host-device channel, a driver-internal error. The daemon exits on them as on a
+# sticky CUDA error (unverified on hardware: which codes a real fault returns is not known here).
+STICKY_ACL_ERRORS: Final[dict[int, str]] = {
+    507010: "ACL_ERROR_RT_LOST_HEARTBEAT",
+    507053: "ACL_ERROR_RT_DEVICE_MEM_ERROR",
+    507054: "ACL_ERROR_RT_HBM_MULTI_BIT_ECC_ERROR",
+    507055: "ACL_ERROR_RT_SUSPECT_DEVICE_MEM_ERROR",
+    507899: "ACL_ERROR_RT_DRV_INTERNAL_ERROR",
+    507901: "ACL_ERROR_RT_SOCKET_CLOSE",
+}
+
+
 def is_sticky_cuda_error(code: int | None) -> bool:
     """Whether a CUresult leaves the CUDA context (and the process) unusable."""
     return code in STICKY_CUDA_ERRORS
@@ -262,17 +276,39 @@ def cuda_batch_memcpy_allowed() -> bool:
     return bool(features().get("cuda_batch_memcpy_allowed", True))
 
 
+def _acl_error(e: RuntimeError, device: int) -> RuntimeError:
+    """StickyDeviceError for an aclError in STICKY_ACL_ERRORS (the engine's `acl_error`), else `e`."""
+    code = getattr(e, "acl_error", None)
+    if isinstance(code, int) and code in STICKY_ACL_ERRORS:
+        return StickyDeviceError(f"{e} [{STICKY_ACL_ERRORS[code]}: NPU {device} is unusable until the daemon "
+                                 "restarts]", code, device)
+    return e
+
+
 def acl_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array,
                     sizes: U64Array, direction: str, device: int, stream: int = 0,
                     allow_batch: bool = True) -> None:
-    """Ascend counterpart of cuda_copy_blocks (unverified on hardware)."""
-    _native.acl_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes),
-                            direction, device, stream, allow_batch)
+    """Ascend counterpart of cuda_copy_blocks (unverified on hardware). StickyDeviceError for an
+    error in STICKY_ACL_ERRORS."""
+    try:
+        _native.acl_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes),
+                                direction, device, stream, allow_batch)
+    except RuntimeError as e:
+        err = _acl_error(e, device)
+        if err is e:
+            raise
+        raise err from e
 
 
 def acl_host_register(addr: int, size: int, device: int = 0) -> int:
     """aclrtHostRegister(MAPPED); returns the device-side address of the host range."""
-    return int(_native.acl_host_register(addr, size, device))
+    try:
+        return int(_native.acl_host_register(addr, size, device))
+    except RuntimeError as e:
+        err = _acl_error(e, device)
+        if err is e:
+            raise
+        raise err from e
 
 
 def acl_host_unregister(addr: int, device: int = 0) -> None:

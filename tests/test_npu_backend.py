@@ -21,6 +21,7 @@ import sys
 import sysconfig
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -29,6 +30,7 @@ from kvstore_client.protocol.handle import (
     parse_npu_smi_map,
     physical_npu,
 )
+from kvstore_service import native
 from kvstore_service.backends.base import pool_pieces
 from kvstore_service.backends.npu import (
     ACL_NOT_SUPPORTED,
@@ -260,14 +262,14 @@ for i in range(n):
 addr = lambda m: ctypes.addressof(ctypes.c_char.from_buffer(m))
 # every other block, so runs do not coalesce
 offs = array("Q", [i * bs for i in range(0, n, 2)]); sizes = array("Q", [bs] * len(offs))
-err = {}
+err, codes = {}, {}
 for direction in sys.argv[3].split(","):
     try:
         nat.acl_copy_blocks(addr(src), addr(dst), offs, offs, sizes, direction, 0)
     except RuntimeError as e:
-        err[direction] = str(e)
+        err[direction], codes[direction] = str(e), getattr(e, "acl_error", None)
     out[direction] = {k: get(k) for k in ("batch", "batch_runs", "memcpy", "memcpy_kind", "sync")}
-out["errors"] = err
+out["errors"], out["codes"] = err, codes
 out["bytes_ok"] = all(dst[o:o + bs] == src[o:o + bs] for o in offs) and dst[bs:2 * bs] == bytes(bs)
 out["features_after"] = {k: v for k, v in nat.features().items() if k.startswith("acl")}
 pool = mmap.mmap(-1, 3 * 4096)
@@ -341,7 +343,39 @@ def test_fake_acl_batch_not_supported_falls_back_and_remembers(fake_acl: dict[st
 def test_fake_acl_batch_other_error_is_an_error(fake_acl: dict[str, Path]) -> None:
     out = run_scenario(fake_acl, "full", "h2d", FAKE_BATCH_RC="507899")
     assert "aclrtMemcpyBatchAsync failed" in out["errors"]["h2d"] and "507899" in out["errors"]["h2d"]
+    assert out["codes"] == {"h2d": 507899}  # the failed call's aclError, for the sticky check
     assert out["h2d"]["memcpy"] == 0 and out["h2d"]["sync"] == 1  # still waited for the stream
+
+
+def raising_acl(code: int | None):  # type: ignore[no-untyped-def]
+    def call(*args: object, **kwargs: object) -> None:
+        e = RuntimeError(f"aclrtMemcpyAsync failed at run 0: aclError {code}")
+        if code is not None:
+            e.acl_error = code  # type: ignore[attr-defined]  # what csrc/acl_copy.cpp attaches
+        raise e
+
+    return call
+
+
+@pytest.mark.parametrize("code", sorted(native.STICKY_ACL_ERRORS))
+def test_a_device_fatal_acl_error_is_sticky(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    """The NPU or its memory failed (UCE, ECC, lost heartbeat, ...): the daemon must restart, as on a
+    sticky CUDA error (jobs.py and daemon.py exit 75 on StickyDeviceError)."""
+    monkeypatch.setattr(native, "_native", SimpleNamespace(acl_copy_blocks=raising_acl(code),
+                                                           acl_host_register=raising_acl(code)))
+    with pytest.raises(native.StickyDeviceError, match=native.STICKY_ACL_ERRORS[code]) as info:
+        native.acl_copy_blocks(0, 0, [0], [0], [1], "h2d", 3)
+    assert (info.value.code, info.value.device) == (code, 3)
+    with pytest.raises(native.StickyDeviceError):
+        native.acl_host_register(0, 4096, 1)
+
+
+@pytest.mark.parametrize("code", [None, 0, 107000, 207000, 507011])
+def test_other_acl_errors_stay_runtime_errors(monkeypatch: pytest.MonkeyPatch, code: int | None) -> None:
+    monkeypatch.setattr(native, "_native", SimpleNamespace(acl_copy_blocks=raising_acl(code)))
+    with pytest.raises(RuntimeError) as info:
+        native.acl_copy_blocks(0, 0, [0], [0], [1], "h2d", 0)
+    assert not isinstance(info.value, native.StickyDeviceError)
 
 
 def test_fake_acl_d2d_never_batches(fake_acl: dict[str, Path]) -> None:

@@ -160,6 +160,8 @@ class NpuBackend(Backend):
             for addr, size in self.pieces:
                 native.acl_host_register(addr, host_register_size(size), device)
                 done.append(addr)
+        except native.StickyDeviceError:  # the NPU is gone for this process: the daemon restarts
+            raise
         except (RuntimeError, ValueError) as e:
             log.warning("registering the pool with ACL failed (piece %d of %d: %s); NPU copies will be slower",
                         len(done) + 1, len(self.pieces), e)
