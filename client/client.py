@@ -258,12 +258,17 @@ class Session:
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._background = threading.Thread(target=self._background_loop, name="kvstore-rpc", daemon=True)
         self._background.start()
+        self._refusal = ""  # the daemon's last refusal of this registration, logged once
         try:
             self._register()
         except Unavailable:
             if wait:
                 raise
             log.warning("kvstore: daemon at %s not reachable yet; connecting in the background", client.target)
+        except KVStoreError as e:  # refused (a limit, a backend the daemon cannot use, a bad layout)
+            if wait:
+                raise
+            self._refused(e)  # retried in the background: a daemon restarted with other settings may take it
         self._attach_thread = threading.Thread(target=self._attach_loop, name="kvstore-attach", daemon=True)
         self._attach_thread.start()
         self._sender = threading.Thread(target=self._send_loop, name="kvstore-submit", daemon=True)
@@ -323,14 +328,21 @@ class Session:
             except KVStoreError as e:
                 if self._closed.is_set():
                     return
-                if isinstance(e, FailedPrecondition):
-                    log.error("kvstore: the daemon refuses this session: %s", e)
-                log.debug("kvstore: re-register failed: %s", e)
+                if isinstance(e, Unavailable):
+                    log.debug("kvstore: re-register failed: %s", e)
+                else:
+                    self._refused(e)
             if self._closed.is_set():
                 return
             self._disconnected()
             self._closed.wait(backoff)
             backoff = min(backoff * 2, 5.0)
+
+    def _refused(self, e: KVStoreError) -> None:
+        """The daemon refused the registration: said once per reason, not at every retry."""
+        if str(e) != self._refusal:
+            self._refusal = str(e)
+            log.error("kvstore: the daemon refuses this session (retrying in the background): %s", e)
 
     def _disconnected(self) -> None:
         """The daemon went away: every job in flight is lost; report it failed."""

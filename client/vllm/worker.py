@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvstore_client.client import KVStoreClient, Session
+from kvstore_client.client import KVStoreClient, MemorySpec, Session
 from kvstore_client.device import export_kv_memory, order_before_copies
-from kvstore_client.layouts import UnsupportedKVCache, describe_kv_cache
+from kvstore_client.layouts import KVCacheDescription, UnsupportedKVCache, describe_kv_cache
 from kvstore_client.protocol.completion import Completion
 from kvstore_client.shm import SharedKVMemory, move_to_shared_memory, shared_memory_spec
 from kvstore_client.vllm.common import (
@@ -110,7 +110,24 @@ class Worker:
             self.first_regions = ends[0]
             self.layer_regions = {name: ends[min(i + 1, len(ends) - 1)]
                                   for i, name in enumerate(description.layer_regions)}
-        if self.device.type == "cpu":
+        try:
+            spec = self._share(kv_caches, description, regions)
+            # wait=False: a daemon that is away or refuses the registration is retried in the background
+            self.session = self.client.session(self.namespace, spec, engine_id=f"vllm-worker-tp{self.rank}",
+                                               wait=False)
+        except Exception as e:  # noqa: BLE001 - nothing of kvstore's may stop the engine
+            log.error("kvstore connector off for this engine (worker side, rank %d; vLLM recomputes): cannot share "
+                      "the KV cache with the daemon: %s", self.rank, e)
+            return
+        log.info("kvstore connector active (worker side, rank %d): %s KV cache, %d regions in %d allocations, "
+                 "%d blocks, shard %d of %d, namespace %s", self.rank, description.layout, len(regions),
+                 len(description.memories), spec.num_blocks,
+                 spec.shard, spec.shards, self.namespace)
+
+    def _share(self, kv_caches: Mapping[str, torch.Tensor | tuple[torch.Tensor, ...]], description: KVCacheDescription,
+               regions: list[tuple[int, int, int, int]]) -> MemorySpec:
+        """The memory spec the daemon maps: CPU memory moved into sealed memfds, device memory exported."""
+        if self.device is not None and self.device.type == "cpu":
             # The daemon maps shared-memory files: move the KV allocations there, in place (every tensor
             # vLLM holds of them, also of layers that share another layer's cache).
             addresses = [m.untyped_storage().data_ptr() for m in description.memories]
@@ -120,12 +137,7 @@ class Worker:
             spec = shared_memory_spec(self.memories, description.num_blocks, regions)
         else:  # cuda/npu: the daemon opens the allocations by IPC
             spec = export_kv_memory(description.memories, description.num_blocks, regions)
-        spec = replace(spec, shards=self.sharding.shards, shard=self.sharding.shard(self.rank))
-        self.session = self.client.session(self.namespace, spec, engine_id=f"vllm-worker-tp{self.rank}", wait=False)
-        log.info("kvstore connector active (worker side, rank %d): %s KV cache, %d regions in %d allocations, "
-                 "%d blocks, shard %d of %d, namespace %s", self.rank, description.layout, len(regions),
-                 len(description.memories), spec.num_blocks,
-                 spec.shard, spec.shards, self.namespace)
+        return replace(spec, shards=self.sharding.shards, shard=self.sharding.shard(self.rank))
 
     def start_loads(self, loads: list[Transfer], early: bool = False) -> None:
         """Submit the loads; with `early` (KVStoreConnectorMetadata.early) those the daemon copies

