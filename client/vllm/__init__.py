@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvstore_client.device import unsupported_allocator
 from kvstore_client.layouts import UnsupportedKVCache
 from kvstore_client.vllm.common import (
     ConnectorSettings,
@@ -80,7 +81,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # A cache miss is never fatal: a block that fails to load is recomputed.
         transfer.kv_load_failure_policy = "recompute"
         try:
-            why = unsupported(vllm_config) or unsupported_kv_cache(kv_cache_config)
+            why = (unsupported(vllm_config) or unsupported_allocator(vllm_config)
+                   or unsupported_kv_cache(kv_cache_config))
             namespace = "" if why else namespace_for(vllm_config, kv_cache_config, self.settings)
         except (UnsupportedKVCache, ValueError) as e:
             why = str(e)
