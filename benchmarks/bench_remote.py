@@ -8,14 +8,16 @@ For values of 128 KiB, 1 MiB and 4 MiB, in one run, on a 3-master cluster and/or
 (started here, in a temp dir):
 
   * raw SET: redis-py pipelines of prebuilt values, batched as the tier batches uploads (32 MiB);
-  * tier up: `RemoteTier.offer` of the same payloads (copy + CRC32C + header), `--offer-mib` per call
-    with the loop let run between calls, then `drain`, timed together; again with the payloads' CRC32C
-    given to `offer` (as the daemon's seal checksums can be), so that only the copy is left;
+  * tier up: `RemoteTier.offer` of the same payloads, `--offer-mib` per call with the loop let run
+    between calls, then `drain`, timed together: values authenticated (HMAC-SHA256 under a secret), and
+    encrypted (AES-256-GCM, `--remote-encrypt`), two tiers with their own keys;
   * raw GET: pipelines of 16 keys (the tier's fetch batch), one batch after the other, every value kept
     (as `fetch` returns them all);
-  * tier fetch: `RemoteTier.fetch` of the same number of blocks (pipelined GETs + verification).
+  * tier fetch: `RemoteTier.fetch` of the same number of blocks (pipelined GETs, MAC checked or
+    decrypted, CRC32C taken), for each of the two tiers.
 
-With `--daemon`, through running daemons instead (`kvstore serve --remote URL`, one CPU engine):
+With `--daemon`, through running daemons instead (`kvstore serve --remote URL --remote-secret-file F`, plus
+`--remote-encrypt` with `--encrypt`; one CPU engine):
 
   * upload: a store job of `--mib` into daemon A, timed until A's Stats say every block is uploaded,
     from the job's submission ("daemon": engine -> pool copy, seal checksums, write-behind) and from its
@@ -25,7 +27,7 @@ With `--daemon`, through running daemons instead (`kvstore serve --remote URL`, 
     with every block a hit (pipelined GETs, verification, copies into B's pool), against raw GET of the
     same keys.
 
-`--mib` of payload per measurement. Each round runs all four back to back on the same keys (overwritten,
+`--mib` of payload per measurement. Each round runs all of them back to back on the same keys (overwritten,
 so the servers' memory is warm after the first, unmeasured, round); the figures are medians over
 `--rounds`: GB/s of payload, and the tier/raw ratio of each round (target >= 0.8). On the daemon's
 event loop (uvloop) unless `--loop asyncio`. Everything shares 2 cores here: expect noise.
@@ -49,8 +51,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from kvstore_client.process import DaemonProcess
 from kvstore_client.shm import SharedKVMemory
-from kvstore_service import native
-from kvstore_service.remote import RemoteTier, encode_value, remote_keys
+from kvstore_service.remote import Keyring, RedisStore, RemoteTier, encode_value, parse_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.redis import RedisCluster as ClusterProcs  # noqa: E402
@@ -59,8 +60,10 @@ from support.redis import RedisServer, free_ports, require_redis_server  # noqa:
 SIZES = (128 << 10, 1 << 20, 4 << 20)
 UPLOAD_BATCH = 32 << 20
 FETCH_BATCH = 16
-RATIOS = (("up", "raw SET", "tier up"), ("up, CRC given", "raw SET", "tier up, CRC given"),
-          ("fetch", "raw GET", "tier fetch"))
+SECRET = os.urandom(48)
+MODES = {"auth": Keyring(SECRET), "encrypted": Keyring(SECRET, encrypt=True)}
+RATIOS = tuple((f"{what}, {mode}", raw, f"tier {what}, {mode}")
+               for what, raw in (("up", "raw SET"), ("fetch", "raw GET")) for mode in MODES)
 
 
 async def raw_set(client: Redis | RedisCluster, keys: list[bytes], values: list[bytes]) -> float:
@@ -88,16 +91,13 @@ async def raw_get(client: Redis | RedisCluster, keys: list[bytes], size: int) ->
     return elapsed
 
 
-async def tier_up(tier: RemoteTier, keys: list[bytes], values: list[bytes], stream: int,
-                  crcs: list[int] | None = None) -> float:
+async def tier_up(tier: RemoteTier, keys: list[bytes], values: list[bytes], stream: int) -> float:
     """Offer `stream` bytes at a time (a store job's worth), letting the loop run between offers, as the
-    daemon does; then drain. `stream` 0: offer everything at once, then drain. With `crcs`, the payloads'
-    CRC32C are given (as the daemon's seal checksums can be)."""
+    daemon does; then drain. `stream` 0: offer everything at once, then drain."""
     t0 = time.perf_counter()
     per = max(1, stream // len(values[0])) if stream else len(keys)
     for i in range(0, len(keys), per):
-        part = None if crcs is None else crcs[i:i + per]
-        assert tier.offer("bench", "ns", keys[i:i + per], values[i:i + per], part) == len(keys[i:i + per])
+        assert tier.offer("bench", "ns", keys[i:i + per], values[i:i + per]) == len(keys[i:i + per])
         await asyncio.sleep(0)
     await tier.drain()
     return time.perf_counter() - t0
@@ -107,7 +107,7 @@ async def tier_fetch(tier: RemoteTier, keys: list[bytes], size: int) -> float:
     t0 = time.perf_counter()
     got = await tier.fetch("bench", "ns", keys, payload_bytes=size)
     elapsed = time.perf_counter() - t0
-    assert len(got) == len(keys)
+    assert len(got) == len(keys), tier.stats()
     return elapsed
 
 
@@ -117,21 +117,24 @@ async def measure(url: str, client: Redis | RedisCluster, size: int, total: int,
     values = [os.urandom(size) for _ in range(n)]
     raw_keys = [b"raw:%d:%d" % (size, i) for i in range(n)]
     tier_keys = [b"%d:%d" % (size, i) for i in range(n)]
-    tier = RemoteTier.from_url(url, queue_bytes=n * (size + 64), timeout_s=30.0, fetch_batch=FETCH_BATCH,
-                               upload_batch_bytes=UPLOAD_BATCH)
-    crcs = [native.crc32c(v) for v in values]
-    times: dict[str, list[float]] = {"raw SET": [], "tier up": [], "tier up, CRC given": [], "raw GET": [],
-                                     "tier fetch": []}
-    for r in range(rounds + 1):
-        measured = [await raw_set(client, raw_keys, values), await tier_up(tier, tier_keys, values, stream),
-                    await tier_up(tier, tier_keys, values, stream, crcs),
-                    await raw_get(client, raw_keys, size), await tier_fetch(tier, tier_keys, size)]
+    tiers = {mode: RemoteTier(RedisStore(parse_url(url), None, 30.0), keyring=keyring,
+                              queue_bytes=n * (size + 64), timeout_s=30.0, fetch_batch=FETCH_BATCH,
+                              upload_batch_bytes=UPLOAD_BATCH) for mode, keyring in MODES.items()}
+    times: dict[str, list[float]] = {"raw SET": [], "raw GET": []}
+    for r in range(rounds + 1):  # interleaved: every contender once per round
+        measured = {"raw SET": await raw_set(client, raw_keys, values)}
+        for mode, tier in tiers.items():
+            measured[f"tier up, {mode}"] = await tier_up(tier, tier_keys, values, stream)
+        measured["raw GET"] = await raw_get(client, raw_keys, size)
+        for mode, tier in tiers.items():
+            measured[f"tier fetch, {mode}"] = await tier_fetch(tier, tier_keys, size)
         if r:  # the first round warms the servers' memory up
-            for op, t in zip(times, measured, strict=True):
-                times[op].append(t)
-    s = tier.stats()
-    assert s.upload_failed == s.errors == s.corrupt == s.dropped_full == 0, s
-    await tier.close()
+            for op, t in measured.items():
+                times.setdefault(op, []).append(t)
+    for tier in tiers.values():
+        s = tier.stats()
+        assert s.upload_failed == s.errors == s.corrupt == s.dropped_full == 0, s
+        await tier.close()
     await client.flushall()
     gbs = {op: n * size / statistics.median(t) / 1e9 for op, t in times.items()}
     for name, raw, tier_op in RATIOS:
@@ -183,16 +186,21 @@ class LastKeys:
 
 
 async def through_daemons(url: str, client: Redis | RedisCluster, size: int, total: int, rounds: int,
-                          workdir: Path) -> dict[str, float]:
+                          workdir: Path, encrypt: bool) -> dict[str, float]:
     """Upload and fetch through two running daemons against raw SET/GET of the same values (one engine
     store job and one lookup per round, each on blocks of its own)."""
     n = total // size
     sets = [[os.urandom(32) for _ in range(n)] for _ in range(rounds + 1)]  # the first round warms up
     pool = str((rounds + 2) * total)
+    secret = workdir / "secret"
+    secret.write_bytes(SECRET)
+    secret.chmod(0o600)
+    keyring = MODES["encrypted" if encrypt else "auth"]
+    sealed = ["--remote-secret-file", str(secret)] + (["--remote-encrypt"] if encrypt else [])
     a = DaemonProcess(workdir / f"a{size}", pool, "64MiB", "--fresh", "--remote", url, "--remote-queue-bytes",
-                      str(2 * total), "--remote-fetch-bytes", str(total), "--log-level", "WARNING").start()
+                      str(2 * total), "--remote-fetch-bytes", str(total), "--log-level", "WARNING", *sealed).start()
     b = DaemonProcess(workdir / f"b{size}", pool, "64MiB", "--fresh", "--remote", url, "--remote-fetch-bytes",
-                      str(total), "--log-level", "WARNING").start()
+                      str(total), "--log-level", "WARNING", *sealed).start()
     memory = SharedKVMemory(n * size)
     times: dict[str, list[float]] = {"raw SET": [], "daemon up": [], "behind": [], "raw GET": [],
                                      "daemon fetch": []}
@@ -202,8 +210,9 @@ async def through_daemons(url: str, client: Redis | RedisCluster, size: int, tot
         engine_b = cb.session("bench-remote", memory.memory_spec(n, [(0, size, size)]))  # B knows the namespace
         for r, keys in enumerate(sets):
             memory.tensor.random_(0, 256)
-            rkeys = remote_keys("", "bench-remote", keys)
-            values = [encode_value(k, memory.tensor[i * size:(i + 1) * size].numpy()) for i, k in enumerate(rkeys)]
+            rkeys = keyring.remote_keys("", "bench-remote", keys)
+            values = [encode_value(k, memory.tensor[i * size:(i + 1) * size].numpy(), "", keyring)
+                      for i, k in enumerate(rkeys)]
             raw = [b"raw:" + k for k in rkeys]
             t_set = await raw_set(client, raw, values)
             uploaded = ca.stats().remote.uploaded
@@ -216,7 +225,7 @@ async def through_daemons(url: str, client: Redis | RedisCluster, size: int, tot
             t_up = time.perf_counter() - t0
             assert ca.stats().remote.uploaded == uploaded + n
             t_behind = time.perf_counter() - t_commit
-            t_get = await raw_get(client, rkeys, size + 24)
+            t_get = await raw_get(client, raw, keyring.value_bytes(size))
             t0 = time.perf_counter()
             assert engine_b.lookup(keys)[0] == n
             t_fetch = time.perf_counter() - t0
@@ -242,13 +251,14 @@ async def through_daemons(url: str, client: Redis | RedisCluster, size: int, tot
 
 
 async def run_daemons(name: str, url: str, client: Redis | RedisCluster, total: int, rounds: int,
-                      workdir: Path, sizes: tuple[int, ...] = SIZES) -> list[float]:
-    print(f"\n{name}, through daemons: {url}\n(GB/s of payload; ratio: daemon / raw)")
+                      workdir: Path, sizes: tuple[int, ...] = SIZES, encrypt: bool = False) -> list[float]:
+    print(f"\n{name}, through daemons ({'encrypted' if encrypt else 'authenticated'}): {url}\n"
+          "(GB/s of payload; ratio: daemon / raw)")
     print(f"{'value':>9} | {'raw SET':>7} {'daemon':>7} {'ratio':>5} {'behind':>7} {'ratio':>5} | "
           f"{'raw GET':>7} {'daemon':>7} {'ratio':>5}")
     ratios = []
     for size in sizes:
-        g = await through_daemons(url, client, size, total, rounds, workdir)
+        g = await through_daemons(url, client, size, total, rounds, workdir, encrypt)
         ratios += [g["up behind"], g["fetch"]]
         print(f"{size >> 10:>5} KiB | {g['raw SET']:7.2f} {g['daemon up']:7.2f} {g['up']:5.2f} "
               f"{g['behind']:7.2f} {g['up behind']:5.2f} | "
@@ -261,14 +271,15 @@ async def run_target(name: str, url: str, client: Redis | RedisCluster, total: i
                      stream: int, sizes: tuple[int, ...] = SIZES) -> list[float]:
     ratios = []
     print(f"\n{name}: {url}\n(GB/s of payload; ratio: tier / raw)")
-    print(f"{'value':>9} | {'raw SET':>7} {'tier up':>7} {'ratio':>5} {'+CRC':>7} {'ratio':>5} | "
-          f"{'raw GET':>7} {'fetch':>7} {'ratio':>5}")
+    print(f"{'value':>9} | {'raw SET':>7} {'auth up':>7} {'ratio':>5} {'enc up':>7} {'ratio':>5} | "
+          f"{'raw GET':>7} {'auth':>7} {'ratio':>5} {'enc':>7} {'ratio':>5}")
     for size in sizes:
         g = await measure(url, client, size, total, rounds, stream)
         ratios += [g[name] for name, _, _ in RATIOS]
-        print(f"{size >> 10:>5} KiB | {g['raw SET']:7.2f} {g['tier up']:7.2f} {g['up']:5.2f} "
-              f"{g['tier up, CRC given']:7.2f} {g['up, CRC given']:5.2f} | "
-              f"{g['raw GET']:7.2f} {g['tier fetch']:7.2f} {g['fetch']:5.2f}", flush=True)
+        print(f"{size >> 10:>5} KiB | {g['raw SET']:7.2f} {g['tier up, auth']:7.2f} {g['up, auth']:5.2f} "
+              f"{g['tier up, encrypted']:7.2f} {g['up, encrypted']:5.2f} | {g['raw GET']:7.2f} "
+              f"{g['tier fetch, auth']:7.2f} {g['fetch, auth']:5.2f} {g['tier fetch, encrypted']:7.2f} "
+              f"{g['fetch, encrypted']:5.2f}", flush=True)
     await client.aclose()
     return ratios
 
@@ -284,7 +295,8 @@ async def main(args: argparse.Namespace) -> None:
             try:
                 client = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in procs.nodes])
                 name = "3-master cluster"
-                ratios += (await run_daemons(name, procs.url, client, total, args.rounds, Path(tmp), sizes)
+                ratios += (await run_daemons(name, procs.url, client, total, args.rounds, Path(tmp), sizes,
+                                             args.encrypt)
                            if args.daemon else
                            await run_target(name, procs.url, client, total, args.rounds, stream, sizes))
             finally:
@@ -294,7 +306,8 @@ async def main(args: argparse.Namespace) -> None:
             try:
                 url = f"redis://{server.address}"
                 client = Redis(host="127.0.0.1", port=server.port)
-                ratios += (await run_daemons("one server", url, client, total, args.rounds, Path(tmp), sizes)
+                ratios += (await run_daemons("one server", url, client, total, args.rounds, Path(tmp), sizes,
+                                             args.encrypt)
                            if args.daemon else
                            await run_target("one server", url, client, total, args.rounds, stream, sizes))
             finally:
@@ -312,6 +325,7 @@ def cli() -> None:
     ap.add_argument("--offer-mib", type=int, default=8, help="MiB per offer call (0: all at once)")
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     ap.add_argument("--daemon", action="store_true", help="through running daemons, not the tier module")
+    ap.add_argument("--encrypt", action="store_true", help="with --daemon: --remote-encrypt (else authenticated only)")
     args = ap.parse_args()
     print(f"loop: {args.loop}")
     (asyncio.run if args.loop == "asyncio" else uvloop.run)(main(args))

@@ -148,7 +148,8 @@ class Keyring:
         if keys is None:
             t = tenant.encode()
             root = hmac.digest(self._secret, b"kvstore remote v2 tenant\0" + t, "sha256")
-            keys = (hmac.digest(root, b"names", "sha256"), hmac.digest(root, b"values", "sha256"),
+            # (the mode is in the names: turning encryption on or off starts afresh, as a new secret does)
+            keys = (hmac.digest(root, b"names%d" % self.mode, "sha256"), hmac.digest(root, b"values", "sha256"),
                     hmac.digest(root, b"encryption", "sha256"))
             self._tenants[tenant] = keys
         return keys
