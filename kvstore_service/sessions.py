@@ -176,8 +176,8 @@ class Sessions:
                               f"{self.config.max_engine_id_bytes}")
             mine = sum(1 for x in self.by_id.values() if x.owner == owner) + self._registering_by_owner[owner]
             if mine >= self.config.max_sessions_per_uid:
-                raise KVError("RESOURCE_EXHAUSTED", f"{owner} already has {mine} sessions, registrations in "
-                              f"progress included (--max-sessions-per-uid {self.config.max_sessions_per_uid})")
+                raise KVError("RESOURCE_EXHAUSTED", f"{owner} already has {mine} sessions (--max-sessions-per-uid "
+                              f"{self.config.max_sessions_per_uid}), registrations in progress included")
             if len(self.by_id) + self._registering >= self.config.max_sessions:
                 raise KVError("RESOURCE_EXHAUSTED",
                               f"the daemon already has {len(self.by_id) + self._registering} sessions "
