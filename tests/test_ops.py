@@ -89,8 +89,8 @@ def test_serve_help_documents_every_setting() -> None:
         assert f"KVSTORE_{name.upper()}" in out.stdout.replace("\n", "").replace(" ", "")
 
 
-def test_readme_documents_every_setting() -> None:
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+def test_the_configuration_page_documents_every_setting() -> None:
+    readme = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     for name in Config.model_fields:
         assert "--" + name.replace("_", "-") in readme, name
 
