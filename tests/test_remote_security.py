@@ -16,7 +16,7 @@ import pytest
 import redis
 from support.blocks import content_of, key_of
 from support.daemon import wait_for
-from support.engine import Engine, store_blocks
+from support.engine import Engine, lookup_and_load, store_blocks
 from support.redis import RedisServer
 
 from kvstore_service.config import Config, ConfigError
@@ -34,17 +34,7 @@ def wait_uploaded(daemon, n: int) -> None:
 
 def load_on(daemon, keys: list[bytes]) -> tuple[int, int]:
     """(leading hits of a lookup, blocks whose loaded bytes are wrong) for an engine on `daemon`."""
-    engine = Engine(daemon.socket, NS, len(keys), BLOCK_BYTES)
-    try:
-        hits, lease = engine.session.lookup(keys, lease=True)
-        if hits:
-            job = engine.session.load(keys[:hits], list(range(hits)))
-            assert engine.session.wait([job])[job].ok
-        if lease:
-            engine.session.release_lease(lease)
-        return hits, engine.verify(keys[:hits], list(range(hits)))
-    finally:
-        engine.close()
+    return lookup_and_load(daemon.socket, NS, keys, BLOCK_BYTES)
 
 
 def secret_file(path: Path, secret: bytes | None = None) -> Path:

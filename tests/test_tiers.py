@@ -12,7 +12,7 @@ import pytest
 import redis
 from support.blocks import key_of
 from support.daemon import wait_for
-from support.engine import Engine, store_blocks
+from support.engine import Engine, lookup_and_load, store_blocks
 from support.redis import RedisServer
 
 NS = "model=org/shared-model;dtype=float16"
@@ -31,17 +31,7 @@ def wait_uploaded(daemon, n: int, timeout: float = 20.0) -> None:
 
 def load_on(daemon, keys: list[bytes]) -> tuple[int, int]:
     """(leading hits of a lookup, blocks whose loaded bytes are wrong) for an engine on `daemon`."""
-    engine = Engine(daemon.socket, NS, len(keys), BLOCK_BYTES)
-    try:
-        hits, lease = engine.session.lookup(keys, lease=True)
-        if hits:
-            job = engine.session.load(keys[:hits], list(range(hits)))
-            assert engine.session.wait([job])[job].ok
-        if lease:
-            engine.session.release_lease(lease)
-        return hits, engine.verify(keys[:hits], list(range(hits)))
-    finally:
-        engine.close()
+    return lookup_and_load(daemon.socket, NS, keys, BLOCK_BYTES)
 
 
 @pytest.mark.parametrize("store", ["server", "fresh_cluster"])
@@ -340,14 +330,4 @@ def test_a_restarted_daemon_serves_a_whole_prompt_from_its_pool_and_disk(daemon_
 
 def load_on_blocks(daemon, keys: list[bytes]) -> tuple[int, int]:
     """As load_on, for prompts of SLOT_BLOCK-byte blocks."""
-    engine = Engine(daemon.socket, NS, len(keys), SLOT_BLOCK)
-    try:
-        hits, lease = engine.session.lookup(keys, lease=True)
-        if hits:
-            job = engine.session.load(keys[:hits], list(range(hits)))
-            assert engine.session.wait([job])[job].ok
-        if lease:
-            engine.session.release_lease(lease)
-        return hits, engine.verify(keys[:hits], list(range(hits)))
-    finally:
-        engine.close()
+    return lookup_and_load(daemon.socket, NS, keys, SLOT_BLOCK)

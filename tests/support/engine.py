@@ -61,6 +61,21 @@ def store_blocks(socket: str, namespace: str, n: int, block_bytes: int = 64 * 10
     return keys
 
 
+def lookup_and_load(socket: str, namespace: str, keys: list[bytes], block_bytes: int) -> tuple[int, int]:
+    """(leading hits of a lookup, blocks whose loaded bytes are wrong) for a fresh engine of `namespace`."""
+    engine = Engine(socket, namespace, len(keys), block_bytes)
+    try:
+        hits, lease = engine.session.lookup(keys, lease=True)
+        if hits:
+            job = engine.session.load(keys[:hits], list(range(hits)))
+            assert engine.session.wait([job])[job].ok
+        if lease:
+            engine.session.release_lease(lease)
+        return hits, engine.verify(keys[:hits], list(range(hits)))
+    finally:
+        engine.close()
+
+
 def kvstore(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The `kvstore` command, as an operator runs it."""
     return subprocess.run([sys.executable, "-m", "kvstore_service", *args], capture_output=True, text=True,
