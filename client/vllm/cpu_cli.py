@@ -14,7 +14,7 @@ installed (every other build), its version is answered, as before. Then it runs 
 The answer is installed when this module is imported, and it imports nothing else: vLLM's engine
 core is a spawned process that imports this module again (as `__mp_main__`), so the CLI itself runs
 only under the `__main__` guard. (Running it with `-m` first imports the package
-`kvstore_client.vllm`, which is the connector.)
+`kvstore_client.vllm`, which imports the connector only when vLLM asks for it.)
 """
 
 from __future__ import annotations
