@@ -178,7 +178,7 @@ def test_replicas_split_the_stores_of_their_shard() -> None:
     from kvstore_client.vllm import common
     from kvstore_client.vllm.worker import Worker
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=4))
-    kv_cache_config = SimpleNamespace(kv_tp_replicas=2)
+    kv_cache_config = SimpleNamespace(kv_tp_replicas=2, kv_cache_groups=[None])  # one group
     sharding = common.Sharding.of(vllm_config, kv_cache_config)
     assert (sharding.replicas, sharding.shards) == (2, 2)
     assert [sharding.shard(rank) for rank in range(4)] == [0, 0, 1, 1]

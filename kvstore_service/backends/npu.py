@@ -47,6 +47,7 @@ from kvstore_client.protocol.handle import (
 )
 from kvstore_service import native
 from kvstore_service.backends.base import Backend, Mapping, TransferPlan
+from kvstore_service.native import StickyDeviceError
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class NpuBackend(Backend):
             for addr, size in self.pieces:
                 native.acl_host_register(addr, host_register_size(size), device)
                 done.append(addr)
-        except native.StickyDeviceError:  # the NPU is gone for this process: the daemon restarts
+        except StickyDeviceError:  # the NPU is gone for this process: the daemon restarts
             raise
         except (RuntimeError, ValueError) as e:
             log.warning("registering the pool with ACL failed (piece %d of %d: %s); NPU copies will be slower",
