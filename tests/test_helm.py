@@ -566,6 +566,21 @@ def test_disk_init_script_refuses_a_symlink(chart, tmp_path):
     assert stat.S_IMODE(elsewhere.stat().st_mode) == 0o755
 
 
+def test_remote_tier_secret_and_encryption(chart):
+    """The daemons' secret reaches them as a file from a Secret, beside the password (encryption without
+    it is refused: see test_bad_values_fail_with_a_clear_message)."""
+    docs, _ = render(chart, {"remote": {"url": "redis://r:6379", "passwordSecret": {"name": "redis"},
+                                        "keySecret": {"name": "kvstore-remote-key"}, "encrypt": True}})
+    container = daemon(docs)
+    variables = env(container)
+    assert variables["KVSTORE_REMOTE_SECRET_FILE"] == f"{REMOTE_DIR}/secret"
+    assert variables["KVSTORE_REMOTE_ENCRYPT"] == "true"
+    projected = volume_at(pod_spec(docs), container, REMOTE_DIR)["projected"]
+    assert {"secret": {"name": "kvstore-remote-key", "items": [{"key": "secret", "path": "secret"}]}} \
+        in projected["sources"]
+    assert projected["defaultMode"] == 0o440  # not readable by others: the daemon refuses a file that is
+
+
 def test_remote_tier(chart):
     values = {
         "remote": {
@@ -752,7 +767,11 @@ BAD_VALUES = {
     ),
     "remote password without url": (
         {"remote": {"passwordSecret": {"name": "redis"}}},
-        ["remote.passwordSecret and remote.tlsCASecret need remote.url"],
+        ["remote.passwordSecret, remote.tlsCASecret, remote.keySecret and remote.encrypt need remote.url"],
+    ),
+    "remote encryption without the daemons' secret": (
+        {"remote": {"url": "redis://redis.example:6379", "encrypt": True}},
+        ["remote.encrypt needs remote.keySecret.name"],
     ),
     "remote CA for plaintext": (
         {"remote": {"url": "redis://redis.example:6379", "tlsCASecret": {"name": "redis-ca"}}},

@@ -119,8 +119,11 @@ one), with $(NODE_NAME) expanded by Kubernetes from the container's env. */}}
 {{- fail (printf "disk.size %s must hold at least two disk segments of %s (settings.disk_segment_size)" (include "kvstore.sizeString" .Values.disk.size) (include "kvstore.sizeString" (.Values.settings.disk_segment_size | default "256MiB"))) -}}
 {{- end -}}
 {{- end -}}
-{{- if and (not .Values.remote.url) (or .Values.remote.passwordSecret.name .Values.remote.tlsCASecret.name) -}}
-{{- fail "remote.passwordSecret and remote.tlsCASecret need remote.url (the Redis/Valkey store)" -}}
+{{- if and (not .Values.remote.url) (or .Values.remote.passwordSecret.name .Values.remote.tlsCASecret.name .Values.remote.keySecret.name .Values.remote.encrypt) -}}
+{{- fail "remote.passwordSecret, remote.tlsCASecret, remote.keySecret and remote.encrypt need remote.url (the Redis/Valkey store)" -}}
+{{- end -}}
+{{- if and .Values.remote.encrypt (not .Values.remote.keySecret.name) -}}
+{{- fail "remote.encrypt needs remote.keySecret.name (the daemons' secret the payloads are encrypted with)" -}}
 {{- end -}}
 {{- if regexMatch "^[^:]+://[^/@]*:[^/]*@" .Values.remote.url -}}
 {{- fail "remote.url must not carry a password (the URL is in the pod spec): put it in a Secret and set remote.passwordSecret.name" -}}
