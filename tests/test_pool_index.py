@@ -167,6 +167,18 @@ def reattach(path: str) -> tuple[Pool, BlockIndex, Namespace]:
     return pool, index, next(iter(index.namespaces.values()))
 
 
+def stored_and_reattached(tmp_path) -> tuple[Pool, BlockIndex, Namespace]:
+    """Two blocks stored and sealed in namespace "ns", then the pool reattached (see reattach)."""
+    path = str(tmp_path / "pool")
+    pool = Pool(path, 4 * MB, MB, fresh=True)
+    index = BlockIndex(pool)
+    blocks = reserve(index, index.namespace("ns", BLOCK), keys_of(2))
+    index.complete_store(blocks, ok=True)
+    seal(pool, index, blocks)
+    pool.close()
+    return reattach(path)
+
+
 def verify(pool: Pool, index: BlockIndex) -> int:
     """What Jobs does after a restart: checksum the recovered blocks; how many were dropped."""
     dropped = 0
@@ -234,15 +246,7 @@ def test_recovered_blocks_are_unseen_until_verified_and_dropped_if_altered(tmp_p
 def test_a_store_replaces_a_recovered_block_not_verified_yet(tmp_path) -> None:
     """A lookup missed the recovered block, so the engine stores it again: the new copy goes to a new
     slot and the recovered one is dropped, at once or, if it is being verified, when that ends."""
-    path = str(tmp_path / "pool")
-    pool = Pool(path, 4 * MB, MB, fresh=True)
-    index = BlockIndex(pool)
-    ns = index.namespace("ns", BLOCK)
-    blocks = reserve(index, ns, keys_of(2))
-    index.complete_store(blocks, ok=True)
-    seal(pool, index, blocks)
-    pool.close()
-    again, recovered, ns2 = reattach(path)
+    again, recovered, ns2 = stored_and_reattached(tmp_path)
     old = recovered.recovered()[0]
     held = recovered.hold(old[1:])  # block 1 is being verified
     ns2 = recovered.namespace("ns", BLOCK)  # an engine registers the namespace

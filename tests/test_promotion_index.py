@@ -4,7 +4,7 @@ its misses are promoted are not evicted for them."""
 
 from __future__ import annotations
 
-from test_pool_index import BLOCK, MB, keys_of, reattach, reserve, seal
+from test_pool_index import BLOCK, MB, keys_of, reserve, stored_and_reattached
 
 from kvstore_service.index import BlockIndex, BlockState
 from kvstore_service.pool import Pool
@@ -13,15 +13,7 @@ from kvstore_service.pool import Pool
 def test_a_promotion_replaces_a_recovered_block_not_verified_yet(tmp_path) -> None:
     """It used to leave both: verifying the old one then put it back over the promoted one, whose slot
     was lost to the index (and a later eviction removed the wrong block)."""
-    path = str(tmp_path / "pool")
-    pool = Pool(path, 4 * MB, MB, fresh=True)
-    index = BlockIndex(pool)
-    ns = index.namespace("ns", BLOCK)
-    blocks = reserve(index, ns, keys_of(2))
-    index.complete_store(blocks, ok=True)
-    seal(pool, index, blocks)
-    pool.close()
-    again, recovered, ns2 = reattach(path)
+    again, recovered, ns2 = stored_and_reattached(tmp_path)
     old = recovered.recovered()[0]
     held = recovered.hold(old)  # being verified
     promoted = recovered.reserve(ns2, keys_of(2))  # the lookup missed them: the disk tier has them
