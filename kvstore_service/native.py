@@ -12,9 +12,10 @@ the mappings' sizes; only 64-bit overflow of base + offset + size is rejected (O
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, Final, TypeAlias
 
@@ -202,14 +203,23 @@ def is_sticky_cuda_error(code: int | None) -> bool:
     return code in STICKY_CUDA_ERRORS
 
 
-def _cuda_error(e: RuntimeError, device: int) -> RuntimeError:
-    """The error to raise for a failed native CUDA call: StickyDeviceError when the driver's code
-    (the `cuda_error` attribute the engine sets) is a sticky one, else the error itself."""
-    code = getattr(e, "cuda_error", None)
-    if isinstance(code, int) and is_sticky_cuda_error(code):
-        return StickyDeviceError(f"{e} [sticky: the CUDA context of device {device} is unusable until the "
-                                 "daemon restarts]", code, device)
-    return e
+@contextlib.contextmanager
+def _sticky_errors(device: int, attribute: str, which: Callable[[int], str | None]) -> Iterator[None]:
+    """Around a native device call: a failure whose driver code (the engine sets it as `attribute`)
+    leaves the device unusable (`which` names it) is raised as StickyDeviceError, any other as it is."""
+    try:
+        yield
+    except RuntimeError as e:
+        code = getattr(e, attribute, None)
+        if not isinstance(code, int) or (what := which(code)) is None:
+            raise
+        raise StickyDeviceError(f"{e} [{what} is unusable until the daemon restarts]", code, device) from e
+
+
+def _sticky_cuda_errors(device: int) -> contextlib.AbstractContextManager[None]:
+    return _sticky_errors(device, "cuda_error",
+                          lambda code: f"sticky: the CUDA context of device {device}"
+                          if is_sticky_cuda_error(code) else None)
 
 
 def cuda_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array,
@@ -217,38 +227,23 @@ def cuda_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_of
                      allow_batch: bool = True) -> None:
     """Copy between GPU memory and host memory ('h2d', 'd2h', 'd2d') and wait for completion.
     StickyDeviceError when the driver reports an error that leaves the context unusable."""
-    try:
+    with _sticky_cuda_errors(device):
         _native.cuda_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets),
                                  _as_u64(sizes), direction, device, stream, allow_batch)
-    except RuntimeError as e:
-        err = _cuda_error(e, device)
-        if err is e:
-            raise
-        raise err from e
 
 
 def cuda_open_ipc_event(handle: bytes, device: int) -> int:
     """Open another process's interprocess event (its 64-byte cudaIpcEventHandle_t) in `device`'s
     primary context, the one the copies run in; returns the CUevent. Destroy it with cuda_destroy_event."""
-    try:
+    with _sticky_cuda_errors(device):
         return int(_native.cuda_open_ipc_event(handle, device))
-    except RuntimeError as e:
-        err = _cuda_error(e, device)
-        if err is e:
-            raise
-        raise err from e
 
 
 def cuda_query_event(event: int, device: int) -> bool:
     """Whether the work recorded in an event opened with cuda_open_ipc_event is done (cuEventQuery,
     never blocks). RuntimeError for any other answer (StickyDeviceError for a sticky one)."""
-    try:
+    with _sticky_cuda_errors(device):
         return bool(_native.cuda_query_event(event, device))
-    except RuntimeError as e:
-        err = _cuda_error(e, device)
-        if err is e:
-            raise
-        raise err from e
 
 
 def cuda_destroy_event(event: int, device: int) -> None:
@@ -257,13 +252,8 @@ def cuda_destroy_event(event: int, device: int) -> None:
 
 def cuda_host_register(addr: int, size: int, device: int = 0) -> None:
     """Pin host memory (e.g. the pool) for fast asynchronous GPU copies."""
-    try:
+    with _sticky_cuda_errors(device):
         _native.cuda_host_register(addr, size, device)
-    except RuntimeError as e:
-        err = _cuda_error(e, device)
-        if err is e:
-            raise
-        raise err from e
 
 
 def cuda_host_unregister(addr: int, device: int = 0) -> None:
@@ -276,13 +266,11 @@ def cuda_batch_memcpy_allowed() -> bool:
     return bool(features().get("cuda_batch_memcpy_allowed", True))
 
 
-def _acl_error(e: RuntimeError, device: int) -> RuntimeError:
-    """StickyDeviceError for an aclError in STICKY_ACL_ERRORS (the engine's `acl_error`), else `e`."""
-    code = getattr(e, "acl_error", None)
-    if isinstance(code, int) and code in STICKY_ACL_ERRORS:
-        return StickyDeviceError(f"{e} [{STICKY_ACL_ERRORS[code]}: NPU {device} is unusable until the daemon "
-                                 "restarts]", code, device)
-    return e
+def _sticky_acl_errors(device: int) -> contextlib.AbstractContextManager[None]:
+    """StickyDeviceError for an aclError in STICKY_ACL_ERRORS (the engine's `acl_error`)."""
+    return _sticky_errors(device, "acl_error",
+                          lambda code: f"{STICKY_ACL_ERRORS[code]}: NPU {device}" if code in STICKY_ACL_ERRORS
+                          else None)
 
 
 def acl_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array,
@@ -290,25 +278,15 @@ def acl_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_off
                     allow_batch: bool = True) -> None:
     """Ascend counterpart of cuda_copy_blocks (unverified on hardware). StickyDeviceError for an
     error in STICKY_ACL_ERRORS."""
-    try:
+    with _sticky_acl_errors(device):
         _native.acl_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes),
                                 direction, device, stream, allow_batch)
-    except RuntimeError as e:
-        err = _acl_error(e, device)
-        if err is e:
-            raise
-        raise err from e
 
 
 def acl_host_register(addr: int, size: int, device: int = 0) -> int:
     """aclrtHostRegister(MAPPED); returns the device-side address of the host range."""
-    try:
+    with _sticky_acl_errors(device):
         return int(_native.acl_host_register(addr, size, device))
-    except RuntimeError as e:
-        err = _acl_error(e, device)
-        if err is e:
-            raise
-        raise err from e
 
 
 def acl_host_unregister(addr: int, device: int = 0) -> None:
