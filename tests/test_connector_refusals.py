@@ -66,3 +66,14 @@ def test_an_engine_whose_registration_is_refused_starts_and_serves(daemon_factor
     assert external_hits(refused) == 0
     log = (tmp_path / "refused.log").read_text()
     assert log.count("the daemon refuses this session") == 1, log[-3000:]
+
+
+def test_a_vllm_release_the_connector_was_not_written_for_is_refused_in_one_line() -> None:
+    from kvstore_client.vllm.connector import check_vllm_version
+
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.1+cpu")
+    with pytest.raises(RuntimeError, match=r"^the kvstore connector is written for vLLM 0\.32\.x and this is vLLM "
+                                           r"0\.33\.0: install the kvstore-sidecar-client release") as refused:
+        check_vllm_version("0.33.0")
+    assert "\n" not in str(refused.value)

@@ -24,8 +24,8 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("KVStoreConnector", "check_vllm_version", "VLLM_SERIES"):
+    if name == "KVStoreConnector":
         from kvstore_client.vllm import connector
 
-        return getattr(connector, name)
+        return connector.KVStoreConnector
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
