@@ -471,10 +471,14 @@ class Session:
 
     # -- lookups ---------------------------------------------------------------------------------
 
-    def lookup(self, keys: Sequence[bytes], lease: bool = False, lease_ttl_ms: int = 0) -> tuple[int, bytes]:
+    def lookup(self, keys: Sequence[bytes], lease: bool = False, lease_ttl_ms: int = 0,
+               group_spans: Sequence[int] = ()) -> tuple[int, bytes]:
+        """(hits, lease id): how many leading keys the pool holds; with `group_spans` (several KV cache
+        groups, kvstore_client.protocol.groups) how many blocks every group serves."""
         packed, size = pack_keys(keys)
         reply = self.client.call(self.client.stub.Lookup, pb.LookupRequest(
-            session_id=self.session_id, keys=packed, key_size=size, lease=lease, lease_ttl_ms=lease_ttl_ms))
+            session_id=self.session_id, keys=packed, key_size=size, lease=lease, lease_ttl_ms=lease_ttl_ms,
+            group_spans=group_spans))
         return reply.hits, reply.lease_id
 
     def lookup_future(self, keys: Sequence[bytes], lease: bool = False,

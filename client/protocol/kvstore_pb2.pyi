@@ -121,7 +121,7 @@ class UnregisterResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("session_id", "namespace", "keys", "key_size", "lease", "lease_ttl_ms", "peer_token")
+    __slots__ = ("session_id", "namespace", "keys", "key_size", "lease", "lease_ttl_ms", "peer_token", "group_spans")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,7 @@ class LookupRequest(_message.Message):
     LEASE_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_MS_FIELD_NUMBER: _ClassVar[int]
     PEER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SPANS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     namespace: str
     keys: bytes
@@ -136,7 +137,8 @@ class LookupRequest(_message.Message):
     lease: bool
     lease_ttl_ms: int
     peer_token: bytes
-    def __init__(self, session_id: _Optional[bytes] = ..., namespace: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., peer_token: _Optional[bytes] = ...) -> None: ...
+    group_spans: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[bytes] = ..., namespace: _Optional[str] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ..., lease: _Optional[bool] = ..., lease_ttl_ms: _Optional[int] = ..., peer_token: _Optional[bytes] = ..., group_spans: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("hits", "lease_id")

@@ -172,7 +172,7 @@ def namespace_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
         f"page={page_format(vllm_config, kv_cache_config)}",
         f"kv_shards={Sharding.of(vllm_config, kv_cache_config).shards}",
     ]
-    if group_kinds(kv_cache_config) is not None:  # a single full-attention group keeps today's namespace
+    if group_spans(kv_cache_config) is not None:  # a single full-attention group keeps today's namespace
         assert kv_cache_config is not None
         parts.append(group_signature(kv_cache_config))
     if settings.tenant_salt:
@@ -206,29 +206,43 @@ def unsupported_kv_cache(kv_cache_config: KVCacheConfig | None) -> str:
     return ""
 
 
-def group_kinds(kv_cache_config: KVCacheConfig | None) -> list[int | None] | None:
-    """Per KV cache group, None for full attention or the blocks a hit needs before it for sliding window
-    (vLLM's ceil((window - 1) / block size)); None for a single full-attention group (today's keys)."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+def group_spans(kv_cache_config: KVCacheConfig | None) -> list[int] | None:
+    """Per KV cache group, the blocks a hit needs before it (kvstore_client.protocol.groups): 0 for full
+    attention, vLLM's ceil((window - 1) / block size) for a sliding window, 1 for a Mamba state (the one
+    at the hit); None for a single full-attention group (today's keys)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
     if kv_cache_config is None:
         return None
     specs = [g.kv_cache_spec for g in kv_cache_config.kv_cache_groups]
-    if len(specs) == 1 and not isinstance(specs[0], SlidingWindowSpec):
+    if len(specs) == 1 and not isinstance(specs[0], (SlidingWindowSpec, MambaSpec)):
         return None
-    return [-(-(spec.sliding_window - 1) // spec.block_size) if isinstance(spec, SlidingWindowSpec) else None
-            for spec in specs]
+    return [-(-(spec.sliding_window - 1) // spec.block_size) if isinstance(spec, SlidingWindowSpec)
+            else 1 if isinstance(spec, MambaSpec) else 0 for spec in specs]
+
+
+def state_groups(kv_cache_config: KVCacheConfig | None) -> frozenset[int]:
+    """The KV cache groups of Mamba or linear-attention states: stored only as vLLM offers them."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    return frozenset(g for g, group in enumerate(groups) if isinstance(group.kv_cache_spec, MambaSpec))
 
 
 def group_signature(kv_cache_config: KVCacheConfig) -> str:
-    """The KV cache groups as the namespace names them: kind, block size, window, layers; and the hash
-    block size. Keys of different groups differ by their tag (Scheduler.group_keys)."""
+    """The KV cache groups as the namespace names them: kind, block size, window or state shapes and dtypes,
+    layers; and the hash block size. Keys of different groups differ by their tag (Scheduler.group_keys)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     parts = []
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
         window = getattr(spec, "sliding_window", None)
-        parts.append(f"{type(spec).__name__}/{spec.block_size}" + (f"/w{window}" if window else "")
-                     + f"/{len(group.layer_names)}")
+        kind = f"{type(spec).__name__}/{spec.block_size}" + (f"/w{window}" if window else "")
+        if isinstance(spec, MambaSpec):  # the state's layout in its page
+            kind += (f"/{spec.mamba_type}/{list(spec.shapes)}/{[str(d).removeprefix('torch.') for d in spec.dtypes]}"
+                     f"/{spec.page_size_bytes}")
+        parts.append(f"{kind}/{len(group.layer_names)}")
     hash_block = kv_cache_config.hash_block_size or kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
     return f"groups={','.join(parts)};hash_block={hash_block}"
 

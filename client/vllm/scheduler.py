@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvstore_client.client import KVStoreClient, Session
+from kvstore_client.protocol.groups import needed_blocks
 from kvstore_client.vllm.common import (
     LOOKUP_WAIT_S,
     ConnectorSettings,
@@ -22,7 +23,8 @@ from kvstore_client.vllm.common import (
     KVStoreConnectorMetadata,
     Transfer,
     engine_core_sleeps_when_idle,
-    group_kinds,
+    group_spans,
+    state_groups,
 )
 
 if TYPE_CHECKING:
@@ -44,25 +46,6 @@ KNOWN_KEYS = 65536
 GROUP_TAG = b"g"
 
 
-def hit_blocks(windows: Sequence[int | None], start: int, end: int, present: Callable[[int, int], bool]) -> int:
-    """vLLM's hit rule for several KV cache groups (HybridKVCacheCoordinator.find_longest_cache_hit): the
-    largest n <= end such that every full-attention group (window None) has blocks [start, n) and every
-    sliding-window group the `window` blocks before n (those from `start` on: vLLM holds the rest), iterated
-    to the fixed point, as one group's shorter hit shortens the others'. `present(g, i)`: group g's block i
-    is in the pool. Returns `start` where nothing past it hits."""
-    n = end
-    changed = True
-    while changed and n > start:
-        changed = False
-        for g, window in enumerate(windows):
-            first = start if window is None else max(start, n - window)
-            missing = [i for i in range(first, n) if not present(g, i)]
-            if missing:  # full attention stops at its first gap; a window ends just before its last one
-                n = missing[0] if window is None else missing[-1]
-                changed = True
-    return max(n, start)
-
-
 def _vllm_hashing() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
     """vLLM's block-hashing helpers, imported once (not on every call: an import statement costs µs)."""
     global _hashing
@@ -82,7 +65,7 @@ class _Lookup:
 
     keys: Sequence[bytes] = ()  # looked up: the full blocks' hashes, then the partial tail's key if any
     tail = 0  # tokens of the tail key (0: none)
-    hits = 0  # leading keys present
+    hits = 0  # leading keys present (several KV cache groups: blocks of the hit every group serves)
     lease_id = b""
     error: BaseException | None = None
     unavailable = False  # the sidecar was not connected: nothing looked up
@@ -114,8 +97,9 @@ class _Req:
     # `pool_has` (-1: not known): the rest is offered to the pool (Scheduler._plan_offers).
     local = 0
     pool_has = -1
-    # Sliding-window blocks stored, (group, block index, block id): vLLM frees such a block once out of its
-    # window, without telling the connector, and may reuse it in the next forward (see _volatile_freed).
+    # Sliding-window blocks and Mamba states stored, (group, block index, block id): vLLM frees such a block
+    # once out of its window (a state once the next is computed), without telling the connector, and may
+    # reuse it in the next forward (see _volatile_freed).
     volatile: list[tuple[int, int, int]] | None = None
 
     def __init__(self, request: Request) -> None:
@@ -133,14 +117,16 @@ class Scheduler:
 
     def __init__(self, vllm_config: VllmConfig, settings: ConnectorSettings, namespace: str,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
-        # Several KV cache groups, or a sliding-window one: per group None (full attention) or the blocks a
-        # sliding-window hit needs before it; None: one full-attention group (today's keys and namespace).
-        self.windows = group_kinds(kv_cache_config)
-        if self.windows is not None:  # no partial-tail keys and no offers for grouped keys (yet)
+        # Several KV cache groups, or one of a sliding window or states: per group the blocks a hit needs
+        # before it (kvstore_client.protocol.groups); None: one full-attention group (today's keys and
+        # namespace). Mamba states (`states`) are stored as vLLM offers them, not per block.
+        self.spans = group_spans(kv_cache_config)
+        self.states = state_groups(kv_cache_config)
+        if self.spans is not None:  # no partial-tail keys and no offers for grouped keys (yet)
             settings = replace(settings, offer_blocks_per_step=0)
         self.settings = settings
         self.block_size = vllm_config.cache_config.block_size
-        if self.windows is not None:
+        if self.spans is not None:
             assert kv_cache_config is not None
             self.block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         from vllm.utils.hashing import get_hash_fn_by_name
@@ -217,21 +203,18 @@ class Scheduler:
     def group_keys(self, hashes: Sequence[bytes]) -> list[bytes]:
         """Every group's key of each block, block by block: [block 0 of group 0, of group 1, ..., block 1 of
         group 0, ...]. The pool's count of leading present keys then gives the blocks every group holds."""
-        tags = [GROUP_TAG + bytes([g]) for g in range(len(self.windows or ()))]
+        tags = [GROUP_TAG + bytes([g]) for g in range(len(self.spans or ()))]
         return [bytes(h) + tag for h in hashes for tag in tags]
 
     def _cached(self, state: _Lookup, start: int, num_tokens: int) -> int:
         """Tokens a lookup's reply lets vLLM skip, from the first (vLLM's local hit: `start` blocks)."""
-        if self.windows is None:
+        if self.spans is None:
             # Every cached token but the last: vLLM computes at least one token (a full hit loads the
             # last block whole and recomputes only its final token).
             return min(state.cached_tokens(self.block_size), num_tokens - 1)
-        # Several groups: by vLLM's rule for them (hit_blocks), in whole blocks, all but the last token at
-        # most. The lookup answers how many leading keys are present: group g's block i is known present if
-        # its key is among them.
-        groups, hits = len(self.windows), state.hits
-        end = min(state.full, (num_tokens - 1) // self.block_size)
-        return hit_blocks(self.windows, start, end, lambda g, i: i * groups + g < hits) * self.block_size
+        # Several groups: the daemon answered with the blocks every group serves by vLLM's rule (whole
+        # blocks, all but the last token at most: the lookup covered no more, see _lookup).
+        return state.hits * self.block_size
 
     def _read(self, state: _Lookup, rec: _Req, local: int) -> None:
         """Take a lookup's reply (once): its errors and the sidecar's absence are logged here; `local`:
@@ -253,13 +236,15 @@ class Scheduler:
         `state`, `replied` last."""
         try:
             hashes = request.block_hashes[: state.full]
-            keys: list[bytes] = list(hashes) if self.windows is None else self.group_keys(hashes)
+            if self.spans is not None:  # whole blocks before the last token: a Mamba state is needed exactly there
+                hashes = hashes[: (request.num_tokens - 1) // self.block_size]
+            keys: list[bytes] = list(hashes) if self.spans is None else self.group_keys(hashes)
             if tail and (tail_key := self._tail(request)) is not None:
                 keys.append(tail_key[0])
                 state.tail = tail_key[1]
             state.keys = keys
             if self.session.connected:
-                state.hits, state.lease_id = self.session.lookup(keys, lease=True,
+                state.hits, state.lease_id = self.session.lookup(keys, lease=True, group_spans=self.spans or (),
                                                                  lease_ttl_ms=self.settings.lease_ttl_ms)
             else:
                 state.unavailable = True
@@ -342,7 +327,7 @@ class Scheduler:
     def _has_tail(self, request: Request, full: int) -> bool:
         """Whether a request is a fresh prompt with a partial last block (see _tail); cheap."""
         end = request.num_prompt_tokens
-        return (self.windows is None and request.num_tokens == end
+        return (self.spans is None and request.num_tokens == end
                 and 0 < end - full * self.block_size < self.block_size)
 
     def _tail_key(self, request: Request) -> bytes | None:
@@ -377,17 +362,16 @@ class Scheduler:
         if state is None or rec is None:
             return
         count = -(-num_external_tokens // self.block_size)  # the last one may be loaded for part of its tokens
-        if self.windows is None:
+        if self.spans is None:
             block_ids = blocks.get_block_ids()[0][state.start : state.start + count]
             keys = list(state.keys[state.start : state.start + count])
-        else:  # each group's blocks vLLM allocated (a sliding-window group's out of its window are null)
-            groups = len(self.windows)
+        else:  # each group's blocks the hit needs, those vLLM allocated (it holds none out of a window)
+            groups, ids = len(self.spans), blocks.get_block_ids()
             keys, block_ids = [], []
-            for g, ids in enumerate(blocks.get_block_ids()):
-                for i in range(state.start, state.start + count):
-                    if ids[i]:
-                        keys.append(state.keys[i * groups + g])
-                        block_ids.append(ids[i])
+            for g, i in needed_blocks(self.spans, state.start, state.start + count):
+                if ids[g][i]:
+                    keys.append(state.keys[i * groups + g])
+                    block_ids.append(ids[g][i])
         self.loads.append(Transfer(req_id, keys, list(block_ids)))
         self.load_block_ids[req_id] = set(block_ids)
         # Loaded full blocks need no store; a loaded tail's block does once output tokens fill it.
@@ -416,6 +400,8 @@ class Scheduler:
         block_state = scheduler_output.kv_connector_block_state
         if self.settings.store and block_state is not None:
             self._plan_stores(scheduler_output.num_scheduled_tokens, block_state, stores, flush)
+            if self.states and block_state.boundary_state_offloads:
+                self._plan_state_stores(block_state.boundary_state_offloads, stores)
             if self.offers:
                 self._plan_offers(block_state, stores)
         if not loads and not stores and not preempted and not flush:
@@ -484,7 +470,7 @@ class Scheduler:
         ids = block_state.get_block_ids(req_id)
         if ids is None:
             return
-        if self.windows is not None:
+        if self.spans is not None:
             keys, block_ids = self._group_stores(rec, ids, first, done)
         else:
             keys = list(request.block_hashes[first:done])
@@ -505,23 +491,50 @@ class Scheduler:
     def _group_stores(self, rec: _Req, ids: tuple[list[int], ...], first: int,
                       done: int) -> tuple[list[bytes], list[int]]:
         """Keys and block ids of blocks [first, done) in every group (all in vLLM's tables: they were just
-        computed); the sliding-window ones are remembered as volatile."""
-        assert self.windows is not None
+        computed); the sliding-window ones are remembered as volatile. Mamba states are not per block: see
+        _plan_state_stores."""
+        assert self.spans is not None
         keys = self.group_keys(rec.request.block_hashes[first:done])
-        groups = len(self.windows)
+        groups = len(self.spans)
         out_keys, block_ids = [], []
         for i in range(first, done):
-            for g, window in enumerate(self.windows):
+            for g, span in enumerate(self.spans):
                 block = ids[g][i] if i < len(ids[g]) else 0
-                if not block:
+                if not block or g in self.states:
                     continue
                 out_keys.append(keys[(i - first) * groups + g])
                 block_ids.append(block)
-                if window is not None:
-                    if rec.volatile is None:
-                        rec.volatile = []
-                    rec.volatile.append((g, i, block))
+                if span:
+                    self._volatile(rec, g, i, block)
         return out_keys, block_ids
+
+    def _plan_state_stores(self, offers: dict[str, list[tuple[int, int, int]]], stores: list[Transfer]) -> None:
+        """Stores of the Mamba states vLLM offers (boundary_state_offloads: group, block id, tokens before
+        it), each under the key of the block it ends: computed by this step's forward and held by vLLM
+        only until the next (KVStoreConnectorMetadata.flush)."""
+        size = self.block_size
+        for req_id, offered in offers.items():
+            rec = self.reqs.get(req_id)
+            if rec is None:
+                continue
+            hashes = rec.request.block_hashes
+            keys, block_ids = [], []
+            for g, block, tokens in offered:
+                i = tokens // size - 1
+                if g not in self.states or tokens % size or not 0 <= i < len(hashes):
+                    continue
+                keys.append(bytes(hashes[i]) + GROUP_TAG + bytes([g]))
+                block_ids.append(block)
+                self._volatile(rec, g, i, block)
+            if keys:
+                stores.append(Transfer(req_id, keys, block_ids))
+                rec.had_stores = True
+
+    @staticmethod
+    def _volatile(rec: _Req, g: int, i: int, block: int) -> None:
+        if rec.volatile is None:
+            rec.volatile = []
+        rec.volatile.append((g, i, block))
 
     def _store_at(self, rec: _Req, computed: int) -> int:
         """With `computed` tokens computed: the count (a step's tokens included) that completes the

@@ -132,12 +132,24 @@ class Worker:
             # vLLM holds of them, also of layers that share another layer's cache).
             addresses = [m.untyped_storage().data_ptr() for m in description.memories]
             tensors = [t for v in kv_caches.values() for t in (v if isinstance(v, (tuple, list)) else (v,))]
+            # ... and the views vLLM's layers were bound to (kernel-block views, a Mamba layer's conv and SSM
+            # states): left behind, the model would go on writing the old memory.
+            tensors += [t for t in self._bound_views() if t.untyped_storage().data_ptr() in addresses]
             moved = move_to_shared_memory(tensors)
             self.memories = [moved[a] for a in addresses]
             spec = shared_memory_spec(self.memories, description.num_blocks, regions)
         else:  # cuda/npu: the daemon opens the allocations by IPC
             spec = export_kv_memory(description.memories, description.num_blocks, regions)
         return replace(spec, shards=self.sharding.shards, shard=self.sharding.shard(self.rank))
+
+    def _bound_views(self) -> list[torch.Tensor]:
+        """The KV tensors vLLM's layers hold (`kv_cache`, set by their bind_kv_cache)."""
+        views = []
+        for layer in self.vllm_config.compilation_config.static_forward_context.values():
+            cache = getattr(layer, "kv_cache", None)
+            tensors = cache if isinstance(cache, (tuple, list)) else (cache,)
+            views += [t for t in tensors if isinstance(t, torch.Tensor)]
+        return views
 
     def start_loads(self, loads: list[Transfer], early: bool = False) -> None:
         """Submit the loads; with `early` (KVStoreConnectorMetadata.early) those the daemon copies

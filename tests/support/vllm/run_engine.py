@@ -121,6 +121,8 @@ def _request_result(output: Any) -> dict[str, Any]:
         "finish_reason": completion.finish_reason,
         "num_cached_tokens": output.num_cached_tokens,
         "kv_transfer_params": output.kv_transfer_params,
+        # The sampled tokens' logprobs (with --logprobs): finer than the tokens to tell KV apart.
+        "logprobs": [next(iter(step.values())).logprob for step in completion.logprobs or ()],
     }
 
 
@@ -171,7 +173,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     llm = LLM(**llm_kwargs)
     t_engine = time.perf_counter()
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
+                            logprobs=0 if args.logprobs else None)
 
     requests: list[dict[str, Any]] = []
     rounds: list[dict[str, Any]] = []
@@ -259,6 +262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int, default=DEFAULT_KV_CACHE_BYTES)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--logprobs", action="store_true", help="record the sampled tokens' logprobs")
     p.add_argument("--mode", choices=("batch", "sequential"), default="batch")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument(
