@@ -1,4 +1,4 @@
-"""Benchmark of the disk tier (kvstore_service/disk.py) against raw O_DIRECT I/O of the same bytes.
+"""Benchmark of the disk tier (kvstore_service/tiers/disk/) against raw O_DIRECT I/O of the same bytes.
 
 For each block size (default 256 KiB and 2 MiB), on the file system of --dir, the contenders move the
 same payload bytes, --total of them each, in rounds of --round bytes (written, then read back):
@@ -16,7 +16,7 @@ same payload bytes, --total of them each, in rounds of --round bytes (written, t
     are all aligned for O_DIRECT).
 
 The tier's figures include everything it does: a header per block, segment files created and
-preallocated, sealed (footer, index file), the read fds opened. GB/s count the blocks' bytes only.
+preallocated, closed (footer, index file), the read fds opened. GB/s count the blocks' bytes only.
 
 This VM's disk (virtio, Firecracker) makes a fair limit hard: its pace changes from minute to minute,
 it stalls now and then (a 128 MiB round taking seconds, whoever runs it), and it runs at different
@@ -39,8 +39,8 @@ import time
 from collections.abc import Callable
 
 from kvstore_service import native
-from kvstore_service.disk import ALIGN, DiskTier
 from kvstore_service.pool import Pool, slots_per_segment
+from kvstore_service.tiers.disk import ALIGN, DiskTier
 
 MB = 1 << 20
 POOL_SEGMENT = 64 * MB  # the daemon's default --segment-size

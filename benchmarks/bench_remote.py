@@ -49,9 +49,12 @@ from redis.asyncio import Redis
 from redis.asyncio.client import PubSub
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-from kvstore_client.process import DaemonProcess
 from kvstore_client.shm import SharedKVMemory
-from kvstore_service.remote import Keyring, RedisStore, RemoteTier, encode_value, parse_url
+from kvstore_service.harness import DaemonProcess
+from kvstore_service.tiers.remote import RemoteTier
+from kvstore_service.tiers.remote.codec import Keyring, encode_value
+from kvstore_service.tiers.remote.store import RedisStore
+from kvstore_service.tiers.remote.url import parse_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.redis import RedisCluster as ClusterProcs  # noqa: E402

@@ -1,10 +1,11 @@
 // kvstore_service._native, disk tier part: record reads and writes between the pool's memory and the
-// segment files of kvstore_service/disk.py, with preadv/pwritev (O_DIRECT when the files were opened so)
+// segment files of kvstore_service/tiers/disk/, with preadv/pwritev (O_DIRECT when the files were opened so)
 // on a few worker threads, the GIL released. One call moves a whole batch of records.
 //
 // A record is [4 KiB header block][payload padded to 4 KiB]. The header (RecordHeader below, at the
-// start of its block, the rest of the block zero) is THE definition of the record layout; disk.py takes
-// its geometry from the constants this file exports and parses headers with disk_parse_header.
+// start of its block, the rest of the block zero) is THE definition of the record layout (described in
+// docs/formats.md); the tier takes its geometry from the constants this file exports and parses headers
+// with disk_parse_header.
 //
 // Two ways to move a record (`mode`):
 //   * staged (mode 1, disk.py's default): header and payload go through an aligned buffer of the

@@ -26,7 +26,6 @@ import grpc
 
 from kvstore_service import __version__
 from kvstore_service.config import Config
-from kvstore_service.disk import DiskTier
 from kvstore_service.errors import KVError
 from kvstore_service.index import BlockIndex, namespace_hash
 from kvstore_service.jobs import Jobs
@@ -34,12 +33,13 @@ from kvstore_service.metrics import HttpServer, Metrics
 from kvstore_service.native import StickyDeviceError
 from kvstore_service.peercred import PeerCredServer
 from kvstore_service.pool import Pool, PoolFullError
-from kvstore_service.remote import RemoteTier
 from kvstore_service.server import GrpcServer
 from kvstore_service.sessions import EngineSession, Sessions, open_backend
 from kvstore_service.stats import DiskStats, NamespaceStats, RemoteStats, Stats
 from kvstore_service.tenants import Caller, Tenancy, scoped, split
 from kvstore_service.tiers import Tiers
+from kvstore_service.tiers.disk import DiskTier
+from kvstore_service.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
 # A copy thread needs the GIL briefly between native copies while the event loop plans the next

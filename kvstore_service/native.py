@@ -93,7 +93,8 @@ def coalesce_runs(src_offsets: U64Array, dst_offsets: U64Array,
     return list(_native.coalesce_runs(_as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes)))
 
 
-# Disk tier records (csrc/disk_io.cpp defines the record header; kvstore_service/disk.py the files).
+# Disk tier records (csrc/disk_io.cpp defines the record header; kvstore_service/tiers/disk/format.py the files;
+# both described in docs/formats.md).
 DISK_RECORD_ALIGN: Final[int] = _native.DISK_RECORD_ALIGN  # header block size and payload padding (4 KiB)
 DISK_MAX_KEY: Final[int] = _native.DISK_MAX_KEY
 DISK_RECORD_MAGIC: Final[int] = _native.DISK_RECORD_MAGIC

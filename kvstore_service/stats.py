@@ -88,7 +88,7 @@ class NamespaceStats:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RemoteStats:
-    """The remote tier (remote.py); all zero and url "" when there is none."""
+    """The remote tier (tiers/remote/); all zero and url "" when there is none."""
 
     url: str = ""  # masked
     breaker: str = ""  # closed, open, half-open
@@ -116,7 +116,7 @@ class RemoteStats:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DiskStats:
-    """The disk tier (disk.py): counters since the daemon started; all zero when there is none."""
+    """The disk tier (tiers/disk/): counters since the daemon started; all zero when there is none."""
 
     blocks: int = 0  # on disk
     bytes: int = 0  # disk space the segment files take

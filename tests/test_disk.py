@@ -1,4 +1,4 @@
-"""The disk tier (kvstore_service/disk.py): real segment files in temp dirs, a real pool as the memory
+"""The disk tier (kvstore_service/tiers/disk/): real segment files in temp dirs, a real pool as the memory
 blocks are written from and read into."""
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from kvstore_service import native
-from kvstore_service.disk import ALIGN, DiskDirectoryError, DiskTier, _parse_catalog
 from kvstore_service.pool import Pool
+from kvstore_service.tiers.disk import ALIGN, DiskDirectoryError, DiskTier
+from kvstore_service.tiers.disk.format import parse_catalog
 
 KB, MB = 1 << 10, 1 << 20
 SCOPE = bytes(range(16))
@@ -249,7 +250,7 @@ def test_reopen_without_checkpoints_scans_the_segments(tmp_path: Path, mem: Memo
 WRITER = textwrap.dedent("""
     import ctypes, mmap, os, random, sys, time
     from kvstore_service import native
-    from kvstore_service.disk import DiskTier
+    from kvstore_service.tiers.disk import DiskTier
 
     path, count, length, then = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     tier = DiskTier.open(path, 4 << 30, segment_bytes=8 << 20)  # nothing reclaimed in the test's time
@@ -266,7 +267,7 @@ WRITER = textwrap.dedent("""
     write(0, count)
     print("written", flush=True)
     if then == "sleep":
-        time.sleep(60)  # killed here: the active segment is never sealed
+        time.sleep(60)  # killed here: the active segment is never closed
     i = count
     while True:  # killed in the middle of these writes
         write(i, 4)
@@ -308,7 +309,7 @@ def test_killed_writer_then_torn_tail_serves_only_complete_records(tmp_path: Pat
     path, length, count = tmp_path / "disk", 100 * KB, 10
     run_writer(tmp_path, path, count, length, "sleep")
     [seg] = segment_files(path)
-    assert not seg.with_suffix(".idx").exists()  # never sealed
+    assert not seg.with_suffix(".idx").exists()  # never closed
     record = record_bytes(length)
     os.truncate(seg, (count - 1) * record + ALIGN + 5000)  # the last record torn mid-payload
     keys = keys_of(count)
@@ -316,10 +317,10 @@ def test_killed_writer_then_torn_tail_serves_only_complete_records(tmp_path: Pat
     assert tier.leading(SCOPE, keys) == count - 1
     got = read_keys(tier, mem, keys, length)
     assert got[:-1] == [content(k, length) for k in keys[:-1]] and got[-1] is None
-    assert seg.stat().st_size == (count - 1) * record + ALIGN  # cut after the last whole record, then sealed
+    assert seg.stat().st_size == (count - 1) * record + ALIGN  # cut after the last whole record, then closed
     assert tier.stats().corrupt == 0
     tier.close()
-    tier = open_tier(tiers, path, segment_bytes=8 * MB)  # from the checkpoint written when it was sealed
+    tier = open_tier(tiers, path, segment_bytes=8 * MB)  # from the checkpoint written when it was closed
     assert tier.leading(SCOPE, keys) == count - 1
 
 
@@ -328,7 +329,7 @@ def test_torn_header_in_the_active_segment_ends_the_scan(tmp_path: Path, mem: Me
     tier = open_tier(tiers, path, segment_bytes=8 * MB)
     keys = keys_of(6)
     write_keys(tier, mem, keys, length)
-    # As if the process died now: no seal (the tier is dropped unclosed, its lock released).
+    # As if the process died now: no close (the tier is dropped unclosed, its lock released).
     for fd in (tier._lock_fd, tier._active_fd, tier._dir_fd):
         os.close(fd)
     tiers.remove(tier)
@@ -419,7 +420,7 @@ def test_a_smaller_size_at_reopen_reclaims_the_oldest(tmp_path: Path, mem: Memor
 
 
 def crash(tier: DiskTier, tiers: list[DiskTier]) -> None:
-    """As if the process died now: nothing sealed or flushed, the tier dropped unclosed (its lock released)."""
+    """As if the process died now: nothing closed or flushed, the tier dropped unclosed (its lock released)."""
     for fd in (tier._lock_fd, tier._active_fd, tier._dir_fd):
         if fd >= 0:
             os.close(fd)
@@ -443,7 +444,7 @@ def test_a_cleared_namespace_stays_cleared_across_restarts(tmp_path: Path, mem: 
     tier.save_catalog()
     if restart == "close":  # one segment, its checkpoint holding the cleared records too
         tier.close()
-    else:  # the segment not sealed: scanned
+    else:  # the segment not closed: scanned
         crash(tier, tiers)
     tier = open_tier(tiers, path)
     assert [tier.leading(SCOPE, [k]) for k in keys[3:]] == [0] * 9
@@ -527,7 +528,7 @@ def test_a_deleted_or_rolled_back_catalog_brings_nothing_cleared_back(
     write_keys(tier, mem, keys, length, name="tenant\x1fns")
     write_keys(tier, mem, other, length, scope=OTHER_SCOPE)
     before = (path / "catalog").read_bytes()
-    if not active:  # the segments sealed, no segment open when the clear comes
+    if not active:  # the segments closed, no segment open when the clear comes
         tier.close()
         tier = open_tier(tiers, path)
     assert sorted(tier.clear([SCOPE])[SCOPE]) == sorted(keys)
@@ -559,7 +560,7 @@ def test_a_deleted_or_rolled_back_catalog_brings_nothing_cleared_back(
 def test_an_untouched_catalog_keeps_what_was_not_cleared(tmp_path: Path, mem: Memory,
                                                           tiers: list[DiskTier]) -> None:
     """The checks that catch a catalog replaced do not fire on restarts with the right one: clears (their
-    markers in sealed, scanned and reclaimed segments) and the blocks they left."""
+    markers in closed, scanned and reclaimed segments) and the blocks they left."""
     path, length = tmp_path / "disk", 200 * KB
     tier = open_tier(tiers, path, size=6 * MB, segment_bytes=2 * MB)
     keys, other = keys_of(4), keys_of(3, "o")
@@ -593,17 +594,17 @@ def test_clears_and_names_go_with_the_segments_they_concern(tmp_path: Path, mem:
     write_keys(tier, mem, keys_of(3, "o"), length, scope=OTHER_SCOPE, name="other")
     tier.clear([OTHER_SCOPE])
     tier.save_catalog()
-    all_cleared, clears, names, _ = _parse_catalog((path / "catalog").read_bytes()) or ((0, 0), {}, {}, 0)
+    all_cleared, clears, names, _ = parse_catalog((path / "catalog").read_bytes()) or ((0, 0), {}, {}, 0)
     assert list(clears) == [OTHER_SCOPE] and names == {OTHER_SCOPE: "other"}
     for batch in range(3):  # the segment of the clear (the first) is reclaimed
         write_keys(tier, mem, keys_of(per_segment, f"b{batch}-"), length)
     assert tier.stats().reclaimed_segments == 1
     tier.close()
-    assert _parse_catalog((path / "catalog").read_bytes()) == ((0, 0), {}, {OTHER_SCOPE: "other"}, 1)
+    assert parse_catalog((path / "catalog").read_bytes()) == ((0, 0), {}, {OTHER_SCOPE: "other"}, 1)
     tier = open_tier(tiers, path, size=6 * MB, segment_bytes=2 * MB)
     assert tier.names() == {}  # no block of it left
     tier.close()
-    assert _parse_catalog((path / "catalog").read_bytes()) == ((0, 0), {}, {}, 1)
+    assert parse_catalog((path / "catalog").read_bytes()) == ((0, 0), {}, {}, 1)
 
 
 def test_unwritten_counts_a_dropped_write_unless_on_disk(tmp_path: Path, mem: Memory, tiers: list[DiskTier]) -> None:

@@ -1,4 +1,4 @@
-"""The remote cold tier (kvstore_service.remote) against real redis-server processes on loopback: one
+"""The remote cold tier (kvstore_service.tiers.remote) against real redis-server processes on loopback: one
 server, and a 3-master cluster; corrupt and truncated values, a killed and a hung node, a slow store
 under write-behind, credentials. Servers come from support.redis (skipped only where redis-server is
 missing and not required; CI requires it)."""
@@ -22,18 +22,10 @@ from support.pki import make_pki
 from support.redis import RedisCluster, RedisServer, free_ports, require_redis_server
 
 from kvstore_service import native
-from kvstore_service.remote import (
-    HEADER_BYTES,
-    KEY_PREFIX,
-    PASSWORD_ENV,
-    Breaker,
-    RemoteTier,
-    decode_value,
-    encode_value,
-    parse_url,
-    remote_key,
-    resolve_password,
-)
+from kvstore_service.tiers.remote import RemoteTier
+from kvstore_service.tiers.remote.breaker import Breaker
+from kvstore_service.tiers.remote.codec import HEADER_BYTES, KEY_PREFIX, decode_value, encode_value, remote_key
+from kvstore_service.tiers.remote.url import PASSWORD_ENV, parse_url, resolve_password
 
 TENANT, NS = "acme", "llama-3-8b|bf16|tp1"
 
@@ -477,7 +469,7 @@ def test_credentials_from_url_env_and_file(tmp_path: Path, monkeypatch: pytest.M
     s = RedisServer(tmp_path / "auth", free_ports(1)[0], password=secret).start()
     secret_file = tmp_path / "secret"
     secret_file.write_text(secret + "\n")
-    caplog.set_level(logging.DEBUG, logger="kvstore_service.remote")
+    caplog.set_level(logging.DEBUG, logger="kvstore_service.tiers.remote")
 
     async def round_trip(tier: RemoteTier, i: int) -> list[bytes]:
         tier.offer(TENANT, NS, [key_of(i, "auth")], [payload_of(i, 1000)])

@@ -20,7 +20,8 @@ from support.engine import Engine, lookup_and_load, store_blocks
 from support.redis import RedisServer
 
 from kvstore_service.config import Config, ConfigError
-from kvstore_service.remote import Keyring, RemoteTier, encode_value
+from kvstore_service.tiers.remote import RemoteTier
+from kvstore_service.tiers.remote.codec import Keyring, encode_value
 
 NS = "model=org/shared-model;dtype=float16"
 BLOCKS = 16

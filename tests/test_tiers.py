@@ -86,7 +86,7 @@ def test_a_block_stored_while_its_neighbours_are_promoted_ends_the_promotion_the
 
 
 def test_corrupt_and_truncated_values_are_misses(daemon_factory, server: RedisServer) -> None:
-    from kvstore_service.remote import remote_key
+    from kvstore_service.tiers.remote.codec import remote_key
 
     url = f"redis://{server.address}"
     node_a, node_b = daemon_factory("--remote", url).start(), daemon_factory("--remote", url).start()

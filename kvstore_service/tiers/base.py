@@ -1,0 +1,82 @@
+"""The contract both tiers under the pool implement (the disk: tiers/disk/, the remote store:
+tiers/remote/), in the shape of vLLM's offload handlers: blocks go down written behind, come up as
+verified batches.
+
+    accepted = tier.write_behind(memory, scope, keys, offsets, checksums, release)  # loop; never waits
+    async for checksums in tier.fetch_verified(memory, scope, keys, place): ...     # leading run, verified
+    forgotten = tier.forget(scopes)                                                  # loop; a Clear
+    tier.stats()                                                                     # loop
+    await tier.aclose(drain_s)                                                       # the end
+
+A tier sees no index state: a namespace is a `Scope`, blocks are keys and payload offsets in the pool's
+`Memory`. Every failure below is a miss (fetch) or a dropped write (write behind), counted in the
+tier's stats; none reaches the caller. Only `Tiers` (tiers/__init__.py) calls these, and only it meets
+the index.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol, TypeAlias
+
+from kvstore_service.stats import DiskStats, RemoteStats
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """A namespace as the tiers know it."""
+
+    ns_hash: bytes  # 16 bytes (index.namespace_hash): the disk's scope
+    name: str  # "tenant/namespace" (tenants.scoped); "" for one known by hash only (the remote store keys by name)
+    block_bytes: int
+
+
+class Memory(Protocol):
+    """The pool's memory as the tiers use it (`Pool`)."""
+
+    @property
+    def base(self) -> int: ...
+
+    def view(self, offset: int, length: int) -> memoryview: ...
+
+
+# Where a fetch lands its blocks: called on the loop with (first, count), keys[first:first + count] of a batch
+# that arrived; returns the pool offsets of slots for as many leading ones as it has room for (fewer: the
+# batch, and the fetch, end there).
+Place: TypeAlias = Callable[[int, int], Sequence[int]]
+
+
+class Forgotten(NamedTuple):
+    """What a `forget` dropped: keys by scope, and the task that makes it last (await it before
+    answering the Clear), if any."""
+
+    keys: Mapping[bytes, Collection[bytes]]
+    saved: asyncio.Task[None] | None
+
+
+class Tier(Protocol):
+    def write_behind(self, memory: Memory, scope: Scope, keys: Sequence[bytes], offsets: Sequence[int],
+                     checksums: Sequence[int], release: Callable[[int], None]) -> int:
+        """Take these sealed blocks (their CRC32C `checksums`) to be written behind; never waits. The tier
+        reads block i's slot until it calls `release(i)`: once per block, when written, dropped (counted)
+        or skipped, maybe before this returns. Returns how many it took."""
+        ...
+
+    def fetch_verified(self, memory: Memory, scope: Scope, keys: Sequence[bytes],
+                       place: Place) -> AsyncGenerator[list[int]]:
+        """The leading run of `keys` the tier holds, a batch at a time: each batch's blocks copied into
+        the slots `place` gives and verified, yielded as their CRC32Cs (a prefix of the places; the
+        fetch ends at the first block absent, corrupt or failed)."""
+        ...
+
+    def forget(self, scopes: Sequence[bytes] | None) -> Forgotten:
+        """Drop these namespaces' blocks (None: every namespace's): fetches miss them from now on."""
+        ...
+
+    def stats(self) -> DiskStats | RemoteStats: ...
+
+    async def aclose(self, drain_s: float) -> None:
+        """Finish or drop what is written behind (waiting up to `drain_s` where the tier can), then close."""
+        ...
