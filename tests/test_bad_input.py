@@ -79,6 +79,18 @@ def test_keys_of_wrong_length(setup) -> None:
            pb.LookupRequest(namespace="bad-input", keys=b"", key_size=0))
 
 
+def test_group_spans_that_do_not_fit_the_keys(setup) -> None:
+    _, _, _, stub = setup
+    keys = b"k" * 32 * 3
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "not whole blocks of 2 groups", stub.Lookup,
+           pb.LookupRequest(namespace="bad-input", keys=keys, key_size=32, group_spans=[0, 1]))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "group spans must be in", stub.Lookup,
+           pb.LookupRequest(namespace="bad-input", keys=keys, key_size=32, group_spans=[0, 1 << 30, 1]))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "at most 64", stub.Lookup,
+           pb.LookupRequest(namespace="bad-input", keys=keys, key_size=32, group_spans=[0] * 65))
+    assert stub.Lookup(pb.LookupRequest(namespace="bad-input", keys=keys, key_size=32, group_spans=[0, 1, 2])).hits == 0
+
+
 def test_duplicate_keys_and_count_mismatch(setup) -> None:
     _, engine, keys, stub = setup
     k = key_of("dup", 0)
