@@ -254,13 +254,13 @@ def outputs(result: dict[str, Any]) -> list[list[int]]:
 
 
 class Daemon:
-    """The benchmark's daemon (a `kvstore_client.process.DaemonProcess`), plus what the report reads of it.
+    """The benchmark's daemon (a `kvstore_service.harness.DaemonProcess`), plus what the report reads of it.
 
     kvstore is imported here, not at module level: vLLM's multi-process engines (CPU: spawn) re-import this
     module, and the LMCache engines run it in a venv without kvstore."""
 
     def __init__(self, workdir: Path, pool_size: str, *extra: str) -> None:
-        from kvstore_client.process import DaemonProcess
+        from kvstore_service.harness import DaemonProcess
 
         self.process = DaemonProcess(workdir, pool_size, "64MiB", "--fresh", *extra)
         self.socket = self.process.socket

@@ -40,7 +40,7 @@ def result(ok: bool | None, why: str) -> int:
 
 
 def daemon(workdir: str, *extra: str, pool: str = "1GiB"):  # type: ignore[no-untyped-def]
-    from kvstore_client.process import DaemonProcess
+    from kvstore_service.harness import DaemonProcess
 
     return DaemonProcess(workdir, pool, "32MiB", *extra).start()
 

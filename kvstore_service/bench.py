@@ -20,9 +20,9 @@ import torch
 from kvstore_client import KVStoreClient
 from kvstore_client.client import MemorySpec, Session
 from kvstore_client.device import export_kv_memory, synchronize_before_store
-from kvstore_client.process import DaemonProcess
 from kvstore_client.shm import SharedKVMemory
 from kvstore_service import native
+from kvstore_service.harness import DaemonProcess
 
 
 @contextlib.contextmanager

@@ -1,5 +1,8 @@
 """A `kvstore serve` child process for tests, benchmarks and soak runs: start it, wait until it is
-healthy, stop or kill it, start it again on the same pool file."""
+healthy, stop or kill it, start it again on the same pool file.
+
+A harness, not part of the daemon: it drives a daemon as its clients do (`kvstore bench` uses it, so
+it ships with the daemon; the client package ships none)."""
 
 from __future__ import annotations
 

@@ -9,10 +9,10 @@ import re
 import time
 from collections.abc import Callable, Sequence
 
-from kvstore_client import process
+from kvstore_service import harness
 
 
-class DaemonProcess(process.DaemonProcess):
+class DaemonProcess(harness.DaemonProcess):
     """The daemon process, plus what tests and the soak read of it."""
 
     def memory_kib(self) -> dict[str, int]:
