@@ -51,6 +51,18 @@ class PeerCred:
     gid: int
 
 
+    def in_my_pid_namespace(self) -> bool | None:
+        """Whether the peer runs in the daemon's PID namespace: False where the kernel could not name its
+        pid here (SO_PEERCRED gives 0 for a process of a namespace this one does not contain) or its
+        namespace differs; None where that cannot be read (another user's /proc entry)."""
+        if self.pid <= 0:
+            return False
+        try:
+            return os.readlink(f"/proc/{self.pid}/ns/pid") == os.readlink("/proc/self/ns/pid")
+        except OSError:
+            return None
+
+
 @dataclass
 class Handshake:
     cred: PeerCred

@@ -171,3 +171,28 @@ def test_a_handshake_over_a_limit_is_refused_naming_it(daemon_factory, flag: str
         with pytest.raises(ResourceExhausted, match=f"too many handshakes in progress \\({flag}: {reason}\\)"):
             daemon.client().session("n")
     assert _register(daemon) < 1.0  # the silent connection closed: its slot is given back
+
+
+def test_a_peer_in_another_pid_namespace_is_told_apart() -> None:
+    """CUDA IPC handles do not open across PID namespaces: the daemon tells such an engine apart by its
+    SO_PEERCRED pid (0 where the kernel cannot name it here) or its /proc/<pid>/ns/pid."""
+    from kvstore_service.peercred import PeerCred
+
+    assert PeerCred(os.getpid(), os.getuid(), os.getgid()).in_my_pid_namespace() is True
+    assert PeerCred(0, os.getuid(), os.getgid()).in_my_pid_namespace() is False
+    if not os.path.exists("/usr/bin/unshare") or os.geteuid() != 0:
+        return
+    # A process in a PID namespace of its own (as a pod without hostPID is): visible from here, not ours.
+    child = subprocess.Popen(["unshare", "--pid", "--fork", "--kill-child", "sleep", "30"])
+    try:
+        deadline = time.monotonic() + 5
+        inner = None
+        while inner is None and time.monotonic() < deadline:
+            found = subprocess.run(["pgrep", "-P", str(child.pid), "sleep"], capture_output=True, text=True).stdout
+            inner = int(found.split()[0]) if found.strip() else None
+            time.sleep(0.05)
+        assert inner is not None
+        assert PeerCred(inner, os.getuid(), os.getgid()).in_my_pid_namespace() is False
+    finally:
+        child.kill()
+        child.wait()

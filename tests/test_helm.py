@@ -154,7 +154,7 @@ def test_default_values(chart):
         assert "exec" not in container[probe]
 
     # No device IPC, so no host IPC namespace; the daemon opens the CPU backend at start.
-    assert "hostIPC" not in spec
+    assert "hostIPC" not in spec and "hostPID" not in spec
     assert variables["KVSTORE_DEVICES"] == '["cpu"]'
     assert not any(name.startswith(("NVIDIA_", "ASCEND_")) for name in variables)
 
@@ -223,7 +223,7 @@ def test_nvidia(chart):
     docs, notes = render(chart, {"accelerator": "nvidia", "runtimeClassName": "nvidia"})
     spec = pod_spec(docs)
     container = daemon(docs)
-    assert spec["hostIPC"] is True
+    assert spec["hostIPC"] is True and spec["hostPID"] is True  # device IPC: one IPC and PID namespace
     assert spec["runtimeClassName"] == "nvidia"
     variables = env(container)
     assert variables["NVIDIA_VISIBLE_DEVICES"] == "all"
@@ -232,7 +232,7 @@ def test_nvidia(chart):
     assert set(container["resources"]["limits"]) == {"memory"}
     assert set(container["resources"]["requests"]) == {"cpu", "memory"}
     assert "privileged" not in container["securityContext"]
-    assert "hostIPC: true" in notes
+    assert "hostIPC: true and hostPID: true" in notes
     # hostIPC is for device IPC only; engine memory still comes as memfds, not through /dev/shm.
     assert "/dev/shm" not in mounts(container)
 
@@ -883,7 +883,8 @@ def test_vllm_example_uses_the_daemon_socket(chart):
     # Its memory goes to the daemon as memfds over <socket>.cred in that directory: no /dev/shm mount.
     assert host_paths(spec, container) == {socket_dir: socket_dir}
     assert not any(volume.get("hostPath", {}).get("path") == "/dev/shm" for volume in spec["volumes"])
-    # CUDA IPC between the engine and the daemon needs one IPC namespace on both sides.
+    # CUDA IPC between the engine and the daemon needs one IPC and one PID namespace on both sides.
     assert spec["hostIPC"] is pod_spec(chart_docs)["hostIPC"] is True
+    assert spec["hostPID"] is pod_spec(chart_docs)["hostPID"] is True
     daemon_gid = pod_spec(chart_docs)["securityContext"]["runAsGroup"]
     assert daemon_gid in spec["securityContext"]["supplementalGroups"]
