@@ -209,6 +209,38 @@ PyObject* u64_bytes(const std::vector<uint64_t>& values) {
                                    static_cast<Py_ssize_t>(values.size() * sizeof(uint64_t)));
 }
 
+// ---- a job's chunk: planned and copied in one native call each ------------------------------------
+
+// A region of the engine's layout as plan_transfer takes it: block b is `bytes` bytes at
+// `start + b * stride`, inside the mapping [lo, hi).
+struct PlanRegion {
+  uint64_t start, stride, bytes, lo, hi;
+};
+
+// A checksum this engine cannot produce (CRC32C is 32 bits): "not known yet, do not check".
+constexpr uint64_t kUnknownChecksum = UINT64_MAX;
+
+// Copies the plan's runs region by region in layout order on this thread, plain or streaming, and
+// after each region publishes `word | regions landed` at `progress` (release: the region's bytes are
+// visible first), skipping the runs of blocks in `skip`.
+void copy_regions_with_progress(const std::vector<Run>& runs, size_t blocks, const std::vector<char>& skip,
+                                bool streaming, uint64_t* progress, uint64_t word) {
+  const size_t regions = blocks == 0 ? 0 : runs.size() / blocks;
+  std::vector<Run> part;
+  part.reserve(blocks);
+  for (size_t r = 0; r < regions; ++r) {
+    part.clear();
+    for (size_t k = 0; k < blocks; ++k) {
+      const Run& run = runs[r * blocks + k];
+      if (!skip[k] && run.size != 0) part.push_back(run);
+    }
+    coalesce(&part);
+    copy_list(part, streaming);  // ends with a store fence
+    uint64_t landed = std::min<uint64_t>(r + 1, 0xFFFF);
+    __atomic_store_n(progress, word | landed, __ATOMIC_RELEASE);
+  }
+}
+
 // ---- Python entry points ---------------------------------------------------------------------
 
 PyObject* py_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
@@ -233,6 +265,176 @@ PyObject* py_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
   copy_runs(runs, threads, streaming != 0);
   Py_END_ALLOW_THREADS
   return PyLong_FromSize_t(runs.size());
+}
+
+// plan_transfer(slot_offsets, block_ids, regions, num_blocks, pool_size, shard_offset) -> bytes
+// The byte runs of a chunk's blocks, region-major (region r's run of block k is run r * n + k): pool
+// offset slot_offsets[k] + shard_offset + the bytes of the regions before r, engine address
+// regions[r].start + block_ids[k] * regions[r].stride. Every run is checked against the pool and its
+// mapping before it is returned (ValueError naming the block): nothing is copied past either.
+PyObject* py_plan_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"slot_offsets", "block_ids", "regions", "num_blocks", "pool_size",
+                                 "shard_offset", nullptr};
+  PyObject *slots_obj, *ids_obj, *regions_obj, *num_obj, *pool_obj, *shard_obj;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOOO:plan_transfer", const_cast<char**>(kwlist), &slots_obj,
+                                   &ids_obj, &regions_obj, &num_obj, &pool_obj, &shard_obj)) {
+    return nullptr;
+  }
+  std::vector<uint64_t> slots, ids, flat;
+  uint64_t num_blocks, pool_size, shard_offset;
+  if (!parse_u64_array(slots_obj, "slot_offsets", &slots) || !parse_u64_array(ids_obj, "block_ids", &ids) ||
+      !parse_u64_array(regions_obj, "regions", &flat) || !parse_u64(num_obj, "num_blocks", &num_blocks) ||
+      !parse_u64(pool_obj, "pool_size", &pool_size) || !parse_u64(shard_obj, "shard_offset", &shard_offset)) {
+    return nullptr;
+  }
+  if (slots.size() != ids.size()) {
+    PyErr_Format(PyExc_ValueError, "%zu slot offsets but %zu block ids", slots.size(), ids.size());
+    return nullptr;
+  }
+  if (flat.size() % 5 != 0) {
+    PyErr_SetString(PyExc_ValueError, "regions must hold 5 values per region (start, stride, bytes, lo, hi)");
+    return nullptr;
+  }
+  const size_t n = ids.size(), nregions = flat.size() / 5;
+  std::vector<PlanRegion> regions(nregions);
+  std::memcpy(regions.data(), flat.data(), flat.size() * sizeof(uint64_t));
+  for (size_t k = 0; k < n; ++k) {
+    if (ids[k] >= num_blocks) {
+      PyErr_Format(PyExc_ValueError, "block id %llu is outside the registered cache (0..%llu)",
+                   static_cast<unsigned long long>(ids[k]), static_cast<unsigned long long>(num_blocks - 1));
+      return nullptr;
+    }
+  }
+  const size_t total = n * nregions;
+  PyObject* out = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(3 * total * sizeof(uint64_t)));
+  if (out == nullptr) return nullptr;
+  auto* pool_offsets = reinterpret_cast<uint64_t*>(PyBytes_AS_STRING(out));
+  uint64_t* engine = pool_offsets + total;
+  uint64_t* sizes = engine + total;
+  uint64_t before = shard_offset;
+  for (size_t r = 0; r < nregions; ++r) {
+    const PlanRegion& g = regions[r];
+    for (size_t k = 0; k < n; ++k) {
+      uint64_t rel, addr, end, pool_at, pool_end;
+      bool bad_engine = __builtin_mul_overflow(ids[k], g.stride, &rel) ||
+                        __builtin_add_overflow(g.start, rel, &addr) || __builtin_add_overflow(addr, g.bytes, &end) ||
+                        addr < g.lo || end > g.hi;
+      bool bad_pool = __builtin_add_overflow(slots[k], before, &pool_at) ||
+                      __builtin_add_overflow(pool_at, g.bytes, &pool_end) || pool_end > pool_size;
+      if (bad_engine || bad_pool) {
+        Py_DECREF(out);
+        PyErr_Format(PyExc_ValueError, "block %zu (id %llu), region %zu: its run lies outside %s", k,
+                     static_cast<unsigned long long>(ids[k]), r,
+                     bad_engine ? "the engine memory it was registered in" : "the pool");
+        return nullptr;
+      }
+      pool_offsets[r * n + k] = pool_at;
+      engine[r * n + k] = addr;
+      sizes[r * n + k] = g.bytes;
+    }
+    before += g.bytes;
+  }
+  return out;
+}
+
+// transfer(pool_base, pool_offsets, engine_addresses, sizes, to_engine, blocks, threads=1, streaming=True,
+//          progress=0, progress_word=0, check=None, check_offsets=None, check_size=0, expected=None) -> bytes
+// One chunk of a job in one call, GIL released throughout: the runs are `regions` x `blocks`, region-major
+// (plan_transfer). First the pool bytes of the blocks at positions `check` (check_size bytes at
+// pool_base + check_offsets[i]) are checksummed; a block whose CRC32C differs from expected[i] (UINT64_MAX:
+// not known, not checked) is corrupt and none of its runs is copied. Then the copy: with `progress` (an
+// address) region by region on this thread, posting progress_word | regions landed after each; else
+// coalesced over `threads`. Returns the corrupt positions (native uint64).
+PyObject* py_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"pool_base", "pool_offsets", "engine_addresses", "sizes", "to_engine", "blocks",
+                                 "threads", "streaming", "progress", "progress_word", "check", "check_offsets",
+                                 "check_size", "expected", nullptr};
+  PyObject *base_obj, *pool_obj, *engine_obj, *sizes_obj;
+  int to_engine, threads = 1, streaming = 1;
+  Py_ssize_t blocks;
+  PyObject *progress_obj = nullptr, *word_obj = nullptr, *check_obj = Py_None, *check_offsets_obj = Py_None,
+           *check_size_obj = nullptr, *expected_obj = Py_None;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOOpn|ipOOOOOO:transfer", const_cast<char**>(kwlist),
+                                   &base_obj, &pool_obj, &engine_obj, &sizes_obj, &to_engine, &blocks, &threads,
+                                   &streaming, &progress_obj, &word_obj, &check_obj, &check_offsets_obj,
+                                   &check_size_obj, &expected_obj)) {
+    return nullptr;
+  }
+  uint64_t pool_base, progress = 0, word = 0, check_size = 0;
+  std::vector<uint64_t> pool_offsets, engine, sizes, check, check_offsets, expected;
+  if (!parse_u64(base_obj, "pool_base", &pool_base) || !parse_threads(threads) ||
+      !parse_u64_array(pool_obj, "pool_offsets", &pool_offsets) ||
+      !parse_u64_array(engine_obj, "engine_addresses", &engine) || !parse_u64_array(sizes_obj, "sizes", &sizes) ||
+      (progress_obj != nullptr && !parse_u64(progress_obj, "progress", &progress)) ||
+      (word_obj != nullptr && !parse_u64(word_obj, "progress_word", &word)) ||
+      (check_size_obj != nullptr && !parse_u64(check_size_obj, "check_size", &check_size)) ||
+      (check_obj != Py_None && !parse_u64_array(check_obj, "check", &check)) ||
+      (check_offsets_obj != Py_None && !parse_u64_array(check_offsets_obj, "check_offsets", &check_offsets)) ||
+      (expected_obj != Py_None && !parse_u64_array(expected_obj, "expected", &expected))) {
+    return nullptr;
+  }
+  const size_t runs_n = sizes.size();
+  if (pool_offsets.size() != runs_n || engine.size() != runs_n) {
+    PyErr_Format(PyExc_ValueError, "pool_offsets, engine_addresses and sizes must have the same length (got %zu, "
+                 "%zu, %zu)", pool_offsets.size(), engine.size(), runs_n);
+    return nullptr;
+  }
+  if (blocks <= 0 ? runs_n != 0 : runs_n % static_cast<size_t>(blocks) != 0) {
+    PyErr_Format(PyExc_ValueError, "%zu runs are not whole regions of %zd blocks", runs_n, blocks);
+    return nullptr;
+  }
+  if (check.size() != check_offsets.size() || check.size() != expected.size()) {
+    PyErr_Format(PyExc_ValueError, "check, check_offsets and expected must have the same length (got %zu, %zu, %zu)",
+                 check.size(), check_offsets.size(), expected.size());
+    return nullptr;
+  }
+  const size_t nblocks = blocks > 0 ? static_cast<size_t>(blocks) : 0;
+  std::vector<uint64_t> check_addrs;
+  if (!block_addresses(pool_base, check_offsets, check_size, "checksum", &check_addrs)) return nullptr;
+  for (size_t i = 0; i < check.size(); ++i) {
+    if (check[i] >= nblocks) {
+      PyErr_Format(PyExc_ValueError, "check[%zu] = %llu is not a position among %zu blocks", i,
+                   static_cast<unsigned long long>(check[i]), nblocks);
+      return nullptr;
+    }
+  }
+  std::vector<Run> runs(runs_n);
+  for (size_t i = 0; i < runs_n; ++i) {
+    uint64_t pool_at, pool_end, engine_end;
+    if (__builtin_add_overflow(pool_base, pool_offsets[i], &pool_at) ||
+        __builtin_add_overflow(pool_at, sizes[i], &pool_end) || __builtin_add_overflow(engine[i], sizes[i], &engine_end) ||
+        pool_end > UINTPTR_MAX || engine_end > UINTPTR_MAX) {
+      PyErr_Format(PyExc_OverflowError, "run %zu: base + offset + size overflows the address space", i);
+      return nullptr;
+    }
+    runs[i] = to_engine ? Run{pool_at, engine[i], sizes[i]} : Run{engine[i], pool_at, sizes[i]};
+  }
+  std::vector<uint64_t> corrupt;
+  Py_BEGIN_ALLOW_THREADS
+  std::vector<char> skip(nblocks, 0);
+  for (size_t i = 0; i < check.size(); ++i) {
+    if (expected[i] == kUnknownChecksum) continue;
+    if (crc32c(0, reinterpret_cast<const void*>(check_addrs[i]), check_size) != expected[i]) {
+      skip[check[i]] = 1;
+      corrupt.push_back(check[i]);
+    }
+  }
+  if (progress != 0) {
+    copy_regions_with_progress(runs, nblocks, skip, streaming != 0, reinterpret_cast<uint64_t*>(progress), word);
+  } else {
+    if (!corrupt.empty()) {
+      size_t out = 0;
+      for (size_t i = 0; i < runs_n; ++i) {
+        if (!skip[i % nblocks]) runs[out++] = runs[i];
+      }
+      runs.resize(out);
+    }
+    runs.erase(std::remove_if(runs.begin(), runs.end(), [](const Run& r) { return r.size == 0; }), runs.end());
+    coalesce(&runs);
+    copy_runs(runs, threads, streaming != 0);
+  }
+  Py_END_ALLOW_THREADS
+  return u64_bytes(corrupt);
 }
 
 PyObject* py_checksum_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
@@ -490,6 +692,16 @@ PyMethodDef kMethods[] = {
      "`threads` threads, GIL released. Offsets/sizes: uint64 buffers. Runs contiguous on both sides are\n"
      "merged first; returns the number of merged runs. Bounds are the caller's job. streaming: non-temporal\n"
      "stores for runs of 4 KiB and more (for a destination nothing reads soon)."},
+    {"plan_transfer", KV_KW(py_plan_transfer),
+     "plan_transfer(slot_offsets, block_ids, regions, num_blocks, pool_size, shard_offset) -> bytes\n\n"
+     "The runs of a chunk's blocks, region-major, as native uint64: n*R pool offsets, then engine addresses,\n"
+     "then sizes. regions: 5 values per region (start, stride, bytes, lo, hi). Every run is bounds-checked\n"
+     "against the pool and its mapping [lo, hi) (ValueError)."},
+    {"transfer", KV_KW(py_transfer),
+     "transfer(pool_base, pool_offsets, engine_addresses, sizes, to_engine, blocks, threads=1, streaming=True,\n"
+     "         progress=0, progress_word=0, check=None, check_offsets=None, check_size=0, expected=None) -> bytes\n\n"
+     "One chunk in one call, GIL released: verify the sampled blocks' CRC32C, copy every run of the others\n"
+     "(region by region posting progress when `progress` is an address), return the corrupt positions."},
     {"checksum_blocks", KV_KW(py_checksum_blocks),
      "checksum_blocks(base, offsets, size, threads=1) -> bytes\n\n"
      "CRC32C of each `size`-byte block at base+offsets[i], as native-endian uint64 values."},

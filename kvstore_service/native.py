@@ -55,6 +55,50 @@ def copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets
                                    threads, streaming))
 
 
+# A checksum no block has (CRC32C is 32 bits): in `transfer`'s `expected`, "not known yet, not checked".
+UNKNOWN_CHECKSUM: Final = (1 << 64) - 1
+
+
+def plan_transfer(slot_offsets: U64Array, block_ids: U64Array, regions: U64Array, num_blocks: int, pool_size: int,
+                  shard_offset: int = 0) -> tuple[array[int], array[int], array[int]]:
+    """The byte runs of a chunk's blocks in one call: ``(pool_offsets, engine_addresses, sizes)``,
+    region-major (region r's run of block k is run ``r * n + k``). Block k's slot payload is at pool
+    offset ``slot_offsets[k]`` (this engine's part of it ``shard_offset`` bytes in), its engine block
+    id ``block_ids[k]``; ``regions`` holds five values per region: the address of its block 0, its
+    stride and block bytes, and the mapping ``[lo, hi)`` it lies in. Every run is checked against
+    ``pool_size`` and its mapping, and every id against ``num_blocks``, before anything is returned
+    (ValueError naming the block)."""
+    raw = _native.plan_transfer(_as_u64(slot_offsets), _as_u64(block_ids), _as_u64(regions), num_blocks, pool_size,
+                                shard_offset)
+    total = len(raw) // 24
+    out = []
+    for part in range(3):
+        values = array("Q")
+        values.frombytes(raw[part * total * 8:(part + 1) * total * 8])
+        out.append(values)
+    return out[0], out[1], out[2]
+
+
+def transfer(pool_base: int, pool_offsets: U64Array, engine_addresses: U64Array, sizes: U64Array, to_engine: bool,
+             blocks: int, threads: int = 1, streaming: bool = True, progress: int = 0, progress_word: int = 0,
+             check: U64Array | None = None, check_offsets: U64Array | None = None, check_size: int = 0,
+             expected: U64Array | None = None) -> list[int]:
+    """A chunk of a job in one native call, the GIL released throughout. Its runs (``plan_transfer``'s,
+    ``blocks`` per region) go pool -> engine if ``to_engine``. First the blocks at positions ``check``
+    are verified: the CRC32C of ``check_size`` bytes at ``pool_base + check_offsets[i]`` must be
+    ``expected[i]`` (UNKNOWN_CHECKSUM: not checked); a block that differs is corrupt and none of its
+    runs is copied. With ``progress`` (an address: a completion channel's progress word) the copy goes
+    region by region on this thread and stores ``progress_word | regions landed`` there after each;
+    else the runs are coalesced and copied on ``threads`` threads. Returns the corrupt positions."""
+    out = array("Q")
+    out.frombytes(_native.transfer(pool_base, _as_u64(pool_offsets), _as_u64(engine_addresses), _as_u64(sizes),
+                                   to_engine, blocks, threads, streaming, progress, progress_word,
+                                   None if check is None else _as_u64(check),
+                                   None if check_offsets is None else _as_u64(check_offsets), check_size,
+                                   None if expected is None else _as_u64(expected)))
+    return out.tolist()
+
+
 def checksum_blocks(base: int, offsets: U64Array, size: int, threads: int = 1) -> list[int]:
     """CRC32C of each ``size``-byte block at ``base + offsets[i]``."""
     out = array("Q")

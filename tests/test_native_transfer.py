@@ -1,0 +1,103 @@
+"""The native chunk path: plan_transfer (a chunk's runs over the registered regions, bounds-checked
+before anything moves) and transfer (checksum sample, copy and progress word in one call)."""
+
+from __future__ import annotations
+
+import ctypes
+from array import array
+
+import pytest
+
+from kvstore_service import native
+
+BLOCK = 64  # bytes of a region's part of a block
+
+
+def buffer(size: int, fill: int = 0) -> tuple[ctypes.Array[ctypes.c_char], int]:
+    buf = (ctypes.c_char * size)()
+    ctypes.memset(buf, fill, size)
+    return buf, ctypes.addressof(buf)
+
+
+def regions_of(base: int, size: int, count: int, num_blocks: int) -> array[int]:
+    """`count` regions back to back in one mapping: region r's block b at base + r * num_blocks * BLOCK + b * BLOCK."""
+    out = array("Q")
+    for r in range(count):
+        out.extend((base + r * num_blocks * BLOCK, BLOCK, BLOCK, base, base + size))
+    return out
+
+
+def test_the_plan_is_region_major_with_the_shard_offset_and_every_run_in_bounds() -> None:
+    engine, base = buffer(2 * 8 * BLOCK)
+    pool_offsets, addresses, sizes = native.plan_transfer([1000, 5000], [3, 6], regions_of(base, len(engine), 2, 8),
+                                                          8, 1 << 20, shard_offset=7)
+    assert list(pool_offsets) == [1007, 5007, 1007 + BLOCK, 5007 + BLOCK]
+    assert list(addresses) == [base + 3 * BLOCK, base + 6 * BLOCK, base + 11 * BLOCK, base + 14 * BLOCK]
+    assert list(sizes) == [BLOCK] * 4
+
+
+def test_the_plan_refuses_a_run_outside_the_engine_memory_the_pool_or_the_cache() -> None:
+    engine, base = buffer(8 * BLOCK)
+    regions = regions_of(base, len(engine), 1, 8)
+    with pytest.raises(ValueError, match="block id 8 is outside the registered cache"):
+        native.plan_transfer([0], [8], regions, 8, 1 << 20)
+    short = array("Q", regions)
+    short[4] = base + 4 * BLOCK  # the mapping ends half way
+    with pytest.raises(ValueError, match="block 1 .id 5., region 0: .* outside the engine memory"):
+        native.plan_transfer([0, BLOCK], [1, 5], short, 8, 1 << 20)
+    with pytest.raises(ValueError, match="outside the pool"):
+        native.plan_transfer([(1 << 20) - BLOCK + 1], [0], regions, 8, 1 << 20)
+    with pytest.raises(ValueError, match="5 values per region"):
+        native.plan_transfer([0], [0], regions[:4], 8, 1 << 20)
+    with pytest.raises(ValueError, match="1 slot offsets but 2 block ids"):
+        native.plan_transfer([0], [0, 1], regions, 8, 1 << 20)
+
+
+def test_transfer_copies_both_ways_and_skips_the_blocks_that_fail_their_checksum() -> None:
+    num_blocks, count = 4, 3
+    engine, base = buffer(count * num_blocks * BLOCK, 0x11)
+    pool, pool_base = buffer(num_blocks * count * BLOCK)
+    for k in range(num_blocks * count * BLOCK):
+        pool[k] = bytes([k // BLOCK % 251 + 1])
+    slots = [k * count * BLOCK for k in range(num_blocks)]
+    plan = native.plan_transfer(slots, [2, 0, 3, 1], regions_of(base, len(engine), count, num_blocks), num_blocks,
+                                len(pool))
+    sums = native.checksum_blocks(pool_base, slots, count * BLOCK)
+    expected = array("Q", [sums[1] ^ 1, native.UNKNOWN_CHECKSUM, sums[3]])  # block 1 corrupt, 2 unknown
+    corrupt = native.transfer(pool_base, *plan, to_engine=True, blocks=num_blocks, check=[1, 2, 3],
+                              check_offsets=[slots[1], slots[2], slots[3]], check_size=count * BLOCK,
+                              expected=expected)
+    assert corrupt == [1]
+    for k, block_id in enumerate([2, 0, 3, 1]):
+        for r in range(count):
+            got = ctypes.string_at(base + (r * num_blocks + block_id) * BLOCK, BLOCK)
+            assert got == (bytes([0x11]) * BLOCK if k == 1 else ctypes.string_at(pool_base + slots[k] + r * BLOCK,
+                                                                                 BLOCK)), (k, r)
+    ctypes.memset(pool, 0, len(pool))
+    assert native.transfer(pool_base, *plan, to_engine=False, blocks=num_blocks, threads=2) == []
+    assert ctypes.string_at(pool_base + slots[1], BLOCK) == bytes([0x11]) * BLOCK  # engine block 0
+    assert ctypes.string_at(pool_base + slots[0], BLOCK) == ctypes.string_at(base + 2 * BLOCK, BLOCK)
+
+
+def test_a_whole_load_posts_each_region_in_the_progress_word() -> None:
+    num_blocks, count = 2, 3
+    engine, base = buffer(count * num_blocks * BLOCK)
+    pool, pool_base = buffer(num_blocks * count * BLOCK, 0x42)
+    word = (ctypes.c_uint64 * 1)()
+    plan = native.plan_transfer([0, count * BLOCK], [0, 1], regions_of(base, len(engine), count, num_blocks),
+                                num_blocks, len(pool))
+    native.transfer(pool_base, *plan, to_engine=True, blocks=num_blocks, streaming=False,
+                    progress=ctypes.addressof(word), progress_word=7 << 16)
+    assert word[0] == 7 << 16 | count
+    assert ctypes.string_at(base, len(engine)) == bytes([0x42]) * len(engine)
+
+
+def test_transfer_validates_its_arguments_first() -> None:
+    with pytest.raises(ValueError, match="not whole regions of 2 blocks"):
+        native.transfer(0, [0, 8, 16], [0, 8, 16], [8, 8, 8], True, 2)
+    with pytest.raises(ValueError, match="same length"):
+        native.transfer(0, [0], [0, 8], [8], True, 1)
+    with pytest.raises(ValueError, match="not a position among 1 blocks"):
+        native.transfer(0, [0], [0], [8], True, 1, check=[1], check_offsets=[0], check_size=8, expected=[0])
+    with pytest.raises(OverflowError):
+        native.transfer(2**64 - 4, [0], [0], [8], True, 1)
