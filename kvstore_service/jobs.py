@@ -40,11 +40,12 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from kvstore_service import native
 from kvstore_service.backends import TransferPlan
+from kvstore_service.backends.base import ChecksumSample, ProgressWord
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
 from kvstore_service.index import Block, BlockIndex
@@ -126,7 +127,7 @@ class Chunk:
     indexes: list[int]  # into the job's keys
     blocks: list[Block]
     plan: TransferPlan
-    checked: list[int] = field(default_factory=list)  # load: positions in `blocks` verified before the copy
+    check: ChecksumSample | None = None  # load: the blocks verified before the copy
 
 
 class Jobs:
@@ -360,42 +361,42 @@ class Jobs:
         chunk = self._plan(job, indexes, blocks)
         verify = self.config.verify_loads
         if verify > 0:
-            chunk.checked = [k for k in range(len(blocks)) if verify >= 1 or random.random() < verify]
+            checked = [k for k in range(len(blocks)) if verify >= 1 or random.random() < verify]
+            if checked:
+                # A block stored a moment ago may not have its checksum yet (None): nothing to check.
+                unknown = native.UNKNOWN_CHECKSUM
+                chunk.check = ChecksumSample(
+                    array("Q", checked), array("Q", [blocks[k].offset for k in checked]),
+                    job.session.namespace.block_bytes,
+                    array("Q", [unknown if (c := blocks[k].checksum) is None else c for k in checked]))
         return chunk
 
     def _plan(self, job: Job, indexes: list[int], blocks: list[Block]) -> Chunk:
-        """The byte runs of these blocks, region by region (the native copy coalesces adjacent runs):
-        this engine's shard of each slot, and the engine addresses in its mapped memories. Block ids
-        were bounds-checked at submit, and every region against its own memory at registration."""
+        """The byte runs of these blocks, in one native call (region-major; the copy coalesces
+        adjacent runs): this engine's shard of each slot, and the engine addresses in its mapped
+        memories. Every run is checked against the pool and its mapping there, before any byte moves
+        (block ids were checked at submit, and every region against its memory at registration)."""
         session = job.session
         layout = session.layout
-        pool_offsets, engine_addresses, sizes = array("Q"), array("Q"), array("Q")
-        before = layout.shard * layout.block_bytes
+        regions = array("Q")
         for r in layout.regions:
-            start = session.mappings[r.memory].base + r.offset
-            pool_offsets.extend([b.offset + before for b in blocks])
-            engine_addresses.extend([start + job.block_ids[i] * r.block_stride for i in indexes])
-            sizes.extend([r.block_bytes] * len(indexes))
-            before += r.block_bytes
+            mapping = session.mappings[r.memory]
+            regions.extend((mapping.base + r.offset, r.block_stride, r.block_bytes, mapping.base,
+                            mapping.base + mapping.size))
+        ids = job.block_ids
+        pool_offsets, engine_addresses, sizes = native.plan_transfer(
+            array("Q", [b.offset for b in blocks]), array("Q", [ids[i] for i in indexes]), regions,
+            layout.num_blocks, self.pool.size, layout.shard * layout.block_bytes)
         return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_addresses, sizes))
 
     def _copy(self, job: Job, chunk: Chunk) -> list[int]:
-        """Copy thread: move one chunk's bytes (a store's blocks get their slot headers at their seal).
-        A load first verifies (a sample of) the pool's checksums and skips blocks that fail: it
-        returns their positions. Little Python here: the event loop holds the GIL while it plans."""
-        session, plan = job.session, chunk.plan
-        ns = session.namespace
-        corrupt: list[int] = []
-        if chunk.checked:
-            offsets = array("Q", [chunk.blocks[k].offset for k in chunk.checked])
-            sums = native.checksum_blocks(self.pool.base, offsets, ns.block_bytes)
-            # A block stored a moment ago may not have its checksum yet (None): nothing to check.
-            corrupt = [k for k, value in zip(chunk.checked, sums, strict=True)
-                       if chunk.blocks[k].checksum not in (None, value)]
-        if corrupt:
-            plan = _without(plan, corrupt, len(chunk.blocks))
-        session.backend.copy(session.mappings[0], self.pool.base, plan, to_engine=not job.is_store)
-        return corrupt
+        """Copy thread: one chunk in one backend call (a store's blocks get their slot headers at
+        their seal). A load first verifies its checksum sample in the pool; the blocks that fail are
+        not copied, and their positions are returned. No Python per block here: the event loop
+        holds the GIL while it plans."""
+        session = job.session
+        return session.backend.transfer(session.mappings[0], self.pool.base, chunk.plan, not job.is_store,
+                                        len(chunk.blocks), chunk.check)
 
     def _complete_store(self, job: Job, chunk: Chunk, ok: bool) -> list[Block]:
         """Every byte of the chunk is in the pool (if ok): its blocks become visible and the engine
@@ -571,16 +572,9 @@ def chunks(n: int, block_bytes: int, threads: int) -> list[range]:
 
 def _copy_whole(job: Job, plan: TransferPlan) -> None:
     """A load copied whole: by one thread, region by region (runs are region-major, one per block),
-    reporting each region's arrival in the engine's completion channel."""
+    reporting each region's arrival in the engine's completion channel (the CPU engine writes the
+    channel's progress word itself, see ProgressWord)."""
+    channel = job.session.channel
     plan.regions = len(job.session.layout.regions)
-    plan.progress = functools.partial(job.session.channel.post_progress, job.job_id)
-
-
-def _without(plan: TransferPlan, skip: list[int], n: int) -> TransferPlan:
-    """The plan minus the runs of the blocks at these positions (runs are region-major, n per region)."""
-    drop = set(skip)
-    keep = [k for k in range(n) if k not in drop]
-    regions = len(plan.sizes) // n
-    pool_offsets, engine_addresses, sizes = (array("Q", (a[r * n + k] for r in range(regions) for k in keep))
-                                             for a in (plan.pool_offsets, plan.engine_addresses, plan.sizes))
-    return replace(plan, pool_offsets=pool_offsets, engine_addresses=engine_addresses, sizes=sizes)
+    address, word = channel.progress_target(job.job_id)
+    plan.progress = ProgressWord(address, word, functools.partial(channel.post_progress, job.job_id))

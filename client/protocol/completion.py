@@ -15,6 +15,7 @@ A load copied region by region (RegisterResponse.progress_load_bytes) also write
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import struct
@@ -90,6 +91,14 @@ class CompletionChannel:
         """Daemon side: the first `regions` regions of a load job have landed."""
         tag = (job_id + 1) & _TAG_MASK
         PROGRESS.pack_into(self._mm, self._offset(job_id) + 16, tag << PROGRESS_BITS | min(regions, MAX_PROGRESS))
+
+    def progress_target(self, job_id: int) -> tuple[int, int]:
+        """Daemon side, for a copy that posts a load's progress itself: the address of the job's
+        progress word (valid while the channel is open) and the word with no region landed."""
+        anchor = ctypes.c_char.from_buffer(self._mm)  # (an export of the mapping: released right away)
+        address = ctypes.addressof(anchor) + self._offset(job_id) + 16
+        del anchor
+        return address, ((job_id + 1) & _TAG_MASK) << PROGRESS_BITS
 
     def check(self, job_id: int) -> Completion | None:
         """Client side: the completion of `job_id`, or None while it runs."""

@@ -6,7 +6,7 @@ import math
 from abc import ABC, abstractmethod
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 PAGE = 4096  # pieces of the pool are pinned page-aligned (aclrtHostRegister requires it; CUDA is happy)
 
@@ -39,6 +39,42 @@ class TransferPlan:
     @property
     def total_bytes(self) -> int:
         return sum(self.sizes)
+
+
+@dataclass(frozen=True, slots=True)
+class ChecksumSample:
+    """A load's blocks to verify before their copy: block `positions[i]` of the plan (runs are
+    region-major, `blocks` per region) is `size` bytes at pool offset `offsets[i]` whose CRC32C must
+    be `expected[i]` (native.UNKNOWN_CHECKSUM: not known yet, not checked)."""
+
+    positions: array
+    offsets: array
+    size: int
+    expected: array
+
+
+class ProgressWord:
+    """TransferPlan.progress for a whole load whose copy can post its progress itself: `word | k`
+    stored at `address` (a completion channel's progress word) once k regions landed; calling it
+    posts through `post` (the same word, from Python)."""
+
+    __slots__ = ("address", "word", "post")
+
+    def __init__(self, address: int, word: int, post: Callable[[int], None]) -> None:
+        self.address, self.word, self.post = address, word, post
+
+    def __call__(self, regions: int) -> None:
+        self.post(regions)
+
+
+def without(plan: TransferPlan, skip: Sequence[int], blocks: int) -> TransferPlan:
+    """The plan minus the runs of the blocks at these positions (runs are region-major, `blocks` per region)."""
+    drop = set(skip)
+    keep = [k for k in range(blocks) if k not in drop]
+    regions = len(plan.sizes) // blocks
+    pool_offsets, engine_addresses, sizes = (array("Q", (a[r * blocks + k] for r in range(regions) for k in keep))
+                                             for a in (plan.pool_offsets, plan.engine_addresses, plan.sizes))
+    return replace(plan, pool_offsets=pool_offsets, engine_addresses=engine_addresses, sizes=sizes)
 
 
 def pool_pieces(base: int, data_offset: int, segment_size: int, segments: int) -> list[tuple[int, int]]:
@@ -93,3 +129,21 @@ class Backend(ABC):
         engine memory, and return when every byte landed. `mapping` is the session's first mapping:
         its device is the device of all of them. The job's order_pending records are done by now.
         Runs in one of the daemon's copy threads of the mapping's device; raises on any failure."""
+
+    def transfer(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool, blocks: int,
+                 check: ChecksumSample | None = None) -> list[int]:
+        """One chunk of a job (`blocks` blocks, the plan's runs region-major): verify the `check`
+        sample in the pool first, then copy the runs of every block that passed. Returns the
+        positions of the corrupt ones (none of their bytes moved). This default checksums, then
+        calls copy(); a backend may do both in one native call (cpu)."""
+        corrupt: list[int] = []
+        if check is not None:
+            from kvstore_service import native  # (the interface itself needs no native engine)
+
+            sums = native.checksum_blocks(pool_base, check.offsets, check.size)
+            corrupt = [k for k, want, got in zip(check.positions, check.expected, sums, strict=True)
+                       if want not in (native.UNKNOWN_CHECKSUM, got)]
+        if corrupt:
+            plan = without(plan, corrupt, blocks)
+        self.copy(mapping, pool_base, plan, to_engine)
+        return corrupt

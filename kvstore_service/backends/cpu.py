@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from kvstore_client.protocol import memfd
 from kvstore_service import native
-from kvstore_service.backends.base import Backend, Mapping, TransferPlan
+from kvstore_service.backends.base import Backend, ChecksumSample, Mapping, ProgressWord, TransferPlan
 from kvstore_service.pool import MADV_POPULATE_WRITE
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -77,6 +77,24 @@ class CpuBackend(Backend):
             held.mm.close()
         except BufferError:  # a stray export still holds it; the GC unmaps it later
             pass
+
+    def transfer(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool, blocks: int,
+                 check: ChecksumSample | None = None) -> list[int]:
+        """The chunk in one native call: its checksum sample, its copy and, for a whole load, each
+        region's arrival posted in the completion channel, all without the GIL (a progress callback
+        other than the channel's own word goes through copy(), region by region)."""
+        progress = plan.progress
+        if progress is not None and not isinstance(progress, ProgressWord):
+            return super().transfer(mapping, pool_base, plan, to_engine, blocks, check)
+        whole = progress is not None and to_engine
+        return native.transfer(pool_base, plan.pool_offsets, plan.engine_addresses, plan.sizes, to_engine, blocks,
+                               streaming=not whole,
+                               progress=progress.address if whole and progress is not None else 0,
+                               progress_word=progress.word if whole and progress is not None else 0,
+                               check=None if check is None else check.positions,
+                               check_offsets=None if check is None else check.offsets,
+                               check_size=0 if check is None else check.size,
+                               expected=None if check is None else check.expected)
 
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         if to_engine and plan.progress is not None:
