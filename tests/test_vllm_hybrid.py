@@ -119,10 +119,11 @@ def test_loaded_sliding_window_blocks_are_really_used(references, daemon_factory
     assert outputs(b) != outputs(reference)
 
 
-def test_linear_attention_states_are_served_and_a_restart_loads_them(references, daemon, tmp_path) -> None:
+def test_linear_attention_states_are_served_and_a_restart_loads_them(references, daemon_factory, tmp_path) -> None:
     """Qwen3-Next-like (3 gated-delta-net layers + 1 full attention): vLLM raises the block to 160 tokens
     (the attention page holds a state); the 200-token prefix's first block and the states at its end hit."""
     model, reference = references("qwen3_next")
+    daemon = daemon_factory("--verify-loads", "1").start()  # every load checked: altered states below fail
     a = engine(model, "qwen3_next", tmp_path / "a.json", connector_config(daemon))
     assert outputs(a) == outputs(reference)
     assert a["kv_cache"] == reference["kv_cache"]  # the hybrid allocator stays on
@@ -137,6 +138,11 @@ def test_linear_attention_states_are_served_and_a_restart_loads_them(references,
     stats = client.stats()
     assert stats.loaded_blocks > 0 and stats.failed_load_blocks == 0
     assert stats.leases == 0 and stats.jobs_in_flight == 0
+    # States altered in the pool fail their checksums: those loads fail and vLLM recomputes (failed_recving).
+    assert alter_blocks(daemon, [g for g, group in enumerate(a["kv_cache"]["groups"]) if group["kind"] == "MambaSpec"])
+    c = engine(model, "qwen3_next", tmp_path / "c.json", connector_config(daemon))
+    assert client.stats().failed_load_blocks > 0
+    assert outputs(c) == outputs(reference) and logprobs(c) == logprobs(reference)
 
 
 def test_loaded_states_are_really_used(references, daemon_factory, tmp_path) -> None:
