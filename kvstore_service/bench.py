@@ -37,6 +37,9 @@ def private_daemon(pool_bytes: int, copy_threads: int) -> Iterator[str]:
         shutil.rmtree(daemon.workdir, ignore_errors=True)
 
 
+BURST = 3  # stores back to back in each round of the sustained figure
+
+
 def percentile(samples: list[float], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -180,19 +183,10 @@ def data_path(run: Run, rounds: int) -> dict[str, Any]:
         run.measure_limits()
         store.append(run.store(keys, ids))
         run.stored.append(keys)
-    # Back to back: what a burst of stores sustains, and what it sustains once its checksums are in.
-    started = time.perf_counter()
-    for _ in range(rounds):
-        run.store(*run.job())
-    copied = time.perf_counter() - started
-    wait_sealed(run.client)
-    sealed = time.perf_counter() - started
     for keys in run.stored:
         run.measure_limits()
         load.append(run.load(keys, run.ids()))
     results: dict[str, Any] = {
-        "store_sustained_gbps": rounds * run.total / copied / 1e9,
-        "store_sustained_sealed_gbps": rounds * run.total / sealed / 1e9,
         "memcpy_gbps": max(run.limits) if run.backend == "cpu" else run.memcpy.gbps(rounds),
         "store_gbps": max(store), "load_gbps": max(load),
     }
@@ -207,11 +201,123 @@ def data_path(run: Run, rounds: int) -> dict[str, Any]:
             results[f"load_vs_{name}_rounds"] = [round(r, 3) for r in ratios[rounds:]]
     if run.engine_limits:
         results["copy_engine_gbps"] = max(run.engine_limits)
-        results["store_sustained_vs_copy_engine"] = results["store_sustained_gbps"] / statistics.median(
-            run.engine_limits)
-        results["store_sustained_sealed_vs_copy_engine"] = results["store_sustained_sealed_gbps"] / statistics.median(
-            run.engine_limits)
+        results["copy_engine_gbps_median"] = statistics.median(run.engine_limits)
     return results
+
+
+def sustained(run: Run, rounds: int, burst: int = BURST) -> dict[str, Any]:
+    """Bursts of `burst` stores back to back (their seals yield to the copies), each burst paired with
+    the limits measured right before it: what stores sustain, and what they sustain once sealed.
+    The namespace is cleared before each burst (the pool holds one burst, not all of them)."""
+    run.limits.clear()
+    run.engine_limits.clear()
+    copied, sealed = [], []
+    for _ in range(rounds):
+        wait_sealed(run.client)
+        run.client.clear(run.session.namespace)
+        jobs = [run.job() for _ in range(burst)]
+        run.measure_limits()
+        if run.backend != "cpu":
+            synchronize_before_store(run.kv.device)
+        started = time.perf_counter()
+        ids = [run.session.store(keys, block_ids) for keys, block_ids in jobs]
+        for job, done in run.session.wait(ids, timeout=120).items():
+            if not done.ok:
+                raise RuntimeError(f"benchmark job {job} failed: {done}")
+        copied.append(burst * run.total / (time.perf_counter() - started) / 1e9)
+        wait_sealed(run.client)
+        sealed.append(burst * run.total / (time.perf_counter() - started) / 1e9)
+    run.client.clear(run.session.namespace)
+    results: dict[str, Any] = {"store_sustained_gbps": max(copied), "store_sustained_sealed_gbps": max(sealed)}
+    for name, limits in (("limit", run.limits), ("copy_engine", run.engine_limits)):
+        if limits:
+            ratios = paired_ratios(copied, limits)
+            results[f"store_sustained_vs_{name}"] = statistics.median(ratios)
+            results[f"store_sustained_vs_{name}_rounds"] = [round(r, 3) for r in ratios]
+            results[f"store_sustained_sealed_vs_{name}"] = statistics.median(paired_ratios(sealed, limits))
+    return results
+
+
+class SmallLoad:
+    """A vLLM-sized small hit: `blocks` blocks of a layout with a K and a V region per layer (vLLM's
+    CPU and CUDA caches), each `region_bytes` (16 tokens x 8 KV heads x 128 x bf16 = 32 KiB), loaded
+    into scattered block ids. Its limit: the same copy without the daemon, i.e. the native engine
+    copying the same runs from a pool-like buffer (cpu: one thread, plain stores, as the daemon loads
+    such a hit) or one pinned host -> device copy of the same bytes (devices)."""
+
+    def __init__(self, client: KVStoreClient, backend: str, blocks: int, layers: int, region_bytes: int) -> None:
+        self.backend, self.blocks = backend, blocks
+        self.cache_blocks = 4 * blocks
+        regions = [(r * self.cache_blocks * region_bytes, region_bytes, region_bytes) for r in range(2 * layers)]
+        self.block_bytes = 2 * layers * region_bytes
+        self.total = blocks * self.block_bytes
+        size = self.cache_blocks * self.block_bytes
+        if backend == "cpu":
+            self.memory: SharedKVMemory | None = SharedKVMemory(size)
+            self.memory.tensor.fill_(1)
+            spec, self.kv = self.memory.memory_spec(self.cache_blocks, regions), self.memory.tensor
+            self.pool_like: SharedKVMemory | None = SharedKVMemory(self.total)
+            self.pool_like.tensor.fill_(2)
+        else:
+            self.memory, self.pool_like = None, None
+            self.kv = torch.ones(size, dtype=torch.uint8, device=backend)
+            spec = export_kv_memory([self.kv], self.cache_blocks, regions)
+            self.host = torch.ones(self.total, dtype=torch.uint8).pin_memory()
+            self.dev = torch.empty(self.total, dtype=torch.uint8, device=backend)
+        self.regions = regions
+        self.session = client.session(f"bench-small-{secrets.token_hex(4)}", spec)
+        self.rng = random.Random(1)
+        self.keys = [secrets.token_bytes(32) for _ in range(blocks)]
+        synchronize_before_store(self.kv.device)
+        run_job(self.session, partial(self.session.store, self.keys, self.rng.sample(range(self.cache_blocks),
+                                                                                     blocks)))
+
+    def copy_seconds(self, ids: list[int], rounds: int = 3) -> float:
+        """The limit for a load into these block ids: best of `rounds`."""
+        if self.backend != "cpu":
+            def once() -> None:
+                self.dev.copy_(self.host, non_blocking=True)
+                synchronize_before_store(self.dev.device)
+            once()
+            return min(timed(once, rounds)) / 1e6
+        assert self.memory is not None and self.pool_like is not None
+        src, dst = self.pool_like.tensor.data_ptr(), self.memory.tensor.data_ptr()
+        pool_offsets, engine_offsets, sizes = array("Q"), array("Q"), array("Q")
+        before = 0
+        for offset, stride, size in self.regions:  # region-major, as the daemon plans a load
+            pool_offsets.extend(k * self.block_bytes + before for k in range(len(ids)))
+            engine_offsets.extend(offset + b * stride for b in ids)
+            sizes.extend([size] * len(ids))
+            before += size
+        return min(timed(lambda: native.copy_blocks(src, dst, pool_offsets, engine_offsets, sizes, 1, False),
+                         rounds)) / 1e6
+
+    def measure(self, rounds: int) -> dict[str, Any]:
+        """Submit-to-completion of the load, each round paired with the limit measured right before it."""
+        ids = self.rng.sample(range(self.cache_blocks), self.blocks)
+        run_job(self.session, partial(self.session.load, self.keys, ids))  # warm
+        over_us, ratios, job_us, copy_us = [], [], [], []
+        for _ in range(rounds):
+            ids = self.rng.sample(range(self.cache_blocks), self.blocks)
+            limit = self.copy_seconds(ids)
+            took = run_job(self.session, partial(self.session.load, self.keys, ids))
+            over_us.append((took - limit) * 1e6)
+            ratios.append(took / limit)
+            job_us.append(took * 1e6)
+            copy_us.append(limit * 1e6)
+        return {
+            "small_load_blocks": self.blocks, "small_load_bytes": self.total,
+            "small_load_regions": len(self.regions),
+            "small_load_p50_us": statistics.median(job_us), "small_load_copy_p50_us": statistics.median(copy_us),
+            "small_load_overhead_p50_us": statistics.median(over_us),
+            "small_load_vs_copy": statistics.median(ratios),
+        }
+
+    def close(self) -> None:
+        self.session.close()
+        for memory in (self.memory, self.pool_like):
+            if memory is not None:
+                memory.close()
 
 
 def control_path(run: Run, keys: list[bytes]) -> dict[str, Any]:
@@ -264,13 +370,17 @@ def require_device(backend: str) -> None:
 
 
 def run_bench(socket: str | None, blocks: int, block_bytes: int, rounds: int, backend: str,
-              copy_threads: int = 2) -> dict[str, Any]:
+              copy_threads: int = 2, small_blocks: int = 16, small_layers: int = 32,
+              small_region_bytes: int = 32 << 10, small_rounds: int = 30) -> dict[str, Any]:
     """Store and load GB/s are each paired with the limit measured right before them (best of 3):
     on a shared machine the ratio of a pair is stable while absolute GB/s are not. The reported
-    ratio is the median over rounds; GB/s figures are the best round."""
+    ratio is the median over rounds; GB/s figures are the best round. Then the control path, a
+    small vLLM-sized load's overhead over its copy, and bursts of stores (sustained)."""
     require_device(backend)
-    results: dict[str, Any] = {"backend": backend, "blocks": blocks, "block_bytes": block_bytes}
-    pool_bytes = (2 * rounds + 2) * blocks * block_bytes + (64 << 20)
+    results: dict[str, Any] = {"backend": backend, "blocks": blocks, "block_bytes": block_bytes, "rounds": rounds}
+    job_bytes = blocks * block_bytes
+    small_bytes = small_blocks * 2 * small_layers * small_region_bytes
+    pool_bytes = (max(rounds, BURST) + 2) * job_bytes + 2 * small_bytes + (64 << 20)
     ctx = private_daemon(pool_bytes, copy_threads) if socket is None else contextlib.nullcontext(socket)
     with ctx as sock:
         client = KVStoreClient(sock)
@@ -278,6 +388,12 @@ def run_bench(socket: str | None, blocks: int, block_bytes: int, rounds: int, ba
         try:
             results.update(data_path(run, rounds))
             results.update(control_path(run, run.stored[-1]))
+            small = SmallLoad(client, backend, small_blocks, small_layers, small_region_bytes)
+            try:
+                results.update(small.measure(small_rounds))
+            finally:
+                small.close()
+            results.update(sustained(run, rounds))
         finally:
             run.close()
             client.close()
