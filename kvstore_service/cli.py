@@ -139,7 +139,7 @@ def serve(config_file: str | None, **flags: Any) -> None:
         config = Config.load(config_file, **overrides)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
-    from kvstore_service.daemon import run
+    from kvstore_service.serve import run
 
     run(config)
 

@@ -1,10 +1,14 @@
-"""The daemon put together: pool, index, sessions and jobs; the sockets, signals and housekeeping.
+"""The daemon: its verbs, and the parts they are made of, put together.
 
     Pool (pool.py)        the shared-memory file, carved into slots; bytes and offsets only
     BlockIndex (index.py) the only writer of block and namespace state; no locks (the loop owns it)
     Sessions              who is connected, their mapped memory and their leases (sessions.py)
-    Jobs                  store/load pipelines; the only code that hands work to threads (jobs.py)
-    gRPC handlers         server.py: messages in, calls to the above, messages out
+    Jobs                  store/load pipelines: plan, copy, complete, publish, seal (jobs.py)
+    Tiers                 disk and remote store under the pool: written behind, promoted from (tiers/)
+    Threads               every thread the daemon hands work to (threads.py); jobs and tiers use them
+
+The verbs (register, attach, end, lookup, submit, poll, stats, clear, ...) are what the gRPC front
+end (server.py) calls; the process around it all, sockets and signals, is serve.py.
 """
 
 from __future__ import annotations
@@ -12,69 +16,165 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
-import grp
 import logging
-import os
 import secrets
-import signal
-import socket
-import sys
 import time
-from collections.abc import Callable
-
-import grpc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvstore_service import __version__
 from kvstore_service.config import Config
-from kvstore_service.errors import KVError
-from kvstore_service.index import BlockIndex, namespace_hash
-from kvstore_service.jobs import Jobs
-from kvstore_service.metrics import HttpServer, Metrics
+from kvstore_service.errors import KVError, invalid
+from kvstore_service.index import Block, BlockIndex, Namespace, namespace_hash, unpack_keys
+from kvstore_service.jobs import JobResult, Jobs
+from kvstore_service.metrics import Metrics
 from kvstore_service.native import StickyDeviceError
-from kvstore_service.peercred import PeerCredServer
-from kvstore_service.pool import Pool, PoolFullError
-from kvstore_service.server import GrpcServer
-from kvstore_service.sessions import EngineSession, Sessions, open_backend
+from kvstore_service.peercred import PeerCred
+from kvstore_service.pool import Pool
+from kvstore_service.sessions import EngineSession, Registration, Session, Sessions, open_backend
 from kvstore_service.stats import DiskStats, NamespaceStats, RemoteStats, Stats
-from kvstore_service.tenants import Caller, Tenancy, scoped, split
+from kvstore_service.tenants import Caller, scoped, split
+from kvstore_service.threads import Threads
 from kvstore_service.tiers import Tiers
 from kvstore_service.tiers.disk import DiskTier
 from kvstore_service.tiers.remote import RemoteTier
 
 log = logging.getLogger(__name__)
-# A copy thread needs the GIL briefly between native copies while the event loop plans the next
-# chunk; with the default 5 ms switch interval it would idle that long each time.
-SWITCH_INTERVAL_S = 0.0002
-EXIT_DEVICE_FAILED = 75  # EX_TEMPFAIL: a sticky device error; restart the daemon
-# A store creates an object per block: at the default 700 allocations a young collection would run
-# several times per chunk planned (store 0.70-0.72 vs 0.75-0.76 of the copy engine). Housekeeping
-# collects what is young once a second anyway.
-GC_YOUNG_THRESHOLD = 200_000
 REMOTE_DRAIN_S = 2.0  # a stopping daemon waits this long for queued uploads
+MAX_POLL_WAIT_MS = 60_000
+
+
+@dataclass(frozen=True)
+class Registered:
+    """What a registration tells the client."""
+
+    session_id: bytes
+    block_bytes: int  # 0: a lookup session
+    max_inflight_jobs: int
+    boot_id: bytes
+    progress_load_bytes: int  # loads up to this size report each region's arrival; 0: a lookup session
 
 
 class Daemon:
-    """Everything the gRPC handlers serve, owned by the event loop."""
+    """Everything the gRPC handlers serve, owned by the event loop: its verbs."""
 
-    def __init__(self, config: Config, fatal: Callable[[StickyDeviceError], None]) -> None:
+    def __init__(self, config: Config, fatal: Callable[[StickyDeviceError], None], threads: Threads) -> None:
+        """Blocking (`open` runs it off the loop): the pool set up or re-attached, --devices opened."""
         self.config = config
         self.boot_id = secrets.token_bytes(16)
         self.started = time.monotonic()
+        self.threads = threads
         self.pool = Pool(config.pool_path, int(config.pool_size), int(config.segment_size), fresh=config.fresh)
         self.index = BlockIndex(self.pool)
         self.recovered = self.index.recover() if self.pool.reattached else 0
         self.metrics = Metrics()
-        self.jobs = Jobs(config, self.pool, self.index, self.metrics, fatal)
+        self.jobs = Jobs(config, self.pool, self.index, self.metrics, fatal, threads)
         backends = {}
         for name in config.devices:  # (this runs off the loop, before the daemon serves)
             try:
                 backends[name] = open_backend(name, self.pool)
             except KVError as e:
                 raise ValueError(f"--devices {name}: {e.message}") from None
-        self.sessions = Sessions(config, self.pool, self.index, self.jobs.off_loop, backends)
+        self.sessions = Sessions(config, self.pool, self.index, self.jobs.off_loop, backends, settle=self.jobs.settle)
         self.tiers: Tiers | None = None  # made on the event loop: `open_tiers`
         if self.recovered:
             log.info("re-attached pool %s: %d blocks recovered", config.pool_path, self.recovered)
+
+    @classmethod
+    async def open(cls, config: Config, fatal: Callable[[StickyDeviceError], None]) -> Daemon:
+        """The daemon, made off the event loop (setting up a large pool and pinning it take seconds)."""
+        threads = Threads(config.copy_threads)
+        try:
+            return await threads.device_call(cls, config, fatal, threads)
+        except BaseException:
+            threads.close()
+            raise
+
+    # -- sessions --------------------------------------------------------------------------------
+
+    async def register(self, registration: Registration, peer: PeerCred | None, fds: list[int]) -> Registered:
+        """A new session (`fds` from the handshake: closed here, whatever happens)."""
+        session = await self.sessions.register(registration, peer, fds)
+        return Registered(session.session_id, registration.layout.slot_bytes if registration.layout else 0,
+                          self.config.max_inflight_jobs, self.boot_id,
+                          session.backend.whole_load_bytes if isinstance(session, EngineSession) else 0)
+
+    def session(self, session_id: bytes) -> Session:
+        """A live session (NOT_FOUND if unknown or ended)."""
+        return self.sessions.get(session_id)
+
+    def attach(self, session: Session) -> Session:
+        """The session's stream is open: it lives until `end` (ALREADY_EXISTS for a second one)."""
+        return self.sessions.attach(session)
+
+    async def end(self, session: Session) -> None:
+        """Its leases dropped, then (engine) its memory unmapped once its copies finished."""
+        await self.sessions.end(session)
+
+    # -- lookups and leases ----------------------------------------------------------------------
+
+    async def lookup(self, session: Session | None, caller: Caller | None, namespace: str, keys: bytes,
+                     key_size: int, lease: bool = False, ttl_ms: int = 0,
+                     spans: Sequence[int] = ()) -> tuple[int, bytes]:
+        """How many of the leading keys (packed) are in the pool, with `lease` pinned for the session:
+        in the session's namespace, or without one in the caller's tenant's `namespace`. The pool's
+        misses are brought in from the tiers below first. Returns (hits, lease id)."""
+        if session is not None:
+            name = scoped(session.tenant, namespace) if namespace else ""
+        elif caller is not None:
+            name = scoped(caller.member("look up blocks"), namespace)
+        else:
+            raise invalid("lookup needs a session or a namespace")
+        if self.tiers is not None:
+            ns = self.index.find_namespace(session.namespace_name if session is not None else name)
+            if ns is not None:
+                # Shielded: a promotion cut short would leave its reserved slots WRITING for good.
+                await asyncio.shield(self._promote(ns, list(unpack_keys(keys, key_size))))
+        return self.sessions.lookup(session, name, keys, key_size, lease, ttl_ms, spans)
+
+    async def _promote(self, ns: Namespace, keys: list[bytes]) -> None:
+        """Bring a lookup's misses in from the tiers, a run at a time (a promotion stops at a block the
+        pool holds), as far as the pool can hold them and --remote-fetch-bytes allows. The lookup's
+        blocks in the pool are pinned meanwhile: the promotion's evictions must not take them."""
+        tiers, index = self.tiers, self.index
+        assert tiers is not None
+        budget = max(1, int(self.config.remote_fetch_bytes) // ns.block_bytes)
+        held: list[Block] = []
+        try:
+            while budget > 0:
+                index.unpin(held)
+                held = index.pin_present(ns, keys)
+                start = index.leading(ns, keys)
+                if start == len(keys):
+                    break
+                promoted = await tiers.promote(ns, keys[:start + budget])
+                if not promoted:
+                    break
+                budget -= promoted
+        finally:
+            index.unpin(held)
+
+    def release_lease(self, session: Session, lease_id: bytes) -> None:
+        self.sessions.release_lease(session, lease_id)
+
+    # -- jobs ------------------------------------------------------------------------------------
+
+    def submit(self, session: Session, job_id: int, keys: bytes, key_size: int, block_ids: Sequence[int],
+               is_store: bool, partial_tail: bool = False) -> int:
+        """Start a store or load job of an engine session (keys packed); its completion is posted to the
+        session's channel. Returns the job's id."""
+        engine = self.sessions.engine(session)
+        job = self.jobs.submit(engine, job_id, list(unpack_keys(keys, key_size)), block_ids, is_store,
+                               is_store and partial_tail)
+        return job.job_id
+
+    async def poll(self, session: Session, wait_ms: int) -> list[JobResult]:
+        """The session's jobs finished since its last poll, waiting up to `wait_ms` for one."""
+        if not isinstance(session, EngineSession):
+            return []  # a lookup session runs no jobs
+        return await self.jobs.poll(session, min(wait_ms, MAX_POLL_WAIT_MS))
+
+    # -- the daemon ------------------------------------------------------------------------------
 
     def stats(self, caller: Caller | None = None) -> Stats:
         """The daemon-wide figures, and the namespaces `caller` may see (None: all of them). A
@@ -97,7 +197,7 @@ class Daemon:
             stored_blocks=sum(n.stored_blocks for n in namespaces),
             loaded_blocks=sum(n.loaded_blocks for n in namespaces), evictions=self.index.evictions,
             engines=len(engines), leases=sum(len(s.leases) for s in self.sessions.by_id.values()),
-            jobs_in_flight=sum(len(s.jobs) for s in engines), failed_blocks=self.jobs.failed_blocks,
+            jobs_in_flight=self.jobs.in_flight, failed_blocks=self.jobs.failed_blocks,
             store_failures_pool_full=self.jobs.store_failures_pool_full,
             lease_expiries=self.sessions.lease_expiries, corrupt_blocks=self.jobs.corrupt_blocks,
             uptime_s=int(time.monotonic() - self.started), namespaces=visible, daemon_version=__version__,
@@ -109,11 +209,15 @@ class Daemon:
             loaded_tokens=sum(n.loaded_tokens for n in namespaces),
         )
 
-    async def clear(self, tenant: str | None, namespace: str) -> int:
-        """Drop the blocks of a tenant's namespace, of all its namespaces (`namespace` empty), or of every
-        namespace (`tenant` None): the pool's unpinned ones, and the disk tier's for good (a restart does
-        not bring them back; answered once that is written down). Returns how many blocks were dropped, a
-        block in both tiers once."""
+    async def clear(self, caller: Caller, tenant: str, namespace: str) -> int:
+        """Drop the blocks of a tenant's namespace, of all its namespaces (`namespace` empty), or (an
+        admin naming no tenant nor namespace) of every namespace: the pool's unpinned ones, and the disk
+        tier's for good (a restart does not bring them back; answered once that is written down).
+        Others than admins clear their own tenant's only. Returns how many blocks were dropped, a block
+        in both tiers once."""
+        return await self._clear(_clear_scope(caller, tenant, namespace), namespace)
+
+    async def _clear(self, tenant: str | None, namespace: str) -> int:
         disk = self.tiers.disk if self.tiers is not None else None
         scopes: list[bytes] | None = None  # every namespace's
         if namespace:
@@ -132,9 +236,22 @@ class Daemon:
             await asyncio.shield(saved)  # (a Clear cut short still gets written down)
         return cleared
 
-    def open_tiers(self, disk: DiskTier | None) -> None:
-        """On the event loop: the tiers under the pool (--disk-path, opened off the loop; --remote), fed
-        by the seals, asked by lookups."""
+    async def open_tiers(self) -> None:
+        """On the event loop: the tiers under the pool (--disk-path, opened on the disk threads;
+        --remote), fed by the seals, asked by lookups. A refused one is a ValueError naming its flag."""
+        config = self.config
+        disk = None
+        if config.disk_path:
+            try:
+                disk = await Threads.run(self.threads.disk, open_disk, config)
+            except ValueError as e:
+                raise ValueError(f"--disk-path: {e}") from None
+        try:
+            self._open_tiers(disk)
+        except ValueError as e:
+            raise ValueError(f"--remote: {e}") from None
+
+    def _open_tiers(self, disk: DiskTier | None) -> None:
         config = self.config
         remote = None
         if config.remote:
@@ -150,19 +267,25 @@ class Daemon:
                            int(config.remote_fetch_bytes), disk=disk, remote=remote)
         self.jobs.on_sealed = self.tiers.sealed
 
-    async def housekeeping(self, creds: PeerCredServer) -> None:
-        while True:
-            await asyncio.sleep(1.0)
-            self.sessions.expire_leases()
-            creds.expire()
-            await self.sessions.reap_unattached()
-            self.index.forget_empty({s.namespace for s in self.sessions.by_id.values() if s.namespace})
-            # The index holds an object per block (millions in a large pool). A full collection
-            # would walk them all (tens of ms per 10k blocks, stalling every RPC), though they form
-            # no garbage cycles: collect what is young, then move the survivors out of the
-            # collector's sight. Garbage among them is still freed by reference counting.
-            gc.collect()
-            gc.freeze()
+    def start_verifying(self) -> None:
+        """Once serving after a restart: the blocks recovered from the pool are verified in the background."""
+        self.jobs.verify_recovered()
+
+    def count_error(self, code: str) -> None:
+        """A request failed with this status code (for the metrics)."""
+        self.metrics.errors.labels(code).inc()
+
+    async def housekeeping(self) -> None:
+        """Once a second: expired leases and never-attached sessions dropped, empty namespaces forgotten."""
+        self.sessions.expire_leases()
+        await self.sessions.reap_unattached()
+        self.index.forget_empty({s.namespace for s in self.sessions.by_id.values() if s.namespace})
+        # The index holds an object per block (millions in a large pool). A full collection
+        # would walk them all (tens of ms per 10k blocks, stalling every RPC), though they form
+        # no garbage cycles: collect what is young, then move the survivors out of the
+        # collector's sight. Garbage among them is still freed by reference counting.
+        gc.collect()
+        gc.freeze()
 
     async def shutdown(self) -> None:
         """Let copies finish, drop mappings (engines register again with the next daemon)."""
@@ -170,6 +293,7 @@ class Daemon:
         await self.jobs.shutdown()
         if self.tiers is not None:
             await self.tiers.close(drain_s=REMOTE_DRAIN_S)
+        self.threads.close()
         self.pool.close()
 
 
@@ -187,139 +311,15 @@ def disk_stats(disk: DiskTier) -> DiskStats:
     return DiskStats(**dataclasses.asdict(disk.stats()))
 
 
-# -- sockets ---------------------------------------------------------------------------------------
-
-
-def _prepare_socket(path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    if os.path.exists(path):
-        probe = socket.socket(socket.AF_UNIX)
-        try:
-            probe.connect(path)
-            raise SystemExit(f"another daemon is already listening on {path}")
-        except OSError:
-            os.unlink(path)  # stale socket of a dead daemon
-        finally:
-            probe.close()
-
-
-def _secure_socket(path: str, config: Config) -> int | None:
-    """Socket file mode and group: who may talk to the daemon at all."""
-    os.chmod(path, int(config.socket_mode, 8))
-    if not config.socket_group:
-        return None
-    gid = int(config.socket_group) if config.socket_group.isdigit() else grp.getgrnam(config.socket_group).gr_gid
-    os.chown(path, -1, gid)
-    return gid
-
-
-def _tcp_credentials(config: Config) -> grpc.ServerCredentials | None:
-    if config.tls_cert:
-        with open(config.tls_cert, "rb") as f:
-            cert = f.read()
-        with open(config.tls_key, "rb") as f:
-            key = f.read()
-        ca = None
-        if config.tls_client_ca:
-            with open(config.tls_client_ca, "rb") as f:
-                ca = f.read()
-        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
-    if not config.insecure:
-        raise SystemExit("--tcp needs --tls-cert/--tls-key, or --insecure for plaintext")
-    log.warning("listening on plaintext TCP %s: anyone who reaches it can read and write the cache", config.tcp)
-    return None
-
-
-# -- the serve loop --------------------------------------------------------------------------------
-
-
-async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
-    stopping = asyncio.Event()
-    failed: list[StickyDeviceError] = []
-
-    def fatal(error: StickyDeviceError) -> None:
-        if not failed:
-            log.critical("device %d failed for good (%s): exiting so that the supervisor restarts the daemon "
-                         "on its pool", error.device, error)
-        failed.append(error)
-        stopping.set()
-    tenancy = Tenancy(config)
-    creds = PeerCredServer(config.socket + ".cred", sorted(tenancy.handshake_uids()), config.handshake_timeout_s,
-                           config.max_handshakes_per_uid, config.max_handshakes)
-    server = GrpcServer(config, stopping, creds, tenancy)
-    _prepare_socket(config.socket)
-    server.listen(f"unix://{config.socket}")
-    if config.tcp:
-        server.listen(config.tcp, _tcp_credentials(config))
-    await server.start()
-    # /healthz from now on
-    http = HttpServer(config.metrics_port, config.socket, config.metrics_host) if config.metrics_port else None
-    gid = _secure_socket(config.socket, config)
-    await creds.start(int(config.socket_mode, 8), gid)
-    # The pool is set up (and recovered), and --devices opened, while health says NOT_SERVING.
-    try:
-        daemon = await asyncio.to_thread(Daemon, config, fatal)
-    except BaseException:  # a refused start leaves no socket behind
-        await server.stop(grace=0)
-        await creds.close()
-        _remove(config.socket)
-        raise
-
-    loop = asyncio.get_running_loop()
-    if http is not None:
-        daemon.metrics.publish(http, daemon.stats, loop, per_namespace=config.metrics_namespaces)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
-    what = "--disk-path"
-    try:
-        disk = await asyncio.to_thread(open_disk, config) if config.disk_path else None
-        what = "--remote"
-        daemon.open_tiers(disk)
-    except ValueError as e:  # (a refused start leaves no socket behind)
-        await server.stop(grace=0)
-        await creds.close()
-        _remove(config.socket)
-        raise ValueError(f"{what}: {e}") from None
-    chores = loop.create_task(daemon.housekeeping(creds))
-    daemon.jobs.verify_recovered()
-    await server.serve(daemon)
-    log.info("kvstore %s serving on %s (pool %s, %d bytes, %d blocks recovered)", __version__, config.socket,
-             config.pool_path, daemon.pool.capacity, daemon.recovered)
-    if ready is not None:
-        ready.set()
-    await stopping.wait()
-
-    if failed:  # no device call can succeed any more: leave without them, the pool stays on its file
-        await server.stop(grace=0)
-        _remove(config.socket)
-        _remove(config.socket + ".cred")
-        logging.shutdown()
-        os._exit(EXIT_DEVICE_FAILED)
-    log.info("shutting down")
-    chores.cancel()
-    await server.stop(grace=2.0)
-    await creds.close()
-    await daemon.shutdown()
-    _remove(config.socket)
-    if http is not None:
-        http.close()
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def run(config: Config) -> None:
-    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvloop
-
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
-    try:
-        uvloop.run(serve(config))
-    except (PoolFullError, ValueError, OSError) as e:
-        log.error("cannot start: %s", e)
-        raise SystemExit(2) from None
+def _clear_scope(caller: Caller, tenant: str, namespace: str) -> str | None:
+    """Whose blocks a Clear reaches: the tenant named (admins only; None: every tenant's), else the
+    caller's own tenant."""
+    if not caller.admin:
+        if tenant and tenant != caller.tenant:
+            raise KVError("PERMISSION_DENIED", f"only admins (--admin-uids) may clear tenant {tenant!r}'s blocks")
+        return caller.member("clear blocks")
+    if not tenant and namespace:
+        if caller.tenant is None:
+            raise invalid("name the tenant whose namespace to clear")
+        return caller.tenant
+    return tenant or None

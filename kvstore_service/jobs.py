@@ -1,6 +1,6 @@
 """Store and load jobs: plan on the event loop -> copy in a thread -> complete -> publish -> seal.
 
-The only module that hands work to threads (the device calls of sessions go through `off_loop`). A
+Its work runs on the daemon's threads (threads.py), and so do the device calls of sessions (`off_loop`). A
 job is cut into chunks; for each chunk the loop asks the index for slots (store) or pinned blocks
 (load), plans the byte runs, and hands the chunk to one of the `--copy-threads` copy threads, which
 only make native calls. While chunks copy, the loop plans the next ones; two chunks in flight keep a
@@ -32,14 +32,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import os
 import random
-import threading
 import time
+import weakref
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -52,6 +51,7 @@ from kvstore_service.index import Block, BlockIndex
 from kvstore_service.metrics import Metrics
 from kvstore_service.pool import Pool, SlotState
 from kvstore_service.sessions import EngineSession
+from kvstore_service.threads import Threads
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -80,15 +80,9 @@ SEAL_DEFER_S = 1.0
 ORDER_WAIT_S = 60.0
 ORDER_POLL_FIRST_S = 0.0002
 ORDER_POLL_MAX_S = 0.002
-
-
-def _lower_priority() -> None:
-    """Copy threads run at nice 10: when the event loop has work (planning the next chunk, serving
-    an RPC) it gets a core at once, while the copies, bound by memory bandwidth, lose little."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except OSError:  # not allowed here: run at normal priority
-        pass
+# Finished jobs kept per session for the Poll RPC (the shared-memory channel is the main path):
+# the oldest go first when nobody polls.
+RESULTS_KEPT = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +115,16 @@ class Job:
 
 
 @dataclass(eq=False)
+class EngineJobs:
+    """The jobs of one engine session: kept by Jobs for as long as the session object lives."""
+
+    running: dict[int, Job] = field(default_factory=dict)  # completion slot -> unfinished job
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    results: deque[JobResult] = field(default_factory=lambda: deque(maxlen=RESULTS_KEPT))  # for Poll
+    results_ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(eq=False)
 class Chunk:
     """Part of a job, planned on the event loop: its copy thread only makes native calls."""
 
@@ -132,20 +136,15 @@ class Chunk:
 
 class Jobs:
     def __init__(self, config: Config, pool: Pool, index: BlockIndex, metrics: Metrics,
-                 fatal: Callable[[native.StickyDeviceError], None]) -> None:
+                 fatal: Callable[[native.StickyDeviceError], None], threads: Threads | None = None) -> None:
         self.config = config
         self.fatal = fatal  # a device is unusable for the whole process: the daemon must restart
         self.pool = pool
         self.index = index
         self.metrics = metrics
-        self.executor = ThreadPoolExecutor(max_workers=config.copy_threads, thread_name_prefix="kvstore-copy",
-                                           initializer=_lower_priority)
-        # Device calls that may block for long (runtime init, pinning, opening or closing IPC memory):
-        # their own threads, so that they neither block the loop nor wait behind copies.
-        self._device_calls = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvstore-device")
-        # Copy threads of each device (backend name, device index), made on first use; CPU jobs and
-        # seals use `executor`.
-        self._lanes: dict[tuple[str, int], ThreadPoolExecutor] = {}
+        # Copies of each device on its lane, CPU jobs and seals on the shared one; device calls apart.
+        self.threads = threads if threads is not None else Threads(config.copy_threads)
+        self._of: weakref.WeakKeyDictionary[EngineSession, EngineJobs] = weakref.WeakKeyDictionary()
         self.order_wait_s = ORDER_WAIT_S
         self.failed_blocks = 0
         self.failed_load_blocks = 0
@@ -165,7 +164,7 @@ class Jobs:
     async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run a blocking device call in a thread and await it."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._device_calls, fn, *args)
+            return await self.threads.device_call(fn, *args)
         except native.StickyDeviceError as e:
             self.fatal(e)
             raise
@@ -191,33 +190,56 @@ class Jobs:
         if job_id >= MAX_JOB_ID:
             raise invalid(f"job id {job_id} is too large (max {MAX_JOB_ID - 1})")
         slot = job_id % session.channel.slots
-        if slot in session.jobs:
+        mine = self._jobs_of(session)
+        if slot in mine.running:
             raise KVError("RESOURCE_EXHAUSTED",
-                          f"job {job_id}: completion slot busy ({len(session.jobs)} jobs in flight, "
+                          f"job {job_id}: completion slot busy ({len(mine.running)} jobs in flight, "
                           f"{session.channel.slots} slots); wait for completions")
-        if len(session.jobs) >= self.config.max_inflight_jobs:
-            raise KVError("RESOURCE_EXHAUSTED", f"{len(session.jobs)} jobs in flight (--max-inflight-jobs "
+        if len(mine.running) >= self.config.max_inflight_jobs:
+            raise KVError("RESOURCE_EXHAUSTED", f"{len(mine.running)} jobs in flight (--max-inflight-jobs "
                           f"{self.config.max_inflight_jobs}); wait for completions")
 
         job = Job(job_id, is_store, session, keys, block_ids, [False] * len(keys), partial_tail)
         job.order = self._order_pending(job)  # now, at arrival: the records the job must follow
-        session.jobs[slot] = job
+        mine.running[slot] = job
         task = asyncio.get_running_loop().create_task(self._run(job))
-        session.tasks.add(task)
-        task.add_done_callback(session.tasks.discard)
+        mine.tasks.add(task)
+        task.add_done_callback(mine.tasks.discard)
         return job
 
     async def poll(self, session: EngineSession, wait_ms: int) -> list[JobResult]:
         """Results of the jobs finished since the last poll (the newest RESULTS_KEPT)."""
-        if not session.results and wait_ms > 0:
-            session.results_ready.clear()
+        mine = self._jobs_of(session)
+        if not mine.results and wait_ms > 0:
+            mine.results_ready.clear()
             try:
-                await asyncio.wait_for(session.results_ready.wait(), wait_ms / 1000)
+                await asyncio.wait_for(mine.results_ready.wait(), wait_ms / 1000)
             except TimeoutError:
                 pass
-        results = list(session.results)
-        session.results.clear()
+        results = list(mine.results)
+        mine.results.clear()
         return results
+
+    def unpolled(self, session: EngineSession) -> list[JobResult]:
+        """The results a poll would return now, left in place."""
+        return list(self._jobs_of(session).results)
+
+    async def settle(self, session: EngineSession) -> None:
+        """A session ends: wait for its jobs' copies (they use its mapping) and completions."""
+        mine = self._of.get(session)
+        if mine is not None and mine.tasks:
+            await asyncio.gather(*mine.tasks, return_exceptions=True)
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs submitted and not finished, of every session."""
+        return sum(len(mine.running) for mine in self._of.values())
+
+    def _jobs_of(self, session: EngineSession) -> EngineJobs:
+        mine = self._of.get(session)
+        if mine is None:
+            mine = self._of[session] = EngineJobs()
+        return mine
 
     # -- ordering against the engine -------------------------------------------------------------
 
@@ -257,19 +279,12 @@ class Jobs:
                 return False
         return not job.error
 
-    def _lane(self, session: EngineSession) -> ThreadPoolExecutor:
+    def _lane(self, session: EngineSession) -> Executor:
         """The copy threads of the session's device (once shutting down, the shared ones, which refuse
         new work: no copy may start while the pool closes)."""
-        backend = session.backend
-        if backend.name == "cpu" or self._draining:
-            return self.executor
-        key = (backend.name, session.mappings[0].device)
-        lane = self._lanes.get(key)
-        if lane is None:
-            lane = self._lanes[key] = ThreadPoolExecutor(
-                max_workers=self.config.copy_threads, thread_name_prefix=f"kvstore-copy-{key[0]}{key[1]}",
-                initializer=_lower_priority)
-        return lane
+        if self._draining:
+            return self.threads.shared
+        return self.threads.lane(session.backend.name, session.mappings[0].device)
 
     # -- the pipeline ----------------------------------------------------------------------------
 
@@ -281,7 +296,7 @@ class Jobs:
                 self._publish(job)  # every block failed
         except Exception as e:  # a bug: still tell the engine, never leave the job pending forever
             log.exception("job %d failed", job.job_id)
-            if job.session.jobs.get(job.job_id % job.session.channel.slots) is job:
+            if self._jobs_of(job.session).running.get(job.job_id % job.session.channel.slots) is job:
                 job.error = f"internal error: {e}"
                 job.ok = [False] * len(job.ok)
                 self._publish(job)
@@ -290,7 +305,6 @@ class Jobs:
         """Plan and copy chunk by chunk: the copy threads move one chunk while this loop prepares
         the next one and completes the previous one, so the per-block bookkeeping hides behind the
         copies instead of adding to them."""
-        loop = asyncio.get_running_loop()
         lane = self._lane(job.session)
         copies = []
         n, block_bytes = len(job.keys), job.session.layout.block_bytes
@@ -301,7 +315,7 @@ class Jobs:
                 if whole:
                     _copy_whole(job, chunk.plan)
                 self._copies += 1
-                copies.append((chunk, loop.run_in_executor(lane, self._copy, job, chunk)))
+                copies.append((chunk, Threads.run(lane, self._copy, job, chunk)))
             await asyncio.sleep(0)  # serve other requests between chunks of a large job
         stored: list[Block] = []
         for chunk, copying in copies:
@@ -439,10 +453,11 @@ class Jobs:
             self.failed_load_blocks += len(failed)
         self.metrics.observe_job(job.is_store, time.monotonic() - job.submitted, job.copy_seconds,
                                  job.copied_bytes)
-        session.jobs.pop(job.job_id % session.channel.slots, None)
+        mine = self._jobs_of(session)
+        mine.running.pop(job.job_id % session.channel.slots, None)
         session.channel.post(job.job_id, len(job.ok) - len(failed), len(failed))
-        session.results.append(JobResult(job.job_id, job.is_store, len(job.ok), failed, job.error))
-        session.results_ready.set()
+        mine.results.append(JobResult(job.job_id, job.is_store, len(job.ok), failed, job.error))
+        mine.results_ready.set()
 
     # -- sealing ---------------------------------------------------------------------------------
 
@@ -501,7 +516,7 @@ class Jobs:
 
         checksums = None
         try:
-            checksums = await asyncio.get_running_loop().run_in_executor(self.executor, checksum_and_seal)
+            checksums = await Threads.run(self.threads.shared, checksum_and_seal)
         except Exception:
             log.exception("checksum failed; %d blocks will not survive a restart", len(blocks))
         self.index.seal(blocks, checksums)
@@ -531,9 +546,8 @@ class Jobs:
                 offsets = array("Q", (b.offset for b in held))
                 checksums = None
                 try:
-                    checksums = await asyncio.get_running_loop().run_in_executor(
-                        self.executor, native.checksum_blocks, self.pool.base, offsets, block_bytes,
-                        self.config.copy_threads)
+                    checksums = await Threads.run(self.threads.shared, native.checksum_blocks, self.pool.base,
+                                                  offsets, block_bytes, self.config.copy_threads)
                 except Exception:
                     log.exception("checksum failed; %d recovered blocks dropped unverified", len(held))
                 corrupt = self.index.verify(held, checksums)
@@ -550,10 +564,7 @@ class Jobs:
             self._verifier.cancel()
         if self._sealer is not None:
             await self._sealer
-        self.executor.shutdown(wait=True)
-        for lane in self._lanes.values():
-            lane.shutdown(wait=True)
-        self._device_calls.shutdown(wait=True)
+        self.threads.close_copies()
 
 
 def chunks(n: int, block_bytes: int, threads: int) -> list[range]:

@@ -1,11 +1,12 @@
-"""gRPC front end: thin handlers that translate messages to calls on the daemon, and back."""
+"""gRPC front end: each handler decodes its request (and who sends it), calls one verb of the daemon,
+and encodes the reply; failures become status codes in one place (ErrorInterceptor)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -14,18 +15,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from kvstore_client.protocol import MAX_KEY, MIN_KEY
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.protocol.groups import check_spans
 from kvstore_service import __version__
 from kvstore_service.config import Config
+from kvstore_service.daemon import Daemon
 from kvstore_service.errors import KVError, invalid
-from kvstore_service.index import Block, Namespace, unpack_keys
 from kvstore_service.layout import Layout, Region
 from kvstore_service.peercred import Handshake, PeerCredServer, close_fds
-from kvstore_service.sessions import EngineSession, Registration, Session
+from kvstore_service.sessions import Registration, Session
 from kvstore_service.stats import to_proto
-from kvstore_service.tenants import Caller, Tenancy, check_namespace, scoped
-
-if TYPE_CHECKING:
-    from kvstore_service.daemon import Daemon
+from kvstore_service.tenants import Caller, Tenancy, check_namespace
 
 log = logging.getLogger(__name__)
 SERVICE = "kvstore.v1.KVStore"
@@ -61,8 +60,9 @@ def registration_of(request: pb.RegisterRequest, caller: Caller) -> Registration
 
 
 class Servicer(pb_grpc.KVStoreServicer):
-    def __init__(self, stopping: asyncio.Event, creds: PeerCredServer, tenancy: Tenancy) -> None:
+    def __init__(self, config: Config, stopping: asyncio.Event, creds: PeerCredServer, tenancy: Tenancy) -> None:
         self._daemon: Daemon | None = None  # None while the pool is set up
+        self.config = config
         self.stopping = stopping
         self.creds = creds
         self.tenancy = tenancy
@@ -83,14 +83,21 @@ class Servicer(pb_grpc.KVStoreServicer):
                           "peer_token: do the <socket>.cred handshake first)")
         return self.tenancy.identify(handshake.cred if handshake else None, context), handshake
 
+    def _caller(self, token: bytes, context: Any) -> Caller:
+        """Who calls, for a request that brings no memory (a handshake's descriptors are closed)."""
+        caller, handshake = self._identify(token, context)
+        if handshake is not None:
+            close_fds(handshake.fds)
+        return caller
+
     def _session(self, session_id: bytes, context: Any) -> Session:
-        session = self.daemon.sessions.get(session_id)
+        session = self.daemon.session(session_id)
         self.tenancy.check_session(session.owner, context)
         return session
 
     async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
         caller, handshake = self._identify(request.peer_token, context, required=True)
-        config = self.daemon.config
+        config = self.config
         try:  # limits first, before building anything from the request
             if len(request.layout.regions) > config.max_layout_regions:
                 raise invalid(f"the layout has {len(request.layout.regions)} regions, more than "
@@ -103,20 +110,17 @@ class Servicer(pb_grpc.KVStoreServicer):
             if handshake is not None:
                 close_fds(handshake.fds)
             raise
-        session = await self.daemon.sessions.register(registration, handshake.cred if handshake else None,
-                                                handshake.fds if handshake else [])
-        return pb.RegisterResponse(session_id=session.session_id,
-                                   block_bytes=registration.layout.slot_bytes if registration.layout else 0,
-                                   max_inflight_jobs=self.daemon.config.max_inflight_jobs,
-                                   daemon_version=__version__, daemon_boot_id=self.daemon.boot_id,
-                                   progress_load_bytes=session.backend.whole_load_bytes
-                                   if isinstance(session, EngineSession) else 0)
+        done = await self.daemon.register(registration, handshake.cred if handshake else None,
+                                          handshake.fds if handshake else [])
+        return pb.RegisterResponse(session_id=done.session_id, block_bytes=done.block_bytes,
+                                   max_inflight_jobs=done.max_inflight_jobs, daemon_version=__version__,
+                                   daemon_boot_id=done.boot_id, progress_load_bytes=done.progress_load_bytes)
 
     async def Attach(self, request: pb.AttachRequest, context: Any) -> AsyncIterator[pb.SessionEvent]:
-        sessions = self.daemon.sessions
-        session = sessions.attach(self._session(request.session_id, context))
+        daemon = self.daemon
+        session = daemon.attach(self._session(request.session_id, context))
         try:
-            yield pb.SessionEvent(attached=pb.Attached(daemon_boot_id=self.daemon.boot_id))
+            yield pb.SessionEvent(attached=pb.Attached(daemon_boot_id=daemon.boot_id))
             stopping = asyncio.ensure_future(self.stopping.wait())
             ended = asyncio.ensure_future(session.ended.wait())
             await asyncio.wait([stopping, ended], return_when=asyncio.FIRST_COMPLETED)
@@ -128,66 +132,35 @@ class Servicer(pb_grpc.KVStoreServicer):
             # The stream closed: the client went away (or unregistered). Clean up off this task,
             # which may be cancelled.
             if not self.stopping.is_set():
-                task = asyncio.get_running_loop().create_task(sessions.end(session))
+                task = asyncio.get_running_loop().create_task(daemon.end(session))
                 self._cleanups.add(task)
                 task.add_done_callback(self._cleanups.discard)
 
     async def Unregister(self, request: pb.UnregisterRequest, context: Any) -> pb.UnregisterResponse:
-        sessions = self.daemon.sessions
-        await sessions.end(self._session(request.session_id, context))
+        await self.daemon.end(self._session(request.session_id, context))
         return pb.UnregisterResponse()
 
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         check_keys(request.keys, request.key_size)  # kept packed: the lookup slices only what it walks
+        if request.group_spans and (why := check_spans(request.group_spans, len(request.keys) // request.key_size)):
+            raise invalid(why)
         session: Session | None = None
-        name = ""
+        caller: Caller | None = None
         if request.session_id:
             session = self._session(request.session_id, context)
-            if request.namespace:
-                name = scoped(session.tenant, request.namespace)
         else:
             if request.lease:
                 raise invalid("a lease needs a session")
             if not request.namespace:
                 raise invalid("lookup needs a session or a namespace")
-            check_namespace(request.namespace, self.daemon.config.max_namespace_bytes)
-            caller, handshake = self._identify(request.peer_token, context)
-            if handshake is not None:
-                close_fds(handshake.fds)
-            name = scoped(caller.member("look up blocks"), request.namespace)
-        if self.daemon.tiers is not None:  # the pool's misses are brought in from the tiers below first
-            ns = self.daemon.index.find_namespace(session.namespace_name if session is not None else name)
-            if ns is not None:
-                # Shielded: a promotion cut short would leave its reserved slots WRITING for good.
-                await asyncio.shield(self._promote(ns, list(unpack_keys(request.keys, request.key_size))))
-        hits, lease_id = self.daemon.sessions.lookup(session, name, request.keys, request.key_size,
-                                                     request.lease, request.lease_ttl_ms)
+            check_namespace(request.namespace, self.config.max_namespace_bytes)
+            caller = self._caller(request.peer_token, context)
+        hits, lease_id = await self.daemon.lookup(session, caller, request.namespace, request.keys, request.key_size,
+                                                  request.lease, request.lease_ttl_ms, request.group_spans)
         return pb.LookupResponse(hits=hits, lease_id=lease_id)
 
-    async def _promote(self, ns: Namespace, keys: list[bytes]) -> None:
-        """Bring a lookup's misses in from the tiers, a run at a time (a promotion stops at a block the
-        pool holds), as far as the pool can hold them and --remote-fetch-bytes allows. The lookup's
-        blocks in the pool are pinned meanwhile: the promotion's evictions must not take them."""
-        tiers, index = self.daemon.tiers, self.daemon.index
-        assert tiers is not None
-        budget = max(1, int(self.daemon.config.remote_fetch_bytes) // ns.block_bytes)
-        held: list[Block] = []
-        try:
-            while budget > 0:
-                index.unpin(held)
-                held = index.pin_present(ns, keys)
-                start = index.leading(ns, keys)
-                if start == len(keys):
-                    break
-                promoted = await tiers.promote(ns, keys[:start + budget])
-                if not promoted:
-                    break
-                budget -= promoted
-        finally:
-            index.unpin(held)
-
     async def ReleaseLease(self, request: pb.ReleaseLeaseRequest, context: Any) -> pb.ReleaseLeaseResponse:
-        self.daemon.sessions.release_lease(self._session(request.session_id, context), request.lease_id)
+        self.daemon.release_lease(self._session(request.session_id, context), request.lease_id)
         return pb.ReleaseLeaseResponse()
 
     async def Store(self, request: pb.TransferRequest, context: Any) -> pb.TransferResponse:
@@ -198,17 +171,13 @@ class Servicer(pb_grpc.KVStoreServicer):
 
     def _submit(self, request: pb.TransferRequest, context: Any, is_store: bool) -> pb.TransferResponse:
         check_keys(request.keys, request.key_size)
-        session = self.daemon.sessions.engine(self._session(request.session_id, context))
-        keys = list(unpack_keys(request.keys, request.key_size))
-        job = self.daemon.jobs.submit(session, request.job_id, keys, request.block_ids, is_store,
-                                      is_store and request.partial_tail)
-        return pb.TransferResponse(job_id=job.job_id)
+        session = self._session(request.session_id, context)
+        job_id = self.daemon.submit(session, request.job_id, request.keys, request.key_size, request.block_ids,
+                                    is_store, request.partial_tail)
+        return pb.TransferResponse(job_id=job_id)
 
     async def Poll(self, request: pb.PollRequest, context: Any) -> pb.PollResponse:
-        session = self._session(request.session_id, context)
-        if not isinstance(session, EngineSession):
-            return pb.PollResponse()  # a lookup session runs no jobs
-        results = await self.daemon.jobs.poll(session, min(request.wait_ms, 60_000))
+        results = await self.daemon.poll(self._session(request.session_id, context), request.wait_ms)
         jobs = []
         for r in results:
             ok = [True] * r.blocks
@@ -225,21 +194,8 @@ class Servicer(pb_grpc.KVStoreServicer):
         return to_proto(self.daemon.stats(self.tenancy.identify(handshake.cred if handshake else None, context)))
 
     async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
-        caller, handshake = self._identify(request.peer_token, context)
-        if handshake is not None:
-            close_fds(handshake.fds)
-        tenant: str | None = request.tenant  # None: every tenant's
-        if not caller.admin:
-            if tenant and tenant != caller.tenant:
-                raise KVError("PERMISSION_DENIED", f"only admins (--admin-uids) may clear tenant {tenant!r}'s blocks")
-            tenant = caller.member("clear blocks")
-        elif not tenant and request.namespace:
-            if caller.tenant is None:
-                raise invalid("name the tenant whose namespace to clear")
-            tenant = caller.tenant
-        elif not tenant:
-            tenant = None
-        return pb.ClearResponse(cleared_blocks=await self.daemon.clear(tenant, request.namespace))
+        caller = self._caller(request.peer_token, context)
+        return pb.ClearResponse(cleared_blocks=await self.daemon.clear(caller, request.tenant, request.namespace))
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -258,7 +214,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             log.error("internal error in %s", method, exc_info=error)
             code, message = "INTERNAL", f"internal error: {error}"
         if self.daemon is not None:
-            self.daemon.metrics.errors.labels(code).inc()
+            self.daemon.count_error(code)
         await context.abort(getattr(grpc.StatusCode, code), message)
 
     async def intercept_service(
@@ -310,7 +266,7 @@ class GrpcServer:
         self.server = grpc.aio.server(interceptors=[self.errors], options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.servicer = Servicer(stopping, creds, tenancy)
+        self.servicer = Servicer(config, stopping, creds, tenancy)
         pb_grpc.add_KVStoreServicer_to_server(self.servicer, self.server)
 
     def listen(self, target: str, credentials: grpc.ServerCredentials | None = None) -> None:

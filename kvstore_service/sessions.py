@@ -3,7 +3,8 @@
 Two shapes of session. A lookup session (vLLM's scheduler) names a namespace and looks blocks up,
 pinning hits with leases. An engine session (a vLLM worker) also registered its KV memory: it has a
 layout, a mapping of that memory made by a device backend, and a completion channel, and it runs
-store and load jobs (jobs.py). A session lives while its client keeps the Attach stream open.
+store and load jobs (jobs.py, which keeps their state). A session lives while its client keeps the Attach
+stream open.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import logging
 import os
 import secrets
 import time
-from collections import Counter, deque
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvstore_client.protocol import MAX_COMPLETION_SLOTS, PROTOCOL_VERSION
 from kvstore_client.protocol.completion import CompletionChannel
@@ -30,15 +31,9 @@ from kvstore_service.peercred import PeerCred, close_fds
 from kvstore_service.pool import Pool
 from kvstore_service.tenants import UNIX, check_namespace, scoped, split
 
-if TYPE_CHECKING:
-    from kvstore_service.jobs import Job, JobResult
-
 log = logging.getLogger(__name__)
 # Runs a blocking call in a thread and awaits it (Jobs.off_loop): device calls never block the loop.
 OffLoop = Callable[..., Awaitable[Any]]
-# Finished jobs kept per session for the Poll RPC (the shared-memory channel is the main path):
-# the oldest go first when nobody polls.
-RESULTS_KEPT = 1024
 
 
 def open_backend(name: str, pool: Pool, pin_now: bool = True) -> Backend:
@@ -102,10 +97,6 @@ class EngineSession(Session):
     mappings: list[Mapping]  # one per KV memory, in the layout's memory order
     memory_bytes: int  # what the layout addresses (mapped): counts against --max-memory-per-uid
     channel: CompletionChannel
-    jobs: dict[int, Job] = field(default_factory=dict)  # completion slot -> unfinished job
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    results: deque[JobResult] = field(default_factory=lambda: deque(maxlen=RESULTS_KEPT))
-    results_ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass(frozen=True)
@@ -129,11 +120,13 @@ class Sessions:
     """The registry of sessions, and the leases they hold on the index's blocks."""
 
     def __init__(self, config: Config, pool: Pool, index: BlockIndex, off_loop: OffLoop,
-                 backends: dict[str, Backend] | None = None) -> None:
+                 backends: dict[str, Backend] | None = None, *,
+                 settle: Callable[[EngineSession], Awaitable[None]]) -> None:
         self.config = config
         self.pool = pool
         self.index = index
         self.off_loop = off_loop
+        self.settle = settle  # waits for an ending session's jobs (Jobs.settle): they use its memory
         self.by_id: dict[bytes, Session] = {}
         self.lease_expiries = 0
         self._registering = 0  # registrations waiting for a device call: they count against max_sessions
@@ -331,8 +324,7 @@ class Sessions:
         for lease in list(session.leases.values()):
             self._drop_lease(session, lease)
         if isinstance(session, EngineSession):
-            if session.tasks:  # copies in flight still use the mapping: let them finish first
-                await asyncio.gather(*session.tasks, return_exceptions=True)
+            await self.settle(session)  # copies in flight still use the mapping: let them finish first
             session.channel.close()
             for mapping in session.mappings:  # device calls may sync the device
                 await self.off_loop(session.backend.unmap, mapping)
@@ -357,10 +349,11 @@ class Sessions:
     # -- lookups and leases ----------------------------------------------------------------------
 
     def lookup(self, session: Session | None, namespace: str, keys: bytes, key_size: int, lease: bool,
-               ttl_ms: int) -> tuple[int, bytes]:
+               ttl_ms: int, spans: Sequence[int] = ()) -> tuple[int, bytes]:
         """How many of the leading keys (packed, `key_size` bytes each) are in the pool: in the session's
         namespace, or without one in `namespace` (the index's name); with `lease` (a session's), those
-        blocks are pinned until the lease is released or expires."""
+        blocks are pinned until the lease is released or expires. With group `spans`: how many blocks
+        every group serves, leasing the blocks that needs (kvstore_client.protocol.groups)."""
         if session is not None:
             if session.closed:  # (it ended while this lookup waited for a lower tier)
                 raise KVError("NOT_FOUND", "the session ended; register again")
@@ -375,9 +368,16 @@ class Sessions:
             ns = self.index.find_namespace(namespace)
         if lease:
             self._check_lease(session, ttl_ms)
-        found = self.index.lookup(ns, keys, key_size) if ns is not None else []
+        found: list[Block] = []
+        if ns is None:
+            hits = 0
+        elif spans:
+            hits, found = self.index.lookup_groups(ns, keys, key_size, spans)
+        else:
+            found = self.index.lookup(ns, keys, key_size)
+            hits = len(found)
         if not (lease and found and session is not None):
-            return len(found), b""
+            return hits, b""
         leased = self._leased.setdefault(session.tenant, {})
         added = sum(1 for b in found if b not in leased) * found[0].namespace.block_bytes
         if self._leased_bytes[session.tenant] + added > self.max_leased_bytes:
@@ -392,7 +392,7 @@ class Sessions:
         self.leases_by_owner[session.owner] += 1
         ttl = ttl_ms / 1000 if ttl_ms else self.config.lease_ttl_s
         session.leases[lease_id] = Lease(lease_id, found, time.monotonic() + ttl)
-        return len(found), lease_id
+        return hits, lease_id
 
     def _check_lease(self, session: Session | None, ttl_ms: int) -> None:
         if ttl_ms / 1000 > self.config.max_lease_ttl_s:

@@ -24,12 +24,12 @@ from kvstore_service.backends.cpu import CpuBackend
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError
 from kvstore_service.index import BlockIndex
-from kvstore_service.jobs import CHUNK_BLOCKS, Jobs, chunks
+from kvstore_service.jobs import CHUNK_BLOCKS, RESULTS_KEPT, Jobs, chunks
 from kvstore_service.layout import Layout, Region
 from kvstore_service.metrics import Metrics
 from kvstore_service.peercred import PeerCred
 from kvstore_service.pool import Pool
-from kvstore_service.sessions import RESULTS_KEPT, EngineSession, Registration, Session, Sessions
+from kvstore_service.sessions import EngineSession, Registration, Session, Sessions
 
 BLOCK = 64 << 10
 NUM_BLOCKS = 32
@@ -105,7 +105,8 @@ class Core:
         self.backend = FakeBackend()
         self.fatal: list[native.StickyDeviceError] = []
         self.jobs = Jobs(self.config, self.pool, self.index, Metrics(), self.fatal.append)
-        self.sessions = Sessions(self.config, self.pool, self.index, self.jobs.off_loop, {"fake": self.backend})
+        self.sessions = Sessions(self.config, self.pool, self.index, self.jobs.off_loop, {"fake": self.backend},
+                                 settle=self.jobs.settle)
         self.channels: list[CompletionChannel] = []
 
     async def engine(self, namespace: str = "ns", regions: int = 1) -> EngineSession:
@@ -403,7 +404,7 @@ def test_finished_jobs_nobody_polls_keep_memory_flat(tmp_path: Path) -> None:
         gc.collect()
         grown = sum(s.size_diff for s in tracemalloc.take_snapshot().compare_to(before, "filename"))
         tracemalloc.stop()
-        assert len(engine.results) == RESULTS_KEPT
+        assert len(core.jobs.unpolled(engine)) == RESULTS_KEPT
         assert grown < 100_000, f"{grown} bytes more after {2 * RESULTS_KEPT} unpolled jobs"
         results = await core.jobs.poll(engine, 0)
         assert [r.job_id for r in results] == list(range(2 * RESULTS_KEPT, 3 * RESULTS_KEPT))

@@ -165,9 +165,9 @@ def test_compact_table_fits_any_namespace_in_80_columns() -> None:
 
 
 def test_the_daemon_loads_only_the_protocol_of_the_client_and_no_torch() -> None:
-    # `kvstore serve` (cli -> daemon -> server, sessions, jobs, backends) imports only kvstore_client.protocol
-    # of the client package, and no torch: the bench and test harness live outside the daemon.
-    code = ("import sys, kvstore_service.cli, kvstore_service.daemon, kvstore_service.backends.cpu; "
+    # `kvstore serve` (cli -> serve -> server -> daemon -> sessions, jobs, backends) imports only
+    # kvstore_client.protocol of the client package, and no torch: the bench and test harness live outside the daemon.
+    code = ("import sys, kvstore_service.cli, kvstore_service.serve, kvstore_service.backends.cpu; "
             "print(' '.join(m for m in sys.modules if m.startswith(('kvstore_client', 'torch'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     loaded = out.stdout.split()

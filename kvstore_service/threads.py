@@ -1,0 +1,86 @@
+"""Every thread the daemon hands work to: the one place its thread pools are made and stopped.
+
+    copy lanes    --copy-threads per device (backend, index), made on first use; the shared lane runs
+                  CPU copies, seals and the verification of recovered blocks (jobs.py)
+    device calls  device work that may block for long: runtime init, pinning the pool, opening or
+                  closing an engine's IPC memory (jobs.py `Jobs.off_loop`, for sessions.py too)
+    disk I/O      the disk tier's reads and writes (the native engine has its own threads besides)
+
+The event loop owns all state; a thread gets a self-contained piece of work (a planned chunk, a
+batch to checksum, one device call, one disk read or write) and hands its result back. Jobs and the
+tiers submit work here, and the daemon's start (the pool set up and pinned, the disk tier opened).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import Any, TypeVar
+
+_T = TypeVar("_T")
+DEVICE_CALL_THREADS = 4
+DISK_THREADS = 2
+
+
+def _lower_priority() -> None:
+    """Copy threads run at nice 10: when the event loop has work (planning the next chunk, serving
+    an RPC) it gets a core at once, while the copies, bound by memory bandwidth, lose little."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except OSError:  # not allowed here: run at normal priority
+        pass
+
+
+class Threads:
+    def __init__(self, copy_threads: int) -> None:
+        self.copy_threads = copy_threads
+        self.shared = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="kvstore-copy",
+                                         initializer=_lower_priority)
+        # Device calls get threads of their own, so that they neither block the loop nor wait behind copies.
+        self._device_calls = ThreadPoolExecutor(max_workers=DEVICE_CALL_THREADS, thread_name_prefix="kvstore-device")
+        self._lanes: dict[tuple[str, int], ThreadPoolExecutor] = {}
+        self._disk: ThreadPoolExecutor | None = None
+
+    def lane(self, backend: str, device: int) -> Executor:
+        """The copy threads of this device (the shared ones for the CPU): one GPU's copies never queue
+        behind another's."""
+        if backend == "cpu":
+            return self.shared
+        key = (backend, device)
+        lane = self._lanes.get(key)
+        if lane is None:
+            lane = self._lanes[key] = ThreadPoolExecutor(
+                max_workers=self.copy_threads, thread_name_prefix=f"kvstore-copy-{backend}{device}",
+                initializer=_lower_priority)
+        return lane
+
+    @staticmethod
+    def run(threads: Executor, fn: Callable[..., _T], *args: Any) -> asyncio.Future[_T]:
+        """Start `fn` on these threads now; await the future for its result."""
+        return asyncio.get_running_loop().run_in_executor(threads, fn, *args)
+
+    def device_call(self, fn: Callable[..., _T], *args: Any) -> asyncio.Future[_T]:
+        return self.run(self._device_calls, fn, *args)
+
+    @property
+    def disk(self) -> Executor:
+        """The disk tier's threads, made on first use."""
+        if self._disk is None:
+            self._disk = ThreadPoolExecutor(max_workers=DISK_THREADS, thread_name_prefix="kvstore-disk")
+        return self._disk
+
+    def close_copies(self) -> None:
+        """Wait for the copies, seals and device calls under way; refuse new ones."""
+        self.shared.shutdown(wait=True)
+        for lane in self._lanes.values():
+            lane.shutdown(wait=True)
+        self._device_calls.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Every thread stopped, after the work under way."""
+        self.close_copies()
+        if self._disk is not None:
+            self._disk.shutdown(wait=True)

@@ -1,0 +1,168 @@
+"""The house's import rules, read from the source with ast (nothing is imported or run):
+
+- no import cycle inside kvstore_service, not even one imported for types only;
+- server.py translates: of the daemon it imports the Daemon facade and the types and errors it
+  decodes into and encodes from, no part (index, sessions' registry, jobs, tiers, pool, ...);
+- the daemon imports only kvstore_client.protocol of the client package; the command line and the
+  harness that drive a daemon as a client does (`kvstore stats`, `kvstore bench`) are named here;
+- the client package imports nothing of the daemon's, and ships no harness.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = {"kvstore_service": REPO / "kvstore_service", "kvstore_client": REPO / "client"}
+
+# What server.py may take from the daemon's package, by module: the facade, and what a request is
+# decoded into (a registration, its layout, who calls) or a reply is encoded from.
+SERVER_MAY_IMPORT = {
+    "kvstore_service": {"__version__"},
+    "kvstore_service.daemon": {"Daemon"},
+    "kvstore_service.errors": {"KVError", "invalid"},
+    "kvstore_service.config": {"Config"},
+    "kvstore_service.layout": {"Layout", "Region"},
+    "kvstore_service.sessions": {"Registration", "Session"},
+    "kvstore_service.stats": {"to_proto"},
+    "kvstore_service.tenants": {"Caller", "Tenancy", "check_namespace"},
+    "kvstore_service.peercred": {"Handshake", "PeerCredServer", "close_fds"},
+}
+# Modules of the daemon's package that are clients of a daemon: they may import the whole client.
+CLIENT_SIDE = {"kvstore_service.cli", "kvstore_service.bench", "kvstore_service.harness"}
+
+
+def modules(package: str) -> dict[str, Path]:
+    root = ROOTS[package]
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        if any(p.startswith(".") or p in ("build", "dist") for p in parts):
+            continue
+        found[".".join([package, *parts])] = path
+    return found
+
+
+def _is_module(name: str) -> bool:
+    package, _, rest = name.partition(".")
+    if package not in ROOTS:
+        return False
+    base = ROOTS[package].joinpath(*rest.split(".")) if rest else ROOTS[package]
+    return base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()
+
+
+def imports(module: str, path: Path) -> Iterator[tuple[str, str | None, int]]:
+    """(module imported, name taken from it or None, line) of every import in the file, wherever it is
+    (inside functions and `if TYPE_CHECKING:` too); `from package import submodule` names the submodule."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                if _is_module(sub):
+                    yield sub, None, node.lineno
+                else:
+                    yield base, alias.name, node.lineno
+
+
+def graph() -> dict[str, set[str]]:
+    """kvstore_service's modules and the ones of it each imports."""
+    ours = modules("kvstore_service")
+    return {m: {target for target, _, _ in imports(m, path) if target in ours and target != m}
+            for m, path in ours.items()}
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_rules_see_the_imports_they_judge() -> None:
+    edges = graph()
+    assert {"kvstore_service.daemon", "kvstore_service.server", "kvstore_service.jobs",
+            "kvstore_service.sessions"} <= edges.keys()
+    assert "kvstore_service.daemon" in edges["kvstore_service.server"]
+    assert "kvstore_service.sessions" in edges["kvstore_service.jobs"]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_no_import_cycle_in_the_daemon() -> None:
+    edges = graph()
+    found = cycles(edges)
+    described = ["; ".join(f"{m} -> {sorted(edges[m] & set(c))}" for m in c) for c in found]
+    assert found == [], "import cycles (type-only imports count):\n" + "\n".join(described)
+
+
+def test_the_server_imports_the_daemon_facade_and_the_types_it_translates_only() -> None:
+    path = ROOTS["kvstore_service"] / "server.py"
+    wrong = []
+    for target, name, line in imports("kvstore_service.server", path):
+        if target.split(".")[0] != "kvstore_service":
+            continue
+        allowed = SERVER_MAY_IMPORT.get(target, set())
+        if name is None or name not in allowed:
+            wrong.append(f"server.py:{line}: {target}{'.' + name if name else ''}")
+    assert wrong == [], "server.py reaches into the daemon's parts:\n" + "\n".join(wrong)
+
+
+def test_the_daemon_imports_only_the_protocol_of_the_client() -> None:
+    wrong = []
+    for module, path in modules("kvstore_service").items():
+        if module in CLIENT_SIDE:
+            continue
+        for target, name, line in imports(module, path):
+            if target.split(".")[0] != "kvstore_client":
+                continue
+            if not (target == "kvstore_client.protocol" or target.startswith("kvstore_client.protocol.")):
+                wrong.append(f"{path.relative_to(REPO)}:{line}: {target}{'.' + name if name else ''}")
+    assert wrong == [], "the daemon imports more of the client than its protocol:\n" + "\n".join(wrong)
+
+
+def test_the_client_ships_no_daemon_and_no_harness() -> None:
+    client = modules("kvstore_client")
+    wrong = [f"{path.relative_to(REPO)}:{line}: {target}" for module, path in client.items()
+             for target, _, line in imports(module, path) if target.split(".")[0] == "kvstore_service"]
+    assert wrong == []
+    assert not [m for m in client if m.rpartition(".")[2] in ("process", "harness", "bench", "testing")]
