@@ -18,7 +18,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
@@ -514,6 +514,34 @@ class Session:
             return
         # Closed: nothing queued, the daemon drops a session's leases when the session ends.
         self._queue((self._release_quietly, (lease_id,), None))
+
+    def describe_blocks(self, keys: Sequence[bytes], descriptions: Sequence[bytes]) -> None:
+        """Tell the daemon what routers need of blocks this engine stores (client/vllm/events.py); call it
+        on the background thread (run_in_background): errors are only logged."""
+        if not self.connected or not keys:
+            return
+        packed, size = pack_keys(keys)
+        try:
+            self.client.call(self.client.stub.DescribeBlocks, pb.DescribeBlocksRequest(
+                session_id=self.session_id, keys=packed, key_size=size, descriptions=descriptions))
+        except KVStoreError as e:
+            log.debug("kvstore: describing %d blocks failed: %s", len(keys), e)
+
+    def watch_blocks(self, stop: threading.Event) -> Iterator[tuple[bool, list[tuple[bool, bytes, bytes]]]]:
+        """The namespace's block events, (reset, [(removed, key, description)]) batches, until the stream
+        ends (the session or the daemon does) or `stop` is set (checked between batches; close() ends the
+        stream too)."""
+        stream = self.client.stub.WatchBlocks(pb.WatchBlocksRequest(session_id=self.session_id))
+        try:
+            for batch in stream:
+                if stop.is_set() or self._closing:
+                    return
+                yield batch.reset, [(e.removed, e.key, e.description) for e in batch.events]
+        except grpc.RpcError as e:
+            if not self._closing:  # (closing cancels the stream: the end)
+                raise from_rpc_error(e) from None
+        finally:
+            stream.cancel()
 
     def _release_quietly(self, lease_id: bytes) -> None:
         if not self.connected:

@@ -100,6 +100,15 @@ class Config(BaseSettings):
         256, ge=1, le=4096, description="Most TP shards of a namespace's blocks (a block holds one part per shard).")
     max_inflight_jobs: int = Field(1024, ge=1, description="Most unfinished jobs per session.")
     max_request_bytes: ByteSize = Field(ByteSize(64 << 20), description="Largest gRPC message accepted.")
+    max_event_bytes: ByteSize = Field(
+        ByteSize(64 << 20), description="Most bytes of block descriptions (token ids, parent hash: what routers' "
+        "KV events need) held for every namespace together; more are dropped, counted.")
+    max_event_description_bytes: ByteSize = Field(
+        ByteSize(8 << 10), description="Largest description of one block an engine may send; larger ones are "
+        "dropped, counted.")
+    max_event_queue: int = Field(
+        65536, ge=1, description="Most block events queued for one engine's stream; one that falls further "
+        "behind is reset (sent the namespace's blocks again).")
     verify_loads: float = Field(
         0.05, ge=0, le=1,
         description="Fraction of loaded blocks whose checksum is verified before the copy (0..1); "

@@ -37,9 +37,13 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache, partial
 from itertools import chain, repeat, takewhile
+from typing import TYPE_CHECKING
 
 from kvstore_client.protocol.groups import hit_blocks, needed_blocks
 from kvstore_service.pool import Pool, SlotRef
+
+if TYPE_CHECKING:
+    from kvstore_service.events import BlockEvents
 
 _first = operator.itemgetter(0)
 _key = operator.attrgetter("key")
@@ -153,6 +157,8 @@ class BlockIndex:
         # Told of each block evicted (not of those cleared or replaced): the disk tier counts the ones
         # evicted before their seal, which never reach it (tiers/).
         self.on_evict: Callable[[Block], None] | None = None
+        # Told of every block committed and every committed block removed, in order (routers' events).
+        self.events: BlockEvents | None = None
 
     # -- namespaces ------------------------------------------------------------------------------
 
@@ -376,6 +382,8 @@ class BlockIndex:
             del writing[block.key]
             block.state = BlockState.COMMITTED
         ns._committed.update(zip(map(_key, done), done, strict=True))
+        if self.events is not None:
+            self.events.committed(ns.ns_hash, map(_key, done))
         tail = done[-1] if done and done[-1].tail else None  # (a chunk's tail is its last block)
         self._lru.setdefault(ns.block_bytes, OrderedDict()).update(dict.fromkeys(done[:-1] if tail else done))
         if tail is not None:
@@ -405,6 +413,8 @@ class BlockIndex:
             block.state = BlockState.COMMITTED
             ns._committed[block.key] = block
             self._make_recent(block)
+        if self.events is not None:
+            self.events.committed(ns.ns_hash, map(_key, done))
         ns.counters.stored_blocks += len(done)
         return done
 
@@ -448,6 +458,8 @@ class BlockIndex:
                 del block.namespace._recovered[block.key]
                 block.state = BlockState.COMMITTED
                 block.namespace._committed[block.key] = block
+                if self.events is not None:
+                    self.events.committed(block.namespace.ns_hash, (block.key,))
             else:
                 if checksums is not None:
                     corrupt += 1
@@ -507,6 +519,8 @@ class BlockIndex:
         block.state = BlockState.DOOMED
 
     def _unlist(self, block: Block) -> None:
+        if block.state is BlockState.COMMITTED and self.events is not None:
+            self.events.removed(block.namespace.ns_hash, block.key)
         del _home(block)[block.key]
         self.count -= 1
         lru = self._lru_of(block)

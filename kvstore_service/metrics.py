@@ -189,6 +189,13 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily("kvstore_loaded_bytes", "Served: bytes loaded into engines.", value=s.loaded_bytes)
         yield CounterMetricFamily("kvstore_loaded_tokens", "Served: tokens loaded into engines, of the namespaces "
                                   "that name their block size in tokens.", value=s.loaded_tokens)
+        yield CounterMetricFamily("kvstore_events_sent", "Block events streamed to engines (routers' KV events).",
+                                  value=s.events.sent)
+        yield CounterMetricFamily("kvstore_events_resyncs", "Engines' event streams reset after falling "
+                                  "--max-event-queue events behind.", value=s.events.resyncs)
+        yield CounterMetricFamily("kvstore_events_dropped", "Block descriptions not kept (over --max-event-bytes "
+                                  "or --max-event-description-bytes).", value=s.events.dropped)
+        yield GaugeMetricFamily("kvstore_event_bytes", "Bytes of block descriptions held.", value=s.events.bytes)
         if s.remote.url:
             yield from _remote_metrics(s.remote)
         if s.disk.capacity_bytes:

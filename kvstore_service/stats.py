@@ -17,7 +17,7 @@ import dataclasses
 import hashlib
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
 from google.protobuf.message import Message
@@ -114,6 +114,16 @@ class RemoteStats:
     corrupt: int = 0  # values that failed verification (deleted)
 
 
+@dataclass(slots=True, kw_only=True)
+class EventStats:
+    """Routers' block events (events.py): counters since the daemon started."""
+
+    sent: int = 0  # events streamed to engines
+    resyncs: int = 0  # streams reset after falling --max-event-queue events behind
+    dropped: int = 0  # descriptions not kept (over --max-event-bytes or --max-event-description-bytes)
+    bytes: int = 0  # descriptions held
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DiskStats:
     """The disk tier (tiers/disk/): counters since the daemon started; all zero when there is none."""
@@ -167,6 +177,7 @@ class Stats:
     disk: DiskStats
     loaded_bytes: int
     loaded_tokens: int  # of the namespaces whose block size in tokens is known
+    events: EventStats = field(default_factory=EventStats)
 
     @property
     def hit_rate(self) -> float:
@@ -191,7 +202,8 @@ class Stats:
 # -- conversions, written once over dataclasses.fields -----------------------------------------------
 
 _MESSAGE_OF: dict[type, type[Message]] = {NamespaceStats: pb.NamespaceStats, RemoteStats: pb.RemoteStats,
-                                          DiskStats: pb.DiskStats, Stats: pb.StatsResponse}
+                                          DiskStats: pb.DiskStats, EventStats: pb.EventStats,
+                                          Stats: pb.StatsResponse}
 _DATACLASS_OF: dict[str, type] = {m.DESCRIPTOR.full_name: d for d, m in _MESSAGE_OF.items()}
 _T = TypeVar("_T")
 

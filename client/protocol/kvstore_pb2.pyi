@@ -242,8 +242,60 @@ class NamespaceStats(_message.Message):
     loaded_bytes: int
     def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[int] = ..., used_bytes: _Optional[int] = ..., block_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., tenant: _Optional[str] = ..., loaded_bytes: _Optional[int] = ...) -> None: ...
 
+class DescribeBlocksRequest(_message.Message):
+    __slots__ = ("session_id", "keys", "key_size", "descriptions")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEY_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTIONS_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    keys: bytes
+    key_size: int
+    descriptions: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, session_id: _Optional[bytes] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ..., descriptions: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DescribeBlocksResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchBlocksRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: bytes
+    def __init__(self, session_id: _Optional[bytes] = ...) -> None: ...
+
+class BlockEvents(_message.Message):
+    __slots__ = ("reset", "events")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    events: _containers.RepeatedCompositeFieldContainer[BlockEvent]
+    def __init__(self, reset: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...
+
+class BlockEvent(_message.Message):
+    __slots__ = ("removed", "key", "description")
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    key: bytes
+    description: bytes
+    def __init__(self, removed: _Optional[bool] = ..., key: _Optional[bytes] = ..., description: _Optional[bytes] = ...) -> None: ...
+
+class EventStats(_message.Message):
+    __slots__ = ("sent", "resyncs", "dropped", "bytes")
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    sent: int
+    resyncs: int
+    dropped: int
+    bytes: int
+    def __init__(self, sent: _Optional[int] = ..., resyncs: _Optional[int] = ..., dropped: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines", "leases", "jobs_in_flight", "failed_blocks", "store_failures_pool_full", "lease_expiries", "corrupt_blocks", "uptime_s", "namespaces", "daemon_version", "unsealed_blocks", "failed_load_blocks", "unverified_blocks", "remote", "disk", "loaded_bytes", "loaded_tokens")
+    __slots__ = ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines", "leases", "jobs_in_flight", "failed_blocks", "store_failures_pool_full", "lease_expiries", "corrupt_blocks", "uptime_s", "namespaces", "daemon_version", "unsealed_blocks", "failed_load_blocks", "unverified_blocks", "remote", "disk", "loaded_bytes", "loaded_tokens", "events")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +321,7 @@ class StatsResponse(_message.Message):
     DISK_FIELD_NUMBER: _ClassVar[int]
     LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     blocks: int
@@ -294,7 +347,8 @@ class StatsResponse(_message.Message):
     disk: DiskStats
     loaded_bytes: int
     loaded_tokens: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., leases: _Optional[int] = ..., jobs_in_flight: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., store_failures_pool_full: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., uptime_s: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., unsealed_blocks: _Optional[int] = ..., failed_load_blocks: _Optional[int] = ..., unverified_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ..., loaded_bytes: _Optional[int] = ..., loaded_tokens: _Optional[int] = ...) -> None: ...
+    events: EventStats
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., leases: _Optional[int] = ..., jobs_in_flight: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., store_failures_pool_full: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., uptime_s: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., unsealed_blocks: _Optional[int] = ..., failed_load_blocks: _Optional[int] = ..., unverified_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ..., loaded_bytes: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., events: _Optional[_Union[EventStats, _Mapping]] = ...) -> None: ...
 
 class DiskStats(_message.Message):
     __slots__ = ("blocks", "bytes", "capacity_bytes", "segments", "hits", "misses", "read_blocks", "read_bytes", "read_seconds", "written", "write_bytes", "write_seconds", "write_dropped", "queued_bytes", "corrupt", "errors", "reclaimed_segments", "direct_io", "healthy", "error")

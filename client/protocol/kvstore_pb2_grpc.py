@@ -84,6 +84,16 @@ class KVStoreStub:
                 request_serializer=kvstore_dot_v1_dot_kvstore__pb2.ClearRequest.SerializeToString,
                 response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ClearResponse.FromString,
                 _registered_method=True)
+        self.DescribeBlocks = channel.unary_unary(
+                '/kvstore.v1.KVStore/DescribeBlocks',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.DescribeBlocksRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DescribeBlocksResponse.FromString,
+                _registered_method=True)
+        self.WatchBlocks = channel.unary_stream(
+                '/kvstore.v1.KVStore/WatchBlocks',
+                request_serializer=kvstore_dot_v1_dot_kvstore__pb2.WatchBlocksRequest.SerializeToString,
+                response_deserializer=kvstore_dot_v1_dot_kvstore__pb2.BlockEvents.FromString,
+                _registered_method=True)
 
 
 class KVStoreServicer:
@@ -156,6 +166,21 @@ class KVStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DescribeBlocks(self, request, context):
+        """Routers' view of the pool (vLLM KV events, docs/vllm.md): an engine describes the blocks it stores
+        (what an event needs, opaque to the daemon), and watches its namespace's blocks: a reset and every
+        announced block first, then blocks committed (and described) and removed, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchBlocks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -208,6 +233,16 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.Clear,
                     request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.ClearRequest.FromString,
                     response_serializer=kvstore_dot_v1_dot_kvstore__pb2.ClearResponse.SerializeToString,
+            ),
+            'DescribeBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.DescribeBlocks,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.DescribeBlocksRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.DescribeBlocksResponse.SerializeToString,
+            ),
+            'WatchBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchBlocks,
+                    request_deserializer=kvstore_dot_v1_dot_kvstore__pb2.WatchBlocksRequest.FromString,
+                    response_serializer=kvstore_dot_v1_dot_kvstore__pb2.BlockEvents.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -480,6 +515,60 @@ class KVStore:
             '/kvstore.v1.KVStore/Clear',
             kvstore_dot_v1_dot_kvstore__pb2.ClearRequest.SerializeToString,
             kvstore_dot_v1_dot_kvstore__pb2.ClearResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DescribeBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvstore.v1.KVStore/DescribeBlocks',
+            kvstore_dot_v1_dot_kvstore__pb2.DescribeBlocksRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.DescribeBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvstore.v1.KVStore/WatchBlocks',
+            kvstore_dot_v1_dot_kvstore__pb2.WatchBlocksRequest.SerializeToString,
+            kvstore_dot_v1_dot_kvstore__pb2.BlockEvents.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,8 +30,11 @@ from kvstore_client.vllm.scheduler import Scheduler
 from kvstore_client.vllm.worker import NO_LOAD_ERRORS, Worker
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     import torch
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -139,6 +142,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None  # SupportsHMA: vLLM calls this one, not request_finished
         return self.scheduler.request_finished(request), None
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        announcer = self.scheduler.announcer if self.scheduler is not None else None
+        return announcer.take() if announcer is not None and announcer.events else ()
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

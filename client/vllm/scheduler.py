@@ -26,6 +26,7 @@ from kvstore_client.vllm.common import (
     group_spans,
     state_groups,
 )
+from kvstore_client.vllm.events import Announcer, describe
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -136,6 +137,14 @@ class Scheduler:
         self.client = KVStoreClient(settings.socket, timeout=settings.timeout_s)
         self.session: Session = self.client.session(namespace or "off", None, engine_id="vllm-scheduler",
                                                     wait=False)
+        # vLLM's KV events on: this engine announces the namespace's pool blocks as its CPU tier
+        # (client/vllm/events.py) and describes the blocks it stores.
+        events = vllm_config.kv_events_config
+        self.announcer: Announcer | None = None
+        if namespace and settings.kv_events and events is not None and events.enable_kv_cache_events:
+            self.announcer = Announcer(self.session, self.block_size,
+                                       kv_cache_config.kv_cache_groups if self.spans is not None and kv_cache_config
+                                       else None)
         self.reqs: dict[str, _Req] = {}
         self.lookups: dict[str, _Lookup] = {}
         self.loads: list[Transfer] = []
@@ -316,6 +325,8 @@ class Scheduler:
             end = min(rec.local, first + budget)
             keys: list[bytes] = list(rec.request.block_hashes[first:end])
             stores.append(Transfer(req_id, keys, list(ids[0][first:end])))
+            if self.announcer is not None:
+                self._describe(rec.request, keys)
             self._remember(keys[-1])
             rec.had_stores = True
             rec.pool_has = end
@@ -374,6 +385,8 @@ class Scheduler:
                     block_ids.append(ids[g][i])
         self.loads.append(Transfer(req_id, keys, list(block_ids)))
         self.load_block_ids[req_id] = set(block_ids)
+        if self.announcer is not None:  # (a daemon restarted since they were stored no longer knows them)
+            self._describe(request, keys)
         # Loaded full blocks need no store; a loaded tail's block does once output tokens fill it.
         rec.stored_upto = max(rec.stored_upto, min(state.start + count, len(request.block_hashes)))
         if state.tail and state.hits == len(state.keys):  # the tail is in the pool: no need to store it
@@ -483,6 +496,8 @@ class Scheduler:
         if keys:
             stores.append(Transfer(req_id, keys, block_ids, tail_key is not None))
             rec.had_stores = True
+            if self.announcer is not None:
+                self._describe(request, keys[:len(keys) - (tail_key is not None)])
             if done > first:
                 self._remember(request.block_hashes[done - 1])
         rec.stored_upto = max(first, done)
@@ -529,6 +544,18 @@ class Scheduler:
             if keys:
                 stores.append(Transfer(req_id, keys, block_ids))
                 rec.had_stores = True
+                if self.announcer is not None:
+                    self._describe(rec.request, keys)
+
+    def _describe(self, request: Request, keys: list[bytes]) -> None:
+        """Describe these full blocks' keys to the daemon for routers' events, on the background thread."""
+        if keys:
+            self.session.run_in_background(self._send_descriptions, request, keys)
+
+    def _send_descriptions(self, request: Request, keys: list[bytes]) -> None:
+        index = {bytes(h): i for i, h in enumerate(request.block_hashes)}
+        blocks = [index[k if self.spans is None else k[:-2]] for k in keys]
+        self.session.describe_blocks(keys, describe(request, blocks, self.block_size))
 
     @staticmethod
     def _volatile(rec: _Req, g: int, i: int, block: int) -> None:
@@ -587,5 +614,7 @@ class Scheduler:
 
     def close(self) -> None:
         InProcess.schedulers -= 1
+        if self.announcer is not None:
+            self.announcer.close()
         self.session.close()
         self.client.close()

