@@ -4,7 +4,8 @@
 
 1. Daemon: a real daemon; engine A describes and stores `--blocks` blocks of 16 KiB in jobs of 64, while
    engine B watches the namespace's stream: blocks announced per second from A's first store to B's last
-   event, against A's stores alone (no description, no watcher) in the same round. Then B attaches afresh: the reset's replay of every block, per second.
+   event, against A's stores alone (no description, no watcher) in the same round. Then an engine attaches
+   afresh: the reset's replay of every block, per second.
 2. Connector: per engine step, `take_events` with nothing new (most steps) and with 16 blocks announced
    (decoded into vLLM's BlockStored), and the scheduler's cost to queue a 16-block description (the
    encoding runs on the session's background thread, off the step). Medians of 2000 steps.

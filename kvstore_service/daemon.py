@@ -19,12 +19,13 @@ import gc
 import logging
 import secrets
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
 
 from kvstore_service import __version__
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
+from kvstore_service.events import BlockEvents, Event
 from kvstore_service.index import Block, BlockIndex, Namespace, namespace_hash, unpack_keys
 from kvstore_service.jobs import JobResult, Jobs
 from kvstore_service.metrics import Metrics
@@ -42,6 +43,7 @@ from kvstore_service.tiers.remote import RemoteTier
 log = logging.getLogger(__name__)
 REMOTE_DRAIN_S = 2.0  # a stopping daemon waits this long for queued uploads
 MAX_POLL_WAIT_MS = 60_000
+EVENT_BATCH = 512  # block events per WatchBlocks message
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,8 @@ class Daemon:
         self.threads = threads
         self.pool = Pool(config.pool_path, int(config.pool_size), int(config.segment_size), fresh=config.fresh)
         self.index = BlockIndex(self.pool)
+        self.events = self.index.events = BlockEvents(int(config.max_event_bytes),
+                                                      int(config.max_event_description_bytes), config.max_event_queue)
         self.recovered = self.index.recover() if self.pool.reattached else 0
         self.metrics = Metrics()
         self.jobs = Jobs(config, self.pool, self.index, self.metrics, fatal, threads)
@@ -176,6 +180,18 @@ class Daemon:
 
     # -- the daemon ------------------------------------------------------------------------------
 
+    # -- routers' events ---------------------------------------------------------------------------
+
+    def describe_blocks(self, session: Session, keys: bytes, key_size: int, descriptions: Sequence[bytes]) -> None:
+        """What routers' events need of blocks the session's engine stores (events.py)."""
+        if len(descriptions) * key_size != len(keys):
+            raise invalid(f"{len(keys) // key_size} keys and {len(descriptions)} descriptions")
+        self.events.describe(namespace_hash(session.namespace_name), unpack_keys(keys, key_size), descriptions)
+
+    def watch_blocks(self, session: Session) -> AsyncIterator[tuple[bool, list[Event]]]:
+        """The session's namespace's block events until the session ends (events.py)."""
+        return self.events.watch(namespace_hash(session.namespace_name), EVENT_BATCH, lambda: session.closed)
+
     def stats(self, caller: Caller | None = None) -> Stats:
         """The daemon-wide figures, and the namespaces `caller` may see (None: all of them). A
         namespace recovered from the pool whose name no engine has given yet is shown to admins only."""
@@ -207,6 +223,7 @@ class Daemon:
             disk=disk_stats(self.tiers.disk) if self.tiers and self.tiers.disk else DiskStats(),
             loaded_bytes=sum(n.loaded_bytes for n in namespaces),
             loaded_tokens=sum(n.loaded_tokens for n in namespaces),
+            events=replace(self.events.stats),
         )
 
     async def clear(self, caller: Caller, tenant: str, namespace: str) -> int:

@@ -186,6 +186,17 @@ class Servicer(pb_grpc.KVStoreServicer):
             jobs.append(pb.JobResult(job_id=r.job_id, is_store=r.is_store, block_ok=ok, error=r.error))
         return pb.PollResponse(jobs=jobs)
 
+    async def DescribeBlocks(self, request: pb.DescribeBlocksRequest, context: Any) -> pb.DescribeBlocksResponse:
+        check_keys(request.keys, request.key_size)
+        self.daemon.describe_blocks(self._session(request.session_id, context), request.keys, request.key_size,
+                                    request.descriptions)
+        return pb.DescribeBlocksResponse()
+
+    async def WatchBlocks(self, request: pb.WatchBlocksRequest, context: Any) -> AsyncIterator[pb.BlockEvents]:
+        async for reset, events in self.daemon.watch_blocks(self._session(request.session_id, context)):
+            yield pb.BlockEvents(reset=reset, events=[pb.BlockEvent(removed=e.removed, key=e.key,
+                                                                    description=e.description) for e in events])
+
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         # Anyone may ask for the daemon-wide figures; the namespaces shown depend on who asks.
         handshake = self.creds.take(request.peer_token) if request.peer_token else None

@@ -17,7 +17,7 @@ import dataclasses
 import hashlib
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from google.protobuf.message import Message
@@ -177,7 +177,7 @@ class Stats:
     disk: DiskStats
     loaded_bytes: int
     loaded_tokens: int  # of the namespaces whose block size in tokens is known
-    events: EventStats = field(default_factory=EventStats)
+    events: EventStats = dataclasses.field(default_factory=EventStats)
 
     @property
     def hit_rate(self) -> float:

@@ -19,6 +19,7 @@ from support.engine import Engine, kvstore, store_blocks
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_service.stats import (
     DiskStats,
+    EventStats,
     NamespaceStats,
     RemoteStats,
     Stats,
@@ -41,7 +42,8 @@ _SCALARS = {FD.TYPE_UINT64: int, FD.TYPE_UINT32: int, FD.TYPE_INT64: int, FD.TYP
 
 
 @pytest.mark.parametrize("cls, message", [(NamespaceStats, pb.NamespaceStats), (RemoteStats, pb.RemoteStats),
-                                          (DiskStats, pb.DiskStats), (Stats, pb.StatsResponse)])
+                                          (DiskStats, pb.DiskStats), (EventStats, pb.EventStats),
+                                          (Stats, pb.StatsResponse)])
 def test_dataclass_fields_are_the_proto_fields(cls: type, message: type) -> None:
     # A field added to the .proto (or to the dataclass) alone fails here.
     fields = dataclasses.fields(cls)
@@ -51,7 +53,7 @@ def test_dataclass_fields_are_the_proto_fields(cls: type, message: type) -> None
     for d in descriptors:
         if d.message_type is not None:
             nested = {"kvstore.v1.NamespaceStats": NamespaceStats, "kvstore.v1.RemoteStats": RemoteStats,
-                      "kvstore.v1.DiskStats": DiskStats}[d.message_type.full_name]
+                      "kvstore.v1.DiskStats": DiskStats, "kvstore.v1.EventStats": EventStats}[d.message_type.full_name]
             assert hints[d.name] == (list[nested] if d.is_repeated else nested), d.name
         else:
             assert not d.is_repeated, d.name
@@ -73,7 +75,8 @@ def _sample(**overrides: typing.Any) -> Stats:
 
     namespaces = [fill(NamespaceStats, namespace=LONG_NAMESPACE), fill(NamespaceStats, namespace="plain"),
                   fill(NamespaceStats, namespace="(recovered 0123456789ab)")]
-    return fill(Stats, namespaces=namespaces, remote=fill(RemoteStats), disk=fill(DiskStats), **overrides)
+    return fill(Stats, namespaces=namespaces, remote=fill(RemoteStats), disk=fill(DiskStats), events=fill(EventStats),
+                **overrides)
 
 
 def test_round_trip_through_the_proto() -> None:
@@ -86,7 +89,8 @@ def test_round_trip_through_the_proto() -> None:
     assert from_proto(pb.StatsResponse()) == Stats(**{f.name: [] if f.name == "namespaces" else
                                                       "" if f.name == "daemon_version" else
                                                       RemoteStats() if f.name == "remote" else
-                                                      DiskStats() if f.name == "disk" else 0
+                                                      DiskStats() if f.name == "disk" else
+                                                      EventStats() if f.name == "events" else 0
                                                       for f in dataclasses.fields(Stats)})
     assert from_dict(json.loads(json.dumps(to_json_dict(stats)))) == stats
 

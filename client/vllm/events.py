@@ -90,7 +90,7 @@ class Announcer:
 
     def _translate(self, reset: bool, events: Sequence[tuple[bool, bytes, bytes]]) -> None:
         from vllm.distributed.kv_events import BlockStored
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
         if reset:  # the daemon starts over (a new daemon, or this engine fell behind): forget what it said
             if self.announced:
@@ -110,8 +110,8 @@ class Announcer:
             spec = self.groups[group].kv_cache_spec if self.groups is not None and group is not None else None
             self.announced.add(key)
             self.events.append(BlockStored(
-                block_hashes=[maybe_convert_block_hash(block_hash)],
-                parent_block_hash=maybe_convert_block_hash(parent) if parent is not None else None,
+                block_hashes=[maybe_convert_block_hash(BlockHash(block_hash))],
+                parent_block_hash=maybe_convert_block_hash(BlockHash(parent)) if parent is not None else None,
                 token_ids=tokens, block_size=self.block_size, lora_id=lora_id, medium=MEDIUM, lora_name=lora_name,
                 extra_keys=[extra], group_idx=group,
                 kv_cache_spec_kind=type(spec).__name__ if spec is not None else None,
@@ -119,12 +119,12 @@ class Announcer:
 
     def _removed(self, keys: list[bytes]) -> None:
         from vllm.distributed.kv_events import BlockRemoved
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
         for key in keys:
             block_hash, group = self._split(key)
-            self.events.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(block_hash)], medium=MEDIUM,
-                                            group_idx=group, ownership=OWNERSHIP))
+            self.events.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(BlockHash(block_hash))],
+                                            medium=MEDIUM, group_idx=group, ownership=OWNERSHIP))
 
     def _split(self, key: bytes) -> tuple[bytes, int | None]:
         """(vLLM's block hash, group) of a key: grouped keys end with the group's 2-byte tag."""
