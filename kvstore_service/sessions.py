@@ -225,6 +225,10 @@ class Sessions:
         extents = layout.extents(memories)
         if not 0 < request.completion_slots <= MAX_COMPLETION_SLOTS:
             raise invalid(f"completion_slots must be 1..{MAX_COMPLETION_SLOTS}")
+        if request.backend == "cuda" and peer is not None and peer.in_my_pid_namespace() is False:
+            raise KVError("FAILED_PRECONDITION", "the engine runs in another PID namespace than the daemon, where "
+                          "CUDA IPC handles do not open: run both in one (Kubernetes: hostPID: true on the daemon's "
+                          "and the engines' pods, as the chart sets)")
         backend = await self._backend(request.backend)
         wanted = 1 + memories if request.backend == "cpu" else 1
         if len(fds) != wanted:

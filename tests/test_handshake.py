@@ -196,3 +196,32 @@ def test_a_peer_in_another_pid_namespace_is_told_apart() -> None:
     finally:
         child.kill()
         child.wait()
+
+
+CUDA_FROM_ANOTHER_PID_NAMESPACE = """
+import grpc, sys
+from kvstore_client.client import peer_handshake
+from kvstore_client.protocol import PROTOCOL_VERSION
+from kvstore_client.protocol import kvstore_pb2 as pb, kvstore_pb2_grpc as pb_grpc
+target = "unix://" + sys.argv[1]
+stub = pb_grpc.KVStoreStub(grpc.insecure_channel(target))
+try:
+    stub.Register(pb.RegisterRequest(
+        protocol_version=PROTOCOL_VERSION, namespace="pidns", completion_slots=8, peer_token=peer_handshake(target),
+        layout=pb.KVLayout(num_blocks=1, regions=[pb.Region(block_bytes=4096, block_stride=4096)]),
+        memories=[pb.MemoryHandle(backend="cuda", size=4096, handle=b"h")]), timeout=10)
+    print("REGISTERED")
+except grpc.RpcError as e:
+    print(e.code().name, e.details())
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/unshare"), reason="needs root's unshare")
+def test_a_cuda_engine_in_another_pid_namespace_is_refused_saying_why(daemon) -> None:
+    from support import child_env
+
+    out = subprocess.run(["unshare", "--pid", "--fork", "--kill-child", sys.executable, "-c",
+                          CUDA_FROM_ANOTHER_PID_NAMESPACE, daemon.socket],
+                         capture_output=True, text=True, timeout=60, env=child_env())
+    assert out.stdout.startswith("FAILED_PRECONDITION the engine runs in another PID namespace"), out.stderr
+    assert daemon.client().stats().engines == 0  # and the daemon serves on
