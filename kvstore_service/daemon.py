@@ -178,9 +178,7 @@ class Daemon:
             return []  # a lookup session runs no jobs
         return await self.jobs.poll(session, min(wait_ms, MAX_POLL_WAIT_MS))
 
-    # -- the daemon ------------------------------------------------------------------------------
-
-    # -- routers' events ---------------------------------------------------------------------------
+    # -- routers' events ------------------------------------------------------------------------
 
     def describe_blocks(self, session: Session, keys: bytes, key_size: int, descriptions: Sequence[bytes]) -> None:
         """What routers' events need of blocks the session's engine stores (events.py)."""
@@ -191,6 +189,8 @@ class Daemon:
     def watch_blocks(self, session: Session) -> AsyncIterator[tuple[bool, list[Event]]]:
         """The session's namespace's block events until the session ends (events.py)."""
         return self.events.watch(namespace_hash(session.namespace_name), EVENT_BATCH, lambda: session.closed)
+
+    # -- the daemon ------------------------------------------------------------------------------
 
     def stats(self, caller: Caller | None = None) -> Stats:
         """The daemon-wide figures, and the namespaces `caller` may see (None: all of them). A
