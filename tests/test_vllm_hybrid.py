@@ -119,6 +119,25 @@ def test_loaded_sliding_window_blocks_are_really_used(references, daemon_factory
     assert outputs(b) != outputs(reference)
 
 
+def test_tp2_sliding_window_hybrid_is_served_on_both_ranks(references, daemon, tmp_path) -> None:
+    """Gemma-3-like at TP=2 (one KV head per rank): both ranks' shards of every group's blocks are stored
+    under one key, and a fresh TP=2 engine loads them with outputs identical to a plain TP=2 run."""
+    model, _ = references("gemma3")
+    tp2 = ("--llm-kwargs", json.dumps({"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    args = ["--block-size", str(BLOCK), "--max-tokens", "6", "--dtype", DTYPES["gemma3"], *tp2]
+    reference = run_engine(model, prompts(), tmp_path / "ref.json", None, *args, env=env)
+    a = run_engine(model, prompts(), tmp_path / "a.json", connector_config(daemon), *args, env=env)
+    assert outputs(a) == outputs(reference)
+    (ns,) = daemon.client().stats().namespaces
+    assert "kv_shards=2" in ns.namespace and "groups=" in ns.namespace
+    b = run_engine(model, prompts(), tmp_path / "b.json", connector_config(daemon), *args, env=env)
+    assert outputs(b) == outputs(reference)
+    assert external_hits(b) >= 7 * BLOCK
+    stats = daemon.client().stats()
+    assert stats.loaded_blocks % 2 == 0 and stats.loaded_blocks > 0 and stats.failed_load_blocks == 0
+
+
 def test_linear_attention_states_are_served_and_a_restart_loads_them(references, daemon_factory, tmp_path) -> None:
     """Qwen3-Next-like (3 gated-delta-net layers + 1 full attention): vLLM raises the block to 160 tokens
     (the attention page holds a state); the 200-token prefix's first block and the states at its end hit."""
