@@ -33,8 +33,8 @@ class Subscriber:
         self.socket.setsockopt(zmq.RCVTIMEO, 200)
         # vLLM's publisher connects to an endpoint without a wildcard: the subscriber binds (loopback only).
         self.socket.bind(f"tcp://127.0.0.1:{port}")
-        self.stored: dict[tuple[str, bytes], tuple[bytes | None, list[int]]] = {}
-        self.removed: list[tuple[str, bytes]] = []
+        self.stored: dict[tuple[str, bytes | int], tuple[bytes | int | None, list[int]]] = {}
+        self.removed: list[tuple[str, bytes | int]] = []
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -61,6 +61,20 @@ class Subscriber:
         self.thread.join()
         self.socket.close(0)
         self.context.term()
+
+
+def dynamo_event(event_id: int, block_hash: bytes | int, parent: bytes | int | None, tokens: list[int]) -> bytes:
+    """A BlockStored as Dynamo's KV router indexes it (what its vLLM ZMQ relay makes of one): the engine's
+    hash and its parent as 64-bit ints (as vLLM publishes them with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES),
+    and the block's tokens hashed with Dynamo's own `compute_block_hash_for_seq`."""
+    from dynamo._core import compute_block_hash_for_seq
+
+    def low64(h: bytes | int | None) -> int | None:
+        return int.from_bytes(h, "big") & ((1 << 64) - 1) if isinstance(h, bytes) else h
+
+    (tokens_hash,) = compute_block_hash_for_seq(tokens, len(tokens))
+    return json.dumps({"event_id": event_id, "data": {"stored": {"parent_hash": low64(parent), "blocks": [
+        {"block_hash": low64(block_hash), "tokens_hash": tokens_hash}]}}}).encode()
 
 
 def events_config(port: int) -> str:
@@ -91,6 +105,14 @@ def test_an_engine_announces_the_blocks_another_engine_stored_and_their_removal(
         # Every block A stored, as A's own GPU events described it: same hash, parent and tokens.
         assert {h: cpu.get(h) for h in gpu} == gpu
         assert not any(medium == "GPU" and h in gpu for medium, h in b_events.stored)  # B never computed them
+        # Dynamo's KV indexer, fed only B's events, scores B's overlap with A's prompt: its shared prefix and
+        # its own fourth block.
+        dynamo = pytest.importorskip("dynamo._core", reason="ai-dynamo-runtime (.ci/run installs it)")
+        tree = dynamo.RadixTree()
+        for n, (block_hash, (parent, tokens)) in enumerate(cpu.items()):
+            tree.apply_event(2, dynamo_event(n, block_hash, parent, tokens))
+        query = dynamo.compute_block_hash_for_seq(prompts[0][:4 * BLOCK], BLOCK)
+        assert tree.find_matches(query).scores == {(2, 0): 4}
         assert client.clear() >= len(gpu)  # every namespace: its blocks are announced removed
         (gate / "go-0").touch()
         finish(b, tmp_path / "b.json")
