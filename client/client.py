@@ -224,6 +224,7 @@ class _Submit:
     key_size: int
     block_ids: Sequence[int]
     partial_tail: bool = False
+    order_seq: int = 0
 
 
 class Session:
@@ -361,17 +362,20 @@ class Session:
 
     # -- jobs ------------------------------------------------------------------------------------
 
-    def store(self, keys: Sequence[bytes], block_ids: Sequence[int], partial_tail: bool = False) -> int:
+    def store(self, keys: Sequence[bytes], block_ids: Sequence[int], partial_tail: bool = False,
+              order_seq: int = 0) -> int:
         """Queue a copy engine -> pool; returns the job id at once. `partial_tail`: the last key is a
-        prompt's partial last block, which the pool evicts before full blocks."""
-        return self._submit(True, keys, block_ids, partial_tail)
+        prompt's partial last block, which the pool evicts before full blocks. `order_seq`: what
+        kvstore_client.device.order_before_copies returned just before (device memory): the daemon
+        copies once that record of the engine's stream is done; 0: after every record pending then."""
+        return self._submit(True, keys, block_ids, partial_tail, order_seq)
 
-    def load(self, keys: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        """Queue a copy pool -> engine; returns the job id at once."""
-        return self._submit(False, keys, block_ids)
+    def load(self, keys: Sequence[bytes], block_ids: Sequence[int], order_seq: int = 0) -> int:
+        """Queue a copy pool -> engine; returns the job id at once. `order_seq`: as for store."""
+        return self._submit(False, keys, block_ids, order_seq=order_seq)
 
     def _submit(self, is_store: bool, keys: Sequence[bytes], block_ids: Sequence[int],
-                partial_tail: bool = False) -> int:
+                partial_tail: bool = False, order_seq: int = 0) -> int:
         if self.memory is None:
             raise FailedPrecondition("this session registered no KV memory")
         job_id = next(self._job_ids)
@@ -381,7 +385,7 @@ class Session:
                 self._done.append(Completion(job_id, 0, max(len(keys), 1)))
                 return job_id
             self._pending[job_id] = self.session_id
-        self._submits.put(_Submit(job_id, is_store, packed, size, block_ids, partial_tail))
+        self._submits.put(_Submit(job_id, is_store, packed, size, block_ids, partial_tail, order_seq))
         return job_id
 
     def _send_loop(self) -> None:
@@ -396,7 +400,7 @@ class Session:
                 continue  # failed already (disconnect)
             request = pb.TransferRequest(session_id=session_id, job_id=item.job_id, keys=item.keys,
                                          key_size=item.key_size, block_ids=item.block_ids,
-                                         partial_tail=item.partial_tail)
+                                         partial_tail=item.partial_tail, order_seq=item.order_seq)
             try:
                 (stub.Store if item.is_store else stub.Load)(request, timeout=self.client.timeout)
             except grpc.RpcError as e:

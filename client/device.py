@@ -39,14 +39,15 @@ if TYPE_CHECKING:
 
 # The engine's ring of interprocess events per CUDA device index: one ring per process and device,
 # exported with every registration of that device's KV memory; each step's copies record the next
-# event. The daemon notes, when a job arrives, which events are still pending and copies once each of
-# them has completed: the records made before the job, not a later step's. A ring (not one event)
-# because an event re-recorded by the next step before the daemon looks would make it wait for that
-# step too, and under steady load for ever later ones. vLLM's host runs at most a step or two ahead
-# of its GPU, far fewer than ORDER_EVENTS records.
+# event, numbered (the order_seq its jobs carry). The daemon waits for that job's own record: event
+# (seq - 1) % ORDER_EVENTS, not the records made after the job (the next step's forward); a job
+# without a number (an older client) waits for every event pending when it arrives. A ring (not one
+# event) because an event re-recorded by the next step before the daemon looks would make it wait
+# for that step too, and under steady load for ever later ones. vLLM's host runs at most a step or
+# two ahead of its GPU, far fewer than ORDER_EVENTS records.
 ORDER_EVENTS = 8
 _order_events: dict[int, list[torch.cuda.Event]] = {}
-_order_next: dict[int, int] = {}
+_order_count: dict[int, int] = {}  # records made per device ring: the last one's sequence number (from 1)
 
 
 def unsupported_allocator(vllm_config: Any) -> str:
@@ -124,7 +125,7 @@ def order_events(index: int) -> list[torch.cuda.Event]:
     if ring is None:
         # CUDA allows IPC only for events without timing and without blocking sync (torch's defaults).
         ring = _order_events[index] = [torch.cuda.Event(interprocess=True) for _ in range(ORDER_EVENTS)]
-        _order_next[index] = 0
+        _order_count[index] = 0
     return ring
 
 
@@ -142,27 +143,31 @@ def cuda_order_event_handle(index: int) -> bytes:
     return b"".join(handles)
 
 
-def order_before_copies(device: torch.device | str) -> None:
+def order_before_copies(device: torch.device | str) -> int:
     """Run before submitting a step's stores or loads: the daemon starts copying the moment a job
     arrives, from its own process, while this step's (or, for a load into blocks just taken from a
-    preempted request, the previous step's) kernels may still write the blocks.
+    preempted request, the previous step's) kernels may still write the blocks. Returns the record's
+    sequence number, to pass as `order_seq` to the jobs submitted right after (Session.store/load).
 
-    CUDA: records the next event of the ring on the current stream; the daemon polls it (cuEventQuery)
-    before it copies, so nothing here waits. Work on other streams must be joined into the current
-    stream before this (vLLM's forward ends on it), and the ring must be recorded on one stream. NPU:
-    no event crosses processes here, so the device is synchronized (`synchronize_before_store`).
-    CPU: nothing."""
+    CUDA: records the next event of the ring on the current stream and returns its sequence number
+    (records made on this device so far, counting from 1; the daemon finds the ring event as
+    (seq - 1) % ORDER_EVENTS). The daemon polls that event (cuEventQuery) before it copies the jobs
+    carrying it, so nothing here waits, and a job does not wait for records made after it. Work on
+    other streams must be joined into the current stream before this (vLLM's forward ends on it),
+    and the ring must be recorded on one stream. NPU: no event crosses processes here, so the device
+    is synchronized (`synchronize_before_store`); returns 0. CPU: nothing; returns 0."""
     import torch
 
     dev = torch.device(device)
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         ring = order_events(index)
-        k = _order_next[index]
-        _order_next[index] = (k + 1) % len(ring)
-        ring[k].record(torch.cuda.current_stream(index))
-    else:
-        synchronize_before_store(dev)
+        seq = _order_count[index] + 1
+        _order_count[index] = seq
+        ring[(seq - 1) % len(ring)].record(torch.cuda.current_stream(index))  # as the daemon finds it
+        return seq
+    synchronize_before_store(dev)
+    return 0
 
 
 def synchronize_before_store(device: torch.device | str) -> None:

@@ -164,12 +164,13 @@ class Daemon:
     # -- jobs ------------------------------------------------------------------------------------
 
     def submit(self, session: Session, job_id: int, keys: bytes, key_size: int, block_ids: Sequence[int],
-               is_store: bool, partial_tail: bool = False) -> int:
+               is_store: bool, partial_tail: bool = False, order_seq: int = 0) -> int:
         """Start a store or load job of an engine session (keys packed); its completion is posted to the
-        session's channel. Returns the job's id."""
+        session's channel. `order_seq`: the engine's ordering record the job follows (0: every record
+        pending at its arrival; see Backend.order_pending). Returns the job's id."""
         engine = self.sessions.engine(session)
         job = self.jobs.submit(engine, job_id, list(unpack_keys(keys, key_size)), block_ids, is_store,
-                               is_store and partial_tail)
+                               is_store and partial_tail, order_seq)
         return job.job_id
 
     async def poll(self, session: Session, wait_ms: int) -> list[JobResult]:

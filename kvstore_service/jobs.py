@@ -16,7 +16,8 @@ they run when no copy is in flight, or once the oldest has waited SEAL_DEFER_S. 
 runs at copy speed; under stores without pause seals take their share.
 
 Device jobs are ordered against the engine first (CUDA: its IPC events): when a job arrives, the
-backend notes which of the engine's ordering records are still pending (`order_pending`), and the
+backend notes which of the engine's ordering records it must follow are still pending
+(`order_pending`: the record the job names by its `order_seq`, or without one every record), and the
 loop polls them from the host (`order_waiting`) before it plans the job, with a deadline
 (ORDER_WAIT_S) and for no longer than the session lives. No copy thread waits on an engine: one that
 died or stalls fails its own jobs, and its session's end is not held up by them. Each device has its
@@ -172,7 +173,7 @@ class Jobs:
     # -- submit and poll -------------------------------------------------------------------------
 
     def submit(self, session: EngineSession, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int],
-               is_store: bool, partial_tail: bool = False) -> Job:
+               is_store: bool, partial_tail: bool = False, order_seq: int = 0) -> Job:
         keys, block_ids = list(keys), list(block_ids)  # (block_ids may be a protobuf container: slow to index)
         if len(keys) != len(block_ids):
             raise invalid(f"{len(keys)} keys but {len(block_ids)} block ids")
@@ -200,7 +201,7 @@ class Jobs:
                           f"{self.config.max_inflight_jobs}); wait for completions")
 
         job = Job(job_id, is_store, session, keys, block_ids, [False] * len(keys), partial_tail)
-        job.order = self._order_pending(job)  # now, at arrival: the records the job must follow
+        job.order = self._order_pending(job, order_seq)  # now, at arrival: the records the job must follow
         mine.running[slot] = job
         task = asyncio.get_running_loop().create_task(self._run(job))
         mine.tasks.add(task)
@@ -243,10 +244,10 @@ class Jobs:
 
     # -- ordering against the engine -------------------------------------------------------------
 
-    def _order_pending(self, job: Job) -> list[int]:
+    def _order_pending(self, job: Job, seq: int) -> list[int]:
         session = job.session
         try:
-            return session.backend.order_pending(session.mappings[0])
+            return session.backend.order_pending(session.mappings[0], seq)
         except RuntimeError as e:  # cannot tell when the engine's writes are done: copying would be unordered
             job.error = f"cannot order the copy after the engine's work: {e}"
             if isinstance(e, native.StickyDeviceError):

@@ -173,7 +173,7 @@ class Servicer(pb_grpc.KVStoreServicer):
         check_keys(request.keys, request.key_size)
         session = self._session(request.session_id, context)
         job_id = self.daemon.submit(session, request.job_id, request.keys, request.key_size, request.block_ids,
-                                    is_store, request.partial_tail)
+                                    is_store, request.partial_tail, request.order_seq)
         return pb.TransferResponse(job_id=job_id)
 
     async def Poll(self, request: pb.PollRequest, context: Any) -> pb.PollResponse:

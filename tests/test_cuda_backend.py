@@ -522,6 +522,36 @@ def test_order_before_copies_records_the_event_without_a_host_sync(monkeypatch: 
     assert {stream for _, stream in recorded} == {"stream-1"}
 
 
+def test_order_before_copies_numbers_its_records_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The number a job carries (order_seq) counts the records on its device from 1, each device on
+    its own; the daemon finds the record's event as (seq - 1) % ring length. CPU: 0."""
+    torch = pytest.importorskip("torch")
+    from kvstore_client import device as device_module
+
+    recorded: list[tuple[int, int]] = []  # (device, ring position)
+
+    class Event:
+        def __init__(self, device: int, position: int) -> None:
+            self.where = (device, position)
+
+        def record(self, stream: object) -> None:
+            recorded.append(self.where)
+
+    n = device_module.ORDER_EVENTS
+    made = iter(range(100))  # rings made in the order below: device 0's events, then device 1's
+    monkeypatch.setattr(torch.cuda, "Event", lambda interprocess: Event(*divmod(next(made), n)))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: f"stream-{index}")
+    monkeypatch.setattr(device_module, "_order_events", {})
+    monkeypatch.setattr(device_module, "_order_count", {})
+    device_module.order_events(0), device_module.order_events(1)
+    on_1 = [device_module.order_before_copies("cuda:1") for _ in range(n + 2)]
+    on_0 = [device_module.order_before_copies(torch.device("cuda", 0)) for _ in range(3)]
+    assert on_1 == list(range(1, n + 3)) and on_0 == [1, 2, 3]
+    assert device_module.order_before_copies("cpu") == 0  # (NPU: a host sync, then 0 too)
+    # Each record is on the event its number names.
+    assert recorded == [(1, (seq - 1) % n) for seq in on_1] + [(0, (seq - 1) % n) for seq in on_0]
+
+
 # -- the native engine against a fake driver: ordering on the engine's event, pinning in pieces ------
 
 FAKE_LIBCUDA = r"""
@@ -564,6 +594,8 @@ static CUresult ipc_open(void** e, CUipcEventHandle h) {
 }
 static CUresult event_query(void* e) {  // FAKE_QUERY_RC: 0 done, 600 not ready, other: an error
   note("query %#llx ctx=%#llx", P(e), P(g_ctx));
+  const char* later = getenv("FAKE_PENDING_EVENT");  // this event (e.g. 0x31a) is not ready, whatever the rc
+  if (later && P(e) == strtoull(later, nullptr, 0)) return 600;
   return (CUresult)knob("FAKE_QUERY_RC");
 }
 static CUresult memcpy_async(CUdeviceptr d, CUdeviceptr s, size_t n, void* st) {
@@ -686,6 +718,8 @@ def at(mapping, blocks):
 if a1 is not None:
     out["pending"] = step("pending a", backend.order_pending, a1)
     out["waiting"] = step("waiting a", backend.order_waiting, a1, out["pending"] or [])
+    for seq in (1, 2, 3):  # jobs naming their own record: event (seq - 1) % 2 of a's ring
+        out[f"pending a seq {seq}"] = step(f"pending a seq {seq}", backend.order_pending, a1, seq)
     step("store a", backend.copy, a1, pool.base, at(a1, [0, 2]), False)
 if a1 is not None:  # 16 MiB of runs: spread over several streams
     wide = TransferPlan(array("Q", [slot] * 4096), array("Q", [a1.base] * 4096), array("Q", [BLOCK] * 4096))
@@ -695,6 +729,7 @@ if b is not None:
     out["loaded"] = [engines[2].raw[i * BLOCK:(i + 1) * BLOCK] == bytes([1]) * BLOCK for i in range(8)]
 if c is not None:
     out["pending c"] = step("pending c", backend.order_pending, c)
+    out["pending c seq 1"] = step("pending c seq 1", backend.order_pending, c, 1)
     step("store c", backend.copy, c, pool.base, at(c, [1, 3]), False)
 for name, mapping in (("unmap a1", a1), ("unmap a2", a2), ("unmap b", b), ("unmap c", c)):
     if mapping is not None:
@@ -760,6 +795,23 @@ def test_the_engines_records_are_queried_from_the_host(fake_libcuda: Path, tmp_p
     assert [hex(e) for e in out["waiting"]] == pending
     # A version-1 handle (an older client) has no event: nothing to ask, nothing pending.
     assert steps["pending c"]["calls"] == [] and out["pending c"] == []
+
+
+def test_a_job_with_its_sequence_number_waits_for_its_own_record_only(fake_libcuda: Path, tmp_path: Path) -> None:
+    """Engine a's ring has two events; its second (0x31a, record 2: the next step's, made after the job)
+    is still running. A job naming record 1 asks about event 0 only and copies at once; a job
+    naming record 2 waits for it; record 3 reuses event 0. A job without a number (0, an older
+    client) waits for every pending event, the later record included."""
+    out = run_scenario(fake_libcuda, tmp_path, FAKE_PENDING_EVENT="0x31a")
+    steps = out["by_step"]
+    assert all(s["error"] is None for s in out["steps"]), out["steps"]
+    assert steps["pending a seq 1"]["calls"] == ["query 0x30a ctx=0x11"] and out["pending a seq 1"] == []
+    assert steps["pending a seq 2"]["calls"] == ["query 0x31a ctx=0x11"]
+    assert [hex(e) for e in out["pending a seq 2"]] == ["0x31a"]
+    assert steps["pending a seq 3"]["calls"] == ["query 0x30a ctx=0x11"] and out["pending a seq 3"] == []
+    assert [hex(e) for e in out["pending"]] == ["0x31a"]  # seq 0: every pending one, as before
+    # A version-1 handle has no ring: nothing to wait for, whatever the job says.
+    assert steps["pending c seq 1"]["calls"] == [] and out["pending c seq 1"] == []
 
 
 @pytest.mark.parametrize("rc,error", [("400", "RuntimeError"), ("700", "StickyDeviceError")])

@@ -3,7 +3,8 @@ whose "engine records" complete when the test says so, as CUDA IPC events do whe
 stream reaches them):
 
 * a job's copies start only once the records pending when it arrived are done, and never wait for
-  a record made after it arrived;
+  a record made after it arrived; a job naming its own record (order_seq) waits for that one only,
+  not for a later record the engine made before the job arrived;
 * the wait is on the event loop, not in a copy thread: another engine's jobs copy meanwhile;
 * an engine that dies (its session ends) or stalls (past the deadline) fails only its own jobs, and
   its session's end is not held up by them;
@@ -13,18 +14,26 @@ stream reaches them):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import queue
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 from test_core import BLOCK, NUM_BLOCKS, SLOTS, Core, FakeBackend, block_bytes, fill, keys_of, run
 
+from kvstore_client.client import Session
 from kvstore_client.protocol import PROTOCOL_VERSION
+from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol.completion import CompletionChannel
 from kvstore_service import native
 from kvstore_service.backends import Mapping, TransferPlan
+from kvstore_service.daemon import Daemon
 from kvstore_service.layout import Layout, Region
+from kvstore_service.server import Servicer
 from kvstore_service.sessions import EngineSession, Registration
 
 
@@ -43,6 +52,7 @@ class RecordingBackend(FakeBackend):
         self.copied: list[tuple[int, float]] = []  # (device, when)
         self.slow: set[int] = set()
         self.slow_gate = threading.Event()
+        self.seqs: list[int] = []  # the order_seq of each job, as it arrived
 
     def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
         mapping = super().map(handle, size, device, fd)
@@ -53,8 +63,10 @@ class RecordingBackend(FakeBackend):
     def record(self, mapping: Mapping, name: int) -> None:
         self.records[mapping.base].append(name)
 
-    def order_pending(self, mapping: Mapping) -> list[int]:
-        return self.order_waiting(mapping, list(self.records[mapping.base]))
+    def order_pending(self, mapping: Mapping, seq: int = 0) -> list[int]:
+        self.seqs.append(seq)
+        records = self.records[mapping.base]
+        return self.order_waiting(mapping, [records[seq - 1]] if seq > 0 else list(records))
 
     def order_waiting(self, mapping: Mapping, pending: list[int]) -> list[int]:
         self.queries += 1
@@ -126,6 +138,69 @@ def test_a_job_copies_once_the_records_before_it_are_done_and_not_a_later_one(tm
         assert await outcome(a, 2) == (1, 0) and backend.queries == queries + 1
 
     with_backend(tmp_path, body)
+
+
+def test_a_job_naming_its_record_waits_for_it_and_not_for_a_later_pending_one(tmp_path: Path) -> None:
+    """The engine recorded 1 (this step's forward), submitted a store and a load carrying order_seq 1,
+    then recorded 2 (the next step's forward) before they reached the daemon: they copy once record 1
+    is done, with record 2 still running. A job without a number (0) waits for both, as before."""
+    async def body(core: Core, backend: RecordingBackend) -> None:
+        a = await engine(core)
+        fill(a, 0, 0x5A)
+        backend.record(a.mappings[0], 1)
+        backend.record(a.mappings[0], 2)  # made before the jobs arrive, never done here
+        core.jobs.submit(a, 1, keys_of(1), [0], True, order_seq=1)
+        core.jobs.submit(a, 2, keys_of(1, tag=1), [0], True)  # an older client: no number
+        assert await outcome(a, 1, timeout=0.2) is None and backend.copied == []  # record 1 still runs
+        backend.done.add(1)
+        assert await outcome(a, 1) == (1, 0)  # record 2 is not waited for
+        assert await outcome(a, 2, timeout=0.2) is None  # it is for the job without a number
+        core.jobs.submit(a, 3, keys_of(1), [7], False, order_seq=1)  # a load after its step's record
+        assert await outcome(a, 3) == (1, 0) and block_bytes(a, 7) == bytes([0x5A]) * BLOCK
+        assert backend.seqs == [1, 0, 1] and await outcome(a, 2, timeout=0) is None
+        backend.done.add(2)
+        assert await outcome(a, 2) == (1, 0)
+
+    with_backend(tmp_path, body)
+
+
+def test_the_order_seq_travels_from_the_client_to_the_job() -> None:
+    """Session.store/load -> TransferRequest.order_seq (on the wire) -> the server -> Daemon.submit ->
+    Jobs.submit; a call without one sends 0."""
+    got: list[tuple[bool, int]] = []  # (is_store, order_seq) as Jobs.submit receives them
+    daemon = Daemon.__new__(Daemon)
+    daemon.sessions = SimpleNamespace(engine=lambda session: session)  # type: ignore[assignment]
+
+    def submit(engine: object, job_id: int, keys: list[bytes], block_ids: object, is_store: bool,
+               partial_tail: bool = False, order_seq: int = 0) -> Any:
+        got.append((is_store, order_seq))
+        return SimpleNamespace(job_id=job_id)
+
+    daemon.jobs = SimpleNamespace(submit=submit)  # type: ignore[assignment]
+    servicer = Servicer.__new__(Servicer)
+    servicer._daemon = daemon
+    servicer.tenancy = SimpleNamespace(check_session=lambda owner, context: None)  # type: ignore[assignment]
+    daemon.session = lambda session_id: SimpleNamespace(owner=None)  # type: ignore[method-assign]
+
+    def call(is_store: bool) -> Any:
+        def rpc(request: pb.TransferRequest, timeout: float) -> pb.TransferResponse:
+            wire = pb.TransferRequest.FromString(request.SerializeToString())
+            return servicer._submit(wire, None, is_store)
+        return rpc
+
+    session = Session.__new__(Session)
+    session.client = SimpleNamespace(stub=SimpleNamespace(Store=call(True), Load=call(False)),  # type: ignore[assignment]
+                                     timeout=1.0)
+    session.memory, session.session_id, session.slots = object(), b"s" * 16, 8  # type: ignore[assignment]
+    session._job_ids, session._pending, session._done = itertools.count(1), {}, []
+    session._lock, session._connected, session._submits = threading.Lock(), threading.Event(), queue.SimpleQueue()
+    session._connected.set()
+    session.store(keys_of(2), [0, 1], order_seq=7)
+    session.load(keys_of(2), [2, 3], order_seq=8)
+    session.store(keys_of(1), [4])  # an older caller: no record named
+    session._submits.put(None)
+    session._send_loop()
+    assert got == [(True, 7), (False, 8), (True, 0)]
 
 
 def test_the_wait_holds_no_copy_thread(tmp_path: Path) -> None:

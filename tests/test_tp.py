@@ -188,7 +188,8 @@ def test_replicas_split_the_stores_of_their_shard() -> None:
             self.stored: list[tuple[bytes, int]] = []
             self.tails: list[bytes] = []
 
-        def store(self, keys: list[bytes], block_ids: list[int], partial_tail: bool = False) -> int:
+        def store(self, keys: list[bytes], block_ids: list[int], partial_tail: bool = False,
+                  order_seq: int = 0) -> int:
             self.stored += zip(keys, block_ids, strict=True)
             self.tails += keys[-1:] if partial_tail else []
             return len(self.stored)

@@ -160,12 +160,13 @@ class Worker:
                 self._load_failed(t.req_id, t.block_ids)
                 self.refused_loads.add(t.req_id)
             return
+        seq = 0  # the ordering record these jobs follow (0 on CPU: nothing to order)
         if loads and self.order_copies:
             assert self.device is not None
-            order_before_copies(self.device)  # blocks taken from a preempted request may still be written
+            seq = order_before_copies(self.device)  # blocks taken from a preempted request may still be written
         early = early and bool(self.layer_regions)
         for t in loads:
-            job = session.load(t.keys, t.block_ids)
+            job = session.load(t.keys, t.block_ids, order_seq=seq)
             self.load_jobs[job] = (t.req_id, t.block_ids, time.monotonic())
             self.loads_left[t.req_id] = self.loads_left.get(t.req_id, 0) + 1
             if early and len(t.block_ids) * self.block_bytes <= session.progress_load_bytes:
@@ -223,11 +224,12 @@ class Worker:
             return  # off: nothing stored, and nothing keeps a finished request's blocks
         if self.sharding.replicas > 1:  # replicas of a shard split its stores
             stores = [mine for t in stores if (mine := self._my_part(t)) is not None]
+        seq = 0  # the ordering record these jobs follow (0 on CPU: nothing to order)
         if stores and self.order_copies:
             assert self.device is not None
-            order_before_copies(self.device)  # the daemon may read the blocks as soon as a job arrives
+            seq = order_before_copies(self.device)  # the daemon may read the blocks as soon as a job arrives
         for t in stores:
-            job = self.session.store(t.keys, t.block_ids, t.partial_tail)
+            job = self.session.store(t.keys, t.block_ids, t.partial_tail, order_seq=seq)
             self.store_jobs[job] = t.req_id
             self.stores_left[t.req_id] = self.stores_left.get(t.req_id, 0) + 1
             self.had_stores.add(t.req_id)

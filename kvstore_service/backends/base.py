@@ -113,10 +113,12 @@ class Backend(ABC):
     def unmap(self, mapping: Mapping) -> None:
         """Release the mapping. Called only when no copy uses it any more."""
 
-    def order_pending(self, mapping: Mapping) -> list[int]:
+    def order_pending(self, mapping: Mapping, seq: int = 0) -> list[int]:
         """When a job of the session whose first mapping is `mapping` arrives (event loop; never
-        blocks): the engine's ordering records, made before the job, that are not done yet. The job's
-        copies start once order_waiting returns [] for them. [] : nothing to wait for (CPU)."""
+        blocks): the engine's ordering records the job must follow that are not done yet. `seq`: the
+        job's own record (the engine's 1-based count of records on the device, made just before the
+        job; TransferRequest.order_seq); 0 (none given): every record not done yet. The job's copies
+        start once order_waiting returns [] for them. []: nothing to wait for (CPU)."""
         return []
 
     def order_waiting(self, mapping: Mapping, pending: list[int]) -> list[int]:

@@ -20,8 +20,10 @@ mid-copy); the host-side logic is also tested without a GPU. See docs/devices.md
   device, recorded round robin by the engine on its stream before it submits a step's copies). map
   opens them (cuIpcOpenEventHandle, once per engine ring and device: the mappings of a session, and a
   re-registration of the same engine, share them) and the last unmap using them destroys them
-  (cuEventDestroy). When a job arrives, `order_pending` notes which of them are still pending
-  (cuEventQuery, from the host); the job's copies start once each of those has completed
+  (cuEventDestroy). When a job arrives, `order_pending` notes whether the job's own record (its
+  `order_seq`: event (seq - 1) % ring length) is still pending, or for a job without one (an older
+  client) which events of the ring are (cuEventQuery, from the host); the job's copies start once
+  each of those has completed
   (`order_waiting`, polled by kvstore_service.jobs with a deadline and the session's liveness). No
   daemon stream ever waits on an engine's event: such a wait never ends when the engine dies or its
   stream stalls. A version-1 handle (an older client) has none: its copies are not ordered here, and
@@ -255,9 +257,15 @@ class CudaBackend(Backend):
         if key is not None:  # this session's copies are over: nothing polls its events any more
             self._release_events(key)
 
-    def order_pending(self, mapping: Mapping) -> list[int]:
+    def order_pending(self, mapping: Mapping, seq: int = 0) -> list[int]:
         held = mapping.handle
         assert isinstance(held, Held)
+        if seq > 0 and held.events:
+            # Just the job's own record: not the records made after it (the next step's forward). Its
+            # event may have been recorded again since (the ring came round, or a re-registration
+            # recorded every event): the job then waits for that later record too. Conservative (a
+            # later record completes after the job's own one, on the same stream), so still correct.
+            return self.order_waiting(mapping, [held.events[(seq - 1) % len(held.events)]])
         return self.order_waiting(mapping, held.events)
 
     def order_waiting(self, mapping: Mapping, pending: list[int]) -> list[int]:

@@ -61,9 +61,10 @@ class CudaEngine:
         blocks = raw.view(len(keys), self.layers, TOKENS, HEADS, CONTENT * 2).cuda()
         return [blocks[:, i].view(torch.bfloat16).permute(0, 2, 1, 3) for i in range(self.layers)]
 
-    def write_late(self, block_ids: list[int], pages: list[torch.Tensor] | None) -> None:
+    def write_late(self, block_ids: list[int], pages: list[torch.Tensor] | None) -> int:
         """Write the blocks (their pages, or -1 bytes) on the side stream behind a slow kernel, join
-        the side stream into the current one, record the ordering event; the host does not wait.
+        the side stream into the current one, record the ordering event and return its sequence
+        number (the job's order_seq); the host does not wait.
         (Plain copies and fills per block: indexing with a tensor of ids may synchronize the host,
         which would wait out the slow kernel before the job is even submitted.)"""
         self.side.wait_stream(torch.cuda.current_stream())
@@ -76,16 +77,16 @@ class CudaEngine:
                     else:
                         view[b].copy_(pages[i][j])
         torch.cuda.current_stream().wait_stream(self.side)
-        order_before_copies(self.kv.device)
+        return order_before_copies(self.kv.device)
 
     def store(self, keys: list[bytes], block_ids: list[int]) -> int:
-        self.write_late(block_ids, self.pages(keys))
-        job = self.session.store(keys, block_ids)
+        seq = self.write_late(block_ids, self.pages(keys))
+        job = self.session.store(keys, block_ids, order_seq=seq)
         return self.session.wait([job], timeout=60)[job].blocks_ok
 
     def load(self, keys: list[bytes], block_ids: list[int]) -> int:
-        self.write_late(block_ids, None)  # a preempted request's last writes, still running
-        job = self.session.load(keys, block_ids)
+        seq = self.write_late(block_ids, None)  # a preempted request's last writes, still running
+        job = self.session.load(keys, block_ids, order_seq=seq)
         return self.session.wait([job], timeout=60)[job].blocks_ok
 
     def wrong_blocks(self, keys: list[bytes], block_ids: list[int]) -> list[int]:
