@@ -108,13 +108,7 @@ def test_loaded_sliding_window_blocks_are_really_used(references, daemon_factory
     """Negative control: with checksums off, altering only the sliding-window groups' blocks in the pool
     changes a restarted engine's outputs, so the test above cannot pass by recomputing them."""
     model, reference = references("gemma3")
-    daemon = daemon_factory("--verify-loads", "0").start()
-    a = engine(model, "gemma3", tmp_path / "a.json", connector_config(daemon))
-    windowed = [g for g, group in enumerate(a["kv_cache"]["groups"]) if group["kind"] == "SlidingWindowSpec"]
-    client = daemon.client()
-    assert wait_for(lambda: client.stats().unsealed_blocks == 0 and client.stats().stored_blocks > 0, timeout=30)
-    assert alter_blocks(daemon, windowed) > 0
-    b = engine(model, "gemma3", tmp_path / "b.json", connector_config(daemon))
+    b = restarted_after_altering(model, "gemma3", "SlidingWindowSpec", daemon_factory, tmp_path)
     assert external_hits(b) >= 7 * BLOCK
     assert outputs(b) != outputs(reference)
 
@@ -168,13 +162,7 @@ def test_loaded_states_are_really_used(references, daemon_factory, tmp_path) -> 
     """Negative control: with checksums off, altering only the states in the pool changes a restarted
     engine's logprobs, so the test above cannot pass by recomputing them (or by vLLM ignoring a load)."""
     model, reference = references("qwen3_next")
-    daemon = daemon_factory("--verify-loads", "0").start()
-    a = engine(model, "qwen3_next", tmp_path / "a.json", connector_config(daemon))
-    states = [g for g, group in enumerate(a["kv_cache"]["groups"]) if group["kind"] == "MambaSpec"]
-    client = daemon.client()
-    assert wait_for(lambda: client.stats().unsealed_blocks == 0 and client.stats().stored_blocks > 0, timeout=30)
-    assert alter_blocks(daemon, states) > 0
-    b = engine(model, "qwen3_next", tmp_path / "b.json", connector_config(daemon))
+    b = restarted_after_altering(model, "qwen3_next", "MambaSpec", daemon_factory, tmp_path)
     assert external_hits(b) > 0
     assert logprobs(b) != logprobs(reference)
 
@@ -198,6 +186,17 @@ def test_a_mamba_hybrid_without_prefix_caching_starts_and_serves_by_recomputing(
 
 def logprobs(result: dict) -> list[list[float]]:
     return [r["logprobs"] for r in result["requests"]]
+
+
+def restarted_after_altering(model: Path, name: str, kind: str, daemon_factory, tmp_path: Path) -> dict:
+    """A fresh engine's run after a first one stored its prompts and the pool's blocks of the `kind` groups
+    were overwritten, on a daemon that verifies no load (negative controls)."""
+    daemon = daemon_factory("--verify-loads", "0").start()
+    a = engine(model, name, tmp_path / "a.json", connector_config(daemon))
+    client = daemon.client()
+    assert wait_for(lambda: client.stats().unsealed_blocks == 0 and client.stats().stored_blocks > 0, timeout=30)
+    assert alter_blocks(daemon, [g for g, group in enumerate(a["kv_cache"]["groups"]) if group["kind"] == kind]) > 0
+    return engine(model, name, tmp_path / "b.json", connector_config(daemon))
 
 
 def alter_blocks(daemon, groups: list[int]) -> int:
