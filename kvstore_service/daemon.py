@@ -261,7 +261,7 @@ class Daemon:
         disk = None
         if config.disk_path:
             try:
-                disk = await Threads.run(self.threads.disk, open_disk, config)
+                disk = await Threads.run(self.threads.disk, open_disk, config, self.threads)
             except ValueError as e:
                 raise ValueError(f"--disk-path: {e}") from None
         try:
@@ -273,7 +273,8 @@ class Daemon:
         config = self.config
         remote = None
         if config.remote:
-            remote = RemoteTier.from_url(config.remote, password_file=config.remote_password_file or None,
+            remote = RemoteTier.from_url(config.remote, executor=self.threads.remote,
+                                         password_file=config.remote_password_file or None,
                                          tls_ca_file=config.remote_tls_ca or None, timeout_s=config.remote_timeout_s,
                                          secret_file=config.remote_secret_file or None, encrypt=config.remote_encrypt,
                                          queue_bytes=int(config.remote_queue_bytes),
@@ -315,10 +316,11 @@ class Daemon:
         self.pool.close()
 
 
-def open_disk(config: Config) -> DiskTier:
-    """Blocking: the disk tier's directory checked, its segments' index loaded or scanned."""
-    disk = DiskTier.open(config.disk_path, int(config.disk_size), segment_bytes=int(config.disk_segment_size),
-                         queue_bytes=int(config.disk_queue_bytes))
+def open_disk(config: Config, threads: Threads) -> DiskTier:
+    """Blocking: the disk tier's directory checked, its segments' index loaded or scanned; its I/O then
+    runs on the daemon's disk threads."""
+    disk = DiskTier.open(config.disk_path, int(config.disk_size), executor=threads.disk,
+                         segment_bytes=int(config.disk_segment_size), queue_bytes=int(config.disk_queue_bytes))
     s = disk.stats()
     log.info("disk tier %s: %d blocks in %d segments (%s)", config.disk_path, s.blocks, s.segments,
              "healthy" if s.healthy else f"disabled: {s.error}")

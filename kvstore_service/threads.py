@@ -4,11 +4,15 @@
                   CPU copies, seals and the verification of recovered blocks (jobs.py)
     device calls  device work that may block for long: runtime init, pinning the pool, opening or
                   closing an engine's IPC memory (jobs.py `Jobs.off_loop`, for sessions.py too)
-    disk I/O      the disk tier's reads and writes (the native engine has its own threads besides)
+    disk I/O      the disk tier's opening, reads, writes and catalog saves (tiers/disk; the native
+                  engine moves a call's records on threads of its own besides)
+    remote        the remote tier's wrapping of an upload batch (a MAC or an encryption) and opening of
+                  a large fetched batch (tiers/remote)
 
 The event loop owns all state; a thread gets a self-contained piece of work (a planned chunk, a
-batch to checksum, one device call, one disk read or write) and hands its result back. Jobs and the
-tiers submit work here, and the daemon's start (the pool set up and pinned, the disk tier opened).
+batch to checksum, one device call, one disk read or write, one batch to wrap or open) and hands its
+result back. Jobs and the tiers submit work here, and the daemon's start (the pool set up and pinned,
+the disk tier opened); no other module of the daemon makes a thread (tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from typing import Any, TypeVar
 _T = TypeVar("_T")
 DEVICE_CALL_THREADS = 4
 DISK_THREADS = 2
+# The remote tier's threads: as many as asyncio's default executor has (ThreadPoolExecutor's default
+# size, min(32, CPUs + 4)); the tier ran there before (asyncio.to_thread).
+REMOTE_THREADS: int | None = None
 
 
 def _lower_priority() -> None:
@@ -43,6 +50,7 @@ class Threads:
         self._device_calls = ThreadPoolExecutor(max_workers=DEVICE_CALL_THREADS, thread_name_prefix="kvstore-device")
         self._lanes: dict[tuple[str, int], ThreadPoolExecutor] = {}
         self._disk: ThreadPoolExecutor | None = None
+        self._remote: ThreadPoolExecutor | None = None
 
     def lane(self, backend: str, device: int) -> Executor:
         """The copy threads of this device (the shared ones for the CPU): one GPU's copies never queue
@@ -67,10 +75,17 @@ class Threads:
 
     @property
     def disk(self) -> Executor:
-        """The disk tier's threads, made on first use."""
+        """The disk tier's threads (DiskTier's `executor`), made on first use."""
         if self._disk is None:
             self._disk = ThreadPoolExecutor(max_workers=DISK_THREADS, thread_name_prefix="kvstore-disk")
         return self._disk
+
+    @property
+    def remote(self) -> Executor:
+        """The remote tier's threads (RemoteTier's `executor`), made on first use."""
+        if self._remote is None:
+            self._remote = ThreadPoolExecutor(max_workers=REMOTE_THREADS, thread_name_prefix="kvstore-remote")
+        return self._remote
 
     def close_copies(self) -> None:
         """Wait for the copies, seals and device calls under way; refuse new ones."""
@@ -82,5 +97,6 @@ class Threads:
     def close(self) -> None:
         """Every thread stopped, after the work under way."""
         self.close_copies()
-        if self._disk is not None:
-            self._disk.shutdown(wait=True)
+        for tier in (self._disk, self._remote):
+            if tier is not None:
+                tier.shutdown(wait=True)

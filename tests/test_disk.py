@@ -21,12 +21,14 @@ import pytest
 
 from kvstore_service import native
 from kvstore_service.pool import Pool
+from kvstore_service.threads import Threads
 from kvstore_service.tiers.disk import ALIGN, DiskDirectoryError, DiskTier
 from kvstore_service.tiers.disk.format import parse_catalog
 
 KB, MB = 1 << 10, 1 << 20
 SCOPE = bytes(range(16))
 OTHER_SCOPE = bytes(16)
+DISK = Threads(copy_threads=1).disk  # the daemon's disk threads (the blocking calls tested here do not use them)
 
 
 def keys_of(n: int, tag: str = "k") -> list[bytes]:
@@ -82,7 +84,7 @@ def tiers() -> Iterator[list[DiskTier]]:
 
 def open_tier(tiers: list[DiskTier], path: Path, size: int = 64 * MB, **kwargs: object) -> DiskTier:
     kwargs.setdefault("segment_bytes", 2 * MB)
-    tier = DiskTier.open(str(path), size, **kwargs)  # type: ignore[arg-type]
+    tier = DiskTier.open(str(path), size, executor=DISK, **kwargs)  # type: ignore[arg-type]
     tiers.append(tier)
     return tier
 
@@ -189,9 +191,9 @@ def test_malformed_arguments_are_value_errors(tmp_path: Path, mem: Memory, tiers
     with pytest.raises(ValueError, match="offsets"):
         tier.read(SCOPE, [b"k"], mem.pool.base, [], 4096)
     with pytest.raises(ValueError, match="segment size"):
-        DiskTier.open(str(tmp_path / "x"), 64 * MB, segment_bytes=1000)
+        DiskTier.open(str(tmp_path / "x"), 64 * MB, executor=DISK, segment_bytes=1000)
     with pytest.raises(ValueError, match="two"):
-        DiskTier.open(str(tmp_path / "x"), 3 * MB, segment_bytes=2 * MB)
+        DiskTier.open(str(tmp_path / "x"), 3 * MB, executor=DISK, segment_bytes=2 * MB)
 
 
 # -- write-behind queue ------------------------------------------------------------------------------
@@ -250,10 +252,12 @@ def test_reopen_without_checkpoints_scans_the_segments(tmp_path: Path, mem: Memo
 WRITER = textwrap.dedent("""
     import ctypes, mmap, os, random, sys, time
     from kvstore_service import native
+    from kvstore_service.threads import Threads
     from kvstore_service.tiers.disk import DiskTier
 
     path, count, length, then = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-    tier = DiskTier.open(path, 4 << 30, segment_bytes=8 << 20)  # nothing reclaimed in the test's time
+    tier = DiskTier.open(path, 4 << 30, executor=Threads(1).disk,
+                         segment_bytes=8 << 20)  # nothing reclaimed in the test's time
     buf = mmap.mmap(-1, max(count, 4) * length)
     base = ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
@@ -728,13 +732,13 @@ def test_unsafe_directory_is_refused(tmp_path: Path, problem: str) -> None:
     expected = {"symlink": "symbolic link", "foreign owner": "belongs to uid 12345", "a file": "not a directory",
                 "group writable": "written by others", "world writable": "written by others"}[problem]
     with pytest.raises(DiskDirectoryError, match=expected):
-        DiskTier.open(str(path), 64 * MB, segment_bytes=2 * MB)
+        DiskTier.open(str(path), 64 * MB, executor=DISK, segment_bytes=2 * MB)
 
 
 def test_a_directory_in_use_is_refused(tmp_path: Path, tiers: list[DiskTier]) -> None:
     open_tier(tiers, tmp_path / "disk")
     with pytest.raises(DiskDirectoryError, match="in use"):
-        DiskTier.open(str(tmp_path / "disk"), 64 * MB, segment_bytes=2 * MB)
+        DiskTier.open(str(tmp_path / "disk"), 64 * MB, executor=DISK, segment_bytes=2 * MB)
 
 
 # -- threads ----------------------------------------------------------------------------------------

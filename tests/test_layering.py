@@ -5,7 +5,10 @@
   decodes into and encodes from, no part (index, sessions' registry, jobs, tiers, pool, ...);
 - the daemon imports only kvstore_client.protocol of the client package; the command line and the
   harness that drive a daemon as a client does (`kvstore stats`, `kvstore bench`) are named here;
-- the client package imports nothing of the daemon's, and ships no harness.
+- the client package imports nothing of the daemon's, and ships no harness;
+- threads.py makes every thread the daemon hands work to: no other module of kvstore_service starts a
+  thread or a pool (ThreadPoolExecutor, threading.Thread, asyncio.to_thread, run_in_executor, ...);
+  the exceptions are named here with their reason.
 """
 
 from __future__ import annotations
@@ -32,6 +35,21 @@ SERVER_MAY_IMPORT = {
 }
 # Modules of the daemon's package that are clients of a daemon: they may import the whole client.
 CLIENT_SIDE = {"kvstore_service.cli", "kvstore_service.bench", "kvstore_service.harness"}
+# What starts a thread (a call of one of these names, or a class deriving from one). run_in_executor
+# and asyncio.to_thread count: without an executor of threads.py's they run on one asyncio makes.
+THREAD_MAKERS = {"ThreadPoolExecutor", "ProcessPoolExecutor", "Thread", "Timer", "to_thread", "run_in_executor",
+                 "start_new_thread", "set_default_executor"}
+# The one module that may, and the threads made elsewhere, each with why it is not a pool of threads.py's.
+THREADS_MODULE = "kvstore_service.threads"
+OWN_THREADS = {
+    ("kvstore_service.metrics", "Thread"):
+        "the /healthz and /metrics HTTP server (http.server's blocking serve_forever): it answers while the "
+        "pool is being set up and while the loop is busy, so it neither waits on the loop nor queues behind "
+        "the daemon's work, and it runs none of it",
+    ("kvstore_service.backends.cpu", "Thread"):
+        "a CPU mapping's page populator: one per mapping, living as long as it (stopped and joined at unmap, "
+        "before the memory goes), not a piece of work handed to a pool and awaited",
+}
 
 
 def modules(package: str) -> dict[str, Path]:
@@ -166,3 +184,45 @@ def test_the_client_ships_no_daemon_and_no_harness() -> None:
              for target, _, line in imports(module, path) if target.split(".")[0] == "kvstore_service"]
     assert wrong == []
     assert not [m for m in client if m.rpartition(".")[2] in ("process", "harness", "bench", "testing")]
+
+
+def thread_makers(source: str, filename: str = "<source>") -> Iterator[tuple[str, int]]:
+    """(name, line) of each call that starts a thread or pool, and of each class deriving from one."""
+    for node in ast.walk(ast.parse(source, filename)):
+        targets = [node.func] if isinstance(node, ast.Call) else node.bases if isinstance(node, ast.ClassDef) else []
+        for target in targets:
+            name = target.attr if isinstance(target, ast.Attribute) else target.id if isinstance(target, ast.Name) \
+                else None
+            if name in THREAD_MAKERS:
+                yield name, node.lineno
+
+
+def test_the_thread_rule_sees_what_makes_threads() -> None:
+    source = """
+import asyncio, threading
+from concurrent.futures import ThreadPoolExecutor as Pool, ThreadPoolExecutor
+ThreadPoolExecutor(max_workers=2)
+threading.Thread(target=print).start()
+asyncio.to_thread(print)
+asyncio.get_running_loop().run_in_executor(None, print)
+class Worker(threading.Thread): ...
+threading.Lock(); threading.Event()
+"""
+    assert sorted(name for name, _ in thread_makers(source)) == [
+        "Thread", "Thread", "ThreadPoolExecutor", "run_in_executor", "to_thread"]
+    made = {name for name, _ in thread_makers(ROOTS["kvstore_service"].joinpath("threads.py").read_text())}
+    assert {"ThreadPoolExecutor", "run_in_executor"} <= made
+
+
+def test_only_threads_py_makes_threads_in_the_daemon() -> None:
+    wrong, excepted = [], set()
+    for module, path in modules("kvstore_service").items():
+        if module == THREADS_MODULE:
+            continue
+        for name, line in thread_makers(path.read_text(), str(path)):
+            if (module, name) in OWN_THREADS:
+                excepted.add((module, name))
+            else:
+                wrong.append(f"{path.relative_to(REPO)}:{line}: {name}")
+    assert wrong == [], "threads made outside threads.py (take them from Threads):\n" + "\n".join(wrong)
+    assert excepted == OWN_THREADS.keys(), f"exceptions no longer needed: {sorted(OWN_THREADS.keys() - excepted)}"

@@ -22,12 +22,14 @@ from support.pki import make_pki
 from support.redis import RedisCluster, RedisServer, free_ports, require_redis_server
 
 from kvstore_service import native
+from kvstore_service.threads import Threads
 from kvstore_service.tiers.remote import RemoteTier
 from kvstore_service.tiers.remote.breaker import Breaker
 from kvstore_service.tiers.remote.codec import HEADER_BYTES, KEY_PREFIX, decode_value, encode_value, remote_key
 from kvstore_service.tiers.remote.url import PASSWORD_ENV, parse_url, resolve_password
 
 TENANT, NS = "acme", "llama-3-8b|bf16|tp1"
+REMOTE = Threads(copy_threads=1).remote  # the daemon's remote-tier threads, for the tiers built here
 
 
 def key_of(i: int, salt: str = "") -> bytes:
@@ -176,7 +178,7 @@ def test_round_trip(kind: str, loop: str, request: pytest.FixtureRequest) -> Non
     payloads = [payload_of(i, size) for i, size in enumerate(sizes)]
 
     async def main() -> None:
-        tier = RemoteTier.from_url(url, timeout_s=5.0)
+        tier = RemoteTier.from_url(url, executor=REMOTE, timeout_s=5.0)
         assert await tier.fetch(TENANT, NS, keys) == []  # nothing there yet: a miss, no error
         await store_and_drain(tier, keys, payloads)
         got = await tier.fetch(TENANT, NS, keys)
@@ -201,7 +203,7 @@ def test_prefix_stops_at_first_miss(server: RedisServer) -> None:
     payloads = [payload_of(i, 1000) for i in range(40)]
 
     async def main() -> None:
-        tier = RemoteTier.from_url(f"redis://{server.address}", fetch_batch=8)
+        tier = RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE, fetch_batch=8)
         await store_and_drain(tier, keys[:25] + keys[26:], payloads[:25] + payloads[26:])  # no block 25
         got = await tier.fetch(TENANT, NS, keys)
         assert [bytes(g) for g in got] == payloads[:25]
@@ -214,7 +216,7 @@ def test_prefix_stops_at_first_miss(server: RedisServer) -> None:
 
 def test_offer_dedupes_and_close_drops(server: RedisServer) -> None:
     async def main() -> None:
-        tier = RemoteTier.from_url(f"redis://{server.address}")
+        tier = RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE)
         payload = payload_of(0, 5000)
         assert tier.offer(TENANT, NS, [key_of(0), key_of(0)], [payload, payload]) == 1  # one upload per key
         await tier.drain()
@@ -237,7 +239,8 @@ def test_payloads_are_sent_from_the_callers_memory_and_released_once(server: Red
     size = 64 << 10
 
     async def main() -> None:
-        tier = RemoteTier.from_url(f"redis://{server.address}", queue_bytes=4 * (size + HEADER_BYTES + 32))
+        tier = RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE,
+                                   queue_bytes=4 * (size + HEADER_BYTES + 32))
         memory = bytearray(b"".join(payload_of(i, size) for i in range(6)))
         views = [memoryview(memory)[i * size:(i + 1) * size] for i in range(6)]
         released: list[int] = []
@@ -272,7 +275,7 @@ def test_values_as_stored(server: RedisServer) -> None:
     keys = [key_of(i) for i in range(4)]
 
     async def main() -> None:
-        tier = RemoteTier.from_url(f"redis://{server.address}")
+        tier = RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE)
         assert tier.offer(TENANT, NS, keys, payloads) == 4
         await tier.drain()
         assert [bytes(g) for g in await tier.fetch(TENANT, NS, keys, payload_bytes=64 << 10)] == payloads
@@ -294,7 +297,7 @@ def test_corrupt_and_truncated_values_are_deleted_misses(cluster: RedisCluster) 
     rkeys = [remote_key(TENANT, NS, k) for k in keys]
 
     async def main() -> None:
-        tier = RemoteTier.from_url(cluster.url)
+        tier = RemoteTier.from_url(cluster.url, executor=REMOTE)
         await store_and_drain(tier, keys, payloads)
         raw.set(rkeys[1], b"garbage, not a kvstore value")
         got = await tier.fetch(TENANT, NS, keys)
@@ -346,7 +349,8 @@ def test_killed_node_misses_opens_breaker_then_recovers(fresh_cluster: RedisClus
     payloads = [payload_of(i, 16 << 10) for i in range(len(keys))]
 
     async def main() -> None:
-        tier = RemoteTier.from_url(c.url, timeout_s=1.0, breaker_s=1.0, breaker_failures=2, fetch_batch=64)
+        tier = RemoteTier.from_url(c.url, executor=REMOTE, timeout_s=1.0, breaker_s=1.0, breaker_failures=2,
+                                   fetch_batch=64)
         await store_and_drain(tier, keys, payloads)
         victim.kill()
 
@@ -388,7 +392,8 @@ def test_hung_node_is_bounded_by_the_timeout(fresh_cluster: RedisCluster) -> Non
     payloads = [payload_of(i, 8 << 10) for i in range(len(keys))]
 
     async def main() -> None:
-        tier = RemoteTier.from_url(c.url, timeout_s=0.5, breaker_s=30.0, breaker_failures=1, fetch_batch=64)
+        tier = RemoteTier.from_url(c.url, executor=REMOTE, timeout_s=0.5, breaker_s=30.0, breaker_failures=1,
+                                   fetch_batch=64)
         await store_and_drain(tier, keys, payloads)
         victim.pause()
         try:
@@ -413,7 +418,7 @@ def test_unreachable_store_is_a_miss() -> None:
     port = free_ports(1)[0]  # nothing listens there
 
     async def main() -> None:
-        tier = RemoteTier.from_url(f"redis://127.0.0.1:{port}", timeout_s=0.5, breaker_failures=2)
+        tier = RemoteTier.from_url(f"redis://127.0.0.1:{port}", executor=REMOTE, timeout_s=0.5, breaker_failures=2)
         assert await tier.fetch(TENANT, NS, [key_of(0)]) == []
         assert tier.offer(TENANT, NS, [key_of(1)], [b"x" * 10]) == 1
         await tier.drain()
@@ -429,8 +434,8 @@ def test_write_behind_under_a_slow_store_stays_bounded(server: RedisServer) -> N
     payload = payload_of(0, block)
 
     async def main() -> None:
-        tier = RemoteTier.from_url(f"redis://{server.address}", queue_bytes=limit, timeout_s=0.3, breaker_s=0.5,
-                                   breaker_failures=2, upload_batch_bytes=2 * block)
+        tier = RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE, queue_bytes=limit, timeout_s=0.3,
+                                   breaker_s=0.5, breaker_failures=2, upload_batch_bytes=2 * block)
         sleeper = subprocess.Popen(["redis-cli", "-p", str(server.port), "DEBUG", "SLEEP", "1.5"],
                                    stdout=subprocess.DEVNULL)
         await asyncio.sleep(0.1)  # the server sleeps now: nothing it is sent is answered
@@ -479,17 +484,18 @@ def test_credentials_from_url_env_and_file(tmp_path: Path, monkeypatch: pytest.M
         return got
 
     async def main() -> None:
-        tier = RemoteTier.from_url(f"redis://:{secret}@{s.address}")
+        tier = RemoteTier.from_url(f"redis://:{secret}@{s.address}", executor=REMOTE)
         assert await round_trip(tier, 0) == [payload_of(0, 1000)]
         assert tier.stats().url == f"redis://:***@{s.address}"
-        assert await round_trip(RemoteTier.from_url(f"redis://{s.address}", password_file=secret_file), 1) \
+        assert await round_trip(RemoteTier.from_url(f"redis://{s.address}", executor=REMOTE,
+                                                    password_file=secret_file), 1) \
             == [payload_of(1, 1000)]
         monkeypatch.setenv(PASSWORD_ENV, secret)
-        tier = RemoteTier.from_url(f"redis://{s.address}")
+        tier = RemoteTier.from_url(f"redis://{s.address}", executor=REMOTE)
         assert await round_trip(tier, 2) == [payload_of(2, 1000)]
         assert tier.stats().url == f"redis://:***@{s.address}"
         monkeypatch.delenv(PASSWORD_ENV)
-        wrong = RemoteTier.from_url(f"redis://:wrong-{secret}@{s.address}", breaker_failures=10)
+        wrong = RemoteTier.from_url(f"redis://:wrong-{secret}@{s.address}", executor=REMOTE, breaker_failures=10)
         assert await round_trip(wrong, 3) == []  # refused: a miss and a failed upload, never an exception
         st = wrong.stats()
         assert st.upload_failed == 1 and st.errors == 2
@@ -509,14 +515,15 @@ def test_tls(tmp_path: Path) -> None:
     keys, payloads = [key_of(i, "tls") for i in range(3)], [payload_of(i, 50_000) for i in range(3)]
 
     async def main() -> None:
-        tier = RemoteTier.from_url(f"rediss://{s.address}", tls_ca_file=str(pki["ca_path"]))
+        tier = RemoteTier.from_url(f"rediss://{s.address}", executor=REMOTE, tls_ca_file=str(pki["ca_path"]))
         await store_and_drain(tier, keys, payloads)
         assert [bytes(g) for g in await tier.fetch(TENANT, NS, keys)] == payloads
         await tier.close()
-        untrusted = RemoteTier.from_url(f"rediss://{s.address}")  # the system's CAs do not know this one
+        untrusted = RemoteTier.from_url(f"rediss://{s.address}",
+                                        executor=REMOTE)  # the system's CAs do not know this one
         assert await untrusted.fetch(TENANT, NS, keys) == [] and untrusted.stats().errors == 3
         await untrusted.close()
-        plain = RemoteTier.from_url(f"redis://{s.address}", timeout_s=0.5)
+        plain = RemoteTier.from_url(f"redis://{s.address}", executor=REMOTE, timeout_s=0.5)
         assert await plain.fetch(TENANT, NS, keys) == []
         await plain.close()
 

@@ -20,8 +20,11 @@ from support.engine import Engine, lookup_and_load, store_blocks
 from support.redis import RedisServer
 
 from kvstore_service.config import Config, ConfigError
+from kvstore_service.threads import Threads
 from kvstore_service.tiers.remote import RemoteTier
 from kvstore_service.tiers.remote.codec import Keyring, encode_value
+
+REMOTE = Threads(copy_threads=1).remote  # the daemon's remote-tier threads, for the tiers built here
 
 NS = "model=org/shared-model;dtype=float16"
 BLOCKS = 16
@@ -138,7 +141,8 @@ def test_without_encryption_the_payload_is_in_the_store(server: RedisServer, tmp
 
     async def main(encrypt: bool) -> bool:
         ring = Keyring(os.urandom(32), encrypt)
-        tier = RemoteTier(RemoteTier.from_url(f"redis://{server.address}").store, keyring=ring)
+        tier = RemoteTier(RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE).store, executor=REMOTE,
+                          keyring=ring)
         tier.offer("acme", NS, keys, payloads)
         await tier.drain()
         assert [bytes(p) for p in await tier.fetch("acme", NS, keys)] == payloads
@@ -159,8 +163,8 @@ def test_values_do_not_cross_tenants_or_secrets(server: RedisServer) -> None:
     payload = content_of(key, 4096)
 
     async def main() -> None:
-        store = RemoteTier.from_url(f"redis://{server.address}").store
-        tier = RemoteTier(store, keyring=Keyring(secret))
+        store = RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE).store
+        tier = RemoteTier(store, executor=REMOTE, keyring=Keyring(secret))
         tier.offer("team-b", NS, [key], [payload])
         await tier.drain()
         assert [bytes(p) for p in await tier.fetch("team-b", NS, [key])] == [payload]
@@ -171,7 +175,8 @@ def test_values_do_not_cross_tenants_or_secrets(server: RedisServer) -> None:
         assert await tier.fetch("team-a", NS, [key]) == [] and tier.stats().corrupt == 1
         assert await raw.exists(a_key) == 0  # deleted
 
-        rotated = RemoteTier(RemoteTier.from_url(f"redis://{server.address}").store, keyring=Keyring(os.urandom(32)))
+        rotated = RemoteTier(RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE).store, executor=REMOTE,
+                             keyring=Keyring(os.urandom(32)))
         assert await rotated.fetch("team-b", NS, [key]) == []
         assert (rotated.stats().misses, rotated.stats().corrupt) == (1, 0)
         await raw.aclose()

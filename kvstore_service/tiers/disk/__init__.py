@@ -1,6 +1,6 @@
 """The disk tier: pool blocks kept in segment files on a local disk (NVMe), surviving restarts.
 
-    tier = DiskTier.open("/var/lib/kvstore", 1 << 40)             # blocking: checks, loads, scans
+    tier = DiskTier.open("/var/lib/kvstore", 1 << 40, executor=threads.disk)  # blocking: checks, loads
     chosen = tier.admit(scope, keys, length)                       # loop: which to write; reserves queue room
     tier.write(scope, keys, pool.base, offsets, length, crcs)     # worker thread; the blocks stay pinned
     n = tier.leading(scope, keys)                                  # loop: how many leading keys are on disk
@@ -51,11 +51,12 @@ import os
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor
 from itertools import takewhile
 from typing import Any, Final
 
 from kvstore_service.stats import DiskStats
+from kvstore_service.threads import Threads
 from kvstore_service.tiers.base import Forgotten, Memory, Place, Scope
 from kvstore_service.tiers.disk.catalog import Catalog
 from kvstore_service.tiers.disk.directory import DiskDirectoryError, open_directory, probe_direct_io, take_lock
@@ -83,8 +84,8 @@ _COUNTERS: Final = tuple(f.name for f in dataclasses.fields(DiskStats)
 class DiskTier(Segments):
     """Blocks in segment files under one directory; see the module docstring. Build with `open`."""
 
-    def __init__(self, path: str, size: int, *, segment_bytes: int = 256 << 20, queue_bytes: int = 256 << 20,
-                 threads: int = 2, io_mode: str = "staged") -> None:
+    def __init__(self, path: str, size: int, *, executor: Executor, segment_bytes: int = 256 << 20,
+                 queue_bytes: int = 256 << 20, threads: int = 2, io_mode: str = "staged") -> None:
         if segment_bytes < MIN_SEGMENT_BYTES or segment_bytes % ALIGN:
             raise ValueError(f"disk segment size must be a multiple of {ALIGN} of at least {MIN_SEGMENT_BYTES} bytes "
                              f"(got {segment_bytes})")
@@ -109,21 +110,23 @@ class DiskTier(Segments):
         self._closed = False
         self._block = mmap.mmap(-1, ALIGN)
         # Disk calls block on I/O (the native engine has its own threads): the tiers' contract runs them on
-        # threads of their own.
-        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvstore-disk")
+        # the daemon's disk threads (Threads.disk), which the daemon stops after the tier is closed.
+        self._io = executor
         self._tasks: set[asyncio.Task[None]] = set()  # writes behind and catalog saves under way
 
     @classmethod
-    def open(cls, path: str, size: int, *, segment_bytes: int = 256 << 20, queue_bytes: int = 256 << 20,
-             threads: int = 2, io_mode: str = "staged") -> DiskTier:
+    def open(cls, path: str, size: int, *, executor: Executor, segment_bytes: int = 256 << 20,
+             queue_bytes: int = 256 << 20, threads: int = 2, io_mode: str = "staged") -> DiskTier:
         """Open (or create) the tier in directory `path` holding up to `size` bytes of segments: checks
         the directory, loads the segments' index checkpoints and scans segments without one. Blocking.
         DiskDirectoryError (ValueError) for an unsafe or busy directory, ValueError for bad arguments;
-        any other failure returns a disabled tier (``stats().healthy`` False). `io_mode`: 'staged' (each
-        record through an aligned buffer: a copy, measured faster from a /dev/shm pool) or 'direct' (payload
-        pages straight from/into memory where aligned for O_DIRECT, else staged)."""
-        tier = cls(path, size, segment_bytes=segment_bytes, queue_bytes=queue_bytes, threads=threads,
-                   io_mode=io_mode)
+        any other failure returns a disabled tier (``stats().healthy`` False). `executor`: the threads the
+        tiers' contract runs the I/O on (the daemon's `Threads.disk`; the blocking calls above do not use
+        it). `io_mode`: 'staged' (each record through an aligned buffer: a copy, measured faster from a
+        /dev/shm pool) or 'direct' (payload pages straight from/into memory where aligned for O_DIRECT,
+        else staged)."""
+        tier = cls(path, size, executor=executor, segment_bytes=segment_bytes, queue_bytes=queue_bytes,
+                   threads=threads, io_mode=io_mode)
         try:
             tier._dir_fd = open_directory(path)
             tier._lock_fd = take_lock(tier._dir_fd, path)
@@ -400,9 +403,8 @@ class DiskTier(Segments):
     async def _write_behind(self, memory: Memory, scope: Scope, keys: list[bytes], offsets: list[int],
                             checksums: list[int], release: Callable[[int], None]) -> None:
         try:
-            await asyncio.get_running_loop().run_in_executor(
-                self._io, self.write, scope.ns_hash, keys, memory.base, offsets, scope.block_bytes, checksums,
-                scope.name)
+            await Threads.run(self._io, self.write, scope.ns_hash, keys, memory.base, offsets, scope.block_bytes,
+                              checksums, scope.name)
         except Exception:  # (I/O failures disable the tier inside; this is a bug)
             log.exception("writing %d blocks to disk failed", len(keys))
         finally:
@@ -418,8 +420,8 @@ class DiskTier(Segments):
             return
         sums: list[int | None] = [None] * len(offsets)
         try:
-            sums = await asyncio.get_running_loop().run_in_executor(
-                self._io, self.read, scope.ns_hash, keys[:len(offsets)], memory.base, offsets, scope.block_bytes)
+            sums = await Threads.run(self._io, self.read, scope.ns_hash, keys[:len(offsets)], memory.base, offsets,
+                                     scope.block_bytes)
         except Exception:
             log.exception("reading %d blocks from disk failed", len(offsets))
         good = list(takewhile(lambda s: s is not None, sums))
@@ -433,7 +435,7 @@ class DiskTier(Segments):
 
     async def _save_catalog(self) -> None:
         try:
-            await asyncio.get_running_loop().run_in_executor(self._io, self.save_catalog)
+            await Threads.run(self._io, self.save_catalog)
         except Exception:  # (I/O failures disable the tier inside; this is a bug)
             log.exception("writing the disk tier's catalog failed")
 
@@ -444,8 +446,8 @@ class DiskTier(Segments):
         return task
 
     async def aclose(self, drain_s: float) -> None:
-        """Finish the writes under way (whatever `drain_s`: they are short), then `close` on the tier's threads."""
+        """Finish the writes under way (whatever `drain_s`: they are short), then `close` on the tier's threads
+        (the daemon stops those after)."""
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
-        await asyncio.get_running_loop().run_in_executor(self._io, self.close)
-        self._io.shutdown(wait=True)
+        await Threads.run(self._io, self.close)

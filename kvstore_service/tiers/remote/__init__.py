@@ -1,6 +1,6 @@
 """A shared cold tier on Redis/Valkey: blocks written behind to a remote store, fetched back on a miss.
 
-    tier = RemoteTier.from_url("redis+cluster://10.0.0.5:6379,10.0.0.6:6379", queue_bytes=256 << 20)
+    tier = RemoteTier.from_url("redis+cluster://10.0.0.5:6379,10.0.0.6:6379", executor=threads.remote)
     tier.offer(tenant, namespace, keys, payloads)         # on the event loop; never waits for the store
     found = await tier.fetch(tenant, namespace, missing)  # the leading run of verified payloads
 
@@ -29,8 +29,9 @@ Failure model: the store is a cache, so every failure is a miss and none reaches
   return nothing without asking the store and uploads are dropped; then one call probes the store:
   success closes the breaker, failure opens it again.
 - Nothing blocks the event loop on the store: all store I/O is asyncio. Wrapping an upload batch (a MAC or
-  an encryption of each payload) runs in a thread; so does opening a fetched batch of 1 MiB or more (its
-  MAC or decryption, and a CRC32C: the pool's seal checksum of the block).
+  an encryption of each payload) runs on the tier's ``executor`` (the daemon's `Threads.remote`); so does
+  opening a fetched batch of 1 MiB or more (its MAC or decryption, and a CRC32C: the pool's seal checksum
+  of the block).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import os
 import time
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from functools import partial
 from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
 
@@ -50,6 +52,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstore_service.stats import RemoteStats
 from kvstore_service.tenants import split
+from kvstore_service.threads import Threads
 from kvstore_service.tiers.base import Forgotten, Memory, Scope
 from kvstore_service.tiers.base import Place as PoolPlace
 from kvstore_service.tiers.remote.breaker import Breaker
@@ -90,10 +93,12 @@ class RemoteTier:
     """Write-behind and prefix fetch over a `RemoteStore`; see the module docstring for the failure model.
     Use it from one event loop (the daemon's): nothing in it is thread-safe."""
 
-    def __init__(self, store: RemoteStore, *, url: str = "", keyring: Keyring = PUBLIC, queue_bytes: int = 256 << 20,
-                 timeout_s: float = 1.0, breaker_s: float = 10.0, breaker_failures: int = 3, fetch_batch: int = 16,
-                 fetch_batch_bytes: int = 16 << 20, upload_batch_bytes: int = 32 << 20) -> None:
+    def __init__(self, store: RemoteStore, *, executor: Executor, url: str = "", keyring: Keyring = PUBLIC,
+                 queue_bytes: int = 256 << 20, timeout_s: float = 1.0, breaker_s: float = 10.0,
+                 breaker_failures: int = 3, fetch_batch: int = 16, fetch_batch_bytes: int = 16 << 20,
+                 upload_batch_bytes: int = 32 << 20) -> None:
         self.store, self.url, self.keyring = store, url, keyring
+        self._threads = executor  # wrapping and opening values (the daemon's; it stops them after `close`)
         self.queue_bytes, self.timeout_s = queue_bytes, timeout_s
         self.fetch_batch, self.upload_batch_bytes = max(1, fetch_batch), upload_batch_bytes
         self.fetch_batch_bytes = fetch_batch_bytes
@@ -111,14 +116,14 @@ class RemoteTier:
         self._closed = False
 
     @classmethod
-    def from_url(cls, url: str, *, password: str | None = None, password_file: str | os.PathLike[str] | None = None,
-                 tls_ca_file: str | None = None, timeout_s: float = 1.0,
-                 secret_file: str | os.PathLike[str] | None = None, encrypt: bool = False,
+    def from_url(cls, url: str, *, executor: Executor, password: str | None = None,
+                 password_file: str | os.PathLike[str] | None = None, tls_ca_file: str | None = None,
+                 timeout_s: float = 1.0, secret_file: str | os.PathLike[str] | None = None, encrypt: bool = False,
                  **options: int | float) -> RemoteTier:
         """A tier on the Redis/Valkey store at ``url``, its keys and values derived and checked with the secret in
-        ``secret_file`` (`Keyring`; encrypted too with ``encrypt``); ``options`` are the constructor's.
-        Connects lazily (an unreachable store is a miss, not an error here); ValueError for a bad URL or
-        secret file."""
+        ``secret_file`` (`Keyring`; encrypted too with ``encrypt``), wrapping and opening values on ``executor``
+        (the daemon's `Threads.remote`); ``options`` are the constructor's. Connects lazily (an unreachable
+        store is a miss, not an error here); ValueError for a bad URL or secret file."""
         parsed = parse_url(url)
         keyring = Keyring.from_file(secret_file, encrypt) if secret_file is not None else Keyring(b"", encrypt)
         secret = resolve_password(parsed, password, password_file)
@@ -130,7 +135,8 @@ class RemoteTier:
         else:
             log.warning("remote tier: %s without a secret (--remote-secret-file): whoever can write the store can "
                         "plant blocks, whoever can read it reads them (see Security in README)", masked)
-        return cls(store, url=masked, keyring=keyring, timeout_s=timeout_s, **options)  # type: ignore[arg-type]
+        return cls(store, executor=executor, url=masked, keyring=keyring, timeout_s=timeout_s,
+                   **options)  # type: ignore[arg-type]
 
     # -- write-behind --
 
@@ -199,7 +205,7 @@ class RemoteTier:
 
     async def _upload(self, batch: list[tuple[bytes, _Upload]]) -> None:
         try:  # (wrapped off the loop: a MAC or an encryption is a pass over the payload)
-            values = await asyncio.to_thread(self._wrap, batch)
+            values = await Threads.run(self._threads, self._wrap, batch)
             results = await self._call(self.store.put_many(values), len(batch))
         finally:
             for key, upload in batch:
@@ -297,7 +303,7 @@ class RemoteTier:
         if places is not None:
             present = present[:len(places)]
         if sum(map(len, present)) >= _VERIFY_IN_THREAD_BYTES:
-            good = await asyncio.to_thread(self._open_leading, tenant, keys, present, payload_bytes, places)
+            good = await Threads.run(self._threads, self._open_leading, tenant, keys, present, payload_bytes, places)
         else:
             good = self._open_leading(tenant, keys, present, payload_bytes, places)
         if len(good) < len(present):  # present[len(good)] is corrupt
