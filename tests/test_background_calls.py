@@ -137,7 +137,8 @@ def connector_sides(daemon):
     from kvstore_client.vllm.worker import Worker
 
     settings = ConnectorSettings(socket=daemon.socket)
-    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"))
+    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"),
+                                   kv_events_config=None)
     scheduler = Scheduler(config, settings, "idle-ns")  # type: ignore[arg-type]
     worker = Worker(config, None, settings, "", 0)  # type: ignore[arg-type]  # "": sessions set by the test
     engine = Engine(daemon.socket, "idle-ns", 16, KB64)
@@ -345,7 +346,8 @@ def test_idle_step_loads_are_planned_early_where_the_engine_core_sleeps_and_the_
     import kvstore_client.vllm.scheduler as scheduler_module
     from kvstore_client.vllm.common import ConnectorSettings, Transfer
 
-    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"))
+    config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"),
+                                   kv_events_config=None)
     idle_step = types.SimpleNamespace(preempted_req_ids=set(), total_num_scheduled_tokens=0)
     planned = {}
     for sleeps, setting in [(False, True), (True, True), (True, False)]:
