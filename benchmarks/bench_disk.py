@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 from kvstore_service import native
 from kvstore_service.pool import Pool, slots_per_segment
+from kvstore_service.threads import Threads
 from kvstore_service.tiers.disk import ALIGN, DiskTier
 
 MB = 1 << 20
@@ -108,7 +109,8 @@ class Tier:
                  io_mode: str) -> None:
         self.path = tempfile.mkdtemp(prefix=f"kvstore-bench-disk-{io_mode}-", dir=folder)
         os.rmdir(self.path)  # the tier creates it (0700)
-        self.tier = DiskTier.open(self.path, 2 * total + (1 << 30), threads=threads, io_mode=io_mode)
+        self.tier = DiskTier.open(self.path, 2 * total + (1 << 30), threads=threads, io_mode=io_mode,
+                                  executor=Threads(1).disk)
         assert self.tier.healthy, self.tier.stats().error
         self.blocks, self.block, self.batch = blocks, block, batch
 

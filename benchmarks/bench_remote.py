@@ -50,6 +50,7 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 from remote_common import FETCH_BATCH, MODES, SIZES, UPLOAD_BATCH, raw_get, raw_set
 from remote_daemons import run_daemons
 
+from kvstore_service.threads import Threads
 from kvstore_service.tiers.remote import RemoteTier
 from kvstore_service.tiers.remote.store import RedisStore
 from kvstore_service.tiers.remote.url import parse_url
@@ -90,7 +91,8 @@ async def measure(url: str, client: Redis | RedisCluster, size: int, total: int,
     tier_keys = [b"%d:%d" % (size, i) for i in range(n)]
     tiers = {mode: RemoteTier(RedisStore(parse_url(url), None, 30.0), keyring=keyring,
                               queue_bytes=n * (size + 64), timeout_s=30.0, fetch_batch=FETCH_BATCH,
-                              upload_batch_bytes=UPLOAD_BATCH) for mode, keyring in MODES.items()}
+                              upload_batch_bytes=UPLOAD_BATCH, executor=Threads(1).remote)
+             for mode, keyring in MODES.items()}
     times: dict[str, list[float]] = {"raw SET": [], "raw GET": []}
     for r in range(rounds + 1):  # interleaved: every contender once per round
         measured = {"raw SET": await raw_set(client, raw_keys, values)}
