@@ -2,7 +2,7 @@
 
     python benchmarks/fuzz.py [--cases 100000] [--seed N] [--json F]
 
-The long version of tests/test_fuzz.py: the same strategies, oracles and target (tests/support/fuzz.py,
+The long version of tests/process/test_fuzz.py: the same strategies, oracles and target (tests/support/fuzz.py,
 which describes the cases and the properties checked), run for `--cases` random cases against one
 real daemon process (restarted if it dies). Prints the cases run, a status histogram per RPC, daemon
 crashes (must be 0), property violations (each kind once, with an example) and the final check.

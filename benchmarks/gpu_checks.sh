@@ -70,8 +70,8 @@ step pidns 90 python3 benchmarks/gpu_device_checks.py pidns
 step fatal 60 python3 benchmarks/gpu_device_checks.py fatal
 
 start=$SECONDS
-timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/test_device_backends.py tests/test_cuda_engines.py \
-  tests/test_native_copy.py tests/test_device_ordering.py tests/test_cuda_backend.py > "$OUT/tests.log" 2>&1
+timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/device/test_device_backends.py tests/device/test_cuda_engines.py \
+  tests/unit/test_native_copy.py tests/unit/test_device_ordering.py tests/device/test_cuda_backend.py > "$OUT/tests.log" 2>&1
 summary "tests: rc=$? $((SECONDS - start))s $(tail -1 "$OUT/tests.log")"
 
 if [ $((SECONDS - T0)) -lt 330 ]; then

@@ -16,7 +16,7 @@ count as lost.)
 `corrupt` counts blocks whose bytes differ from their key's content (or a count the daemon got
 wrong); `lost` counts blocks whose store completed but that later missed although nothing was
 evicted. Both must be 0. The engine, the workers and the daemon's /proc checks live in tests/support/
-(`support.shm_engine`, `support.workers`, `support.daemon`), shared with tests/test_faults.py.
+(`support.shm_engine`, `support.workers`, `support.daemon`), shared with tests/process/test_faults.py.
 """
 
 from __future__ import annotations

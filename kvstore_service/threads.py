@@ -12,7 +12,7 @@
 The event loop owns all state; a thread gets a self-contained piece of work (a planned chunk, a
 batch to checksum, one device call, one disk read or write, one batch to wrap or open) and hands its
 result back. Jobs and the tiers submit work here, and the daemon's start (the pool set up and pinned,
-the disk tier opened); no other module of the daemon makes a thread (tests/test_layering.py).
+the disk tier opened); no other module of the daemon makes a thread (tests/unit/test_layering.py).
 """
 
 from __future__ import annotations

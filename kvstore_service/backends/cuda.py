@@ -1,7 +1,7 @@
 """CUDA backend: the engine's KV cache stays in GPU memory; the daemon opens it through CUDA IPC and
 moves blocks between it and the pinned pool with the native copy engine (copy engines, batched).
 
-Run on an NVIDIA H100 (tests/test_device_backends.py, tests/test_cuda_engines.py: vLLM's CUDA
+Run on an NVIDIA H100 (tests/device/test_device_backends.py, tests/device/test_cuda_engines.py: vLLM's CUDA
 layouts across engine processes, copies ordered by the engine's IPC event, an engine killed
 mid-copy); the host-side logic is also tested without a GPU. See docs/devices.md.
 

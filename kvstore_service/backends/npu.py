@@ -4,7 +4,7 @@ UNVERIFIED ON HARDWARE: written against the documented torch_npu IPC API (`_shar
 `UntypedStorage._new_shared_npu`, torch_npu >= 7.2, CANN >= 8.3, HDK >= 25.0.RC1) and AscendCL
 (aclrtHostRegisterV2 / aclrtHostRegister, aclrtMemcpy[Batch]Async via the native engine,
 aclrtMemGetAddressRange through ctypes); never run on an Ascend device. The pure pieces (kernel
-check, size rounding, the bounds decision) are tested in tests/test_npu_backend.py.
+check, size rounding, the bounds decision) are tested in tests/device/test_npu_backend.py.
 
 * map: the handle (kvstore_client.device format) carries `_share_npu_()`'s fields and a device
   identity (the ACL runtime has no UUID: npu-smi's VDie / PCIe id of the physical chip; empty =

@@ -16,7 +16,7 @@ directory, /dev/zero, a socket; and stale, reused or missing tokens. Properties:
 * a refused registration leaves nothing behind (no namespace), and memory that is not a sealed memfd
   (which its owner could shrink under the daemon's mapping: SIGBUS) is never accepted.
 
-tests/test_fuzz.py runs a small sample of these strategies in CI; benchmarks/fuzz.py runs the long
+tests/process/test_fuzz.py runs a small sample of these strategies in CI; benchmarks/fuzz.py runs the long
 version. Importable without pytest: `Target`, `run_case`, `final_check` and the strategies (`CASES`,
 `any_case`).
 """

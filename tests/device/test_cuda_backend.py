@@ -4,7 +4,7 @@ batch-copy switch, the build against pre-12.2 headers, a fresh IPC export per re
 copies' ordering on the engine's IPC event. The last two parts run the real native engine against a
 fake libcuda.so.1 that logs every driver call (host memory stands in for device memory): they show
 which calls are made and in which order, not how a real driver answers. The driver itself is
-covered by the GPU tests in tests/test_device_backends.py and tests/test_native_copy.py."""
+covered by the GPU tests in tests/device/test_device_backends.py and tests/unit/test_native_copy.py."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from kvstore_service.backends import cuda as cuda_backend
 from kvstore_service.backends.base import Mapping, TransferPlan, pool_pieces
 from kvstore_service.backends.cuda import CudaBackend, Held, StickyDeviceError, check_ipc_bounds
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 UUID_A = "0b7e1c2a-5d3f-4e6a-9b8c-1d2e3f4a5b6c"
 UUID_B = "f00dcafe-0000-4111-8222-333344445555"
 BASE = 0x7F00_0000_0000

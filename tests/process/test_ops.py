@@ -90,7 +90,7 @@ def test_serve_help_documents_every_setting() -> None:
 
 
 def test_the_configuration_page_documents_every_setting() -> None:
-    readme = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    readme = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
     for name in Config.model_fields:
         assert "--" + name.replace("_", "-") in readme, name
 

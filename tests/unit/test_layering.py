@@ -17,7 +17,7 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ROOTS = {"kvstore_service": REPO / "kvstore_service", "kvstore_client": REPO / "client"}
 
 # What server.py may take from the daemon's package, by module: the facade, and what a request is
