@@ -3,7 +3,8 @@
     Pool (pool.py)        the shared-memory file, carved into slots; bytes and offsets only
     BlockIndex (index.py) the only writer of block and namespace state; no locks (the loop owns it)
     Sessions              who is connected, their mapped memory and their leases (sessions.py)
-    Jobs                  store/load pipelines: plan, copy, complete, publish, seal (jobs.py)
+    Jobs                  store/load pipelines: plan, copy, complete, publish (jobs.py; chunks.py), then
+                          the seal, when idle (Seals, seals.py: Jobs owns it)
     Tiers                 disk and remote store under the pool: written behind, promoted from (tiers/)
     Threads               every thread the daemon hands work to (threads.py); jobs and tiers use them
 

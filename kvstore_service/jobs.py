@@ -8,12 +8,9 @@ device's DMA busy while the other one's completion is handled (one chunk at a ti
 cost a third of the CUDA path's speed on an H100). The loop then completes each chunk in the index
 and publishes the job's completion to the engine's shared-memory channel.
 
-Stored blocks then wait in a queue to be sealed: their checksums taken and written into their slot
-headers, so that loads and a restarted daemon can verify them. A slot gets its header only there,
-so a restarted daemon recovers sealed blocks only: one killed before a seal loses that block, whole
-(its store was reported done, but it is a cache). Nobody waits on a seal, so seals yield to copies:
-they run when no copy is in flight, or once the oldest has waited SEAL_DEFER_S. A burst of stores
-runs at copy speed; under stores without pause seals take their share.
+Stored blocks then wait in a queue to be sealed (seals.py: their checksums taken when no copy is in
+flight, and written into their slot headers); the Seals also verify the blocks recovered after a restart.
+How a job is cut into chunks, and each chunk's byte runs, is chunks.py's.
 
 Device jobs are ordered against the engine first (CUDA: its IPC events): when a job arrives, the
 backend notes which of the engine's ordering records it must follow are still pending
@@ -22,35 +19,28 @@ loop polls them from the host (`order_waiting`) before it plans the job, with a 
 (ORDER_WAIT_S) and for no longer than the session lives. No copy thread waits on an engine: one that
 died or stalls fails its own jobs, and its session's end is not held up by them. Each device has its
 own copy threads (`--copy-threads` per device), so one GPU's copies never queue behind another's.
-
-After a restart, the blocks recovered from the pool are verified in the background, batch by batch
-on the copy threads: a block becomes visible once its bytes match the checksum in its header, and
-one that differs is dropped and counted in `corrupt_blocks`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import random
 import time
 import weakref
-from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from kvstore_service import native
-from kvstore_service.backends import TransferPlan
-from kvstore_service.backends.base import ChecksumSample, ProgressWord
+from kvstore_service.chunks import CHUNK_BLOCKS, Chunk, chunks, copy_whole, load_check, plan_chunk
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
 from kvstore_service.index import Block, BlockIndex
 from kvstore_service.metrics import Metrics
-from kvstore_service.pool import Pool, SlotState
+from kvstore_service.pool import Pool
+from kvstore_service.seals import Seals
 from kvstore_service.sessions import EngineSession
 from kvstore_service.threads import Threads
 
@@ -58,23 +48,6 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 MAX_JOB_ID = (1 << 64) - 1  # the completion word holds job_id + 1
-# A job is copied in chunks that double from FIRST_CHUNK_BYTES (at least FIRST_CHUNK_BLOCKS) up to
-# CHUNK_BYTES / CHUNK_BLOCKS, and end with one equal share of what is left per copy thread: a small
-# first chunk starts the copying after little planning (~2 µs a block), and the threads finish
-# together (a 16-block store of 3 MiB blocks: two chunks of 8 on two threads; a load up to the
-# backend's whole_load_bytes is one chunk, see backends/cpu.py). Every chunk costs a
-# hand-off to a copy thread and back (~0.5 ms on a busy 2-vCPU VM); the block cap bounds the time
-# the event loop spends planning one chunk (~2 ms).
-FIRST_CHUNK_BYTES = 16 << 20
-FIRST_CHUNK_BLOCKS = 64
-MIN_SHARE_BYTES = 1 << 20  # a smaller job is one chunk: its copy is shorter than a hand-off
-CHUNK_BYTES = 128 << 20
-CHUNK_BLOCKS = 1024
-# Seals (and the verification of recovered blocks) go to the copy threads in batches of at most this
-# many bytes, so a copy that arrives meanwhile waits for one short batch at most (~2 ms); after
-# SEAL_DEFER_S seals no longer yield to copies.
-SEAL_BATCH_BYTES = 32 << 20
-SEAL_DEFER_S = 1.0
 # The longest a job waits for the engine's work recorded before it (a step's forward; a long prefill
 # takes seconds): beyond it the engine's stream is taken as stalled and the job fails. The poll
 # interval starts short (a load usually waits for the step just launched) and backs off.
@@ -125,16 +98,6 @@ class EngineJobs:
     results_ready: asyncio.Event = field(default_factory=asyncio.Event)
 
 
-@dataclass(eq=False)
-class Chunk:
-    """Part of a job, planned on the event loop: its copy thread only makes native calls."""
-
-    indexes: list[int]  # into the job's keys
-    blocks: list[Block]
-    plan: TransferPlan
-    check: ChecksumSample | None = None  # load: the blocks verified before the copy
-
-
 class Jobs:
     def __init__(self, config: Config, pool: Pool, index: BlockIndex, metrics: Metrics,
                  fatal: Callable[[native.StickyDeviceError], None], threads: Threads | None = None) -> None:
@@ -150,17 +113,31 @@ class Jobs:
         self.failed_blocks = 0
         self.failed_load_blocks = 0
         self.store_failures_pool_full = 0
-        self.corrupt_blocks = 0  # failed their checksum: at a load, or when verified after a restart
+        self._corrupt_loads = 0  # blocks that failed their checksum at a load
         self._store_waiters: dict[tuple[Block, int], list[asyncio.Future[bool]]] = {}  # (block, shard)
-        self._to_seal: deque[tuple[float, list[Block]]] = deque()  # (queued at, blocks of one namespace)
-        self._sealer: asyncio.Task[None] | None = None
-        # Called on the loop with blocks just sealed and their checksums (the lower tiers take them).
-        self.on_sealed: Callable[[list[Block], list[int]], None] | None = None
         self._copies = 0  # chunks handed to copy threads, not finished
-        self._no_copies = asyncio.Event()
         self._draining = False
-        self._sealing = 0  # blocks of the batch being sealed
-        self._verifier: asyncio.Task[None] | None = None
+        self.seals = Seals(config, pool, index, self.threads, lambda: self._copies)
+        self.queue_seal = self.seals.queue  # (the tiers queue promoted blocks too)
+        self.verify_recovered = self.seals.verify_recovered  # once after a restart
+
+    @property
+    def corrupt_blocks(self) -> int:
+        """Blocks that failed their checksum: at a load, or when verified after a restart."""
+        return self._corrupt_loads + self.seals.corrupt_blocks
+
+    @property
+    def unsealed_blocks(self) -> int:
+        return self.seals.unsealed_blocks
+
+    @property
+    def on_sealed(self) -> Callable[[list[Block], list[int]], None] | None:
+        """Called on the loop with blocks just sealed and their checksums (the lower tiers take them)."""
+        return self.seals.on_sealed
+
+    @on_sealed.setter
+    def on_sealed(self, fn: Callable[[list[Block], list[int]], None] | None) -> None:
+        self.seals.on_sealed = fn
 
     async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run a blocking device call in a thread and await it."""
@@ -314,7 +291,7 @@ class Jobs:
             chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part)
             if chunk is not None:
                 if whole:
-                    _copy_whole(job, chunk.plan)
+                    copy_whole(job.session, job.job_id, chunk.plan)
                 self._copies += 1
                 copies.append((chunk, Threads.run(lane, self._copy, job, chunk)))
             await asyncio.sleep(0)  # serve other requests between chunks of a large job
@@ -331,7 +308,7 @@ class Jobs:
                     self.fatal(e)
             self._copies -= 1
             if not self._copies:
-                self._no_copies.set()
+                self.seals.no_copies()
             job.copy_seconds += time.monotonic() - started
             if corrupt is not None:
                 job.copied_bytes += chunk.plan.total_bytes
@@ -362,7 +339,8 @@ class Jobs:
             job.error = "pool full: every block is pinned or being copied"
         if not plan.blocks:
             return None
-        return self._plan(job, [part.start + i for i in plan.reserved], plan.blocks)
+        indexes = [part.start + i for i in plan.reserved]
+        return plan_chunk(job.session, job.block_ids, indexes, plan.blocks, self.pool.size)
 
     def _prepare_load(self, job: Job, part: range) -> Chunk | None:
         """Pin the chunk's present blocks; an absent one fails."""
@@ -373,36 +351,10 @@ class Jobs:
         if not indexes:
             return None
         blocks = [block for block in found if block is not None]
-        chunk = self._plan(job, indexes, blocks)
-        verify = self.config.verify_loads
-        if verify > 0:
-            checked = [k for k in range(len(blocks)) if verify >= 1 or random.random() < verify]
-            if checked:
-                # A block stored a moment ago may not have its checksum yet (None): nothing to check.
-                unknown = native.UNKNOWN_CHECKSUM
-                chunk.check = ChecksumSample(
-                    array("Q", checked), array("Q", [blocks[k].offset for k in checked]),
-                    job.session.namespace.block_bytes,
-                    array("Q", [unknown if (c := blocks[k].checksum) is None else c for k in checked]))
+        chunk = plan_chunk(job.session, job.block_ids, indexes, blocks, self.pool.size)
+        if self.config.verify_loads > 0:
+            chunk.check = load_check(blocks, job.session.namespace.block_bytes, self.config.verify_loads)
         return chunk
-
-    def _plan(self, job: Job, indexes: list[int], blocks: list[Block]) -> Chunk:
-        """The byte runs of these blocks, in one native call (region-major; the copy coalesces
-        adjacent runs): this engine's shard of each slot, and the engine addresses in its mapped
-        memories. Every run is checked against the pool and its mapping there, before any byte moves
-        (block ids were checked at submit, and every region against its memory at registration)."""
-        session = job.session
-        layout = session.layout
-        regions = array("Q")
-        for r in layout.regions:
-            mapping = session.mappings[r.memory]
-            regions.extend((mapping.base + r.offset, r.block_stride, r.block_bytes, mapping.base,
-                            mapping.base + mapping.size))
-        ids = job.block_ids
-        pool_offsets, engine_addresses, sizes = native.plan_transfer(
-            array("Q", [b.offset for b in blocks]), array("Q", [ids[i] for i in indexes]), regions,
-            layout.num_blocks, self.pool.size, layout.shard * layout.block_bytes)
-        return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_addresses, sizes))
 
     def _copy(self, job: Job, chunk: Chunk) -> list[int]:
         """Copy thread: one chunk in one backend call (a store's blocks get their slot headers at
@@ -438,7 +390,7 @@ class Jobs:
             self.index.unpin(chunk.blocks)
             return
         if corrupt:
-            self.corrupt_blocks += len(corrupt)
+            self._corrupt_loads += len(corrupt)
             job.error = f"{len(corrupt)} block(s) failed their checksum and were dropped"
         skip = set(corrupt)
         for k, i in enumerate(chunk.indexes):
@@ -460,133 +412,10 @@ class Jobs:
         mine.results.append(JobResult(job.job_id, job.is_store, len(job.ok), failed, job.error))
         mine.results_ready.set()
 
-    # -- sealing ---------------------------------------------------------------------------------
-
-    @property
-    def unsealed_blocks(self) -> int:
-        """Stored blocks waiting for their seal (some may be gone from the pool meanwhile)."""
-        return self._sealing + sum(len(blocks) for _, blocks in self._to_seal)
-
-    def queue_seal(self, blocks: list[Block]) -> None:
-        self._to_seal.append((time.monotonic(), blocks))
-        if self._sealer is None or self._sealer.done():
-            self._sealer = asyncio.get_running_loop().create_task(self._seal_queued())
-
-    async def _seal_queued(self) -> None:
-        while self._to_seal:
-            queued, blocks = self._to_seal[0]
-            wait = queued + SEAL_DEFER_S - time.monotonic()
-            if self._copies and wait > 0 and not self._draining:
-                self._no_copies.clear()
-                try:
-                    await asyncio.wait_for(self._no_copies.wait(), wait)
-                except TimeoutError:
-                    pass
-                continue
-            batch = max(1, SEAL_BATCH_BYTES // blocks[0].namespace.block_bytes)
-            if len(blocks) > batch:
-                self._to_seal[0] = (queued, blocks[batch:])
-                blocks = blocks[:batch]
-            else:
-                self._to_seal.popleft()
-            held = self.index.hold(blocks)
-            if held:
-                self._sealing = len(held)
-                await self._seal(held)
-                self._sealing = 0
-
-    async def _seal(self, blocks: list[Block]) -> None:
-        """Checksum committed, held blocks of one namespace in the pool and seal the checksums into
-        their slot headers."""
-        ns = blocks[0].namespace
-        offsets = array("Q", (b.offset for b in blocks))
-        headers = array("Q", (b.header for b in blocks))
-        keys = b"".join(b.key for b in blocks)
-        generation = self.pool.next_generation()
-
-        known = [b.checksum for b in blocks]  # promoted blocks: verified by their tier already
-
-        def checksum_and_seal() -> list[int]:
-            if None in known:
-                sums = native.checksum_blocks(self.pool.base, offsets, ns.block_bytes, self.config.copy_threads)
-            else:
-                sums = cast(list[int], known)
-            self.pool.write_headers(headers, SlotState.SEALED, ns.block_bytes, generation, ns.ns_hash, keys,
-                                    len(blocks[0].key), sums)
-            return sums
-
-        checksums = None
-        try:
-            checksums = await Threads.run(self.threads.shared, checksum_and_seal)
-        except Exception:
-            log.exception("checksum failed; %d blocks will not survive a restart", len(blocks))
-        self.index.seal(blocks, checksums)
-        if checksums is not None and self.on_sealed is not None:
-            self.on_sealed(blocks, checksums)
-
-    # -- verifying recovered blocks --------------------------------------------------------------
-
-    def verify_recovered(self) -> None:
-        """Event loop, once after a restart: check the blocks recovered from the pool in the
-        background. Lookups miss them until they are verified."""
-        recovered = self.index.recovered()
-        if recovered:
-            self._verifier = asyncio.get_running_loop().create_task(self._verify(recovered))
-
-
-    async def _verify(self, recovered: list[list[Block]]) -> None:
-        """Checksum the recovered blocks of each namespace in batches on a copy thread; the index
-        makes those that match their headers' checksums visible and drops the others."""
-        for blocks in recovered:
-            block_bytes = blocks[0].namespace.block_bytes
-            batch = max(1, SEAL_BATCH_BYTES // block_bytes)
-            for start in range(0, len(blocks), batch):
-                held = self.index.hold(blocks[start:start + batch])
-                if not held:
-                    continue
-                offsets = array("Q", (b.offset for b in held))
-                checksums = None
-                try:
-                    checksums = await Threads.run(self.threads.shared, native.checksum_blocks, self.pool.base,
-                                                  offsets, block_bytes, self.config.copy_threads)
-                except Exception:
-                    log.exception("checksum failed; %d recovered blocks dropped unverified", len(held))
-                corrupt = self.index.verify(held, checksums)
-                if corrupt:
-                    self.corrupt_blocks += corrupt
-                    log.warning("%d recovered blocks failed their checksum and were dropped", corrupt)
-
     async def shutdown(self) -> None:
         """Seal what is queued (a restarted daemon can then verify it), then stop the threads.
         Recovered blocks not verified yet keep their headers: the next daemon verifies them."""
         self._draining = True
-        self._no_copies.set()
-        if self._verifier is not None:
-            self._verifier.cancel()
-        if self._sealer is not None:
-            await self._sealer
+        await self.seals.drain()
         self.threads.close_copies()
 
-
-def chunks(n: int, block_bytes: int, threads: int) -> list[range]:
-    """A job of n blocks in chunks: doubling from the first chunk's size up to the cap, then, once
-    what is left fits in one chunk per copy thread, an equal share per thread."""
-    most = max(1, min(CHUNK_BYTES // block_bytes, CHUNK_BLOCKS))
-    ramp = min(most, max(FIRST_CHUNK_BYTES // block_bytes, FIRST_CHUNK_BLOCKS))
-    parts, start = [], 0
-    while n - start > threads * ramp:
-        parts.append(range(start, start + ramp))
-        start += ramp
-        ramp = min(most, 2 * ramp)
-    share = max(-(-(n - start) // threads), MIN_SHARE_BYTES // block_bytes)
-    return parts + [range(s, min(s + share, n)) for s in range(start, n, share)]
-
-
-def _copy_whole(job: Job, plan: TransferPlan) -> None:
-    """A load copied whole: by one thread, region by region (runs are region-major, one per block),
-    reporting each region's arrival in the engine's completion channel (the CPU engine writes the
-    channel's progress word itself, see ProgressWord)."""
-    channel = job.session.channel
-    plan.regions = len(job.session.layout.regions)
-    address, word = channel.progress_target(job.job_id)
-    plan.progress = ProgressWord(address, word, functools.partial(channel.post_progress, job.job_id))

@@ -11,7 +11,7 @@ block (namespace hash, key, length, checksum), so a restarted daemon rebuilds th
 headers. A header is written only once the block's bytes are all copied and their checksum is taken
 (the block's seal), and invalidated before a slot is reused: a block torn by a crash, or not sealed
 yet, has no valid header and is dropped, never served. A recovered block is served only once its
-bytes match its header's checksum again (index.py, jobs.py).
+bytes match its header's checksum again (index.py, seals.py).
 
 This module knows bytes and offsets only; which key lives where (and LRU, pins) is index.py's job.
 """

@@ -1,7 +1,7 @@
 """Every thread the daemon hands work to: the one place its thread pools are made and stopped.
 
     copy lanes    --copy-threads per device (backend, index), made on first use; the shared lane runs
-                  CPU copies, seals and the verification of recovered blocks (jobs.py)
+                  CPU copies (jobs.py), seals and the verification of recovered blocks (seals.py)
     device calls  device work that may block for long: runtime init, pinning the pool, opening or
                   closing an engine's IPC memory (jobs.py `Jobs.off_loop`, for sessions.py too)
     disk I/O      the disk tier's opening, reads, writes and catalog saves (tiers/disk; the native

@@ -21,10 +21,11 @@ from kvstore_client.protocol.completion import CompletionChannel
 from kvstore_service import native
 from kvstore_service.backends import Backend, Mapping, TransferPlan
 from kvstore_service.backends.cpu import CpuBackend
+from kvstore_service.chunks import CHUNK_BLOCKS, chunks
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError
 from kvstore_service.index import BlockIndex
-from kvstore_service.jobs import CHUNK_BLOCKS, RESULTS_KEPT, Jobs, chunks
+from kvstore_service.jobs import RESULTS_KEPT, Jobs
 from kvstore_service.layout import Layout, Region
 from kvstore_service.metrics import Metrics
 from kvstore_service.peercred import PeerCred

@@ -1,0 +1,168 @@
+"""The seals of stored blocks and the verification of recovered ones: checksums taken after the copies.
+
+Stored blocks wait in a queue to be sealed: their checksums taken and written into their slot
+headers, so that loads and a restarted daemon can verify them. A slot gets its header only there,
+so a restarted daemon recovers sealed blocks only: one killed before a seal loses that block, whole
+(its store was reported done, but it is a cache). Nobody waits on a seal, so seals yield to copies:
+they run when no copy is in flight, or once the oldest has waited SEAL_DEFER_S. A burst of stores
+runs at copy speed; under stores without pause seals take their share.
+
+After a restart, the blocks recovered from the pool are verified in the background, batch by batch
+on the copy threads: a block becomes visible once its bytes match the checksum in its header, and
+one that differs is dropped and counted in `corrupt_blocks`.
+
+Jobs (jobs.py) owns the Seals: it queues the blocks its stores committed, says how many copies are in
+flight (`copies`) and when none is left (`no_copies`), and drains the seals at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable
+from typing import cast
+
+from kvstore_service import native
+from kvstore_service.config import Config
+from kvstore_service.index import Block, BlockIndex
+from kvstore_service.pool import Pool, SlotState
+from kvstore_service.threads import Threads
+
+log = logging.getLogger(__name__)
+
+# Seals (and the verification of recovered blocks) go to the copy threads in batches of at most this
+# many bytes, so a copy that arrives meanwhile waits for one short batch at most (~2 ms); after
+# SEAL_DEFER_S seals no longer yield to copies.
+SEAL_BATCH_BYTES = 32 << 20
+SEAL_DEFER_S = 1.0
+
+
+class Seals:
+    def __init__(self, config: Config, pool: Pool, index: BlockIndex, threads: Threads,
+                 copies: Callable[[], int]) -> None:
+        self.config = config
+        self.pool = pool
+        self.index = index
+        self.threads = threads
+        self.copies = copies  # chunks handed to copy threads, not finished (Jobs')
+        self.corrupt_blocks = 0  # recovered blocks that failed their checksum
+        self._to_seal: deque[tuple[float, list[Block]]] = deque()  # (queued at, blocks of one namespace)
+        self._sealer: asyncio.Task[None] | None = None
+        # Called on the loop with blocks just sealed and their checksums (the lower tiers take them).
+        self.on_sealed: Callable[[list[Block], list[int]], None] | None = None
+        self._no_copies = asyncio.Event()
+        self._draining = False
+        self._sealing = 0  # blocks of the batch being sealed
+        self._verifier: asyncio.Task[None] | None = None
+
+    def no_copies(self) -> None:
+        """The last copy in flight finished: a seal waiting for it may run."""
+        self._no_copies.set()
+
+    # -- sealing ---------------------------------------------------------------------------------
+
+    @property
+    def unsealed_blocks(self) -> int:
+        """Stored blocks waiting for their seal (some may be gone from the pool meanwhile)."""
+        return self._sealing + sum(len(blocks) for _, blocks in self._to_seal)
+
+    def queue(self, blocks: list[Block]) -> None:
+        self._to_seal.append((time.monotonic(), blocks))
+        if self._sealer is None or self._sealer.done():
+            self._sealer = asyncio.get_running_loop().create_task(self._seal_queued())
+
+    async def _seal_queued(self) -> None:
+        while self._to_seal:
+            queued, blocks = self._to_seal[0]
+            wait = queued + SEAL_DEFER_S - time.monotonic()
+            if self.copies() and wait > 0 and not self._draining:
+                self._no_copies.clear()
+                try:
+                    await asyncio.wait_for(self._no_copies.wait(), wait)
+                except TimeoutError:
+                    pass
+                continue
+            batch = max(1, SEAL_BATCH_BYTES // blocks[0].namespace.block_bytes)
+            if len(blocks) > batch:
+                self._to_seal[0] = (queued, blocks[batch:])
+                blocks = blocks[:batch]
+            else:
+                self._to_seal.popleft()
+            held = self.index.hold(blocks)
+            if held:
+                self._sealing = len(held)
+                await self._seal(held)
+                self._sealing = 0
+
+    async def _seal(self, blocks: list[Block]) -> None:
+        """Checksum committed, held blocks of one namespace in the pool and seal the checksums into
+        their slot headers."""
+        ns = blocks[0].namespace
+        offsets = array("Q", (b.offset for b in blocks))
+        headers = array("Q", (b.header for b in blocks))
+        keys = b"".join(b.key for b in blocks)
+        generation = self.pool.next_generation()
+
+        known = [b.checksum for b in blocks]  # promoted blocks: verified by their tier already
+
+        def checksum_and_seal() -> list[int]:
+            if None in known:
+                sums = native.checksum_blocks(self.pool.base, offsets, ns.block_bytes, self.config.copy_threads)
+            else:
+                sums = cast(list[int], known)
+            self.pool.write_headers(headers, SlotState.SEALED, ns.block_bytes, generation, ns.ns_hash, keys,
+                                    len(blocks[0].key), sums)
+            return sums
+
+        checksums = None
+        try:
+            checksums = await Threads.run(self.threads.shared, checksum_and_seal)
+        except Exception:
+            log.exception("checksum failed; %d blocks will not survive a restart", len(blocks))
+        self.index.seal(blocks, checksums)
+        if checksums is not None and self.on_sealed is not None:
+            self.on_sealed(blocks, checksums)
+
+    # -- verifying recovered blocks --------------------------------------------------------------
+
+    def verify_recovered(self) -> None:
+        """Event loop, once after a restart: check the blocks recovered from the pool in the
+        background. Lookups miss them until they are verified."""
+        recovered = self.index.recovered()
+        if recovered:
+            self._verifier = asyncio.get_running_loop().create_task(self._verify(recovered))
+
+    async def _verify(self, recovered: list[list[Block]]) -> None:
+        """Checksum the recovered blocks of each namespace in batches on a copy thread; the index
+        makes those that match their headers' checksums visible and drops the others."""
+        for blocks in recovered:
+            block_bytes = blocks[0].namespace.block_bytes
+            batch = max(1, SEAL_BATCH_BYTES // block_bytes)
+            for start in range(0, len(blocks), batch):
+                held = self.index.hold(blocks[start:start + batch])
+                if not held:
+                    continue
+                offsets = array("Q", (b.offset for b in held))
+                checksums = None
+                try:
+                    checksums = await Threads.run(self.threads.shared, native.checksum_blocks, self.pool.base,
+                                                  offsets, block_bytes, self.config.copy_threads)
+                except Exception:
+                    log.exception("checksum failed; %d recovered blocks dropped unverified", len(held))
+                corrupt = self.index.verify(held, checksums)
+                if corrupt:
+                    self.corrupt_blocks += corrupt
+                    log.warning("%d recovered blocks failed their checksum and were dropped", corrupt)
+
+    async def drain(self) -> None:
+        """Shutting down: seal what is queued without yielding to copies (a restarted daemon can then
+        verify it). Recovered blocks not verified yet keep their headers: the next daemon verifies them."""
+        self._draining = True
+        self._no_copies.set()
+        if self._verifier is not None:
+            self._verifier.cancel()
+        if self._sealer is not None:
+            await self._sealer
