@@ -20,10 +20,11 @@ import gc
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvstore_service import __version__
+from kvstore_service.backends import Backend
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
 from kvstore_service.events import BlockEvents, Event
@@ -61,8 +62,10 @@ class Registered:
 class Daemon:
     """Everything the gRPC handlers serve, owned by the event loop: its verbs."""
 
-    def __init__(self, config: Config, fatal: Callable[[StickyDeviceError], None], threads: Threads) -> None:
-        """Blocking (`open` runs it off the loop): the pool set up or re-attached, --devices opened."""
+    def __init__(self, config: Config, fatal: Callable[[StickyDeviceError], None], threads: Threads,
+                 backends: Mapping[str, Backend] | None = None) -> None:
+        """Blocking (`open` runs it off the loop): the pool set up or re-attached, --devices opened
+        (`backends`: device backends made already, beside them: the in-process tests' fake one)."""
         self.config = config
         self.boot_id = secrets.token_bytes(16)
         self.started = time.monotonic()
@@ -74,7 +77,7 @@ class Daemon:
         self.recovered = self.index.recover() if self.pool.reattached else 0
         self.metrics = Metrics()
         self.jobs = Jobs(config, self.pool, self.index, self.metrics, fatal, threads)
-        backends = {}
+        backends = dict(backends or {})
         for name in config.devices:  # (this runs off the loop, before the daemon serves)
             try:
                 backends[name] = open_backend(name, self.pool)

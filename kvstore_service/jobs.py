@@ -100,14 +100,14 @@ class EngineJobs:
 
 class Jobs:
     def __init__(self, config: Config, pool: Pool, index: BlockIndex, metrics: Metrics,
-                 fatal: Callable[[native.StickyDeviceError], None], threads: Threads | None = None) -> None:
+                 fatal: Callable[[native.StickyDeviceError], None], threads: Threads) -> None:
         self.config = config
         self.fatal = fatal  # a device is unusable for the whole process: the daemon must restart
         self.pool = pool
         self.index = index
         self.metrics = metrics
         # Copies of each device on its lane, CPU jobs and seals on the shared one; device calls apart.
-        self.threads = threads if threads is not None else Threads(config.copy_threads)
+        self.threads = threads
         self._of: weakref.WeakKeyDictionary[EngineSession, EngineJobs] = weakref.WeakKeyDictionary()
         self.order_wait_s = ORDER_WAIT_S
         self.failed_blocks = 0

@@ -23,14 +23,13 @@ from kvstore_service.backends import Backend, Mapping, TransferPlan
 from kvstore_service.backends.cpu import CpuBackend
 from kvstore_service.chunks import CHUNK_BLOCKS, chunks
 from kvstore_service.config import Config
+from kvstore_service.daemon import Daemon
 from kvstore_service.errors import KVError
-from kvstore_service.index import BlockIndex
 from kvstore_service.jobs import RESULTS_KEPT, Jobs
 from kvstore_service.layout import Layout, Region
-from kvstore_service.metrics import Metrics
 from kvstore_service.peercred import PeerCred
-from kvstore_service.pool import Pool
-from kvstore_service.sessions import EngineSession, Registration, Session, Sessions
+from kvstore_service.sessions import EngineSession, Registration, Session
+from kvstore_service.threads import Threads
 
 BLOCK = 64 << 10
 NUM_BLOCKS = 32
@@ -101,13 +100,12 @@ class Core:
         chosen = {"copy_threads": 2, "verify_loads": 0, **settings}
         self.config = Config(pool_path=str(tmp_path / "pool"), pool_size=-(-pool_blocks // per_segment) * segment,
                              segment_size=segment, fresh=True, **chosen)
-        self.pool = Pool(self.config.pool_path, int(self.config.pool_size), segment, fresh=True)
-        self.index = BlockIndex(self.pool)
         self.backend = FakeBackend()
         self.fatal: list[native.StickyDeviceError] = []
-        self.jobs = Jobs(self.config, self.pool, self.index, Metrics(), self.fatal.append)
-        self.sessions = Sessions(self.config, self.pool, self.index, self.jobs.off_loop, {"fake": self.backend},
-                                 settle=self.jobs.settle)
+        # The daemon's own composition (its constructor), with the fake device backend beside the cpu one.
+        self.daemon = Daemon(self.config, self.fatal.append, Threads(self.config.copy_threads), {"fake": self.backend})
+        self.pool, self.index, self.jobs, self.sessions = (self.daemon.pool, self.daemon.index, self.daemon.jobs,
+                                                           self.daemon.sessions)
         self.channels: list[CompletionChannel] = []
 
     async def engine(self, namespace: str = "ns", regions: int = 1) -> EngineSession:
@@ -129,6 +127,7 @@ class Core:
     def close(self) -> None:
         for channel in self.channels:
             channel.close()
+        self.daemon.threads.close()
         self.pool.close()
 
 
