@@ -44,20 +44,13 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"  # the `support` packag
 sys.path.insert(0, str(TESTS))
 
 from support.vllm.hybrid_models import DTYPES, build_hybrid_model  # noqa: E402
+from vllm_common import parse_bytes  # noqa: E402
 
 from kvstore_service.harness import DaemonProcess  # noqa: E402
 
 RUN_ENGINE = TESTS / "support" / "vllm" / "run_engine.py"
 VOCAB = range(3, 2000)  # the tiny models' tokenizer has 2048 ids; 0-2 are special
 HMA_OFF = {"disable_hybrid_kv_cache_manager": True}
-
-
-def parse_bytes(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for suffix, factor in units.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * factor)
-    return int(text)
 
 
 def connector_config(socket: str) -> str:

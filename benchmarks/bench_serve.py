@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from vllm_common import parse_bytes  # (benchmarks/, the script's folder, is on sys.path)
+
 BENCH_DIR = Path(__file__).resolve().parent
 TESTS = BENCH_DIR.parent / "tests"  # the `support` package, shared with the tests
 WORKLOADS = ("none", "vllm", "restart")
@@ -51,14 +53,6 @@ CONFIGS = ("off", "on")
 
 def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
-
-
-def parse_bytes(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for suffix, factor in units.items():
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * factor)
-    return int(text)
 
 
 class Bench:
