@@ -102,7 +102,8 @@ class Config(BaseSettings):
     max_request_bytes: ByteSize = Field(ByteSize(64 << 20), description="Largest gRPC message accepted.")
     max_event_bytes: ByteSize = Field(
         ByteSize(64 << 20), description="Most bytes of block descriptions (token ids, parent hash: what routers' "
-        "KV events need) held for every namespace together; more are dropped, counted.")
+        "KV events need) held for every namespace together: descriptions of blocks not stored yet make room first "
+        "(oldest first), then more are dropped, counted.")
     max_event_description_bytes: ByteSize = Field(
         ByteSize(8 << 10), description="Largest description of one block an engine may send; larger ones are "
         "dropped, counted.")

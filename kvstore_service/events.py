@@ -84,6 +84,8 @@ class BlockEvents:
         for key, meta in zip(keys, descriptions, strict=True):
             if key in ns.announced or key in ns.pending or not meta:
                 continue
+            while self.stats.bytes + len(meta) > self.max_bytes and ns.pending:  # a store that never came
+                self.stats.bytes -= len(ns.pending.popitem(last=False)[1])
             if len(meta) > self.max_description_bytes or self.stats.bytes + len(meta) > self.max_bytes:
                 self.stats.dropped += 1
                 continue
@@ -104,7 +106,7 @@ class BlockEvents:
             meta = ns.pending.pop(key, None)
             if meta is None:
                 ns.committed.add(key)
-            elif key not in ns.announced:
+            else:  # (never announced: describe skips announced keys)
                 self._announce(ns, key, meta)
 
     def removed(self, ns_hash: bytes, key: bytes) -> None:

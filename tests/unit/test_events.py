@@ -85,11 +85,11 @@ def test_a_watcher_that_falls_behind_is_reset_and_descriptions_are_bounded(index
         stream = events.watch(ns.ns_hash, batch=100, closed=lambda: False)
         assert await take(stream, 1) == [(True, [])]
         keys = keys_of(8)
-        events.describe(ns.ns_hash, keys[:1], [b"12345"])  # over --max-event-meta-bytes: dropped
-        events.describe(ns.ns_hash, keys[1:], [b"ab"] * 7)  # 5 fit in 10 bytes, 2 dropped
-        assert (events.stats.dropped, events.stats.bytes) == (3, 10)
+        events.describe(ns.ns_hash, keys[:1], [b"12345"])  # over --max-event-description-bytes: dropped
+        events.describe(ns.ns_hash, keys[1:], [b"ab"] * 7)  # 5 fit in 10 bytes: the 2 oldest not stored yet go
+        assert (events.stats.dropped, events.stats.bytes) == (1, 10)
         store(index, ns, keys)  # 5 announced while the watcher reads nothing: over its queue of 3
         (reset, got), = await take(stream, 1)
-        assert reset and len(got) == 5 and events.stats.resyncs == 1
+        assert reset and [e.key for e in got] == keys[3:] and events.stats.resyncs == 1
 
     asyncio.run(scenario())
