@@ -60,7 +60,6 @@ class Announcer:
         self.groups = groups  # several KV cache groups: their specs (a key ends with its group's tag)
         self.events: deque[KVCacheEvent] = deque()
         self.announced: set[bytes] = set()  # keys announced as stored, not removed since
-        self.sent = self.resyncs = 0
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="kvstore-events", daemon=True)
         self._thread.start()
@@ -72,7 +71,6 @@ class Announcer:
         out = []
         while events:
             out.append(events.popleft())
-        self.sent += len(out)
         return out
 
     def close(self) -> None:
@@ -93,9 +91,7 @@ class Announcer:
         from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
         if reset:  # the daemon starts over (a new daemon, or this engine fell behind): forget what it said
-            if self.announced:
-                self.resyncs += 1
-                self._removed(list(self.announced))
+            self._removed(list(self.announced))
             self.announced.clear()
         for removed, key, meta in events:
             if removed:
