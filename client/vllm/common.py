@@ -209,6 +209,20 @@ def unsupported_kv_cache(kv_cache_config: KVCacheConfig | None) -> str:
     return ""
 
 
+# Several KV cache groups (vLLM's hybrid allocator): group g's key of a block is vLLM's block hash, this tag
+# and g, so it never equals another group's key or a single-group key (a bare hash).
+GROUP_TAG = b"g"
+
+
+def group_key(block_hash: bytes, group: int) -> bytes:
+    return bytes(block_hash) + GROUP_TAG + bytes([group])
+
+
+def split_group_key(key: bytes) -> tuple[bytes, int]:
+    """(vLLM's block hash, group) of a group key."""
+    return key[: -len(GROUP_TAG) - 1], key[-1]
+
+
 def group_spans(kv_cache_config: KVCacheConfig | None) -> list[int] | None:
     """Per KV cache group, the blocks a hit needs before it (kvstore_client.protocol.groups): 0 for full
     attention, vLLM's ceil((window - 1) / block size) for a sliding window, 1 for a Mamba state (the one

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvstore_client.vllm.common import split_group_key
+
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.request import Request
@@ -123,8 +125,6 @@ class Announcer:
                                             medium=MEDIUM, group_idx=group, ownership=OWNERSHIP))
 
     def _split(self, key: bytes) -> tuple[bytes, int | None]:
-        """(vLLM's block hash, group) of a key: grouped keys end with the group's 2-byte tag."""
-        if self.groups is None:
-            return key, None
-        return key[:-2], key[-1]
+        """(vLLM's block hash, group) of a key (common.group_key with several groups)."""
+        return (key, None) if self.groups is None else split_group_key(key)
 

@@ -23,7 +23,9 @@ from kvstore_client.vllm.common import (
     KVStoreConnectorMetadata,
     Transfer,
     engine_core_sleeps_when_idle,
+    group_key,
     group_spans,
+    split_group_key,
     state_groups,
 )
 from kvstore_client.vllm.events import Announcer, describe
@@ -42,9 +44,6 @@ _hashing: tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]] | No
 # or offered), kept until the session re-registers (a new daemon may have an empty pool): at most
 # this many, oldest dropped first.
 KNOWN_KEYS = 65536
-# Several KV cache groups (vLLM's hybrid allocator): group g's key of a block is vLLM's block hash, this tag
-# and g, so it never equals another group's key or a single-group key (a bare hash).
-GROUP_TAG = b"g"
 
 
 def _vllm_hashing() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
@@ -212,8 +211,8 @@ class Scheduler:
     def group_keys(self, hashes: Sequence[bytes]) -> list[bytes]:
         """Every group's key of each block, block by block: [block 0 of group 0, of group 1, ..., block 1 of
         group 0, ...]. The pool's count of leading present keys then gives the blocks every group holds."""
-        tags = [GROUP_TAG + bytes([g]) for g in range(len(self.spans or ()))]
-        return [bytes(h) + tag for h in hashes for tag in tags]
+        groups = range(len(self.spans or ()))
+        return [group_key(h, g) for h in hashes for g in groups]
 
     def _cached(self, state: _Lookup, start: int, num_tokens: int) -> int:
         """Tokens a lookup's reply lets vLLM skip, from the first (vLLM's local hit: `start` blocks)."""
@@ -538,7 +537,7 @@ class Scheduler:
                 i = tokens // size - 1
                 if g not in self.states or tokens % size or not 0 <= i < len(hashes):
                     continue
-                keys.append(bytes(hashes[i]) + GROUP_TAG + bytes([g]))
+                keys.append(group_key(hashes[i], g))
                 block_ids.append(block)
                 self._volatile(rec, g, i, block)
             if keys:
@@ -554,7 +553,7 @@ class Scheduler:
 
     def _send_descriptions(self, request: Request, keys: list[bytes]) -> None:
         index = {bytes(h): i for i, h in enumerate(request.block_hashes)}
-        blocks = [index[k if self.spans is None else k[:-2]] for k in keys]
+        blocks = [index[k if self.spans is None else split_group_key(k)[0]] for k in keys]
         self.session.describe_blocks(keys, describe(request, blocks, self.block_size))
 
     @staticmethod

