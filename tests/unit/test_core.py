@@ -217,9 +217,11 @@ def test_a_job_is_cut_so_every_copy_thread_starts_at_once_and_they_finish_togeth
     assert sizes(16, 3 * mib, threads=4) == [4, 4, 4, 4]
     assert sizes(1, 3 * mib) == [1]
     assert sizes(3, 64 << 10) == [3]  # smaller than a hand-off is worth: one chunk
-    # A large job: a first chunk of 16 MiB (little planning), doubling to the cap, then a share per thread.
+    # The benchmark's job: a small first chunk per thread (little planning before each starts), then a share each.
+    assert sizes(2048, 256 << 10) == [128, 128, 896, 896]
+    # A larger job: first chunks, then equal shares no larger than the cap.
     big = sizes(8192, 64 << 10)
-    assert big[:3] == [256, 512, 1024] and max(big) == CHUNK_BLOCKS and big[-2] == big[-1] <= CHUNK_BLOCKS
+    assert big[:2] == [256, 256] and set(big[2:]) == {960} and 960 <= CHUNK_BLOCKS
 
 
 def test_a_load_up_to_the_backends_whole_load_bytes_goes_whole_to_one_copy_thread(tmp_path: Path) -> None:
