@@ -56,8 +56,11 @@ def timed(fn: Callable[[], object], n: int) -> list[float]:
 
 
 def paired_ratios(gbps: list[float], limits: list[float]) -> list[float]:
-    """Each round's GB/s over the limit measured right before it."""
-    return [rate / limit for rate, limit in zip(gbps, limits, strict=True)]
+    """Each round's GB/s over the limit measured around it: `limits` holds one copy right before and
+    one right after each round, and the round is paired with their mean. One sample each, as the
+    round is one job: a best-of-n limit would bias the ratios down on a noisy machine."""
+    around = [(before + after) / 2 for before, after in zip(limits[::2], limits[1::2], strict=True)]
+    return [rate / limit for rate, limit in zip(gbps, around, strict=True)]
 
 
 class Memcpy:
@@ -153,9 +156,10 @@ class Run:
         return [secrets.token_bytes(32) for _ in range(self.blocks)], self.ids()
 
     def measure_limits(self) -> None:
-        self.limits.append(self.device_gbps or self.memcpy.gbps(3))
+        """One copy of each limit (call it right before and right after each round)."""
+        self.limits.append(self.device_gbps or self.memcpy.gbps(1))
         if self.backend == "cpu":
-            self.engine_limits.append(self.memcpy.gbps(3, copy_engine=True))
+            self.engine_limits.append(self.memcpy.gbps(1, copy_engine=True))
 
     def store(self, keys: list[bytes], ids: list[int]) -> float:
         synchronize_before_store(self.kv.device)
@@ -172,7 +176,7 @@ class Run:
 
 
 def data_path(run: Run, rounds: int) -> dict[str, Any]:
-    """Store and load GB/s, each round paired with the limits measured right before it."""
+    """Store and load GB/s, each round paired with the limits measured around it."""
     warm = run.job()  # not measured: the first jobs touch code and memory nothing touched before
     run.store(*warm)
     run.load(*warm)
@@ -182,10 +186,12 @@ def data_path(run: Run, rounds: int) -> dict[str, Any]:
         wait_sealed(run.client)  # one store's latency, not the previous one's checksums
         run.measure_limits()
         store.append(run.store(keys, ids))
+        run.measure_limits()
         run.stored.append(keys)
     for keys in run.stored:
         run.measure_limits()
         load.append(run.load(keys, run.ids()))
+        run.measure_limits()
     results: dict[str, Any] = {
         "memcpy_gbps": max(run.limits) if run.backend == "cpu" else run.memcpy.gbps(rounds),
         "store_gbps": max(store), "load_gbps": max(load),
@@ -207,7 +213,7 @@ def data_path(run: Run, rounds: int) -> dict[str, Any]:
 
 def sustained(run: Run, rounds: int, burst: int = BURST) -> dict[str, Any]:
     """Bursts of `burst` stores back to back (their seals yield to the copies), each burst paired with
-    the limits measured right before it: what stores sustain, and what they sustain once sealed.
+    the limits measured around it: what stores sustain, and what they sustain once sealed.
     The namespace is cleared before each burst (the pool holds one burst, not all of them)."""
     run.limits.clear()
     run.engine_limits.clear()
@@ -227,6 +233,7 @@ def sustained(run: Run, rounds: int, burst: int = BURST) -> dict[str, Any]:
         copied.append(burst * run.total / (time.perf_counter() - started) / 1e9)
         wait_sealed(run.client)
         sealed.append(burst * run.total / (time.perf_counter() - started) / 1e9)
+        run.measure_limits()
     run.client.clear(run.session.namespace)
     results: dict[str, Any] = {"store_sustained_gbps": max(copied), "store_sustained_sealed_gbps": max(sealed)}
     for name, limits in (("limit", run.limits), ("copy_engine", run.engine_limits)):
@@ -372,7 +379,7 @@ def require_device(backend: str) -> None:
 def run_bench(socket: str | None, blocks: int, block_bytes: int, rounds: int, backend: str,
               copy_threads: int = 2, small_blocks: int = 16, small_layers: int = 32,
               small_region_bytes: int = 32 << 10, small_rounds: int = 30) -> dict[str, Any]:
-    """Store and load GB/s are each paired with the limit measured right before them (best of 3):
+    """Store and load GB/s are each paired with the limit measured around them (one copy before, one after):
     on a shared machine the ratio of a pair is stable while absolute GB/s are not. The reported
     ratio is the median over rounds; GB/s figures are the best round. Then the control path, a
     small vLLM-sized load's overhead over its copy, and bursts of stores (sustained)."""
