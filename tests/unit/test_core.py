@@ -218,7 +218,7 @@ def test_a_job_is_cut_so_every_copy_thread_starts_at_once_and_they_finish_togeth
     assert sizes(1, 3 * mib) == [1]
     assert sizes(3, 64 << 10) == [3]  # smaller than a hand-off is worth: one chunk
     # The benchmark's job: a small first chunk per thread (little planning before each starts), then a share each.
-    assert sizes(2048, 256 << 10) == [128, 128, 896, 896]
+    assert sizes(2048, 256 << 10) == [256, 256, 768, 768]
     # A larger job: first chunks, then equal shares no larger than the cap.
     big = sizes(8192, 64 << 10)
     assert big[:2] == [256, 256] and set(big[2:]) == {960} and 960 <= CHUNK_BLOCKS
