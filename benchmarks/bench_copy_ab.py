@@ -1,0 +1,90 @@
+"""A/B of two daemons' bulk copies on one machine, rounds interleaved: the machine's noise (0.2 of the
+copy engine from one round to the next on a 2-vCPU VM) hits both alike.
+
+Two private daemons run at once, each with its own environment (`--a-env`, `--b-env`: e.g.
+`PYTHONPATH=/tmp/old` for an older checkout's daemon, or `KVSTORE_VERIFY_LOADS=0`). Each round
+stores (or loads) 2048 blocks of 256 KiB through A and through B, in alternating order, each paired
+with one copy-engine copy right before and one right after it (as `kvstore bench`). Stores go into a
+cleared namespace, into slots used before (a full pool's steady state); loads read one of three
+stored jobs into scattered block ids. Prints the median ratio of each and every round's.
+
+    python benchmarks/bench_copy_ab.py store --rounds 20 --a-env PYTHONPATH=/tmp/old
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kvstore_client import KVStoreClient
+from kvstore_service.bench import Run, wait_sealed
+from kvstore_service.harness import DaemonProcess
+
+BLOCKS, BLOCK_BYTES = 2048, 256 << 10
+
+
+@contextmanager
+def daemon_run(env: dict[str, str]) -> Iterator[tuple[KVStoreClient, Run, list[tuple[list[bytes], list[int]]]]]:
+    """A daemon started with `env` added to ours, an engine session on it, and three stored jobs."""
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        daemon = DaemonProcess(tempfile.mkdtemp(prefix="kvstore-ab-"), str(6 << 30), "64MiB", "--fresh",
+                               "--copy-threads", "2", "--log-level", "WARNING").start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    client = KVStoreClient(daemon.socket)
+    run = Run(client, "cpu", BLOCKS, BLOCK_BYTES, 3)
+    try:
+        warm = run.job()
+        run.store(*warm)
+        run.load(*warm)
+        stored = [run.job() for _ in range(3)]
+        for keys, ids in stored:
+            run.store(keys, ids)
+        yield client, run, stored
+    finally:
+        run.close()
+        client.close()
+        daemon.cleanup()
+        shutil.rmtree(daemon.workdir, ignore_errors=True)
+
+
+def parse_env(pairs: list[str]) -> dict[str, str]:
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["store", "load"])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--a-env", nargs="*", default=[], help="KEY=VALUE added to daemon A's environment")
+    parser.add_argument("--b-env", nargs="*", default=[], help="KEY=VALUE added to daemon B's environment")
+    args = parser.parse_args()
+    ratios: dict[str, list[float]] = {"A": [], "B": []}
+    with daemon_run(parse_env(args.a_env)) as a, daemon_run(parse_env(args.b_env)) as b:
+        for i in range(args.rounds):
+            for name, (client, run, stored) in (("A", a), ("B", b)) if i % 2 == 0 else (("B", b), ("A", a)):
+                wait_sealed(client)
+                if args.mode == "store":
+                    client.clear(run.session.namespace)
+                    keys, ids = run.job()
+                else:
+                    keys, ids = stored[i % len(stored)][0], run.ids()
+                before = run.memcpy.gbps(1, copy_engine=True)
+                gbps = run.store(keys, ids) if args.mode == "store" else run.load(keys, ids)
+                after = run.memcpy.gbps(1, copy_engine=True)
+                ratios[name].append(gbps / ((before + after) / 2))
+    for name, env in (("A", args.a_env), ("B", args.b_env)):
+        print(f"{args.mode} {name} {' '.join(env) or '(as is)'}: median {statistics.median(ratios[name]):.3f} of the "
+              f"copy engine, rounds {[round(r, 2) for r in ratios[name]]}")
+
+
+if __name__ == "__main__":
+    main()
