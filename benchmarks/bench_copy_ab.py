@@ -14,16 +14,12 @@ stored jobs into scattered block ids. Prints the median ratio of each and every 
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
 import statistics
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvstore_client import KVStoreClient
-from kvstore_service.bench import Run, wait_sealed
-from kvstore_service.harness import DaemonProcess
+from kvstore_service.bench import Run, private_daemon, wait_sealed
 
 BLOCKS, BLOCK_BYTES = 2048, 256 << 10
 
@@ -31,29 +27,20 @@ BLOCKS, BLOCK_BYTES = 2048, 256 << 10
 @contextmanager
 def daemon_run(env: dict[str, str]) -> Iterator[tuple[KVStoreClient, Run, list[tuple[list[bytes], list[int]]]]]:
     """A daemon started with `env` added to ours, an engine session on it, and three stored jobs."""
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        daemon = DaemonProcess(tempfile.mkdtemp(prefix="kvstore-ab-"), str(6 << 30), "64MiB", "--fresh",
-                               "--copy-threads", "2", "--log-level", "WARNING").start()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    client = KVStoreClient(daemon.socket)
-    run = Run(client, "cpu", BLOCKS, BLOCK_BYTES, 3)
-    try:
-        warm = run.job()
-        run.store(*warm)
-        run.load(*warm)
-        stored = [run.job() for _ in range(3)]
-        for keys, ids in stored:
-            run.store(keys, ids)
-        yield client, run, stored
-    finally:
-        run.close()
-        client.close()
-        daemon.cleanup()
-        shutil.rmtree(daemon.workdir, ignore_errors=True)
+    with private_daemon(6 << 30, 2, env) as socket:
+        client = KVStoreClient(socket)
+        run = Run(client, "cpu", BLOCKS, BLOCK_BYTES, 3)
+        try:
+            warm = run.job()
+            run.store(*warm)
+            run.load(*warm)
+            stored = [run.job() for _ in range(3)]
+            for keys, ids in stored:
+                run.store(keys, ids)
+            yield client, run, stored
+        finally:
+            run.close()
+            client.close()
 
 
 def parse_env(pairs: list[str]) -> dict[str, str]:

@@ -26,10 +26,11 @@ from kvstore_service.harness import DaemonProcess
 
 
 @contextlib.contextmanager
-def private_daemon(pool_bytes: int, copy_threads: int) -> Iterator[str]:
-    """A daemon of our own on a temp socket and pool file, stopped afterwards."""
+def private_daemon(pool_bytes: int, copy_threads: int, env: dict[str, str] | None = None) -> Iterator[str]:
+    """A daemon of our own on a temp socket and pool file (`env` added to its environment), stopped
+    afterwards."""
     daemon = DaemonProcess(tempfile.mkdtemp(prefix="kvstore-bench-"), str(pool_bytes), "64MiB", "--fresh",
-                           "--copy-threads", str(copy_threads), "--log-level", "WARNING")
+                           "--copy-threads", str(copy_threads), "--log-level", "WARNING", env=env)
     try:
         yield daemon.start().socket
     finally:
