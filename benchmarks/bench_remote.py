@@ -56,8 +56,9 @@ from kvstore_service.tiers.remote.store import RedisStore
 from kvstore_service.tiers.remote.url import parse_url
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.ports import free_ports  # noqa: E402
 from support.redis import RedisCluster as ClusterProcs  # noqa: E402
-from support.redis import RedisServer, free_ports, require_redis_server  # noqa: E402
+from support.redis import RedisServer, require_redis_server  # noqa: E402
 
 RATIOS = tuple((f"{what}, {mode}", raw, f"tier {what}, {mode}")
                for what, raw in (("up", "raw SET"), ("fetch", "raw GET")) for mode in MODES)

@@ -33,12 +33,6 @@ def lmcache_transfer_mode(engine_log: Path) -> str:
     return "unknown"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LMCacheServer:
     """LMCache's multiprocess server (`--against-lmcache VENV`) on a free loopback port: L1 in a named
     shared-memory pool, engine-driven transfer (the engines' workers copy through that pool)."""
@@ -46,6 +40,8 @@ class LMCacheServer:
     def __init__(self, venv: Path, workdir: Path, name: str, chunk_size: int, l1_gib: float) -> None:
         self.venv = venv
         self.workdir = workdir
+        from support.ports import free_port  # (bench_vllm puts tests/ on sys.path)
+
         self.port = free_port()
         self.shm_name = f"kvbench{os.getpid()}{name.replace('_', '')}"
         self.log = workdir / f"{name}.log"

@@ -123,7 +123,8 @@ class Bench:
     def remote_ttft(self, tokens: int) -> dict[str, Any]:
         """Section 5: node A's engine stores; on node B (another daemon, its pool empty) a fresh engine
         finds the prefixes only in the shared Redis store; engine C computes them (no connector)."""
-        from support.redis import RedisServer, free_ports
+        from support.ports import free_ports
+        from support.redis import RedisServer
 
         a = self.args
         run = ttft_run("remote", a.prompts, tokens)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 from support.daemon import DaemonProcess as Daemon
-from support.redis import RedisCluster, RedisServer, free_ports, require_redis_server
+from support.ports import free_ports
+from support.redis import RedisCluster, RedisServer, require_redis_server
 
 if os.environ.get("KVSTORE_TEST_INSTALLED"):  # .ci/run: test the installed wheel, never the source tree
     import kvstore_client

@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 from support.engine import store_blocks
-from support.pki import free_port
+from support.ports import free_port
 
 
 def listening_on(pid: int, port: int) -> list[str]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 from support.blocks import key_of
 from support.engine import Engine, kvstore, store_blocks
+from support.ports import free_port
 
 from kvstore_client import InvalidArgument
 from kvstore_service import native
@@ -139,14 +139,8 @@ def test_bad_config_names_the_flag_the_variable_or_the_file_key(tmp_path) -> Non
         f"Error: --config {path}: not valid YAML at line 2")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_prometheus_metrics(daemon_factory) -> None:
-    port = _free_port()
+    port = free_port()
     daemon = daemon_factory("--metrics-port", str(port)).start()
     store_blocks(daemon.socket, "metrics-ns", 4)
     client = daemon.client()
@@ -199,7 +193,7 @@ def test_healthz_answers_what_the_grpc_health_service_answers(tmp_path) -> None:
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     server.add_insecure_port(f"unix://{sock}")
     server.start()
-    port = _free_port()
+    port = free_port()
     http = HttpServer(port, sock)
     try:
         servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -19,7 +19,8 @@ import pytest
 import redis
 import uvloop
 from support.pki import make_pki
-from support.redis import RedisCluster, RedisServer, free_ports, require_redis_server
+from support.ports import free_ports
+from support.redis import RedisCluster, RedisServer, require_redis_server
 
 from kvstore_service import native
 from kvstore_service.threads import Threads

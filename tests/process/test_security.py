@@ -13,7 +13,8 @@ import grpc
 import pytest
 from support.daemon import wait_for
 from support.engine import store_blocks
-from support.pki import free_port, make_pki, tls_client
+from support.pki import make_pki, tls_client
+from support.ports import free_port
 
 from kvstore_client import KVStoreClient, PermissionDenied, ResourceExhausted, Unavailable
 from kvstore_client.protocol import PROTOCOL_VERSION

@@ -15,6 +15,7 @@ import urllib.request
 import pytest
 from google.protobuf.descriptor import FieldDescriptor as FD
 from support.engine import Engine, kvstore, store_blocks
+from support.ports import free_port
 
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_service.stats import (
@@ -209,14 +210,6 @@ def test_cli_stats_fits_80_columns(daemon: typing.Any) -> None:
 SERVED_NAMESPACE = "model=org/served;dtype=bfloat16;block=16;kv_shards=1"
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _served_figures(daemon: typing.Any, port: int) -> list[tuple[int, int, int]]:
     """(loaded blocks, bytes, tokens) of SERVED_NAMESPACE and in total, as the Stats RPC, `kvstore stats
     --json` and /metrics each report them."""
@@ -247,7 +240,7 @@ def _line(text: str, label: str) -> str:
 
 
 def test_served_is_what_engines_loaded_not_what_lookups_found(daemon_factory: typing.Any) -> None:
-    port = _free_port()
+    port = free_port()
     daemon = daemon_factory("--metrics-port", str(port)).start()
     keys = store_blocks(daemon.socket, SERVED_NAMESPACE, 6)
     client = daemon.client()

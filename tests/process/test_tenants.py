@@ -14,7 +14,8 @@ from support import child_env
 from support.blocks import key_of
 from support.daemon import wait_for
 from support.engine import Engine, store_blocks
-from support.pki import free_port, make_pki, tls_client
+from support.pki import make_pki, tls_client
+from support.ports import free_port
 
 from kvstore_client import KVStoreClient, PermissionDenied, ResourceExhausted
 from kvstore_client.protocol import kvstore_pb2 as pb

@@ -4,6 +4,7 @@
     engine      a torch engine (block_cache memory, one session); also a script
     shm_engine  a torch-free engine: KV memory in a sealed memfd, any region layout
     daemon      the daemon process, plus what tests read of it in /proc
+    ports       free loopback ports for the servers tests start (below the ephemeral range)
     workers     random store/load/lookup workers that verify every loaded byte; also a script
     fuzz        hypothesis strategies, oracles and the target for fuzzing every RPC
     vllm/       run_engine.py (one vLLM engine per process) and tiny_model.py (an offline model)

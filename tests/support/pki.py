@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import socket
 from pathlib import Path
 
 import grpc
@@ -14,12 +13,6 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from kvstore_client import KVStoreClient
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_cert(subject: str, issuer_key, issuer_name, key, ca: bool = False) -> x509.Certificate:

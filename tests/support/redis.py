@@ -2,8 +2,8 @@
 cluster of masters (`redis-cli --cluster create ... --cluster-replicas 0`), each in its own directory,
 with `maxmemory` + `allkeys-lru` as an operator would run the shared cold tier.
 
-Redis has no "port 0", so ports come from binding sockets to port 0 first (a cluster node also needs
-port + 10000 free for its bus). A stopped or killed node restarts on the same port from the same
+Redis has no "port 0", so ports come from support.ports (below the ephemeral range; a cluster node
+also needs port + 10000 free for its bus). A stopped or killed node restarts on the same port from the same
 directory (so with the same nodes.conf and cluster identity).
 
 `require_redis_server()` is the one place that decides whether the tests skip: only when redis-server
@@ -17,7 +17,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 from redis.crc import key_slot
 
-LOOPBACK = "127.0.0.1"
+from support.ports import LOOPBACK, free_ports
 
 
 def require_redis_server() -> str:
@@ -37,33 +36,6 @@ def require_redis_server() -> str:
     if os.environ.get("KVSTORE_TEST_REQUIRE_REDIS") or os.environ.get("KVSTORE_TEST_INSTALLED"):
         pytest.fail(message + "; required here (KVSTORE_TEST_REQUIRE_REDIS or KVSTORE_TEST_INSTALLED is set)")
     pytest.skip(message)
-
-
-def free_ports(count: int, bus: bool = False) -> list[int]:
-    """`count` distinct free loopback ports; with `bus`, port + 10000 (a cluster node's bus) is free too."""
-    ports: list[int] = []
-    held: list[socket.socket] = []
-    try:
-        while len(ports) < count:
-            s = socket.socket()
-            s.bind((LOOPBACK, 0))
-            held.append(s)
-            port = s.getsockname()[1]
-            if bus:
-                if port + 10000 > 65535:
-                    continue
-                b = socket.socket()
-                try:
-                    b.bind((LOOPBACK, port + 10000))
-                except OSError:
-                    continue
-                finally:
-                    b.close()
-            ports.append(port)
-    finally:
-        for s in held:
-            s.close()
-    return ports
 
 
 class RedisServer:

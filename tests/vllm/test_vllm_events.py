@@ -10,7 +10,7 @@ import threading
 
 import pytest
 from support.daemon import wait_for
-from support.pki import free_port
+from support.ports import free_port
 from support.vllm.tiny_model import build_tiny_model
 from test_vllm import BLOCK, connector_config, finish, make_prompts, run_engine, start_engine
 

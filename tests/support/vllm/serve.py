@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,17 +25,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from support.ports import free_port
+
 LAUNCHER = [sys.executable, "-m", "kvstore_client.vllm.cpu_cli"]
 
 # A random model has no chat template; this one puts each message on a line of its own.
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def first_cpu() -> str:
