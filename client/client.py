@@ -68,10 +68,15 @@ def peer_handshake(target: str, fds: Sequence[int] = (), timeout: float = 5.0) -
         sock.settimeout(timeout)
         try:
             sock.connect(target.removeprefix("unix://").removeprefix("unix:") + ".cred")
-            socket.send_fds(sock, [token], list(fds))
+            try:
+                socket.send_fds(sock, [token], list(fds))
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # a daemon over a handshake limit answers and closes at once, maybe before our send
             reply = sock.recv(1)
         except OSError as e:
             raise Unavailable(f"UNAVAILABLE: cannot reach the daemon's handshake socket: {e}") from None
+    if not reply:
+        raise Unavailable("UNAVAILABLE: the daemon closed the handshake socket without an answer")
     if reply == b"\x01":
         raise PermissionDenied(f"PERMISSION_DENIED: the daemon does not allow uid {os.getuid()}")
     if reply in _BUSY:

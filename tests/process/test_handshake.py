@@ -173,6 +173,27 @@ def test_a_handshake_over_a_limit_is_refused_naming_it(daemon_factory, flag: str
     assert _register(daemon) < 1.0  # the silent connection closed: its slot is given back
 
 
+def test_a_refusal_sent_before_the_clients_token_still_reaches_it(daemon_factory, monkeypatch) -> None:
+    """The daemon refuses over a limit at accept and closes: a client whose token goes out after that
+    gets EPIPE on the send, and must still read the answer (it used to raise "Broken pipe")."""
+    from kvstore_client import ResourceExhausted
+
+    daemon = daemon_factory("--max-handshakes-per-uid", "1").start()
+    send_fds = socket.send_fds
+
+    def send_after_the_answer(sock: socket.socket, *args, **kwargs):  # type: ignore[no-untyped-def]
+        assert select.select([sock], [], [], 5.0)[0], "the daemon did not answer at once"
+        time.sleep(0.05)  # and closed
+        return send_fds(sock, *args, **kwargs)
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as silent:
+        silent.connect(daemon.socket + ".cred")  # in progress until the deadline
+        time.sleep(0.2)
+        monkeypatch.setattr(socket, "send_fds", send_after_the_answer)
+        with pytest.raises(ResourceExhausted, match="too many handshakes in progress"):
+            daemon.client().session("n")
+
+
 def test_a_peer_in_another_pid_namespace_is_told_apart() -> None:
     """CUDA IPC handles do not open across PID namespaces: the daemon tells such an engine apart by its
     SO_PEERCRED pid (0 where the kernel cannot name it here) or its /proc/<pid>/ns/pid."""
