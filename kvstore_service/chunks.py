@@ -77,7 +77,9 @@ def plan_chunk(session: EngineSession, block_ids: list[int], indexes: list[int],
 
 def load_check(blocks: list[Block], block_bytes: int, verify: float) -> ChecksumSample | None:
     """The blocks of a load to verify before its copy (--verify-loads: all, or this share at random)."""
-    checked = [k for k in range(len(blocks)) if verify >= 1 or random.random() < verify]
+    n = len(blocks)
+    share = n * min(verify, 1.0)  # whole blocks, and the fraction left with that chance
+    checked = sorted(random.sample(range(n), int(share) + (random.random() < share % 1)))
     if not checked:
         return None
     # A block stored a moment ago may not have its checksum yet (None): nothing to check.

@@ -219,9 +219,12 @@ class BlockIndex:
 
     def pin(self, blocks: Iterable[Block]) -> None:
         """Keep blocks from eviction (a lease, a load, a seal), most recently used from now."""
+        lists = (self._lru, self._tails)  # (the LRU lookup inline: a load pins thousands of blocks)
         for block in blocks:
             block.pins += 1
-            self._touch(block)
+            lru = lists[block.tail].get(block.namespace.block_bytes)
+            if lru is not None and block in lru:
+                lru.move_to_end(block)
 
     def unpin(self, blocks: Iterable[Block]) -> None:
         for block in blocks:
@@ -229,11 +232,6 @@ class BlockIndex:
             assert block.pins >= 0, "unbalanced unpin"
             if block.pins == 0 and block.state is BlockState.DOOMED:
                 self._free(block)
-
-    def _touch(self, block: Block) -> None:
-        lru = self._lru_of(block)
-        if lru is not None and block in lru:
-            lru.move_to_end(block)
 
     def _lru_of(self, block: Block) -> OrderedDict[Block, None] | None:
         """The LRU list the block belongs in (tails have their own), if there is one yet."""

@@ -358,12 +358,13 @@ class Jobs:
     def _prepare_load(self, job: Job, part: range) -> Chunk | None:
         """Pin the chunk's present blocks; an absent one fails."""
         found = self.index.prepare_load(job.session.namespace, job.keys[part.start:part.stop])
-        indexes = [part.start + i for i, block in enumerate(found) if block is not None]
-        if len(indexes) < len(found):
-            job.error = "block not in the pool"
-        if not indexes:
-            return None
         blocks = [block for block in found if block is not None]
+        indexes = list(part)
+        if len(blocks) < len(found):
+            job.error = "block not in the pool"
+            indexes = [i for i, block in zip(part, found, strict=True) if block is not None]
+        if not blocks:
+            return None
         chunk = plan_chunk(job.session, job.block_ids, indexes, blocks, self.pool.size)
         if self.config.verify_loads > 0:
             chunk.check = load_check(blocks, job.session.namespace.block_bytes, self.config.verify_loads)
@@ -402,12 +403,13 @@ class Jobs:
         if corrupt is None:
             self.index.unpin(chunk.blocks)
             return
+        for i in chunk.indexes:
+            job.ok[i] = True
         if corrupt:
             self._corrupt_loads += len(corrupt)
             job.error = f"{len(corrupt)} block(s) failed their checksum and were dropped"
-        skip = set(corrupt)
-        for k, i in enumerate(chunk.indexes):
-            job.ok[i] = k not in skip
+            for k in corrupt:
+                job.ok[chunk.indexes[k]] = False
         self.index.complete_load(chunk.blocks, [chunk.blocks[k] for k in corrupt])
 
     def _publish(self, job: Job) -> None:
