@@ -3,10 +3,11 @@ copy engine from one round to the next on a 2-vCPU VM) hits both alike.
 
 Two private daemons run at once, each with its own environment (`--a-env`, `--b-env`: e.g.
 `PYTHONPATH=/tmp/old` for an older checkout's daemon, or `KVSTORE_VERIFY_LOADS=0`). Each round
-stores (or loads) 2048 blocks of 256 KiB through A and through B, in alternating order, each paired
-with one copy-engine copy right before and one right after it (as `kvstore bench`). Stores go into a
-cleared namespace, into slots used before (a full pool's steady state); loads read one of three
-stored jobs into scattered block ids. Prints the median ratio of each and every round's.
+stores (or loads) 512 MiB of blocks (2048 x 256 KiB, or `--block-kib`) through A and through B, in
+alternating order, each paired with one copy-engine copy right before and one right after it (as
+`kvstore bench`). Stores go into a cleared namespace, into slots used before (a full pool's steady
+state); loads read one of three stored jobs into scattered block ids. Prints the median ratio of
+each and every round's.
 
     python benchmarks/bench_copy_ab.py store --rounds 20 --a-env PYTHONPATH=/tmp/old
 """
@@ -21,15 +22,16 @@ from contextlib import contextmanager
 from kvstore_client import KVStoreClient
 from kvstore_service.bench import Run, private_daemon, wait_sealed
 
-BLOCKS, BLOCK_BYTES = 2048, 256 << 10
+JOB_BYTES = 512 << 20
 
 
 @contextmanager
-def daemon_run(env: dict[str, str]) -> Iterator[tuple[KVStoreClient, Run, list[tuple[list[bytes], list[int]]]]]:
+def daemon_run(env: dict[str, str], block_bytes: int) -> Iterator[tuple[KVStoreClient, Run,
+                                                                        list[tuple[list[bytes], list[int]]]]]:
     """A daemon started with `env` added to ours, an engine session on it, and three stored jobs."""
     with private_daemon(6 << 30, 2, env) as socket:
         client = KVStoreClient(socket)
-        run = Run(client, "cpu", BLOCKS, BLOCK_BYTES, 3)
+        run = Run(client, "cpu", JOB_BYTES // block_bytes, block_bytes, 3)
         try:
             warm = run.job()
             run.store(*warm)
@@ -51,11 +53,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", choices=["store", "load"])
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--block-kib", type=int, default=256, help="block size (a job is 512 MiB of blocks)")
     parser.add_argument("--a-env", nargs="*", default=[], help="KEY=VALUE added to daemon A's environment")
     parser.add_argument("--b-env", nargs="*", default=[], help="KEY=VALUE added to daemon B's environment")
     args = parser.parse_args()
     ratios: dict[str, list[float]] = {"A": [], "B": []}
-    with daemon_run(parse_env(args.a_env)) as a, daemon_run(parse_env(args.b_env)) as b:
+    block_bytes = args.block_kib << 10
+    with daemon_run(parse_env(args.a_env), block_bytes) as a, daemon_run(parse_env(args.b_env), block_bytes) as b:
         for i in range(args.rounds):
             for name, (client, run, stored) in (("A", a), ("B", b)) if i % 2 == 0 else (("B", b), ("A", a)):
                 wait_sealed(client)
