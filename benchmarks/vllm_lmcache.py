@@ -38,10 +38,10 @@ class LMCacheServer:
     shared-memory pool, engine-driven transfer (the engines' workers copy through that pool)."""
 
     def __init__(self, venv: Path, workdir: Path, name: str, chunk_size: int, l1_gib: float) -> None:
-        self.venv = venv
-        self.workdir = workdir
         from support.ports import free_port  # (bench_vllm puts tests/ on sys.path)
 
+        self.venv = venv
+        self.workdir = workdir
         self.port = free_port()
         self.shm_name = f"kvbench{os.getpid()}{name.replace('_', '')}"
         self.log = workdir / f"{name}.log"

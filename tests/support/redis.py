@@ -3,8 +3,8 @@ cluster of masters (`redis-cli --cluster create ... --cluster-replicas 0`), each
 with `maxmemory` + `allkeys-lru` as an operator would run the shared cold tier.
 
 Redis has no "port 0", so ports come from support.ports (below the ephemeral range; a cluster node
-also needs port + 10000 free for its bus). A stopped or killed node restarts on the same port from the same
-directory (so with the same nodes.conf and cluster identity).
+also needs port + 10000 free for its bus). A stopped or killed node restarts on the same port from
+the same directory (so with the same nodes.conf and cluster identity).
 
 `require_redis_server()` is the one place that decides whether the tests skip: only when redis-server
 is missing and neither KVSTORE_TEST_REQUIRE_REDIS nor KVSTORE_TEST_INSTALLED (CI) is set; with
