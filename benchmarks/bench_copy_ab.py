@@ -2,12 +2,13 @@
 copy engine from one round to the next on a 2-vCPU VM) hits both alike.
 
 Two private daemons run at once, each with its own environment (`--a-env`, `--b-env`: e.g.
-`PYTHONPATH=/tmp/old` for an older checkout's daemon, or `KVSTORE_VERIFY_LOADS=0`). Each round
-stores (or loads) 512 MiB of blocks (2048 x 256 KiB, or `--block-kib`) through A and through B, in
-alternating order, each paired with one copy-engine copy right before and one right after it (as
-`kvstore bench`). Stores go into a cleared namespace, into slots used before (a full pool's steady
-state); loads read one of three stored jobs into scattered block ids. Prints the median ratio of
-each and every round's.
+`PYTHONPATH=/tmp/old` for an older checkout's daemon, or `KVSTORE_VERIFY_LOADS=0`) and copy threads
+(`--a-threads`, `--b-threads`). Each round stores (or loads) 512 MiB of blocks (2048 x 256 KiB, or
+`--block-kib`) through A and through B, in alternating order, each paired with the limit copied right
+before and right after it (as `kvstore bench`: the copy engine's contiguous copy on cpu, one pinned
+host -> device copy with `--backend cuda`). Stores go into a cleared namespace, into slots used
+before (a full pool's steady state); loads read one of three stored jobs into scattered block ids.
+Prints the median ratio of each and every round's.
 
     python benchmarks/bench_copy_ab.py store --rounds 20 --a-env PYTHONPATH=/tmp/old
 """
@@ -26,12 +27,12 @@ JOB_BYTES = 512 << 20
 
 
 @contextmanager
-def daemon_run(env: dict[str, str], block_bytes: int) -> Iterator[tuple[KVStoreClient, Run,
-                                                                        list[tuple[list[bytes], list[int]]]]]:
+def daemon_run(env: dict[str, str], block_bytes: int, backend: str, threads: int) -> Iterator[
+        tuple[KVStoreClient, Run, list[tuple[list[bytes], list[int]]]]]:
     """A daemon started with `env` added to ours, an engine session on it, and three stored jobs."""
-    with private_daemon(6 << 30, 2, env) as socket:
+    with private_daemon(6 << 30, threads, env) as socket:
         client = KVStoreClient(socket)
-        run = Run(client, "cpu", JOB_BYTES // block_bytes, block_bytes, 3)
+        run = Run(client, backend, JOB_BYTES // block_bytes, block_bytes, 3)
         try:
             warm = run.job()
             run.store(*warm)
@@ -54,12 +55,16 @@ def main() -> None:
     parser.add_argument("mode", choices=["store", "load"])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--block-kib", type=int, default=256, help="block size (a job is 512 MiB of blocks)")
+    parser.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--a-threads", type=int, default=2, help="daemon A's --copy-threads")
+    parser.add_argument("--b-threads", type=int, default=2, help="daemon B's --copy-threads")
     parser.add_argument("--a-env", nargs="*", default=[], help="KEY=VALUE added to daemon A's environment")
     parser.add_argument("--b-env", nargs="*", default=[], help="KEY=VALUE added to daemon B's environment")
     args = parser.parse_args()
     ratios: dict[str, list[float]] = {"A": [], "B": []}
     block_bytes = args.block_kib << 10
-    with daemon_run(parse_env(args.a_env), block_bytes) as a, daemon_run(parse_env(args.b_env), block_bytes) as b:
+    with (daemon_run(parse_env(args.a_env), block_bytes, args.backend, args.a_threads) as a,
+          daemon_run(parse_env(args.b_env), block_bytes, args.backend, args.b_threads) as b):
         for i in range(args.rounds):
             for name, (client, run, stored) in (("A", a), ("B", b)) if i % 2 == 0 else (("B", b), ("A", a)):
                 wait_sealed(client)
@@ -68,13 +73,19 @@ def main() -> None:
                     keys, ids = run.job()
                 else:
                     keys, ids = stored[i % len(stored)][0], run.ids()
-                before = run.memcpy.gbps(1, copy_engine=True)
+                before = limit(run)
                 gbps = run.store(keys, ids) if args.mode == "store" else run.load(keys, ids)
-                after = run.memcpy.gbps(1, copy_engine=True)
+                after = limit(run)
                 ratios[name].append(gbps / ((before + after) / 2))
-    for name, env in (("A", args.a_env), ("B", args.b_env)):
-        print(f"{args.mode} {name} {' '.join(env) or '(as is)'}: median {statistics.median(ratios[name]):.3f} of the "
-              f"copy engine, rounds {[round(r, 2) for r in ratios[name]]}")
+    what = "pinned -> device copy" if args.backend != "cpu" else "copy engine"
+    for name, env, threads in (("A", args.a_env, args.a_threads), ("B", args.b_env, args.b_threads)):
+        print(f"{args.mode} {name} {' '.join(env) or '(as is)'}, {threads} copy threads: median "
+              f"{statistics.median(ratios[name]):.3f} of the {what}, rounds {[round(r, 2) for r in ratios[name]]}")
+
+
+def limit(run: Run) -> float:
+    """GB/s of one copy of the limit: the copy engine's (cpu) or the pinned host -> device copy."""
+    return run.device.gbps(1) if run.device else run.memcpy.gbps(1, copy_engine=True)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@
 #   kill      an engine SIGKILLed while its store waits for its (10 s) step; another engine stores and
 #             loads meanwhile: its jobs keep completing, the dead session ends, GPU memory returns
 #   busy      engine B's load latency (p50/p99) with engine A idle, then running 50 ms steps that store
-#   pidns     daemon and two engines in three PID namespaces (unshare --pid), both engines PID 1:
-#             byte-exact stores and loads with late writes (the ordering check), both ways
+#   pidns     daemon and two engines in three PID namespaces (unshare --pid), both engines PID 1: CUDA
+#             IPC does not open across them, so each registration is refused naming hostPID
 #   fatal     a sticky CUDA error (700) in the daemon's context: the daemon must exit 75
 #   tests     the GPU tests (pytest): device backends, fake-driver tests, CUDA engines, native copies
 #   bench     kvstore bench --backend cuda, once

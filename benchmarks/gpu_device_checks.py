@@ -6,7 +6,7 @@ last line `RESULT PASS|FAIL|SKIP <why>`. Run with tests/ on PYTHONPATH, from the
     python benchmarks/gpu_device_checks.py busy     load latency of engine B, engine A idle vs running 50 ms
                                                    steps that store every step (two engines, two streams)
     python benchmarks/gpu_device_checks.py pidns    daemon and two engines in three PID namespaces, both
-                                                   engines PID 1: byte-exact, with the late-write ordering
+                                                   engines PID 1: each registration refused naming hostPID
     python benchmarks/gpu_device_checks.py fatal    a sticky CUDA error in the daemon: it exits 75
 
 Engines are tests/support/cuda_engine.py's (vLLM 0.32's CUDA layout; writes land late, behind a slow

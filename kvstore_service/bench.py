@@ -22,15 +22,17 @@ from kvstore_client.client import MemorySpec, Session
 from kvstore_client.device import export_kv_memory, synchronize_before_store
 from kvstore_client.shm import SharedKVMemory
 from kvstore_service import native
+from kvstore_service.backends.cpu import PLAIN_LOAD_BYTES
 from kvstore_service.harness import DaemonProcess
 
 
 @contextlib.contextmanager
-def private_daemon(pool_bytes: int, copy_threads: int, env: dict[str, str] | None = None) -> Iterator[str]:
-    """A daemon of our own on a temp socket and pool file (`env` added to its environment), stopped
-    afterwards."""
+def private_daemon(pool_bytes: int, copy_threads: int, env: dict[str, str] | None = None,
+                   log_level: str = "WARNING") -> Iterator[str]:
+    """A daemon of our own on a temp socket and pool file (`env` added to its environment; its log is
+    daemon.log beside the socket), stopped afterwards."""
     daemon = DaemonProcess(tempfile.mkdtemp(prefix="kvstore-bench-"), str(pool_bytes), "64MiB", "--fresh",
-                           "--copy-threads", str(copy_threads), "--log-level", "WARNING", env=env)
+                           "--copy-threads", str(copy_threads), "--log-level", log_level, env=env)
     try:
         yield daemon.start().socket
     finally:
@@ -88,18 +90,22 @@ class Memcpy:
         self.dst.close()
 
 
-def device_copy_gbps(backend: str, total: int, rounds: int) -> float:
+class DeviceCopy:
     """The limit on a device: one pinned host -> device copy of the same bytes, in this process."""
-    device = torch.device(backend)
-    host = torch.ones(total, dtype=torch.uint8).pin_memory()
-    dev = torch.empty(total, dtype=torch.uint8, device=device)
 
-    def once() -> None:
-        dev.copy_(host, non_blocking=True)
-        synchronize_before_store(device)
+    def __init__(self, backend: str, total: int) -> None:
+        self.total = total
+        self.host = torch.ones(total, dtype=torch.uint8).pin_memory()
+        self.dev = torch.empty(total, dtype=torch.uint8, device=torch.device(backend))
+        self.once()
 
-    once()
-    return total / (min(timed(once, rounds)) / 1e6) / 1e9
+    def once(self) -> None:
+        self.dev.copy_(self.host, non_blocking=True)
+        synchronize_before_store(self.dev.device)
+
+    def gbps(self, rounds: int) -> float:
+        """Best of `rounds`."""
+        return self.total / (min(timed(self.once, rounds)) / 1e6) / 1e9
 
 
 def engine_memory(backend: str, num_blocks: int, block_bytes: int) -> tuple[SharedKVMemory | None, MemorySpec,
@@ -140,7 +146,7 @@ class Run:
         self.client, self.backend, self.blocks = client, backend, blocks
         self.total = blocks * block_bytes
         self.memcpy = Memcpy(self.total)
-        self.device_gbps = device_copy_gbps(backend, self.total, rounds) if backend != "cpu" else 0.0
+        self.device = DeviceCopy(backend, self.total) if backend != "cpu" else None
         self.cache_blocks = 2 * blocks  # block ids scattered over a cache twice the job's size
         self.memory, spec, self.kv = engine_memory(backend, self.cache_blocks, block_bytes)
         self.session = client.session(f"bench-{secrets.token_hex(4)}", spec)
@@ -158,7 +164,7 @@ class Run:
 
     def measure_limits(self) -> None:
         """One copy of each limit (call it right before and right after each round)."""
-        self.limits.append(self.device_gbps or self.memcpy.gbps(1))
+        self.limits.append(self.device.gbps(1) if self.device else self.memcpy.gbps(1))
         if self.backend == "cpu":
             self.engine_limits.append(self.memcpy.gbps(1, copy_engine=True))
 
@@ -197,8 +203,8 @@ def data_path(run: Run, rounds: int) -> dict[str, Any]:
         "memcpy_gbps": max(run.limits) if run.backend == "cpu" else run.memcpy.gbps(rounds),
         "store_gbps": max(store), "load_gbps": max(load),
     }
-    if run.device_gbps:
-        results["device_copy_gbps"] = run.device_gbps
+    if run.device:
+        results["device_copy_gbps"] = max(run.limits)
     for name, limits in (("limit", run.limits), ("copy_engine", run.engine_limits)):
         if limits:
             ratios = paired_ratios(store + load, limits)
@@ -247,11 +253,12 @@ def sustained(run: Run, rounds: int, burst: int = BURST) -> dict[str, Any]:
 
 
 class SmallLoad:
-    """A vLLM-sized small hit: `blocks` blocks of a layout with a K and a V region per layer (vLLM's
-    CPU and CUDA caches), each `region_bytes` (16 tokens x 8 KV heads x 128 x bf16 = 32 KiB), loaded
+    """A vLLM-sized hit: `blocks` blocks of a layout with a K and a V region per layer (vLLM's CPU
+    and CUDA caches), each `region_bytes` (16 tokens x 8 KV heads x 128 x bf16 = 32 KiB), loaded
     into scattered block ids. Its limit: the same copy without the daemon, i.e. the native engine
-    copying the same runs from a pool-like buffer (cpu: one thread, plain stores, as the daemon loads
-    such a hit) or one pinned host -> device copy of the same bytes (devices)."""
+    copying the same runs from a pool-like buffer as the daemon does (cpu: up to PLAIN_LOAD_BYTES on
+    one thread with plain stores, else streamed on two) or one pinned host -> device copy of the same
+    bytes (devices)."""
 
     def __init__(self, client: KVStoreClient, backend: str, blocks: int, layers: int, region_bytes: int) -> None:
         self.backend, self.blocks = backend, blocks
@@ -297,11 +304,14 @@ class SmallLoad:
             engine_offsets.extend(offset + b * stride for b in ids)
             sizes.extend([size] * len(ids))
             before += size
-        return min(timed(lambda: native.copy_blocks(src, dst, pool_offsets, engine_offsets, sizes, 1, False),
+        # As the daemon copies it: whole on one thread with plain stores, or streamed on two threads.
+        threads, streaming = (1, False) if self.total <= PLAIN_LOAD_BYTES else (2, True)
+        return min(timed(lambda: native.copy_blocks(src, dst, pool_offsets, engine_offsets, sizes, threads, streaming),
                          rounds)) / 1e6
 
-    def measure(self, rounds: int) -> dict[str, Any]:
-        """Submit-to-completion of the load, each round paired with the limit measured right before it."""
+    def measure(self, rounds: int, name: str = "small_load") -> dict[str, Any]:
+        """Submit-to-completion of the load, each round paired with the limit measured right before it
+        (reported as `name`_...)."""
         ids = self.rng.sample(range(self.cache_blocks), self.blocks)
         run_job(self.session, partial(self.session.load, self.keys, ids))  # warm
         over_us, ratios, job_us, copy_us = [], [], [], []
@@ -314,11 +324,9 @@ class SmallLoad:
             job_us.append(took * 1e6)
             copy_us.append(limit * 1e6)
         return {
-            "small_load_blocks": self.blocks, "small_load_bytes": self.total,
-            "small_load_regions": len(self.regions),
-            "small_load_p50_us": statistics.median(job_us), "small_load_copy_p50_us": statistics.median(copy_us),
-            "small_load_overhead_p50_us": statistics.median(over_us),
-            "small_load_vs_copy": statistics.median(ratios),
+            f"{name}_blocks": self.blocks, f"{name}_bytes": self.total, f"{name}_regions": len(self.regions),
+            f"{name}_p50_us": statistics.median(job_us), f"{name}_copy_p50_us": statistics.median(copy_us),
+            f"{name}_overhead_p50_us": statistics.median(over_us), f"{name}_vs_copy": statistics.median(ratios),
         }
 
     def close(self) -> None:
@@ -379,15 +387,16 @@ def require_device(backend: str) -> None:
 
 def run_bench(socket: str | None, blocks: int, block_bytes: int, rounds: int, backend: str,
               copy_threads: int = 2, small_blocks: int = 16, small_layers: int = 32,
-              small_region_bytes: int = 32 << 10, small_rounds: int = 30) -> dict[str, Any]:
+              small_region_bytes: int = 32 << 10, small_rounds: int = 30, hit_blocks: int = 128) -> dict[str, Any]:
     """Store and load GB/s are each paired with the limit measured around them (one copy before, one after):
     on a shared machine the ratio of a pair is stable while absolute GB/s are not. The reported
-    ratio is the median over rounds; GB/s figures are the best round. Then the control path, a
-    small vLLM-sized load's overhead over its copy, and bursts of stores (sustained)."""
+    ratio is the median over rounds; GB/s figures are the best round. Then the control path, the
+    overhead of a small vLLM-sized load (an engine step's hit) and of a 2048-token hit (`hit_blocks`
+    blocks of 16 tokens) over their copies, and bursts of stores (sustained)."""
     require_device(backend)
     results: dict[str, Any] = {"backend": backend, "blocks": blocks, "block_bytes": block_bytes, "rounds": rounds}
     job_bytes = blocks * block_bytes
-    small_bytes = small_blocks * 2 * small_layers * small_region_bytes
+    small_bytes = (small_blocks + hit_blocks) * 2 * small_layers * small_region_bytes
     pool_bytes = (max(rounds, BURST) + 2) * job_bytes + 2 * small_bytes + (64 << 20)
     ctx = private_daemon(pool_bytes, copy_threads) if socket is None else contextlib.nullcontext(socket)
     with ctx as sock:
@@ -396,11 +405,13 @@ def run_bench(socket: str | None, blocks: int, block_bytes: int, rounds: int, ba
         try:
             results.update(data_path(run, rounds))
             results.update(control_path(run, run.stored[-1]))
-            small = SmallLoad(client, backend, small_blocks, small_layers, small_region_bytes)
-            try:
-                results.update(small.measure(small_rounds))
-            finally:
-                small.close()
+            for name, n, hit_rounds in (("small_load", small_blocks, small_rounds),
+                                        ("hit_2048", hit_blocks, max(3, small_rounds // 3))):
+                small = SmallLoad(client, backend, n, small_layers, small_region_bytes)
+                try:
+                    results.update(small.measure(hit_rounds, name))
+                finally:
+                    small.close()
             results.update(sustained(run, rounds))
         finally:
             run.close()

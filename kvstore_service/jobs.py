@@ -86,6 +86,8 @@ class Job:
     order: list[int] = field(default_factory=list)  # the engine's records still pending at arrival
     copy_seconds: float = 0.0
     copied_bytes: int = 0
+    ordered: float = 0.0  # when the engine's records were done (monotonic)
+    copies: list[tuple[float, float]] = field(default_factory=list)  # each chunk's copy: (start, end)
 
 
 @dataclass(eq=False)
@@ -269,6 +271,7 @@ class Jobs:
     async def _run(self, job: Job) -> None:
         try:
             if await self._wait_for_engine(job):
+                job.ordered = time.monotonic()
                 await self._transfer(job)
             else:
                 self._publish(job)  # every block failed
@@ -376,8 +379,11 @@ class Jobs:
         not copied, and their positions are returned. No Python per block here: the event loop
         holds the GIL while it plans."""
         session = job.session
-        return session.backend.transfer(session.mappings[0], self.pool.base, chunk.plan, not job.is_store,
-                                        len(chunk.blocks), chunk.check)
+        start = time.monotonic()
+        corrupt = session.backend.transfer(session.mappings[0], self.pool.base, chunk.plan, not job.is_store,
+                                           len(chunk.blocks), chunk.check)
+        job.copies.append((start, time.monotonic()))
+        return corrupt
 
     def _complete_store(self, job: Job, chunk: Chunk, ok: bool) -> list[Block]:
         """Every byte of the chunk is in the pool (if ok): its blocks become visible and the engine
@@ -426,6 +432,8 @@ class Jobs:
         session.channel.post(job.job_id, len(job.ok) - len(failed), len(failed))
         mine.results.append(JobResult(job.job_id, job.is_store, len(job.ok), failed, job.error))
         mine.results_ready.set()
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s", _timeline(job))
 
     async def shutdown(self) -> None:
         """Seal what is queued (a restarted daemon can then verify it), then stop the threads.
@@ -434,3 +442,19 @@ class Jobs:
         await self.seals.drain()
         self.threads.close_copies()
 
+
+
+def _timeline(job: Job) -> str:
+    """Where a finished job's time went, in ms after its submit (DEBUG log): what the daemon adds to
+    its copies is the time before the first copy starts, between copies, and after the last one."""
+    def ms(t: float) -> str:
+        return f"{(t - job.submitted) * 1e3:.2f}"
+    now = time.monotonic()
+    what = f"job {job.job_id} {'store' if job.is_store else 'load'} of {len(job.keys)} blocks"
+    if not job.copies:
+        return f"{what}: no copy, published {ms(now)} ms after submit"
+    starts, ends = sorted(s for s, _ in job.copies), sorted(e for _, e in job.copies)
+    busy = sum(e - s for s, e in job.copies) * 1e3
+    return (f"{what}, {job.copied_bytes >> 20} MiB in {len(job.copies)} chunks; ms after submit: ordered "
+            f"{ms(job.ordered)}, copies start {', '.join(map(ms, starts))}, end {', '.join(map(ms, ends))}; "
+            f"published {ms(now)}; copy threads busy {busy:.2f} ms")

@@ -1,0 +1,89 @@
+"""Where a copy job's time goes: the daemon's timeline of each job (its DEBUG log: when the job was
+ordered after the engine, when each chunk's copy started and ended, when it was published) beside
+what the client saw (submit to completion) and the limit measured right before it (as `kvstore
+bench`: the copy engine's contiguous copy on cpu, one pinned host -> device copy on a device).
+
+Jobs: 2048 x 256 KiB stores and loads (`--blocks`, `--block-kib`), a 2048-token hit and a 16-block
+hit of a vLLM-sized layout (32 layers, K and V regions of 32 KiB per block).
+
+    python benchmarks/bench_timeline.py --backend cuda --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from functools import partial
+
+from kvstore_client import KVStoreClient
+from kvstore_service.bench import Run, SmallLoad, private_daemon, run_job, wait_sealed
+
+
+def timelines(log: str, seen: int) -> tuple[list[str], int]:
+    """The job timelines the daemon logged after the first `seen` of them."""
+    deadline = time.monotonic() + 2
+    while True:
+        with open(log) as f:
+            lines = [line.split("kvstore_service.jobs: ", 1)[-1].strip() for line in f if " job " in line
+                     and "ms after submit" in line]
+        if len(lines) > seen or time.monotonic() > deadline:
+            return lines[seen:], len(lines)
+        time.sleep(0.01)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--blocks", type=int, default=2048)
+    parser.add_argument("--block-kib", type=int, default=256)
+    parser.add_argument("--copy-threads", type=int, default=2)
+    args = parser.parse_args()
+    block_bytes = args.block_kib << 10
+    with private_daemon(6 << 30, args.copy_threads, log_level="DEBUG") as socket:
+        log, seen = os.path.join(os.path.dirname(socket), "daemon.log"), 0
+        client = KVStoreClient(socket)
+        run = Run(client, args.backend, args.blocks, block_bytes, args.rounds)
+
+        def show(what: str, limit_gbps: float, took: float, nbytes: int) -> None:
+            nonlocal seen
+            lines, seen = timelines(log, seen)
+            print(f"{what}: client {took * 1e3:.2f} ms, limit {nbytes / limit_gbps / 1e6:.2f} ms "
+                  f"({nbytes / took / 1e9 / limit_gbps:.2f} of it)")
+            for line in lines:
+                print("   ", line)
+
+        warm = run.job()
+        run.store(*warm)
+        run.load(*warm)
+        _, seen = timelines(log, seen)
+        stored = []
+        for _ in range(args.rounds):
+            keys, ids = run.job()
+            wait_sealed(client)
+            limit = run.device.gbps(1) if run.device else run.memcpy.gbps(1, copy_engine=True)
+            show("store", limit, run.total / run.store(keys, ids) / 1e9, run.total)
+            stored.append(keys)
+        wait_sealed(client)
+        for keys in stored:
+            limit = run.device.gbps(1) if run.device else run.memcpy.gbps(1, copy_engine=True)
+            show("load", limit, run.total / run.load(keys, run.ids()) / 1e9, run.total)
+        for name, blocks in (("hit of 2048 tokens", 128), ("hit of 256 tokens", 16)):
+            hit = SmallLoad(client, args.backend, blocks, 32, 32 << 10)
+            run_job(hit.session, partial(hit.session.load, hit.keys, hit.rng.sample(range(hit.cache_blocks), blocks)))
+            _, seen = timelines(log, seen)  # (its store and a first load)
+            try:
+                for _ in range(args.rounds):
+                    ids = hit.rng.sample(range(hit.cache_blocks), hit.blocks)
+                    copy = hit.copy_seconds(ids)
+                    took = run_job(hit.session, partial(hit.session.load, hit.keys, ids))
+                    show(name, hit.total / copy / 1e9, took, hit.total)
+            finally:
+                hit.close()
+        run.close()
+        client.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Issue 38's GPU measurements, after benchmarks/gpu_checks.sh installed kvstore on the GPU machine (about
+# four minutes). From the repository root:  OUT=/some/dir bash benchmarks/gpu_copies.sh
+#   timeline   each job's timeline in the daemon beside what the client saw and the pinned copy's time
+#              (benchmarks/bench_timeline.py): 2048 x 256 KiB stores and loads, a 2048-token hit and a
+#              256-token hit of a vLLM-sized layout
+#   ab-*       bench_copy_ab.py --backend cuda, 10 interleaved rounds each, store and load: copy threads
+#              2 vs 4, streams per copy 2 vs 4, and the job's cut (chunks.py) as is vs two variants
+#              (first chunks of 16 MiB; chunks capped at 64 MiB / 256 blocks)
+# Logs: $OUT/timeline.log, $OUT/ab.log.
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-logs}
+mkdir -p "$OUT"
+SITE=""
+[ -d /tmp/kvstore-site ] && SITE=/tmp/kvstore-site
+export PYTHONPATH="$PWD/tests${SITE:+:$SITE}" PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
+T0=$SECONDS
+timeout -k 10 90 python3 benchmarks/bench_timeline.py --backend cuda --rounds 4 > "$OUT/timeline.log" 2>&1
+echo "timeline: rc=$? $((SECONDS - T0))s" | tee -a "$OUT/ab.log"
+
+# The job's cut, varied in a copy of the installed package (its native module included).
+PKG=$(python3 -c "import kvstore_service, os; print(os.path.dirname(kvstore_service.__file__))")
+variant() {  # variant NAME SED-EXPRESSION: /tmp/kvstore-NAME/kvstore_service with chunks.py edited
+  rm -rf "/tmp/kvstore-$1" && mkdir -p "/tmp/kvstore-$1" && cp -r "$PKG" "/tmp/kvstore-$1/" &&
+    sed -i "$2" "/tmp/kvstore-$1/kvstore_service/chunks.py" && grep -c "$3" "/tmp/kvstore-$1/kvstore_service/chunks.py"
+}
+variant first16 's/^FIRST_CHUNK_BYTES = 64 << 20/FIRST_CHUNK_BYTES = 16 << 20/' "^FIRST_CHUNK_BYTES = 16 << 20"
+variant cap256 's/^CHUNK_BYTES = 256 << 20/CHUNK_BYTES = 64 << 20/; s/^CHUNK_BLOCKS = 1024/CHUNK_BLOCKS = 256/' \
+  "^CHUNK_BLOCKS = 256"
+
+for v in first16 cap256; do  # the variants the daemons will import
+  PYTHONPATH="/tmp/kvstore-$v:$PYTHONPATH" python3 -c "import kvstore_service.chunks as c
+print('$v', c.__file__, c.FIRST_CHUNK_BYTES >> 20, c.CHUNK_BYTES >> 20, c.CHUNK_BLOCKS)" >> "$OUT/ab.log" 2>&1
+done
+
+ab() {  # ab WHAT ARGS...: store then load
+  for mode in store load; do
+    echo "== $1 ($mode)" >> "$OUT/ab.log"
+    timeout -k 10 60 python3 benchmarks/bench_copy_ab.py "$mode" --backend cuda --rounds 10 "${@:2}" >> "$OUT/ab.log" 2>&1
+    echo "rc=$? at $((SECONDS - T0))s" >> "$OUT/ab.log"
+  done
+}
+ab "copy threads 2 vs 4" --b-threads 4
+ab "streams per copy 2 vs 4" --b-env KVSTORE_CUDA_COPY_STREAMS=4
+ab "first chunks 64 vs 16 MiB" --b-env "PYTHONPATH=/tmp/kvstore-first16:$PYTHONPATH"
+ab "chunks capped at 256 vs 64 MiB" --b-env "PYTHONPATH=/tmp/kvstore-cap256:$PYTHONPATH"
+echo "total: $((SECONDS - T0))s" >> "$OUT/ab.log"
+cat "$OUT/ab.log"
