@@ -6,7 +6,7 @@
 #              256-token hit of a vLLM-sized layout
 #   ab-*       bench_copy_ab.py --backend cuda, 10 interleaved rounds each, store and load: copy threads
 #              2 vs 4, streams per copy 2 vs 4, and the job's cut (chunks.py) as is vs two variants
-#              (first chunks of 16 MiB; chunks capped at 64 MiB / 256 blocks)
+#              (first chunks of 16 MiB; shares capped at 16 MiB)
 # Logs: $OUT/timeline.log, $OUT/ab.log.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -26,10 +26,9 @@ variant() {  # variant NAME SED-EXPRESSION: /tmp/kvstore-NAME/kvstore_service wi
     sed -i "$2" "/tmp/kvstore-$1/kvstore_service/chunks.py" && grep -c "$3" "/tmp/kvstore-$1/kvstore_service/chunks.py"
 }
 variant first16 's/^FIRST_CHUNK_BYTES = 64 << 20/FIRST_CHUNK_BYTES = 16 << 20/' "^FIRST_CHUNK_BYTES = 16 << 20"
-variant cap256 's/^CHUNK_BYTES = 256 << 20/CHUNK_BYTES = 64 << 20/; s/^CHUNK_BLOCKS = 1024/CHUNK_BLOCKS = 256/' \
-  "^CHUNK_BLOCKS = 256"
+variant cap16 's/^CHUNK_BYTES = 64 << 20/CHUNK_BYTES = 16 << 20/' "^CHUNK_BYTES = 16 << 20"
 
-for v in first16 cap256; do  # the variants the daemons will import
+for v in first16 cap16; do  # the variants the daemons will import
   PYTHONPATH="/tmp/kvstore-$v:$PYTHONPATH" python3 -c "import kvstore_service.chunks as c
 print('$v', c.__file__, c.FIRST_CHUNK_BYTES >> 20, c.CHUNK_BYTES >> 20, c.CHUNK_BLOCKS)" >> "$OUT/ab.log" 2>&1
 done
@@ -44,6 +43,6 @@ ab() {  # ab WHAT ARGS...: store then load
 ab "copy threads 2 vs 4" --b-threads 4
 ab "streams per copy 2 vs 4" --b-env KVSTORE_CUDA_COPY_STREAMS=4
 ab "first chunks 64 vs 16 MiB" --b-env "PYTHONPATH=/tmp/kvstore-first16:$PYTHONPATH"
-ab "chunks capped at 256 vs 64 MiB" --b-env "PYTHONPATH=/tmp/kvstore-cap256:$PYTHONPATH"
+ab "shares capped at 64 vs 16 MiB" --b-env "PYTHONPATH=/tmp/kvstore-cap16:$PYTHONPATH"
 echo "total: $((SECONDS - T0))s" >> "$OUT/ab.log"
 cat "$OUT/ab.log"

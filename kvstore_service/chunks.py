@@ -19,18 +19,22 @@ from kvstore_service.sessions import EngineSession
 
 # A job is copied in chunks: first one chunk per copy thread (FIRST_CHUNK_BYTES, at most
 # FIRST_CHUNK_BLOCKS), started together after little planning (~1-3 µs a block), then what is left
-# in equal shares, one per thread, so that the threads finish together (a 16-block store of 3 MiB
-# blocks: two chunks of 8 on two threads; a load up to the backend's whole_load_bytes is one chunk,
-# see backends/cpu.py). The first chunks last long enough for the loop to plan the shares while they
-# copy (64 MiB: ~6 ms at a thread's ~10 GB/s). Shares larger than CHUNK_BYTES / CHUNK_BLOCKS are
-# cut to that: the cap bounds the time the event loop spends planning one chunk (~2 ms). Few
-# chunks, because each costs a hand-off to a copy thread and back. 2048 blocks of 256 KiB, A/B of
-# 14-16 interleaved rounds against a doubling ramp of seven chunks: stores 0.75 -> 0.84 of the copy
-# engine with 32 MiB first chunks; loads 0.67 -> 0.74 with these 64 MiB ones started together.
+# in equal shares, at least one per thread (a 16-block store of 3 MiB blocks: two chunks of 8 on two
+# threads; a load up to the backend's whole_load_bytes is one chunk, see backends/cpu.py). The
+# first chunks last long enough for the loop to plan the next while they copy (64 MiB: ~6 ms at a
+# CPU thread's ~10 GB/s, ~2.4 ms at half an H100's bus). Shares are at most CHUNK_BYTES /
+# CHUNK_BLOCKS: the block cap bounds the loop's planning of one chunk (~2 ms); the byte cap lets
+# the copy threads take the rest chunk by chunk from their queue, so that one that started late or
+# copies slower takes fewer, and the last chunk's completion is short. Each chunk costs a hand-off.
+# 2048 blocks of 256 KiB, A/B of interleaved rounds (benchmarks/results/README.md): first chunks
+# started together against a doubling ramp of seven chunks, CPU: stores 0.75 -> 0.84 of the copy
+# engine, loads 0.67 -> 0.74; shares capped at 64 MiB (8 chunks) against 256 MiB (4 chunks): on an
+# H100 stores 0.61 -> 0.65, loads 0.64 -> 0.66 of the pinned copy (H200: 0.55 -> 0.61, 0.59 ->
+# 0.61), CPU even (stores 0.88 / 0.89, loads 0.76 / 0.74, 20 rounds).
 FIRST_CHUNK_BYTES = 64 << 20
 FIRST_CHUNK_BLOCKS = 256
 MIN_SHARE_BYTES = 1 << 20  # a smaller job is one chunk: its copy is shorter than a hand-off
-CHUNK_BYTES = 256 << 20
+CHUNK_BYTES = 64 << 20
 CHUNK_BLOCKS = 1024
 
 

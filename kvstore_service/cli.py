@@ -413,7 +413,8 @@ def clear(socket: str, namespace: str, everything: bool, tenant: str) -> None:
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write the results here.")
 def bench(socket: str, blocks: int, block_size: str, rounds: int, backend: str, spawn: bool,
           json_file: str | None) -> None:
-    """Measure store/load GB/s against one contiguous memcpy, RPC floor, lookup, poll and submit costs."""
+    """Measure store/load GB/s against one contiguous copy, a small and a 2048-token hit against their copies,
+    the RPC floor, lookup, poll and submit costs."""
     from pydantic import ByteSize, TypeAdapter
 
     from kvstore_service.bench import DeviceUnavailable, run_bench

@@ -242,16 +242,19 @@ def test_bench_reports_every_figure(tmp_path) -> None:
         assert results[key] > 0, key
     assert results["blocks"] == 32 and results["block_bytes"] == 64 * 1024
     # The paired figures (issue 38): each round's ratio to the limit measured right before it, their median,
-    # the sustained bursts likewise, and a vLLM-sized 16-block load's overhead over its own copy.
+    # the sustained bursts likewise, and a vLLM-sized 16-block load's overhead over its own copy ...
     for name in ("store", "load", "store_sustained"):
         rounds = results[f"{name}_vs_copy_engine_rounds"]
         assert len(rounds) == 1 and all(0 < r < 100 for r in rounds), (name, rounds)
         assert 0 < results[f"{name}_vs_copy_engine"] < 100, name
     assert 0 < results["copy_engine_gbps_median"] <= results["copy_engine_gbps"]
-    assert (results["small_load_blocks"], results["small_load_regions"]) == (16, 64)
-    assert results["small_load_p50_us"] > 0 and results["small_load_copy_p50_us"] > 0
-    assert 0 < results["small_load_vs_copy"] < 1000
-    assert isinstance(results["small_load_overhead_p50_us"], float)
+    # ... and a 2048-token hit's (128 blocks of 16 tokens), likewise.
+    for name, blocks in (("small_load", 16), ("hit_2048", 128)):
+        assert (results[f"{name}_blocks"], results[f"{name}_regions"]) == (blocks, 64)
+        assert results[f"{name}_bytes"] == blocks * 64 * (32 << 10)
+        assert results[f"{name}_p50_us"] > 0 and results[f"{name}_copy_p50_us"] > 0
+        assert 0 < results[f"{name}_vs_copy"] < 1000
+        assert isinstance(results[f"{name}_overhead_p50_us"], float)
 
 
 def test_bench_on_a_device_this_machine_lacks_is_refused_in_one_line() -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import gc
+import logging
 import os
+import re
 import threading
 import time
 import tracemalloc
@@ -21,7 +23,7 @@ from kvstore_client.protocol.completion import CompletionChannel
 from kvstore_service import native
 from kvstore_service.backends import Backend, Mapping, TransferPlan
 from kvstore_service.backends.cpu import CpuBackend
-from kvstore_service.chunks import CHUNK_BLOCKS, chunks
+from kvstore_service.chunks import CHUNK_BLOCKS, CHUNK_BYTES, chunks
 from kvstore_service.config import Config
 from kvstore_service.daemon import Daemon
 from kvstore_service.errors import KVError
@@ -206,6 +208,24 @@ def test_store_of_present_keys_copies_nothing_and_succeeds(tmp_path: Path) -> No
     run(tmp_path, body)
 
 
+def test_a_finished_jobs_timeline_is_logged_at_debug(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Where a job's time went (what the daemon adds to its copies), for `bench_timeline.py`."""
+    async def body(core: Core) -> None:
+        engine = await core.engine()
+        with caplog.at_level(logging.DEBUG, logger="kvstore_service.jobs"):
+            assert await finish(core.jobs, engine, 1, keys_of(8), list(range(8)), True) == (8, 0)
+        line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("job 1 store of 8 blocks"))
+        found = re.search(r"in (\d+) chunks; ms after submit: ordered ([\d.]+), copies start ([\d., ]+), "
+                          r"end ([\d., ]+); published ([\d.]+); copy threads busy ([\d.]+) ms", line)
+        assert found, line
+        n, ordered, published = int(found[1]), float(found[2]), float(found[5])
+        starts, ends = ([float(t) for t in found[k].split(", ")] for k in (3, 4))
+        assert len(starts) == len(ends) == n >= 1
+        assert ordered <= min(starts) <= min(ends) <= max(ends) <= published
+
+    run(tmp_path, body)
+
+
 def test_a_job_is_cut_so_every_copy_thread_starts_at_once_and_they_finish_together() -> None:
     def sizes(n: int, block_bytes: int, threads: int = 2) -> list[int]:
         parts = chunks(n, block_bytes, threads)
@@ -217,9 +237,10 @@ def test_a_job_is_cut_so_every_copy_thread_starts_at_once_and_they_finish_togeth
     assert sizes(16, 3 * mib, threads=4) == [4, 4, 4, 4]
     assert sizes(1, 3 * mib) == [1]
     assert sizes(3, 64 << 10) == [3]  # smaller than a hand-off is worth: one chunk
-    # The benchmark's job: a small first chunk per thread (little planning before each starts), then a share each.
-    assert sizes(2048, 256 << 10) == [256, 256, 768, 768]
-    # A larger job: first chunks, then equal shares no larger than the cap.
+    # The benchmark's job: a first chunk per thread (little planning before each starts), then the rest in
+    # chunks of at most CHUNK_BYTES, which the threads take as they come free.
+    assert sizes(2048, 256 << 10) == [256] * 8 and CHUNK_BYTES == 64 << 20
+    # Small blocks: first chunks of FIRST_CHUNK_BLOCKS, then equal shares no larger than the caps.
     big = sizes(8192, 64 << 10)
     assert big[:2] == [256, 256] and set(big[2:]) == {960} and 960 <= CHUNK_BLOCKS
 
