@@ -32,12 +32,14 @@ from kvstore_client.errors import (
     PermissionDenied,
     ResourceExhausted,
     Unavailable,
+    error_of,
     from_rpc_error,
 )
 from kvstore_client.protocol import PROTOCOL_VERSION, default_socket
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import Completion, CompletionChannel
+from kvstore_client.protocol.submits import LOAD, STORE, SUFFIX, frame
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +166,62 @@ class MemorySpec:
         regions = [pb.Region(offset=r[0], block_stride=r[1], block_bytes=r[2], memory=r[3] if len(r) > 3 else 0)
                    for r in self.regions]
         return pb.KVLayout(num_blocks=self.num_blocks, regions=regions, shards=self.shards, shard=self.shard)
+
+
+class JobsSocket:
+    """The daemon's <socket>.jobs (kvstore_client.protocol.submits) for one session's submit thread:
+    connected at the first job, and again once the session re-registered (a restarted daemon). Not
+    usable over TCP, or where it cannot be reached (an older daemon: gRPC then, retried a second later)."""
+
+    def __init__(self, target: str, timeout: float) -> None:
+        self.path = target.removeprefix("unix://").removeprefix("unix:") + SUFFIX if target.startswith("unix:") else ""
+        self.timeout = timeout
+        self.sock: socket.socket | None = None
+        self.registration = 0  # the session's registration the connection was made in
+        self.retry_at = 0.0
+
+    def usable(self, registration: int) -> bool:
+        if self.sock is not None and self.registration != registration:
+            self.close()
+        if self.sock is None and self.path and time.monotonic() >= self.retry_at:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.timeout)
+            try:
+                sock.connect(self.path)
+            except OSError:
+                sock.close()
+                self.retry_at = time.monotonic() + 1.0
+            else:
+                self.sock, self.registration = sock, registration
+        return self.sock is not None
+
+    def submit(self, is_store: bool, request: pb.TransferRequest) -> None:
+        """Returns once the daemon took the job; raises its refusal (KVStoreError), or Unavailable when
+        the connection failed (whether the daemon took the job is then unknown)."""
+        assert self.sock is not None
+        try:
+            self.sock.sendall(frame(STORE if is_store else LOAD, request.SerializeToString()))
+            body = self._read(int.from_bytes(self._read(4), "little"))
+        except OSError as e:
+            self.close()
+            raise Unavailable(f"UNAVAILABLE: the daemon's {SUFFIX} socket failed: {e}") from None
+        if not body or body[0] != 0:
+            raise error_of(body[0] if body else 2, body[1:].decode(errors="replace"))
+
+    def _read(self, n: int) -> bytes:
+        assert self.sock is not None
+        data = b""
+        while len(data) < n:
+            more = self.sock.recv(n - len(data))
+            if not more:
+                raise ConnectionResetError("the daemon closed the connection")
+            data += more
+        return data
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 class KVStoreClient:
@@ -394,10 +452,14 @@ class Session:
         return job_id
 
     def _send_loop(self) -> None:
+        """Sends the queued stores and loads: over the daemon's <socket>.jobs where it can (a tenth of
+        a gRPC call's time), else by gRPC; a refused or lost one fails here, as the daemon never ran it."""
         stub = self.client.stub
+        jobs = JobsSocket(self.client.target, self.client.timeout)
         while True:
             item = self._submits.get()
             if item is None:
+                jobs.close()
                 return
             with self._lock:
                 session_id = self._pending.get(item.job_id)
@@ -407,13 +469,19 @@ class Session:
                                          key_size=item.key_size, block_ids=item.block_ids,
                                          partial_tail=item.partial_tail, order_seq=item.order_seq)
             try:
-                (stub.Store if item.is_store else stub.Load)(request, timeout=self.client.timeout)
+                if jobs.usable(self.registrations):
+                    jobs.submit(item.is_store, request)
+                else:
+                    (stub.Store if item.is_store else stub.Load)(request, timeout=self.client.timeout)
+                continue
             except grpc.RpcError as e:
-                log.warning("kvstore: %s job %d refused: %s", "store" if item.is_store else "load", item.job_id,
-                            from_rpc_error(e))
-                with self._lock:
-                    if self._pending.pop(item.job_id, None) is not None:
-                        self._done.append(Completion(item.job_id, 0, max(len(item.block_ids), 1)))
+                error = from_rpc_error(e)
+            except KVStoreError as e:
+                error = e
+            log.warning("kvstore: %s job %d refused: %s", "store" if item.is_store else "load", item.job_id, error)
+            with self._lock:
+                if self._pending.pop(item.job_id, None) is not None:
+                    self._done.append(Completion(item.job_id, 0, max(len(item.block_ids), 1)))
 
     def poll(self) -> list[Completion]:
         """Jobs finished since the last poll, read from shared memory (no RPC)."""

@@ -54,3 +54,9 @@ def from_rpc_error(error: grpc.RpcError) -> KVStoreError:
     details = error.details() if hasattr(error, "details") else str(error)
     cls = _BY_CODE.get(code, KVStoreError)
     return cls(f"{code.name}: {details}", code)
+
+
+def error_of(code: int, message: str) -> KVStoreError:
+    """The typed error of a refusal given as a gRPC status code's number (<socket>.jobs' replies)."""
+    status = next((s for s in grpc.StatusCode if s.value[0] == code), grpc.StatusCode.UNKNOWN)
+    return _BY_CODE.get(status, KVStoreError)(f"{status.name}: {message}", status)

@@ -1,8 +1,10 @@
 """`kvstore serve`: the process around the daemon: its sockets, signals and exit, and the gRPC server
 put in front of it.
 
-    serve.py   this: sockets (unix, TCP, <socket>.cred), health, signals, housekeeping's clock, exit codes
+    serve.py   this: sockets (unix, TCP, <socket>.cred, <socket>.jobs), health, signals, housekeeping's clock,
+               exit codes
     server.py  gRPC: requests decoded, one verb of the daemon called, replies encoded
+    submits.py <socket>.jobs: stores and loads framed on a plain unix socket, answered as server.py does
     daemon.py  the daemon's verbs over its parts (pool, index, sessions, jobs, tiers)
 """
 
@@ -19,6 +21,7 @@ import sys
 
 import grpc
 
+from kvstore_client.protocol.submits import SUFFIX
 from kvstore_service import __version__
 from kvstore_service.config import Config
 from kvstore_service.daemon import Daemon
@@ -27,6 +30,7 @@ from kvstore_service.native import StickyDeviceError
 from kvstore_service.peercred import PeerCredServer
 from kvstore_service.pool import PoolFullError
 from kvstore_service.server import GrpcServer
+from kvstore_service.submits import SubmitSocket
 from kvstore_service.tenants import Tenancy
 
 log = logging.getLogger(__name__)
@@ -127,6 +131,8 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     chores = loop.create_task(_housekeeping(daemon, creds))
     daemon.start_verifying()
     await server.serve(daemon)
+    submits = SubmitSocket(config.socket + SUFFIX, server.servicer, int(config.max_request_bytes), config.max_sessions)
+    await submits.start(int(config.socket_mode, 8), gid)
     log.info("kvstore %s serving on %s (pool %s, %d bytes, %d blocks recovered)", __version__, config.socket,
              config.pool_path, daemon.pool.capacity, daemon.recovered)
     if ready is not None:
@@ -137,10 +143,12 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
         await server.stop(grace=0)
         _remove(config.socket)
         _remove(config.socket + ".cred")
+        _remove(config.socket + SUFFIX)
         logging.shutdown()
         os._exit(EXIT_DEVICE_FAILED)
     log.info("shutting down")
     chores.cancel()
+    await submits.close()
     await server.stop(grace=2.0)
     await creds.close()
     await daemon.shutdown()

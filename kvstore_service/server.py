@@ -164,12 +164,13 @@ class Servicer(pb_grpc.KVStoreServicer):
         return pb.ReleaseLeaseResponse()
 
     async def Store(self, request: pb.TransferRequest, context: Any) -> pb.TransferResponse:
-        return self._submit(request, context, is_store=True)
+        return self.submit(request, context, is_store=True)
 
     async def Load(self, request: pb.TransferRequest, context: Any) -> pb.TransferResponse:
-        return self._submit(request, context, is_store=False)
+        return self.submit(request, context, is_store=False)
 
-    def _submit(self, request: pb.TransferRequest, context: Any, is_store: bool) -> pb.TransferResponse:
+    def submit(self, request: pb.TransferRequest, context: Any, is_store: bool) -> pb.TransferResponse:
+        """Store and Load, here and on <socket>.jobs (submits.py)."""
         check_keys(request.keys, request.key_size)
         session = self._session(request.session_id, context)
         job_id = self.daemon.submit(session, request.job_id, request.keys, request.key_size, request.block_ids,

@@ -4,6 +4,8 @@ serving and the pool's other blocks are untouched."""
 from __future__ import annotations
 
 import os
+import socket
+import time
 
 import grpc
 import pytest
@@ -15,6 +17,7 @@ from kvstore_client.protocol import PROTOCOL_VERSION, memfd
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import CompletionChannel
+from kvstore_client.protocol.submits import LOAD, STORE, SUFFIX, frame
 from kvstore_client.shm import block_cache
 
 KB64 = 64 * 1024
@@ -241,6 +244,21 @@ def test_too_many_sessions(daemon_factory) -> None:
     sessions[0].close()
     client.session("n").close()
     sessions[1].close()
+    # <socket>.jobs keeps at most --max-sessions connections open: one more is refused and closed.
+    open_ = [jobs_socket(daemon), jobs_socket(daemon)]
+    time.sleep(0.2)  # (accepted)
+    third = jobs_socket(daemon)
+    code, message = answer(third)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and b"(--max-sessions 2)" in message, message
+    assert third.recv(1) == b""
+    open_[0].close()
+    time.sleep(0.2)
+    again = jobs_socket(daemon)  # a place came free: this one is served
+    again.sendall(frame(LOAD, pb.TransferRequest(session_id=os.urandom(16), job_id=1, keys=b"k" * 32, key_size=32,
+                                                 block_ids=[0]).SerializeToString()))
+    assert answer(again)[0] == grpc.StatusCode.NOT_FOUND.value[0]
+    for s in (open_[1], third, again):
+        s.close()
 
 
 def test_layout_with_too_many_regions_is_refused_before_it_is_built(setup) -> None:
@@ -259,3 +277,54 @@ def test_layout_with_too_many_regions_is_refused_before_it_is_built(setup) -> No
                                              completion_slots=8, memories=too_many,
                                              peer_token=peer_handshake(target)))
     assert stub.Stats(pb.StatsRequest(), timeout=10).engines == 1  # only the fixture's engine
+
+
+# -- <socket>.jobs: the same requests framed on a plain unix socket (kvstore_service/submits.py) ---------------
+
+
+def jobs_socket(daemon) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(daemon.socket + SUFFIX)
+    return s
+
+
+def answer(s: socket.socket) -> tuple[int, bytes]:
+    """(status code, payload) of the daemon's next reply frame."""
+    def read(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            more = s.recv(n - len(data))
+            assert more, "the daemon closed the connection before its reply"
+            data += more
+        return data
+    body = read(int.from_bytes(read(4), "little"))
+    return body[0], body[1:]
+
+
+def test_the_jobs_socket_refuses_a_bad_frame_naming_it_and_closes_the_connection(setup) -> None:
+    daemon = setup[0]
+    for data, words in ((frame(9, b""), "unknown request kind 9"),
+                        (frame(LOAD, b"\xff\xff\xff"), "not a valid TransferRequest"),
+                        ((1 << 31).to_bytes(4, "little"), "a request frame of 2147483648 bytes")):
+        s = jobs_socket(daemon)
+        s.sendall(data)
+        code, message = answer(s)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and words in message.decode(), message
+        assert s.recv(1) == b""  # closed
+        s.close()
+
+
+def test_the_jobs_socket_answers_as_the_rpc_does_and_stays_open(setup) -> None:
+    daemon, engine, keys, _ = setup
+    s = jobs_socket(daemon)
+    s.sendall(frame(STORE, transfer(engine, keys[:1], [0], session_id=os.urandom(16)).SerializeToString()))
+    code, message = answer(s)
+    assert code == grpc.StatusCode.NOT_FOUND.value[0] and b"unknown or ended session" in message
+    s.sendall(frame(LOAD, transfer(engine, keys[:1], [NUM_BLOCKS + 5], job_id=2000).SerializeToString()))
+    code, message = answer(s)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"outside the registered cache" in message
+    s.sendall(frame(LOAD, transfer(engine, keys[:2], [20, 21], job_id=2001).SerializeToString()))
+    code, body = answer(s)
+    assert code == 0 and pb.TransferResponse.FromString(body).job_id == 2001
+    s.close()

@@ -16,6 +16,7 @@ from support.daemon import wait_for
 from support.engine import Engine, content_tensor
 
 from kvstore_client import KVStoreClient
+from kvstore_client.protocol.submits import SUFFIX
 
 ENGINE = [sys.executable, "-m", "support.engine"]  # run with env=child_env()
 KB64 = 64 * 1024
@@ -283,3 +284,27 @@ def test_daemon_restart_keeps_blocks(daemon) -> None:
     stats = daemon.client().stats()
     assert stats.blocks == 10 and stats.namespaces[0].namespace == "persist"
     engine.close()
+
+
+def _jobs_connections(path: str) -> int:
+    """Accepted connections of the unix socket bound at `path` (/proc/net/unix lists them under its path)."""
+    with open("/proc/net/unix") as f:
+        return sum(1 for line in f if line.split()[-1] == path and line.split()[5] == "03")
+
+
+def test_stores_and_loads_go_over_the_jobs_socket_and_over_grpc_without_it(daemon) -> None:
+    jobs = daemon.socket + SUFFIX
+    engine = Engine(daemon.socket, "jobs-socket", 16, 64 * 1024)
+    keys = [key_of("jobs-socket", i) for i in range(8)]
+    engine.fill(keys, list(range(8)))
+    job = engine.session.store(keys, list(range(8)))
+    assert engine.session.wait([job])[job].ok
+    assert _jobs_connections(jobs) == 1  # the engine's submit thread, connected at its first job
+    # Without the socket (an older daemon), the same jobs go by gRPC.
+    os.unlink(jobs)
+    other = Engine(daemon.socket, "jobs-socket", 16, 64 * 1024)
+    job = other.session.load(keys, list(range(8, 16)))
+    assert other.session.wait([job])[job].ok
+    assert other.verify(keys, list(range(8, 16))) == 0
+    engine.close()
+    other.close()

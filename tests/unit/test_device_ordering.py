@@ -185,12 +185,13 @@ def test_the_order_seq_travels_from_the_client_to_the_job() -> None:
     def call(is_store: bool) -> Any:
         def rpc(request: pb.TransferRequest, timeout: float) -> pb.TransferResponse:
             wire = pb.TransferRequest.FromString(request.SerializeToString())
-            return servicer._submit(wire, None, is_store)
+            return servicer.submit(wire, None, is_store)
         return rpc
 
     session = Session.__new__(Session)
     session.client = SimpleNamespace(stub=SimpleNamespace(Store=call(True), Load=call(False)),  # type: ignore[assignment]
-                                     timeout=1.0)
+                                     timeout=1.0, target="localhost:1")  # (TCP: gRPC, no <socket>.jobs)
+    session.registrations = 1
     session.memory, session.session_id, session.slots = object(), b"s" * 16, 8  # type: ignore[assignment]
     session._job_ids, session._pending, session._done = itertools.count(1), {}, []
     session._lock, session._connected, session._submits = threading.Lock(), threading.Event(), queue.SimpleQueue()
