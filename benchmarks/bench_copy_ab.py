@@ -32,7 +32,7 @@ def daemon_run(env: dict[str, str], block_bytes: int, backend: str, threads: int
     """A daemon started with `env` added to ours, an engine session on it, and three stored jobs."""
     with private_daemon(6 << 30, threads, env) as socket:
         client = KVStoreClient(socket)
-        run = Run(client, backend, JOB_BYTES // block_bytes, block_bytes, 3)
+        run = Run(client, backend, JOB_BYTES // block_bytes, block_bytes)
         try:
             warm = run.job()
             run.store(*warm)

@@ -44,7 +44,7 @@ def main() -> None:
     with private_daemon(6 << 30, args.copy_threads, log_level="DEBUG") as socket:
         log, seen = os.path.join(os.path.dirname(socket), "daemon.log"), 0
         client = KVStoreClient(socket)
-        run = Run(client, args.backend, args.blocks, block_bytes, args.rounds)
+        run = Run(client, args.backend, args.blocks, block_bytes)
 
         def show(what: str, limit_gbps: float, took: float, nbytes: int) -> None:
             nonlocal seen

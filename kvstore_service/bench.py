@@ -142,7 +142,7 @@ def wait_sealed(client: KVStoreClient, timeout: float = 120.0) -> None:
 class Run:
     """One engine session on a daemon, with the limits its copies are paired with."""
 
-    def __init__(self, client: KVStoreClient, backend: str, blocks: int, block_bytes: int, rounds: int) -> None:
+    def __init__(self, client: KVStoreClient, backend: str, blocks: int, block_bytes: int) -> None:
         self.client, self.backend, self.blocks = client, backend, blocks
         self.total = blocks * block_bytes
         self.memcpy = Memcpy(self.total)
@@ -401,7 +401,7 @@ def run_bench(socket: str | None, blocks: int, block_bytes: int, rounds: int, ba
     ctx = private_daemon(pool_bytes, copy_threads) if socket is None else contextlib.nullcontext(socket)
     with ctx as sock:
         client = KVStoreClient(sock)
-        run = Run(client, backend, blocks, block_bytes, rounds)
+        run = Run(client, backend, blocks, block_bytes)
         try:
             results.update(data_path(run, rounds))
             results.update(control_path(run, run.stored[-1]))
