@@ -443,7 +443,6 @@ class Jobs:
         self.threads.close_copies()
 
 
-
 def _timeline(job: Job) -> str:
     """Where a finished job's time went, in ms after its submit (DEBUG log): what the daemon adds to
     its copies is the time before the first copy starts, between copies, and after the last one."""

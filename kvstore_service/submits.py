@@ -2,7 +2,7 @@
 
 A gRPC call between two Python processes costs 0.7-1 ms on our machines (most of a small hit's
 time from submit to completion); a frame on a unix socket ~0.1 ms
-(benchmarks/results/cpu-submit-path-2026-11-27.log). The client's submit thread sends here when it
+(benchmarks/results/cpu-jobs-socket-2026-11-27.log). The client's submit thread sends here when it
 can, and over gRPC otherwise. Both run the same checks (Servicer.submit): a refusal here is the one
 the RPC would give, counted alike.
 
@@ -112,7 +112,5 @@ class SubmitSocket:
         return frame(0, response.SerializeToString()), True
 
     def _refusal(self, error: KVError) -> bytes:
-        daemon = self.servicer._daemon
-        if daemon is not None:
-            daemon.count_error(error.code)
+        self.servicer.daemon.count_error(error.code)  # (listening only once the daemon serves)
         return frame(getattr(grpc.StatusCode, error.code).value[0], error.message.encode())
