@@ -2,8 +2,9 @@
 victim engine live in support.fuzz; benchmarks/fuzz.py runs the long version).
 
 Each example is one RPC with malformed or adversarial fields (a Register first hands over
-adversarial descriptors on the <socket>.cred handshake), raw bytes as the serialized request, or
-junk on the handshake socket. Every call must end OK or with a well-defined status that the contract
+adversarial descriptors on the <socket>.cred handshake; a Store or Load goes by gRPC or as a frame on
+<socket>.jobs), raw bytes as the serialized request or on <socket>.jobs, or junk on the handshake
+socket. Every call must end OK or with a well-defined status that the contract
 implies, the daemon must stay alive, and a victim engine's blocks must still load byte-exact at the
 end. The sample is small for CI: KVSTORE_FUZZ_EXAMPLES (default 240) is the total across the tests.
 
@@ -35,7 +36,7 @@ from kvstore_client.protocol.completion import HEADER, MAGIC, VERSION, channel_b
 
 TOTAL = int(os.environ.get("KVSTORE_FUZZ_EXAMPLES", "240"))
 WEIGHTS = {"Register": 4, "Lookup": 3, "Store": 3, "Load": 3, "raw": 5, "Handshake": 2, "Attach": 1,
-           "Unregister": 1, "ReleaseLease": 1, "Poll": 1, "Stats": 1, "Clear": 1}
+           "Unregister": 1, "ReleaseLease": 1, "Poll": 1, "Stats": 1, "Clear": 1, "Jobs": 2}
 
 
 def examples(name: str) -> int:
@@ -73,7 +74,7 @@ def _register(**changes) -> Case:
 
 def _transfer(method: str, **changes) -> Case:
     fields = {"session_id": Session("engine"), "job_id": 5, "keys": b"".join(VICTIM_KEYS[:2]), "key_size": 32,
-              "block_ids": [3, 4]}
+              "block_ids": [3, 4], "via": "grpc"}
     return Case(method, {**fields, **changes})
 
 
@@ -139,6 +140,8 @@ def test_release_lease(target, case: Case) -> None:
 @example(case=_transfer("Store", block_ids=[U64, 0]))
 @example(case=_transfer("Store", job_id=U64))
 @example(case=_transfer("Store", keys=VICTIM_KEYS[0] * 2))  # duplicate keys
+@example(case=_transfer("Store", block_ids=[U64, 0], via="jobs"))
+@example(case=_transfer("Store", job_id=U64, via="jobs"))
 def test_store(target, case: Case) -> None:
     _check(target, case)
 
@@ -147,6 +150,8 @@ def test_store(target, case: Case) -> None:
 @given(case=fuzz.CASES["Load"])
 @example(case=_transfer("Load", block_ids=[7, 7]))
 @example(case=_transfer("Load", key_size=0))
+@example(case=_transfer("Load", block_ids=[7, 7], via="jobs"))
+@example(case=_transfer("Load", session_id=Session("lookup"), via="jobs"))
 def test_load(target, case: Case) -> None:
     _check(target, case)
 
@@ -174,6 +179,17 @@ def test_clear(target, case: Case) -> None:
 @fuzz_settings("raw")
 @given(case=fuzz.CASES["raw"])
 def test_raw_bytes(target, case: Case) -> None:
+    _check(target, case)
+
+
+@fuzz_settings("Jobs")
+@given(case=fuzz.CASES["Jobs"])
+@example(case=Case("Jobs", {"framed": False, "kind": 0}, raw=b"\x00\x00\x00\x00"))  # an empty frame
+@example(case=Case("Jobs", {"framed": False, "kind": 0}, raw=b"\xff\xff\xff\xff"))  # 4 GiB announced
+@example(case=Case("Jobs", {"framed": False, "kind": 0}, raw=b"\x00\x10\x00\x00\x01"))  # 1 MiB announced, 1 sent
+@example(case=Case("Jobs", {"framed": True, "kind": 255}, raw=b""))
+@example(case=Case("Jobs", {"framed": True, "kind": fuzz.LOAD}, raw=b""))  # an empty TransferRequest
+def test_jobs_socket_bytes(target, case: Case) -> None:
     _check(target, case)
 
 

@@ -1,7 +1,8 @@
 """Fuzzing of every RPC of the daemon with hypothesis: strategies, oracles and the target.
 
 Each case is one RPC (Register, Attach, Unregister, Lookup, ReleaseLease, Store, Load, Poll, Stats,
-Clear, or raw bytes sent to any of them), or one exchange on the `<socket>.cred` handshake socket that
+Clear, or raw bytes sent to any of them; Store and Load also as frames on `<socket>.jobs`, and raw
+bytes there), or one exchange on the `<socket>.cred` handshake socket that
 hands the daemon an engine's memory (memfds, by SCM_RIGHTS), against one real daemon process. A
 Register case first does the handshake with adversarial descriptors: none, too many, unsealed or
 too small memfds, a write-sealed one, a /dev/shm file, the daemon's own pool file, a pipe, a
@@ -41,6 +42,7 @@ from kvstore_client.protocol import PROTOCOL_VERSION, memfd
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import HEADER, MAGIC, VERSION, channel_bytes
+from kvstore_client.protocol.submits import LOAD, STORE, SUFFIX, frame
 from support.blocks import content_of, key_of
 from support.shm_engine import ShmEngine
 
@@ -160,7 +162,8 @@ def transfer_cases(draw, method: str) -> Case:
     keys = draw(good_keys)
     fields = {"session_id": Session("engine"), "job_id": draw(u64), "keys": b"".join(keys), "key_size": 32,
               "block_ids": draw(st.lists(st.integers(0, ENGINE_BLOCKS - 1), min_size=len(keys), max_size=len(keys),
-                                         unique=True))}
+                                         unique=True)),
+              "via": draw(st.sampled_from(["grpc", "jobs"]))}  # the RPC, or a frame on <socket>.jobs
     fields = _mutate(draw, fields, {"session_id": sessions, "job_id": u64, "block_ids": block_id_lists,
                                     "keys": packed_keys(), "key_size": u32})
     if isinstance(fields["keys"], tuple):  # packed_keys() draws the key size with the keys
@@ -280,6 +283,9 @@ def raw_bytes(draw) -> bytes:
 
 
 raw_cases = st.builds(lambda m, b: Case(m, raw=b), st.sampled_from(METHODS), raw_bytes())
+# Bytes on <socket>.jobs: as they come, or framed (a length that fits) behind a request kind byte.
+jobs_raw_cases = st.builds(lambda framed, kind, b: Case("Jobs", {"framed": framed, "kind": kind}, raw=b),
+                           st.booleans(), st.sampled_from([STORE, LOAD, 0, 3, 255]), raw_bytes())
 
 CASES: dict[str, st.SearchStrategy[Case]] = {
     "Register": register_cases(),
@@ -290,6 +296,7 @@ CASES: dict[str, st.SearchStrategy[Case]] = {
     "Handshake": handshake_cases,
     **simple_cases,
     "raw": raw_cases,
+    "Jobs": jobs_raw_cases,
 }
 any_case = st.one_of(*CASES.values())
 
@@ -328,6 +335,7 @@ class Target:
         self.engine = ShmEngine(socket, VICTIM_NS, ENGINE_BLOCKS, ENGINE_REGIONS, completion_slots=ENGINE_SLOTS)
         self.lookup = self.victim.client.session(VICTIM_NS)
         self.boot_id = self.engine.session.boot_id
+        self.jobs: socket.socket | None = None  # the cases' connection to <socket>.jobs
 
     # -- the handshake -------------------------------------------------------------------------
 
@@ -425,6 +433,41 @@ class Target:
 
     # -- calls -----------------------------------------------------------------------------------
 
+    def jobs_call(self, method: str, request: pb.TransferRequest) -> tuple[Code, object]:
+        """Store or Load as a frame on <socket>.jobs: the reply's status, and its TransferResponse (or
+        the refusal's message). A connection the daemon closed is opened again for the next case."""
+        try:
+            if self.jobs is None:
+                self.jobs = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.jobs.settimeout(self.timeout)
+                self.jobs.connect(self.socket + SUFFIX)
+            self.jobs.sendall(frame(STORE if method == "Store" else LOAD, request.SerializeToString()))
+            body = _read_frame(self.jobs)
+        except OSError:
+            if self.jobs is not None:
+                self.jobs.close()
+            self.jobs = None
+            code, reply = Code.UNAVAILABLE, None
+        else:
+            code = _status(body[0]) if body else Code.UNKNOWN
+            reply = pb.TransferResponse.FromString(body[1:]) if code == Code.OK else body[1:].decode(errors="replace")
+        self.statuses[(f"{method} on {SUFFIX}", code.name)] += 1
+        return code, reply
+
+    def raw_jobs(self, data: bytes) -> list[int]:
+        """Send these bytes on a new connection to <socket>.jobs and stop writing: the status bytes of
+        every reply frame until the daemon closes it. OSError (TimeoutError: it neither answered nor
+        closed) otherwise."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(self.timeout)
+            s.connect(self.socket + SUFFIX)
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            codes = []
+            while (body := _read_frame(s)) is not None:
+                codes.append(body[0] if body else -1)
+            return codes
+
     def call(self, method: str, request, count: bool = True) -> tuple[Code, object]:
         try:
             reply = getattr(self.stub, method)(request, timeout=self.timeout)
@@ -436,6 +479,8 @@ class Target:
         return code, reply
 
     def close(self) -> None:
+        if self.jobs is not None:
+            self.jobs.close()
         for closer in (self.lookup.close, self.engine.close, self.victim.close, self.channel.close):
             try:
                 closer()
@@ -473,7 +518,42 @@ def run_case(t: Target, case: Case) -> list[str]:
     return problems
 
 
+def _status(number: int) -> Code:
+    return next((c for c in Code if c.value[0] == number), Code.UNKNOWN)
+
+
+def _read_frame(s: socket.socket) -> bytes | None:
+    """The body of the next frame; None at the end of the stream."""
+    def read(n: int) -> bytes | None:
+        data = b""
+        while len(data) < n:
+            more = s.recv(n - len(data))
+            if not more:
+                return None if not data else data
+            data += more
+        return data
+    head = read(4)
+    if head is None or len(head) < 4:
+        return None
+    return read(int.from_bytes(head, "little")) or b""
+
+
+def _jobs_raw(t: Target, case: Case) -> list[str]:
+    raw = case.raw or b""
+    data = frame(case.fields["kind"], raw) if case.fields["framed"] else raw
+    what = f"bytes {data[:60]!r} ({len(data)}) on {SUFFIX}"
+    try:
+        codes = t.raw_jobs(data)
+    except OSError as e:
+        return [f"{what} | neither answered nor closed: {e}"]
+    statuses = [_status(c) for c in codes]
+    t.statuses[(f"raw {SUFFIX}", ",".join(s.name for s in statuses) or "closed")] += 1
+    return [f"{what} | reply status {s.name}" for s in statuses if s not in WELL_DEFINED]
+
+
 def _raw(t: Target, case: Case) -> list[str]:
+    if case.method == "Jobs":
+        return _jobs_raw(t, case)
     if case.method == "Attach":
         call = t.raw_attach(case.raw, timeout=t.timeout)
         try:
@@ -712,8 +792,8 @@ def _transfer(t: Target, f: dict, is_store: bool) -> list[str]:
             engine.zero(ids)
     request = pb.TransferRequest(session_id=session_id, job_id=f["job_id"], keys=f["keys"], key_size=f["key_size"],
                                  block_ids=ids)
-    code, reply = t.call(method, request)
-    what = f"{method} job {f['job_id']} ({state}, {len(keys)} keys, blocks {ids[:16]})"
+    code, reply = t.jobs_call(method, request) if f.get("via") == "jobs" else t.call(method, request)
+    what = f"{method} job {f['job_id']} ({state}, {len(keys)} keys, blocks {ids[:16]}, via {f.get('via', 'grpc')})"
     problems = _expect(code, allowed, what)
     if code != Code.OK or state != "live":
         return problems
