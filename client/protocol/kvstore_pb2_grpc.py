@@ -134,7 +134,9 @@ class KVStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Store(self, request, context):
-        """Engine -> pool and pool -> engine copies. Return at once; the copy runs as a job.
+        """Engine -> pool and pool -> engine copies. Return at once; the copy runs as a job. The same
+        requests also travel framed on the plain unix socket <socket>.jobs (kvstore_client/protocol/
+        submits.py: a tenth of a gRPC call's cost), answered with the same checks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
