@@ -73,19 +73,14 @@ def main() -> None:
                     keys, ids = run.job()
                 else:
                     keys, ids = stored[i % len(stored)][0], run.ids()
-                before = limit(run)
+                before = run.limit_gbps()
                 gbps = run.store(keys, ids) if args.mode == "store" else run.load(keys, ids)
-                after = limit(run)
+                after = run.limit_gbps()
                 ratios[name].append(gbps / ((before + after) / 2))
     what = "pinned -> device copy" if args.backend != "cpu" else "copy engine"
     for name, env, threads in (("A", args.a_env, args.a_threads), ("B", args.b_env, args.b_threads)):
         print(f"{args.mode} {name} {' '.join(env) or '(as is)'}, {threads} copy threads: median "
               f"{statistics.median(ratios[name]):.3f} of the {what}, rounds {[round(r, 2) for r in ratios[name]]}")
-
-
-def limit(run: Run) -> float:
-    """GB/s of one copy of the limit: the copy engine's (cpu) or the pinned host -> device copy."""
-    return run.device.gbps(1) if run.device else run.memcpy.gbps(1, copy_engine=True)
 
 
 if __name__ == "__main__":

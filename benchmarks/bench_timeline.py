@@ -62,12 +62,12 @@ def main() -> None:
         for _ in range(args.rounds):
             keys, ids = run.job()
             wait_sealed(client)
-            limit = run.device.gbps(1) if run.device else run.memcpy.gbps(1, copy_engine=True)
+            limit = run.limit_gbps()
             show("store", limit, run.total / run.store(keys, ids) / 1e9, run.total)
             stored.append(keys)
         wait_sealed(client)
         for keys in stored:
-            limit = run.device.gbps(1) if run.device else run.memcpy.gbps(1, copy_engine=True)
+            limit = run.limit_gbps()
             show("load", limit, run.total / run.load(keys, run.ids()) / 1e9, run.total)
         for name, blocks in (("hit of 2048 tokens", 128), ("hit of 256 tokens", 16)):
             hit = SmallLoad(client, args.backend, blocks, 32, 32 << 10)

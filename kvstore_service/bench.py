@@ -162,6 +162,11 @@ class Run:
     def job(self) -> tuple[list[bytes], list[int]]:
         return [secrets.token_bytes(32) for _ in range(self.blocks)], self.ids()
 
+    def limit_gbps(self) -> float:
+        """One copy of the fastest this machine moves the job's bytes: the pinned host -> device copy,
+        or on cpu the copy engine's contiguous copy."""
+        return self.device.gbps(1) if self.device else self.memcpy.gbps(1, copy_engine=True)
+
     def measure_limits(self) -> None:
         """One copy of each limit (call it right before and right after each round)."""
         self.limits.append(self.device.gbps(1) if self.device else self.memcpy.gbps(1))
@@ -277,8 +282,7 @@ class SmallLoad:
             self.memory, self.pool_like = None, None
             self.kv = torch.ones(size, dtype=torch.uint8, device=backend)
             spec = export_kv_memory([self.kv], self.cache_blocks, regions)
-            self.host = torch.ones(self.total, dtype=torch.uint8).pin_memory()
-            self.dev = torch.empty(self.total, dtype=torch.uint8, device=backend)
+            self.device = DeviceCopy(backend, self.total)
         self.regions = regions
         self.session = client.session(f"bench-small-{secrets.token_hex(4)}", spec)
         self.rng = random.Random(1)
@@ -290,11 +294,7 @@ class SmallLoad:
     def copy_seconds(self, ids: list[int], rounds: int = 3) -> float:
         """The limit for a load into these block ids: best of `rounds`."""
         if self.backend != "cpu":
-            def once() -> None:
-                self.dev.copy_(self.host, non_blocking=True)
-                synchronize_before_store(self.dev.device)
-            once()
-            return min(timed(once, rounds)) / 1e6
+            return self.total / self.device.gbps(rounds) / 1e9
         assert self.memory is not None and self.pool_like is not None
         src, dst = self.pool_like.tensor.data_ptr(), self.memory.tensor.data_ptr()
         pool_offsets, engine_offsets, sizes = array("Q"), array("Q"), array("Q")
