@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _Reply = TypeVar("_Reply")
 MAX_MESSAGE = 64 << 20
+WAIT_SLICE_S = 0.001  # wait(): longest sleep between checks for completions
 
 
 def target_for(socket: str | None) -> str:
@@ -522,6 +523,8 @@ class Session:
         others: list[Completion] = []
         start = time.monotonic()
         while wanted - found.keys():
+            channel = self.channel
+            seen = channel.posts() if channel is not None else 0  # before the check: a post after it wakes us
             for c in self.poll():
                 if c.job_id in wanted:
                     found[c.job_id] = c
@@ -532,7 +535,12 @@ class Session:
                 if now > start + timeout:
                     self._keep(others)
                     raise TimeoutError(f"jobs {sorted(wanted - found.keys())} not finished after {timeout}s")
-                time.sleep(min(0.001, (now - start) / 50))  # ~2% timing error, little CPU taken from copies
+                # Asleep in the kernel until the daemon posts (polling took cores from the copies);
+                # the slice bounds the wait where no wake comes (an older daemon, completions by RPC).
+                if channel is not None:
+                    channel.wait_posted(seen, WAIT_SLICE_S)
+                else:
+                    time.sleep(WAIT_SLICE_S)
         self._keep(others)
         return {j: found[j] for j in wanted}
 

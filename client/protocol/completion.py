@@ -9,7 +9,11 @@ only after its job was seen.
 A load copied region by region (RegisterResponse.progress_load_bytes) also writes, while it copies,
 `progress = (j + 1) << 16 | regions landed` (the job id tags it: a slot's last job left its own).
 
-    header (64 bytes): magic "KVSDONE1", u32 version, u32 slots
+After each post the daemon bumps the header's `posts` word and wakes the futex on it, so a client
+that waits for jobs (`wait_posted`) sleeps in the kernel and wakes at the post, instead of polling
+and taking cores from the copies. (An older daemon does not: the wait then ends at its timeout.)
+
+    header (64 bytes): magic "KVSDONE1", u32 version, u32 slots, u32 posts
     slot i (24 bytes): u64 seq, u32 blocks_ok, u32 blocks_failed, u64 progress
 """
 
@@ -18,7 +22,9 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import platform
 import struct
+import time
 from dataclasses import dataclass
 
 from kvstore_client.protocol import memfd
@@ -32,6 +38,17 @@ PROGRESS = struct.Struct("<Q")
 PROGRESS_BITS = 16  # regions landed, below the job's tag
 MAX_PROGRESS = (1 << PROGRESS_BITS) - 1
 _TAG_MASK = (1 << (64 - PROGRESS_BITS)) - 1
+POSTS = struct.Struct("<I")
+POSTS_OFFSET = 16
+
+# futex(2) on the posts word: shared, not FUTEX_PRIVATE_FLAG, as two processes map it.
+_SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +73,14 @@ class CompletionChannel:
         self.fd = fd
         self.slots = slots
         self._mm = mm
+        self._posts_address = self._address(POSTS_OFFSET)
+
+    def _address(self, offset: int) -> int:
+        """The address of a byte of the mapping (valid while the channel is open)."""
+        anchor = ctypes.c_char.from_buffer(self._mm)  # (an export of the mapping: released right away)
+        address = ctypes.addressof(anchor) + offset
+        del anchor
+        return address
 
     @classmethod
     def create(cls, slots: int) -> CompletionChannel:
@@ -86,6 +111,11 @@ class CompletionChannel:
         offset = self._offset(job_id)
         struct.pack_into("<II", self._mm, offset + 8, blocks_ok, blocks_failed)
         struct.pack_into("<Q", self._mm, offset, job_id + 1)
+        (posts,) = POSTS.unpack_from(self._mm, POSTS_OFFSET)
+        POSTS.pack_into(self._mm, POSTS_OFFSET, (posts + 1) & 0xFFFFFFFF)
+        if _SYS_FUTEX is not None:
+            _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(self._posts_address), ctypes.c_int(_FUTEX_WAKE),
+                          ctypes.c_int(0x7FFFFFFF), None, None, ctypes.c_int(0))
 
     def post_progress(self, job_id: int, regions: int) -> None:
         """Daemon side: the first `regions` regions of a load job have landed."""
@@ -95,10 +125,22 @@ class CompletionChannel:
     def progress_target(self, job_id: int) -> tuple[int, int]:
         """Daemon side, for a copy that posts a load's progress itself: the address of the job's
         progress word (valid while the channel is open) and the word with no region landed."""
-        anchor = ctypes.c_char.from_buffer(self._mm)  # (an export of the mapping: released right away)
-        address = ctypes.addressof(anchor) + self._offset(job_id) + 16
-        del anchor
-        return address, ((job_id + 1) & _TAG_MASK) << PROGRESS_BITS
+        return self._address(self._offset(job_id) + 16), ((job_id + 1) & _TAG_MASK) << PROGRESS_BITS
+
+    def posts(self) -> int:
+        """Client side: the daemon's count of posts so far (mod 2**32), for `wait_posted`; 0 once
+        closed (a re-registration replaced the channel)."""
+        return 0 if self._mm.closed else int(POSTS.unpack_from(self._mm, POSTS_OFFSET)[0])
+
+    def wait_posted(self, seen: int, timeout: float) -> None:
+        """Client side: sleep until the daemon posts after `posts()` returned `seen`, or for
+        `timeout` seconds (returns at once if it has posted since; may return early)."""
+        if _SYS_FUTEX is None or self._mm.closed:
+            time.sleep(timeout)
+            return
+        timespec = _Timespec(int(timeout), int(timeout % 1 * 1e9))
+        _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(self._posts_address), ctypes.c_int(_FUTEX_WAIT),
+                      ctypes.c_uint(seen), ctypes.byref(timespec), None, ctypes.c_int(0))
 
     def check(self, job_id: int) -> Completion | None:
         """Client side: the completion of `job_id`, or None while it runs."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvstore_client.protocol import PROTOCOL_VERSION
-from kvstore_client.protocol.completion import CompletionChannel
+from kvstore_client.protocol.completion import Completion, CompletionChannel
 from kvstore_service import native
 from kvstore_service.backends import Backend, Mapping, TransferPlan
 from kvstore_service.backends.cpu import CpuBackend
@@ -224,6 +224,28 @@ def test_a_finished_jobs_timeline_is_logged_at_debug(tmp_path: Path, caplog: pyt
         assert ordered <= min(starts) <= min(ends) <= max(ends) <= published
 
     run(tmp_path, body)
+
+
+def test_a_waiting_client_sleeps_until_the_daemon_posts() -> None:
+    """wait_posted sleeps in the kernel (a futex on the channel's posts word) and wakes at the post,
+    long before its timeout; a post it has not seen yet ends it at once."""
+    client = CompletionChannel.create(8)
+    daemon = CompletionChannel.attach(os.dup(client.fd), 8)  # the daemon's own mapping of the memfd
+    try:
+        seen = client.posts()
+        poster = threading.Timer(0.2, daemon.post, (5, 3, 0))
+        poster.start()
+        started = time.monotonic()
+        client.wait_posted(seen, 60.0)
+        assert time.monotonic() - started < 30  # woken by the post, not by the timeout
+        poster.join()
+        assert client.check(5) == Completion(5, 3, 0) and client.posts() == seen + 1
+        started = time.monotonic()
+        client.wait_posted(seen, 60.0)  # posted since `seen`: no sleep
+        assert time.monotonic() - started < 30
+    finally:
+        daemon.close()
+        client.close()
 
 
 def test_a_job_is_cut_so_every_copy_thread_starts_at_once_and_they_finish_together() -> None:
