@@ -237,7 +237,7 @@ def test_bench_reports_every_figure(tmp_path) -> None:
     assert out.returncode == 0, out.stderr
     results = json.loads((tmp_path / "b.json").read_text())
     for key in ("store_gbps", "store_sustained_gbps", "load_gbps", "memcpy_gbps", "copy_engine_gbps",
-                "store_vs_limit", "load_vs_copy_engine", "grpc_empty_p50_us",
+                "store_vs_copy_engine", "load_vs_copy_engine", "grpc_empty_p50_us",
                 "lookup_1k_p50_us", "poll_p50_us", "poll_p99_us", "submit_p50_us", "blocks", "block_bytes"):
         assert results[key] > 0, key
     assert results["blocks"] == 32 and results["block_bytes"] == 64 * 1024
