@@ -18,7 +18,7 @@ from kvstore_service.index import Block
 from kvstore_service.sessions import EngineSession
 
 # A job is copied in chunks: first one chunk per copy thread (FIRST_CHUNK_BYTES, at most
-# FIRST_CHUNK_BLOCKS), started together after little planning (~1-3 µs a block), then what is left
+# FIRST_CHUNK_BLOCKS), each started as soon as planned (~1-3 µs a block), then what is left
 # in equal shares, at least one per thread (a 16-block store of 3 MiB blocks: two chunks of 8 on two
 # threads; a load up to the backend's whole_load_bytes is one chunk, see backends/cpu.py). The
 # first chunks last long enough for the loop to plan the next while they copy (64 MiB: ~6 ms at a
@@ -30,7 +30,10 @@ from kvstore_service.sessions import EngineSession
 # started together against a doubling ramp of seven chunks, CPU: stores 0.75 -> 0.84 of the copy
 # engine, loads 0.67 -> 0.74; shares capped at 64 MiB (8 chunks) against 256 MiB (4 chunks): on an
 # H100 stores 0.61 -> 0.65, loads 0.64 -> 0.66 of the pinned copy (H200: 0.55 -> 0.61, 0.59 ->
-# 0.61), CPU even (stores 0.88 / 0.89, loads 0.76 / 0.74, 20 rounds).
+# 0.61), CPU even (stores 0.88 / 0.89, loads 0.76 / 0.74, 20 rounds). The first chunks waited for
+# each other while clients polled for completions (a thread woken while the loop planned waited
+# ~3 ms for a core); since they sleep on a futex (client.py wait()), each starting at once: loads
+# 0.72 -> 0.79 and 0.74 -> 0.78, stores even (0.84 / 0.85).
 FIRST_CHUNK_BYTES = 64 << 20
 FIRST_CHUNK_BLOCKS = 256
 MIN_SHARE_BYTES = 1 << 20  # a smaller job is one chunk: its copy is shorter than a hand-off

@@ -321,20 +321,13 @@ class Jobs:
         n, block_bytes = len(job.keys), job.session.layout.block_bytes
         whole = not job.is_store and n <= CHUNK_BLOCKS and n * block_bytes <= job.session.backend.whole_load_bytes
         parts = [range(n)] if whole else chunks(n, block_bytes, self.config.copy_threads)
-        planned: list[Chunk] = []
-        for k, part in enumerate(parts):
+        for part in parts:
             chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part)
             if chunk is not None:
                 if whole:
                     copy_whole(job.session, job.job_id, chunk.plan)
-                planned.append(chunk)
-            # The first chunks, one per copy thread, start together once all are planned: a thread
-            # woken while this loop planned the next chunk waited for a core (~3 ms with 2 vCPUs).
-            if k + 1 >= self.config.copy_threads or k + 1 == len(parts):
-                for chunk in planned:
-                    self._copies += 1
-                    copies.append((chunk, Threads.run(lane, self._copy, job, chunk)))
-                planned.clear()
+                self._copies += 1
+                copies.append((chunk, Threads.run(lane, self._copy, job, chunk)))
             await asyncio.sleep(0)  # serve other requests between chunks of a large job
         return copies
 
