@@ -18,27 +18,30 @@ from kvstore_service.index import Block
 from kvstore_service.sessions import EngineSession
 
 # A job is copied in chunks: first one chunk per copy thread (FIRST_CHUNK_BYTES, at most
-# FIRST_CHUNK_BLOCKS), each started as soon as planned (~1-3 µs a block), then what is left
-# in equal shares, at least one per thread (a 16-block store of 3 MiB blocks: two chunks of 8 on two
-# threads; a load up to the backend's whole_load_bytes is one chunk, see backends/cpu.py). The
-# first chunks last long enough for the loop to plan the next while they copy (64 MiB: ~6 ms at a
-# CPU thread's ~10 GB/s, ~2.4 ms at half an H100's bus). Shares are at most CHUNK_BYTES /
-# CHUNK_BLOCKS: the block cap bounds the loop's planning of one chunk (~2 ms); the byte cap lets
-# the copy threads take the rest chunk by chunk from their queue, so that one that started late or
-# copies slower takes fewer, and the last chunk's completion is short. Each chunk costs a hand-off.
-# 2048 blocks of 256 KiB, A/B of interleaved rounds (benchmarks/results/README.md): first chunks
+# FIRST_CHUNK_BLOCKS), each started as soon as planned (~1-3 µs a block), then the rest in chunks the
+# copy threads take from their queue as they come free, so that one that started late or copies
+# slower (sharing its core with the loop) takes fewer. The first chunks last long enough for the
+# loop to plan the next while they copy (64 MiB: ~6 ms at a CPU thread's ~10 GB/s, ~2.4 ms at half
+# an H100's bus). Then each chunk is what is left over the threads (guided self-scheduling), at most
+# CHUNK_BYTES / CHUNK_BLOCKS (the block cap bounds the loop's planning of one chunk, ~2 ms) and at
+# least TAIL_CHUNK_BYTES: the chunks shrink towards the job's end, so the threads finish within a
+# small chunk of each other. Each chunk costs a hand-off. A job of at most a first chunk per thread
+# is cut in equal shares, one per thread (a 16-block store of 3 MiB blocks: two chunks of 8; a load
+# up to the backend's whole_load_bytes is one chunk, see backends/cpu.py).
+# 2048 blocks of 256 KiB, A/Bs of interleaved rounds (benchmarks/results/README.md): first chunks
 # started together against a doubling ramp of seven chunks, CPU: stores 0.75 -> 0.84 of the copy
 # engine, loads 0.67 -> 0.74; shares capped at 64 MiB (8 chunks) against 256 MiB (4 chunks): on an
 # H100 stores 0.61 -> 0.65, loads 0.64 -> 0.66 of the pinned copy (H200: 0.55 -> 0.61, 0.59 ->
-# 0.61), CPU even (stores 0.88 / 0.89, loads 0.76 / 0.74, 20 rounds). The first chunks waited for
-# each other while clients polled for completions (a thread woken while the loop planned waited
-# ~3 ms for a core); since they sleep on a futex (client.py wait()), each starting at once: loads
-# 0.72 -> 0.79 and 0.74 -> 0.78, stores even (0.84 / 0.85).
+# 0.61), CPU even. Since clients sleep on a futex for completions (client.py wait()) instead of
+# polling, a thread woken while the loop plans finds a core: each first chunk starting at once
+# against all together, CPU loads 0.72 -> 0.79 and 0.74 -> 0.78, stores even; chunks shrinking to
+# 8 MiB at the end against 64 MiB throughout, loads 0.73 -> 0.77 and 0.77 -> 0.81, stores even.
 FIRST_CHUNK_BYTES = 64 << 20
 FIRST_CHUNK_BLOCKS = 256
 MIN_SHARE_BYTES = 1 << 20  # a smaller job is one chunk: its copy is shorter than a hand-off
 CHUNK_BYTES = 64 << 20
 CHUNK_BLOCKS = 1024
+TAIL_CHUNK_BYTES = 8 << 20
 
 
 @dataclass(eq=False)
@@ -52,16 +55,21 @@ class Chunk:
 
 
 def chunks(n: int, block_bytes: int, threads: int) -> list[range]:
-    """A job of n blocks in chunks: a first chunk per copy thread, when enough is left after them,
-    then equal shares (one per thread, more when a share would pass the cap)."""
+    """A job of n blocks in chunks: equal shares, one per copy thread, for a small job; else a first
+    chunk per thread, then chunks of what is left over the threads, between the tail and the cap."""
     most = max(1, min(CHUNK_BYTES // block_bytes, CHUNK_BLOCKS))
     first = max(1, min(FIRST_CHUNK_BYTES // block_bytes, FIRST_CHUNK_BLOCKS, most))
-    start = threads * first if n > 2 * threads * first else 0
-    parts = [range(s, s + first) for s in range(0, start, first)]
-    left = n - start
-    pieces = max(threads, -(-left // most))
-    share = max(-(-left // pieces), MIN_SHARE_BYTES // block_bytes, 1)
-    return parts + [range(s, min(s + share, n)) for s in range(start, n, share)]
+    if n <= threads * first:
+        share = max(-(-n // threads), MIN_SHARE_BYTES // block_bytes, 1)
+        return [range(s, min(s + share, n)) for s in range(0, n, share)]
+    parts = [range(s, s + first) for s in range(0, threads * first, first)]
+    least = max(1, min(TAIL_CHUNK_BYTES // block_bytes, most))
+    start = threads * first
+    while start < n:
+        size = min(max(-(-(n - start) // threads), least), most)
+        parts.append(range(start, min(start + size, n)))
+        start += size
+    return parts
 
 
 def plan_chunk(session: EngineSession, block_ids: list[int], indexes: list[int], blocks: list[Block],

@@ -23,7 +23,7 @@ from kvstore_client.protocol.completion import Completion, CompletionChannel
 from kvstore_service import native
 from kvstore_service.backends import Backend, Mapping, TransferPlan
 from kvstore_service.backends.cpu import CpuBackend
-from kvstore_service.chunks import CHUNK_BLOCKS, CHUNK_BYTES, chunks
+from kvstore_service.chunks import CHUNK_BLOCKS, CHUNK_BYTES, TAIL_CHUNK_BYTES, chunks
 from kvstore_service.config import Config
 from kvstore_service.daemon import Daemon
 from kvstore_service.errors import KVError
@@ -260,11 +260,13 @@ def test_a_job_is_cut_so_every_copy_thread_starts_at_once_and_they_finish_togeth
     assert sizes(1, 3 * mib) == [1]
     assert sizes(3, 64 << 10) == [3]  # smaller than a hand-off is worth: one chunk
     # The benchmark's job: a first chunk per thread (little planning before each starts), then the rest in
-    # chunks of at most CHUNK_BYTES, which the threads take as they come free.
-    assert sizes(2048, 256 << 10) == [256] * 8 and CHUNK_BYTES == 64 << 20
-    # Small blocks: first chunks of FIRST_CHUNK_BLOCKS, then equal shares no larger than the caps.
-    big = sizes(8192, 64 << 10)
-    assert big[:2] == [256, 256] and set(big[2:]) == {960} and 960 <= CHUNK_BLOCKS
+    # chunks of what is left over the threads, at most CHUNK_BYTES, which the threads take as they come
+    # free: shrinking towards the end (to TAIL_CHUNK_BYTES), so that the threads finish together.
+    assert sizes(2048, 256 << 10) == [256] * 7 + [128, 64, 32, 32] and CHUNK_BYTES == 64 << 20
+    assert TAIL_CHUNK_BYTES == 32 * (256 << 10)
+    # Small blocks: the block cap (CHUNK_BLOCKS) holds the loop's planning of one chunk.
+    assert sizes(8192, 64 << 10) == [256, 256] + [1024] * 6 + [768, 384, 192, 128, 64] and CHUNK_BLOCKS == 1024
+    assert sizes(512, 256 << 10) == [256, 256]  # a first chunk per thread is all: equal shares
 
 
 def test_a_load_up_to_the_backends_whole_load_bytes_goes_whole_to_one_copy_thread(tmp_path: Path) -> None:
