@@ -4,9 +4,10 @@
 #   timeline   each job's timeline in the daemon beside what the client saw and the pinned copy's time
 #              (benchmarks/bench_timeline.py): 2048 x 256 KiB stores and loads, a 2048-token hit and a
 #              256-token hit of a vLLM-sized layout
-#   ab-*       bench_copy_ab.py --backend cuda, 10 interleaved rounds each, store and load: copy threads
-#              2 vs 4, streams per copy 2 vs 4, and the job's cut (chunks.py) as is vs two variants
-#              (first chunks of 16 MiB; shares capped at 16 MiB)
+#   ab-*       bench_copy_ab.py --backend cuda, 10 interleaved rounds each, store and load: the job's cut
+#              (chunks.py) as is vs two variants (no shrinking tail: chunks of 64 MiB to the end; chunks
+#              capped at 16 MiB), and copy threads 2 vs 4 (2026-11-27 on an H100 before the shrinking
+#              tail: 4 threads, 4 streams per copy and 16 MiB first chunks were each worse)
 # Logs: $OUT/timeline.log, $OUT/ab.log.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -25,12 +26,12 @@ variant() {  # variant NAME SED-EXPRESSION: /tmp/kvstore-NAME/kvstore_service wi
   rm -rf "/tmp/kvstore-$1" && mkdir -p "/tmp/kvstore-$1" && cp -r "$PKG" "/tmp/kvstore-$1/" &&
     sed -i "$2" "/tmp/kvstore-$1/kvstore_service/chunks.py" && grep -c "$3" "/tmp/kvstore-$1/kvstore_service/chunks.py"
 }
-variant first16 's/^FIRST_CHUNK_BYTES = 64 << 20/FIRST_CHUNK_BYTES = 16 << 20/' "^FIRST_CHUNK_BYTES = 16 << 20"
+variant notail 's/^TAIL_CHUNK_BYTES = 8 << 20/TAIL_CHUNK_BYTES = 64 << 20/' "^TAIL_CHUNK_BYTES = 64 << 20"
 variant cap16 's/^CHUNK_BYTES = 64 << 20/CHUNK_BYTES = 16 << 20/' "^CHUNK_BYTES = 16 << 20"
 
-for v in first16 cap16; do  # the variants the daemons will import
+for v in notail cap16; do  # the variants the daemons will import
   PYTHONPATH="/tmp/kvstore-$v:$PYTHONPATH" python3 -c "import kvstore_service.chunks as c
-print('$v', c.__file__, c.FIRST_CHUNK_BYTES >> 20, c.CHUNK_BYTES >> 20, c.CHUNK_BLOCKS)" >> "$OUT/ab.log" 2>&1
+print('$v', c.__file__, c.FIRST_CHUNK_BYTES >> 20, c.CHUNK_BYTES >> 20, c.TAIL_CHUNK_BYTES >> 20)" >> "$OUT/ab.log" 2>&1
 done
 
 ab() {  # ab WHAT ARGS...: store then load
@@ -40,9 +41,8 @@ ab() {  # ab WHAT ARGS...: store then load
     echo "rc=$? at $((SECONDS - T0))s" >> "$OUT/ab.log"
   done
 }
+ab "chunks shrinking to 8 MiB at the end vs 64 MiB to the end" --b-env "PYTHONPATH=/tmp/kvstore-notail:$PYTHONPATH"
+ab "chunks capped at 64 vs 16 MiB" --b-env "PYTHONPATH=/tmp/kvstore-cap16:$PYTHONPATH"
 ab "copy threads 2 vs 4" --b-threads 4
-ab "streams per copy 2 vs 4" --b-env KVSTORE_CUDA_COPY_STREAMS=4
-ab "first chunks 64 vs 16 MiB" --b-env "PYTHONPATH=/tmp/kvstore-first16:$PYTHONPATH"
-ab "shares capped at 64 vs 16 MiB" --b-env "PYTHONPATH=/tmp/kvstore-cap16:$PYTHONPATH"
 echo "total: $((SECONDS - T0))s" >> "$OUT/ab.log"
 cat "$OUT/ab.log"
