@@ -1,7 +1,8 @@
 """Where a copy job's time goes: the daemon's timeline of each job (its DEBUG log: when the job was
 ordered after the engine, when each chunk's copy started and ended, when it was published) beside
-what the client saw (submit to completion) and the limit measured right before it (as `kvstore
-bench`: the copy engine's contiguous copy on cpu, one pinned host -> device copy on a device).
+what the client saw (submit to completion; its submit -> the job's arrival and the publish -> its
+wake-up, on the monotonic clock both processes share) and the limit measured right before it (as
+`kvstore bench`: the copy engine's contiguous copy on cpu, one pinned host -> device copy on a device).
 
 Jobs: 2048 x 256 KiB stores and loads (`--blocks`, `--block-kib`), a 2048-token hit and a 16-block
 hit of a vLLM-sized layout (32 layers, K and V regions of 32 KiB per block).
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
+from collections.abc import Callable
 from functools import partial
 
 from kvstore_client import KVStoreClient
@@ -46,13 +49,25 @@ def main() -> None:
         client = KVStoreClient(socket)
         run = Run(client, args.backend, args.blocks, block_bytes)
 
-        def show(what: str, limit_gbps: float, took: float, nbytes: int) -> None:
+        def show(what: str, limit_gbps: float, job: Callable[[], float], nbytes: int) -> None:
+            """Run the job (it returns its seconds), then print its timeline beside the client's."""
             nonlocal seen
+            submitted = time.monotonic()
+            took = job()
+            woke = time.monotonic()
             lines, seen = timelines(log, seen)
             print(f"{what}: client {took * 1e3:.2f} ms, limit {nbytes / limit_gbps / 1e6:.2f} ms "
                   f"({nbytes / took / 1e9 / limit_gbps:.2f} of it)")
             for line in lines:
                 print("   ", line)
+                found = re.search(r"published ([\d.]+);.* submitted at ([\d.]+)", line)
+                if found:
+                    published, arrived = float(found[1]), float(found[2])
+                    print(f"    client: submit -> arrival {(arrived - submitted) * 1e3:.2f} ms, published -> woke "
+                          f"{(woke - arrived) * 1e3 - published:.2f} ms")
+
+        def seconds(job: Callable[[list[bytes], list[int]], float], keys: list[bytes], ids: list[int]) -> float:
+            return run.total / job(keys, ids) / 1e9  # (Run's jobs return GB/s)
 
         warm = run.job()
         run.store(*warm)
@@ -63,12 +78,12 @@ def main() -> None:
             keys, ids = run.job()
             wait_sealed(client)
             limit = run.limit_gbps()
-            show("store", limit, run.total / run.store(keys, ids) / 1e9, run.total)
+            show("store", limit, partial(seconds, run.store, keys, ids), run.total)
             stored.append(keys)
         wait_sealed(client)
         for keys in stored:
             limit = run.limit_gbps()
-            show("load", limit, run.total / run.load(keys, run.ids()) / 1e9, run.total)
+            show("load", limit, partial(seconds, run.load, keys, run.ids()), run.total)
         for name, blocks in (("hit of 2048 tokens", 128), ("hit of 256 tokens", 16)):
             hit = SmallLoad(client, args.backend, blocks, 32, 32 << 10)
             run_job(hit.session, partial(hit.session.load, hit.keys, hit.rng.sample(range(hit.cache_blocks), blocks)))
@@ -77,8 +92,8 @@ def main() -> None:
                 for _ in range(args.rounds):
                     ids = hit.rng.sample(range(hit.cache_blocks), hit.blocks)
                     copy = hit.copy_seconds(ids)
-                    took = run_job(hit.session, partial(hit.session.load, hit.keys, ids))
-                    show(name, hit.total / copy / 1e9, took, hit.total)
+                    show(name, hit.total / copy / 1e9, partial(run_job, hit.session,
+                                                               partial(hit.session.load, hit.keys, ids)), hit.total)
             finally:
                 hit.close()
         run.close()

@@ -447,6 +447,7 @@ def _timeline(job: Job) -> str:
         return f"{what}: no copy, published {ms(now)} ms after submit"
     starts, ends = sorted(s for s, _ in job.copies), sorted(e for _, e in job.copies)
     busy = sum(e - s for s, e in job.copies) * 1e3
+    # (The arrival on the monotonic clock, which the client's process shares: its submit and wake-up.)
     return (f"{what}, {job.copied_bytes >> 20} MiB in {len(job.copies)} chunks; ms after submit: ordered "
             f"{ms(job.ordered)}, copies start {', '.join(map(ms, starts))}, end {', '.join(map(ms, ends))}; "
-            f"published {ms(now)}; copy threads busy {busy:.2f} ms")
+            f"published {ms(now)}; copy threads busy {busy:.2f} ms; submitted at {job.submitted:.6f}")

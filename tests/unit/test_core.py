@@ -213,15 +213,19 @@ def test_a_finished_jobs_timeline_is_logged_at_debug(tmp_path: Path, caplog: pyt
     async def body(core: Core) -> None:
         engine = await core.engine()
         with caplog.at_level(logging.DEBUG, logger="kvstore_service.jobs"):
+            before = time.monotonic()
             assert await finish(core.jobs, engine, 1, keys_of(8), list(range(8)), True) == (8, 0)
+            after = time.monotonic()
         line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("job 1 store of 8 blocks"))
         found = re.search(r"in (\d+) chunks; ms after submit: ordered ([\d.]+), copies start ([\d., ]+), "
-                          r"end ([\d., ]+); published ([\d.]+); copy threads busy ([\d.]+) ms", line)
+                          r"end ([\d., ]+); published ([\d.]+); copy threads busy ([\d.]+) ms; submitted at ([\d.]+)",
+                          line)
         assert found, line
         n, ordered, published = int(found[1]), float(found[2]), float(found[5])
         starts, ends = ([float(t) for t in found[k].split(", ")] for k in (3, 4))
         assert len(starts) == len(ends) == n >= 1
         assert ordered <= min(starts) <= min(ends) <= max(ends) <= published
+        assert before <= float(found[7]) <= after  # the monotonic clock, which clients share (bench_timeline.py)
 
     run(tmp_path, body)
 
