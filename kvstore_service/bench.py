@@ -151,9 +151,6 @@ class Run:
         self.memory, spec, self.kv = engine_memory(backend, self.cache_blocks, block_bytes)
         self.session = client.session(f"bench-{secrets.token_hex(4)}", spec)
         self.rng = random.Random(0)
-        # One copy of the limit right before and one right after each round. (On cpu the memcpy figure
-        # is measured apart: a 512 MiB memmove right before a store cost it 0.1 of the ratio.)
-        self.limits: list[float] = []
         self.ruler = "limit" if self.device else "copy_engine"  # what the ratios' names say they are of
         self.stored: list[bytes] = []  # keys of the last measured store
 
@@ -166,12 +163,10 @@ class Run:
 
     def limit_gbps(self) -> float:
         """One copy of the fastest this machine moves the job's bytes: the pinned host -> device copy,
-        or on cpu the copy engine's contiguous copy."""
+        or on cpu the copy engine's contiguous copy. Each round is paired with one right before it and
+        one right after it. (On cpu memcpy is measured apart: a 512 MiB memmove right before a store
+        cost it 0.1 of the ratio.)"""
         return self.device.gbps(1) if self.device else self.memcpy.gbps(1, copy_engine=True)
-
-    def measure_limits(self) -> None:
-        """One copy of the limit (call it right before and right after each round)."""
-        self.limits.append(self.limit_gbps())
 
     def store(self, keys: list[bytes], ids: list[int]) -> float:
         synchronize_before_store(self.kv.device)
@@ -196,28 +191,26 @@ def data_path(run: Run, rounds: int) -> dict[str, Any]:
     warm = run.job()  # not measured: the first jobs touch code and memory nothing touched before
     run.store(*warm)
     run.load(*warm)
-    store, load = [], []
+    store, load, store_limits, load_limits = [], [], [], []
     for _ in range(rounds):
         keys, ids = run.job()
         wait_sealed(run.client)  # one store's latency, not the previous one's checksums
         run.client.clear(run.session.namespace)
-        run.measure_limits()
+        store_limits.append(run.limit_gbps())
         store.append(run.store(keys, ids))
-        run.measure_limits()
+        store_limits.append(run.limit_gbps())
         run.stored = keys
         wait_sealed(run.client)
-        run.measure_limits()
+        load_limits.append(run.limit_gbps())
         load.append(run.load(keys, run.ids()))
-        run.measure_limits()
-    limits, name = run.limits, run.ruler
+        load_limits.append(run.limit_gbps())
+    limits, name = store_limits + load_limits, run.ruler
     results: dict[str, Any] = {
         "memcpy_gbps": run.memcpy.gbps(rounds), "store_gbps": max(store), "load_gbps": max(load),
         "device_copy_gbps" if run.device else "copy_engine_gbps": max(limits),
         f"{name}_gbps_median": statistics.median(limits),
     }
-    # Per round: the store's limits before and after it, then the load's: the stores' pairs first.
-    ratios = paired_ratios(store + load, [x for r in range(0, len(limits), 4) for x in limits[r:r + 2]] +
-                           [x for r in range(0, len(limits), 4) for x in limits[r + 2:r + 4]])
+    ratios = paired_ratios(store + load, limits)
     results[f"store_vs_{name}"] = statistics.median(ratios[:rounds])
     results[f"load_vs_{name}"] = statistics.median(ratios[rounds:])
     results[f"store_vs_{name}_rounds"] = [round(r, 3) for r in ratios[:rounds]]
@@ -229,13 +222,12 @@ def sustained(run: Run, rounds: int, burst: int = BURST) -> dict[str, Any]:
     """Bursts of `burst` stores back to back (their seals yield to the copies), each burst paired with
     the limits measured around it: what stores sustain, and what they sustain once sealed.
     The namespace is cleared before each burst (the pool holds one burst, not all of them)."""
-    run.limits.clear()
-    copied, sealed = [], []
+    copied, sealed, limits = [], [], []
     for _ in range(rounds):
         wait_sealed(run.client)
         run.client.clear(run.session.namespace)
         jobs = [run.job() for _ in range(burst)]
-        run.measure_limits()
+        limits.append(run.limit_gbps())
         if run.backend != "cpu":
             synchronize_before_store(run.kv.device)
         started = time.perf_counter()
@@ -246,13 +238,13 @@ def sustained(run: Run, rounds: int, burst: int = BURST) -> dict[str, Any]:
         copied.append(burst * run.total / (time.perf_counter() - started) / 1e9)
         wait_sealed(run.client)
         sealed.append(burst * run.total / (time.perf_counter() - started) / 1e9)
-        run.measure_limits()
+        limits.append(run.limit_gbps())
     run.client.clear(run.session.namespace)
     results: dict[str, Any] = {"store_sustained_gbps": max(copied), "store_sustained_sealed_gbps": max(sealed)}
-    ratios, name = paired_ratios(copied, run.limits), run.ruler
+    ratios, name = paired_ratios(copied, limits), run.ruler
     results[f"store_sustained_vs_{name}"] = statistics.median(ratios)
     results[f"store_sustained_vs_{name}_rounds"] = [round(r, 3) for r in ratios]
-    results[f"store_sustained_sealed_vs_{name}"] = statistics.median(paired_ratios(sealed, run.limits))
+    results[f"store_sustained_sealed_vs_{name}"] = statistics.median(paired_ratios(sealed, limits))
     return results
 
 
