@@ -51,6 +51,13 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+def _futex(address: int, op: int, value: int, timeout: _Timespec | None = None) -> None:
+    """futex(2) on the u32 at `address` (its result unused: a wait that ends early is checked again)."""
+    assert _SYS_FUTEX is not None, "no futex syscall number for this machine: callers check first"
+    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(address), ctypes.c_int(op), ctypes.c_uint(value),
+                  None if timeout is None else ctypes.byref(timeout), None, ctypes.c_int(0))
+
+
 @dataclass(frozen=True, slots=True)
 class Completion:
     job_id: int
@@ -114,8 +121,7 @@ class CompletionChannel:
         (posts,) = POSTS.unpack_from(self._mm, POSTS_OFFSET)
         POSTS.pack_into(self._mm, POSTS_OFFSET, (posts + 1) & 0xFFFFFFFF)
         if _SYS_FUTEX is not None:
-            _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(self._posts_address), ctypes.c_int(_FUTEX_WAKE),
-                          ctypes.c_int(0x7FFFFFFF), None, None, ctypes.c_int(0))
+            _futex(self._posts_address, _FUTEX_WAKE, 0x7FFFFFFF)  # every waiter
 
     def post_progress(self, job_id: int, regions: int) -> None:
         """Daemon side: the first `regions` regions of a load job have landed."""
@@ -138,9 +144,7 @@ class CompletionChannel:
         if _SYS_FUTEX is None or self._mm.closed:
             time.sleep(timeout)
             return
-        timespec = _Timespec(int(timeout), int(timeout % 1 * 1e9))
-        _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(self._posts_address), ctypes.c_int(_FUTEX_WAIT),
-                      ctypes.c_uint(seen), ctypes.byref(timespec), None, ctypes.c_int(0))
+        _futex(self._posts_address, _FUTEX_WAIT, seen, _Timespec(int(timeout), int(timeout % 1 * 1e9)))
 
     def check(self, job_id: int) -> Completion | None:
         """Client side: the completion of `job_id`, or None while it runs."""
