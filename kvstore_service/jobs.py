@@ -54,6 +54,11 @@ MAX_JOB_ID = (1 << 64) - 1  # the completion word holds job_id + 1
 ORDER_WAIT_S = 60.0
 ORDER_POLL_FIRST_S = 0.0002
 ORDER_POLL_MAX_S = 0.002
+# The longest the loop waits for a free copy thread to take up a job's first chunk before it plans
+# the next (Threads.start): without the wait a 2048 x 256 KiB load's first copies started 1.5-5 ms
+# after their hand-off, with it 0.05-0.2 ms. A/B of 16-20 interleaved rounds, 2-vCPU VM, of the
+# copy engine: loads 0.80 -> 0.83, stores 0.92 -> 0.93.
+HANDOFF_WAIT_S = 0.002
 # Finished jobs kept per session for the Poll RPC (the shared-memory channel is the main path):
 # the oldest go first when nobody polls.
 RESULTS_KEPT = 1024
@@ -327,7 +332,11 @@ class Jobs:
                 if whole:
                     copy_whole(job.session, job.job_id, chunk.plan)
                 self._copies += 1
-                copies.append((chunk, Threads.run(lane, self._copy, job, chunk)))
+                if self._copies <= self.config.copy_threads and len(parts) > 1:
+                    # A free thread, and the loop plans on: see that the thread starts now.
+                    copies.append((chunk, Threads.start(lane, self._copy, job, chunk, wait_s=HANDOFF_WAIT_S)))
+                else:
+                    copies.append((chunk, Threads.run(lane, self._copy, job, chunk)))
             await asyncio.sleep(0)  # serve other requests between chunks of a large job
         return copies
 
