@@ -241,6 +241,30 @@ void copy_regions_with_progress(const std::vector<Run>& runs, size_t blocks, con
   }
 }
 
+// Copies the runs of one block of a load (pool -> engine) and tells whether the CRC32C of its whole
+// pool payload [slot, slot + size) is `expected`, reading it once: its runs' bytes as they are copied,
+// the rest (other shards' parts) only read. Runs that leave the payload or overlap: the payload is
+// verified first, and copied only if it matches.
+bool copy_checked(std::vector<Run> runs, uint64_t slot, uint64_t size, bool streaming, uint64_t expected) {
+  std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.src < b.src; });
+  uint64_t at = slot;
+  bool inside = true;
+  for (const Run& r : runs) inside = inside && r.src >= at && r.size <= slot + size - r.src && (at = r.src + r.size);
+  if (!inside) {
+    if (crc32c(0, reinterpret_cast<const void*>(slot), size) != expected) return false;
+    copy_list(runs, streaming);
+    return true;
+  }
+  uint32_t crc = 0;
+  at = slot;
+  for (const Run& r : runs) {
+    crc = crc32c(crc, reinterpret_cast<const void*>(at), r.src - at);
+    crc = crc32c_copy(crc, reinterpret_cast<void*>(r.dst), reinterpret_cast<const void*>(r.src), r.size, streaming);
+    at = r.src + r.size;
+  }
+  return crc32c(crc, reinterpret_cast<const void*>(at), slot + size - at) == expected;
+}
+
 // ---- Python entry points ---------------------------------------------------------------------
 
 PyObject* py_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
@@ -340,11 +364,14 @@ PyObject* py_plan_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
 // transfer(pool_base, pool_offsets, engine_addresses, sizes, to_engine, blocks, threads=1, streaming=True,
 //          progress=0, progress_word=0, check=None, check_offsets=None, check_size=0, expected=None) -> bytes
 // One chunk of a job in one call, GIL released throughout: the runs are `regions` x `blocks`, region-major
-// (plan_transfer). First the pool bytes of the blocks at positions `check` (check_size bytes at
-// pool_base + check_offsets[i]) are checksummed; a block whose CRC32C differs from expected[i] (UINT64_MAX:
-// not known, not checked) is corrupt and none of its runs is copied. Then the copy: with `progress` (an
-// address) region by region on this thread, posting progress_word | regions landed after each; else
-// coalesced over `threads`. Returns the corrupt positions (native uint64).
+// (plan_transfer). The blocks at positions `check` are verified: the CRC32C of their pool bytes (check_size
+// bytes at pool_base + check_offsets[i]) against expected[i] (UINT64_MAX: not known, not checked); one that
+// differs is corrupt. With `progress` (an address: the engine may read each region as it lands) they are
+// verified before the copy, and a corrupt one is not copied; the copy runs region by region on this thread,
+// posting progress_word | regions landed after each. Else (the engine reads nothing before the job's
+// completion, which names the corrupt blocks) a load's checked blocks are checksummed as they are copied,
+// reading their bytes once, and the other runs are coalesced over `threads`. Returns the corrupt positions
+// (native uint64).
 PyObject* py_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* kwlist[] = {"pool_base", "pool_offsets", "engine_addresses", "sizes", "to_engine", "blocks",
                                  "threads", "streaming", "progress", "progress_word", "check", "check_offsets",
@@ -411,10 +438,15 @@ PyObject* py_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
   }
   std::vector<uint64_t> corrupt;
   Py_BEGIN_ALLOW_THREADS
-  std::vector<char> skip(nblocks, 0);
+  const bool on_the_way = progress == 0 && to_engine;
+  std::vector<char> skip(nblocks, 0);  // verified first and corrupt, or checked on the way: not in the bulk copy
+  std::vector<size_t> checked_at(nblocks, SIZE_MAX);  // position -> its index in `check`
   for (size_t i = 0; i < check.size(); ++i) {
     if (expected[i] == kUnknownChecksum) continue;
-    if (crc32c(0, reinterpret_cast<const void*>(check_addrs[i]), check_size) != expected[i]) {
+    if (on_the_way) {
+      skip[check[i]] = 1;
+      checked_at[check[i]] = i;
+    } else if (crc32c(0, reinterpret_cast<const void*>(check_addrs[i]), check_size) != expected[i]) {
       skip[check[i]] = 1;
       corrupt.push_back(check[i]);
     }
@@ -422,12 +454,22 @@ PyObject* py_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
   if (progress != 0) {
     copy_regions_with_progress(runs, nblocks, skip, streaming != 0, reinterpret_cast<uint64_t*>(progress), word);
   } else {
-    if (!corrupt.empty()) {
-      size_t out = 0;
-      for (size_t i = 0; i < runs_n; ++i) {
-        if (!skip[i % nblocks]) runs[out++] = runs[i];
+    std::vector<std::vector<Run>> checked_runs(check.size());
+    size_t out = 0;
+    for (size_t i = 0; i < runs_n; ++i) {
+      size_t k = i % nblocks;
+      if (!skip[k]) {
+        runs[out++] = runs[i];
+      } else if (checked_at[k] != SIZE_MAX && runs[i].size != 0) {
+        checked_runs[checked_at[k]].push_back(runs[i]);
       }
-      runs.resize(out);
+    }
+    runs.resize(out);
+    for (size_t i = 0; i < check.size(); ++i) {
+      if (checked_at[check[i]] == i &&
+          !copy_checked(checked_runs[i], check_addrs[i], check_size, streaming != 0, expected[i])) {
+        corrupt.push_back(check[i]);
+      }
     }
     runs.erase(std::remove_if(runs.begin(), runs.end(), [](const Run& r) { return r.size == 0; }), runs.end());
     coalesce(&runs);

@@ -5,11 +5,15 @@
 
 #include "crc32c.h"
 
+#include <algorithm>
 #include <cstring>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <nmmintrin.h>
 #define KV_CRC_X86 1
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
 #elif defined(__aarch64__) && defined(__linux__)
 #include <arm_acle.h>
 #include <asm/hwcap.h>
@@ -115,6 +119,57 @@ void build_shift_table(uint32_t (&t)[4][256], size_t len) {
 #undef KV_CRC8
 #endif
 
+#if defined(KV_CRC_X86) && defined(__x86_64__)
+// A copy that takes the CRC of what it copies (a load's checksum sample), reading the source once:
+// three lanes of kLong bytes at a time, 32 bytes of each per step, copied (streaming: non-temporal
+// stores, as the copy engine's) and fed to three CRC chains, which the CRC unit runs side by side
+// while the copy waits on memory. 256 KiB blocks, one thread, 2-vCPU VM: 11.2 GB/s against the
+// copy's 12.0; a CRC pass then the copy: 7.7 (benchmarks/results/cpu-copies-s21-2026-11-27.log).
+__attribute__((target("avx2,sse4.2"))) uint32_t raw_copy_avx2(uint32_t state, uint8_t* dst, const uint8_t* src,
+                                                              size_t n, bool streaming) {
+  // Up to a 32-byte aligned destination (the lanes' stores are aligned), and the tail: CRC then copy.
+  size_t head = std::min<size_t>(n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);
+  uint64_t c0 = raw_sse42(state, src, head);
+  std::memcpy(dst, src, head);
+  dst += head, src += head, n -= head;
+  for (; n >= 3 * kLong; dst += 3 * kLong, src += 3 * kLong, n -= 3 * kLong) {
+    uint64_t c1 = 0, c2 = 0;
+    for (size_t o = 0; o < kLong; o += 32) {
+      __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + o));
+      __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + kLong + o));
+      __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * kLong + o));
+      auto* da = reinterpret_cast<__m256i*>(dst + o);
+      auto* db = reinterpret_cast<__m256i*>(dst + kLong + o);
+      auto* dc = reinterpret_cast<__m256i*>(dst + 2 * kLong + o);
+      if (streaming) {
+        _mm256_stream_si256(da, a), _mm256_stream_si256(db, b), _mm256_stream_si256(dc, c);
+      } else {
+        _mm256_store_si256(da, a), _mm256_store_si256(db, b), _mm256_store_si256(dc, c);
+      }
+      c0 = _mm_crc32_u64(c0, _mm256_extract_epi64(a, 0));
+      c1 = _mm_crc32_u64(c1, _mm256_extract_epi64(b, 0));
+      c2 = _mm_crc32_u64(c2, _mm256_extract_epi64(c, 0));
+      c0 = _mm_crc32_u64(c0, _mm256_extract_epi64(a, 1));
+      c1 = _mm_crc32_u64(c1, _mm256_extract_epi64(b, 1));
+      c2 = _mm_crc32_u64(c2, _mm256_extract_epi64(c, 1));
+      c0 = _mm_crc32_u64(c0, _mm256_extract_epi64(a, 2));
+      c1 = _mm_crc32_u64(c1, _mm256_extract_epi64(b, 2));
+      c2 = _mm_crc32_u64(c2, _mm256_extract_epi64(c, 2));
+      c0 = _mm_crc32_u64(c0, _mm256_extract_epi64(a, 3));
+      c1 = _mm_crc32_u64(c1, _mm256_extract_epi64(b, 3));
+      c2 = _mm_crc32_u64(c2, _mm256_extract_epi64(c, 3));
+    }
+    c0 = shift_state(g_tables.shift_long, static_cast<uint32_t>(c0)) ^ static_cast<uint32_t>(c1);
+    c0 = shift_state(g_tables.shift_long, static_cast<uint32_t>(c0)) ^ static_cast<uint32_t>(c2);
+  }
+  c0 = raw_sse42(static_cast<uint32_t>(c0), src, n);
+  std::memcpy(dst, src, n);
+  if (streaming) _mm_sfence();
+  return static_cast<uint32_t>(c0);
+}
+const bool g_copy_avx2 = (__builtin_cpu_init(), __builtin_cpu_supports("avx2") && __builtin_cpu_supports("sse4.2"));
+#endif
+
 using RawFn = uint32_t (*)(uint32_t, const uint8_t*, size_t);
 
 struct Dispatch {
@@ -161,6 +216,18 @@ uint32_t crc32c(uint32_t crc, const void* data, size_t n) {
 
 uint32_t crc32c_portable(uint32_t crc, const void* data, size_t n) {
   return ~raw_table(~crc, static_cast<const uint8_t*>(data), n);
+}
+
+uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n, bool streaming) {
+#if defined(KV_CRC_X86) && defined(__x86_64__)
+  if (g_copy_avx2) {
+    return ~raw_copy_avx2(~crc, static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src), n, streaming);
+  }
+#endif
+  (void)streaming;
+  crc = crc32c(crc, src, n);
+  std::memcpy(dst, src, n);
+  return crc;
 }
 
 const char* crc32c_impl() { return g_dispatch.name; }

@@ -15,6 +15,11 @@ namespace kvstore {
 // over more data (crc32c(crc32c(0, a), b) == crc32c(0, a + b)).
 uint32_t crc32c(uint32_t crc, const void* data, size_t n);
 
+// Copies n bytes from src to dst (not overlapping) and returns crc32c(crc, src, n), reading the
+// source once where the CPU allows (x86-64 with AVX2; elsewhere a CRC pass, then the copy).
+// `streaming`: non-temporal stores, as the copy engine's (x86-64); a store fence before it returns.
+uint32_t crc32c_copy(uint32_t crc, void* dst, const void* src, size_t n, bool streaming);
+
 // Same function, always the portable table-driven (slice-by-8) implementation.
 uint32_t crc32c_portable(uint32_t crc, const void* data, size_t n);
 

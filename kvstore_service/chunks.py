@@ -51,7 +51,7 @@ class Chunk:
     indexes: list[int]  # into the job's keys
     blocks: list[Block]
     plan: TransferPlan
-    check: ChecksumSample | None = None  # load: the blocks verified before the copy
+    check: ChecksumSample | None = None  # load: the blocks whose checksums are verified
 
 
 def chunks(n: int, block_bytes: int, threads: int) -> list[range]:

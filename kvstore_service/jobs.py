@@ -377,8 +377,8 @@ class Jobs:
 
     def _copy(self, job: Job, chunk: Chunk) -> list[int]:
         """Copy thread: one chunk in one backend call (a store's blocks get their slot headers at
-        their seal). A load first verifies its checksum sample in the pool; the blocks that fail are
-        not copied, and their positions are returned. No Python per block here: the event loop
+        their seal). A load's checksum sample is verified in the pool (backends' `transfer`), and
+        the positions of the blocks that fail are returned. No Python per block here: the event loop
         holds the GIL while it plans."""
         session = job.session
         start = time.monotonic()

@@ -43,7 +43,7 @@ class TransferPlan:
 
 @dataclass(frozen=True, slots=True)
 class ChecksumSample:
-    """A load's blocks to verify before their copy: block `positions[i]` of the plan (runs are
+    """A load's blocks to verify: block `positions[i]` of the plan (runs are
     region-major, `blocks` per region) is `size` bytes at pool offset `offsets[i]` whose CRC32C must
     be `expected[i]` (native.UNKNOWN_CHECKSUM: not known yet, not checked)."""
 
@@ -134,10 +134,12 @@ class Backend(ABC):
 
     def transfer(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool, blocks: int,
                  check: ChecksumSample | None = None) -> list[int]:
-        """One chunk of a job (`blocks` blocks, the plan's runs region-major): verify the `check`
-        sample in the pool first, then copy the runs of every block that passed. Returns the
-        positions of the corrupt ones (none of their bytes moved). This default checksums, then
-        calls copy(); a backend may do both in one native call (cpu)."""
+        """One chunk of a job (`blocks` blocks, the plan's runs region-major): copy it and verify
+        the `check` sample in the pool. Returns the positions of the corrupt ones, which the job
+        reports failed. This default checksums first, then calls copy() for the blocks that passed.
+        The cpu backend does both in one native call, and checksums the sample of a load not copied
+        whole as it copies it (reading its bytes once: the engine reads none before the job's
+        completion, so a corrupt block may land there, failed)."""
         corrupt: list[int] = []
         if check is not None:
             from kvstore_service import native  # (the interface itself needs no native engine)

@@ -254,7 +254,7 @@ def test_corrupt_block_fails_its_load_and_is_dropped(daemon_factory) -> None:
     done = s.wait([job])[job]
     assert (done.blocks_ok, done.blocks_failed) == (3, 1)
     assert engine.verify([keys[0], keys[1], keys[3]], [4, 5, 7]) == 0
-    assert int(engine.blocks[6].count_nonzero()) == 0  # the bad bytes never reached the engine
+    assert int(engine.blocks[6].count_nonzero()) == 0  # (copied whole: verified first) the bad bytes never landed
     stats = daemon.client().stats()
     assert stats.corrupt_blocks == 1 and stats.blocks == 3
     assert s.lookup(keys) == (2, b"")

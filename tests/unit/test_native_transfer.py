@@ -53,7 +53,7 @@ def test_the_plan_refuses_a_run_outside_the_engine_memory_the_pool_or_the_cache(
         native.plan_transfer([0], [0, 1], regions, 8, 1 << 20)
 
 
-def test_transfer_copies_both_ways_and_skips_the_blocks_that_fail_their_checksum() -> None:
+def test_transfer_copies_both_ways_and_names_the_blocks_that_fail_their_checksum() -> None:
     num_blocks, count = 4, 3
     engine, base = buffer(count * num_blocks * BLOCK, 0x11)
     pool, pool_base = buffer(num_blocks * count * BLOCK)
@@ -71,25 +71,61 @@ def test_transfer_copies_both_ways_and_skips_the_blocks_that_fail_their_checksum
     for k, block_id in enumerate([2, 0, 3, 1]):
         for r in range(count):
             got = ctypes.string_at(base + (r * num_blocks + block_id) * BLOCK, BLOCK)
-            assert got == (bytes([0x11]) * BLOCK if k == 1 else ctypes.string_at(pool_base + slots[k] + r * BLOCK,
-                                                                                 BLOCK)), (k, r)
+            if k != 1:  # (a chunked load's corrupt block may land: its job names it failed)
+                assert got == ctypes.string_at(pool_base + slots[k] + r * BLOCK, BLOCK), (k, r)
     ctypes.memset(pool, 0, len(pool))
     assert native.transfer(pool_base, *plan, to_engine=False, blocks=num_blocks, threads=2) == []
-    assert ctypes.string_at(pool_base + slots[1], BLOCK) == bytes([0x11]) * BLOCK  # engine block 0
+    assert ctypes.string_at(pool_base + slots[1], BLOCK) == ctypes.string_at(base, BLOCK)  # engine block 0
     assert ctypes.string_at(pool_base + slots[0], BLOCK) == ctypes.string_at(base + 2 * BLOCK, BLOCK)
 
 
-def test_a_whole_load_posts_each_region_in_the_progress_word() -> None:
+@pytest.mark.parametrize("shift", [0, 8, 13])
+def test_a_chunked_load_checksums_its_sample_as_it_copies_the_shard_it_reads(shift: int) -> None:
+    """A block of two shards, this engine's the second: its payload's CRC covers both, read once, the copied
+    part on the way (long runs: the three-lane copy; odd lengths and alignments: its head and tail)."""
+    part = 3 * 8192 * 2 + 40 + shift  # one region's part of a block, in this shard
+    num_blocks, count = 3, 2
+    payload = 2 * count * part  # both shards
+    engine, base = buffer(count * num_blocks * part + 64)
+    base += shift  # (unaligned engine addresses)
+    pool, pool_base = buffer(num_blocks * payload)
+    ctypes.memmove(pool, bytes(range(256)) * (len(pool) // 256) + bytes(len(pool) % 256), len(pool))
+    slots = [k * payload for k in range(num_blocks)]
+    regions = array("Q")
+    for r in range(count):
+        regions.extend((base + r * num_blocks * part, part, part, base, base + count * num_blocks * part))
+    plan = native.plan_transfer(slots, [1, 2, 0], regions, num_blocks, len(pool), shard_offset=count * part)
+    sums = native.checksum_blocks(pool_base, slots, payload)
+
+    def load() -> list[int]:
+        return native.transfer(pool_base, *plan, to_engine=True, blocks=num_blocks, check=[0, 2],
+                               check_offsets=[slots[0], slots[2]], check_size=payload,
+                               expected=array("Q", [sums[0], sums[2]]))
+    assert load() == []
+    for k, block_id in enumerate([1, 2, 0]):
+        for r in range(count):
+            assert (ctypes.string_at(base + (r * num_blocks + block_id) * part, part)
+                    == ctypes.string_at(pool_base + slots[k] + (count + r) * part, part)), (k, r)
+    pool[slots[0] + payload - 1] = b"\xff"  # in the shard it copies
+    pool[slots[2] + 5] = b"\xff"  # in the other shard's part, which it only reads
+    assert load() == [0, 2]
+
+
+def test_a_whole_load_verifies_before_it_copies_and_posts_each_region_in_the_progress_word() -> None:
     num_blocks, count = 2, 3
     engine, base = buffer(count * num_blocks * BLOCK)
     pool, pool_base = buffer(num_blocks * count * BLOCK, 0x42)
     word = (ctypes.c_uint64 * 1)()
     plan = native.plan_transfer([0, count * BLOCK], [0, 1], regions_of(base, len(engine), count, num_blocks),
                                 num_blocks, len(pool))
-    native.transfer(pool_base, *plan, to_engine=True, blocks=num_blocks, streaming=False,
-                    progress=ctypes.addressof(word), progress_word=7 << 16)
+    wrong = native.checksum_blocks(pool_base, [count * BLOCK], count * BLOCK)[0] ^ 1
+    assert native.transfer(pool_base, *plan, to_engine=True, blocks=num_blocks, streaming=False,
+                           progress=ctypes.addressof(word), progress_word=7 << 16, check=[1],
+                           check_offsets=[count * BLOCK], check_size=count * BLOCK, expected=[wrong]) == [1]
     assert word[0] == 7 << 16 | count
-    assert ctypes.string_at(base, len(engine)) == bytes([0x42]) * len(engine)
+    for r in range(count):  # block 0 landed; block 1, which failed its checksum, not a byte of it
+        assert ctypes.string_at(base + r * num_blocks * BLOCK, BLOCK) == bytes([0x42]) * BLOCK
+        assert ctypes.string_at(base + (r * num_blocks + 1) * BLOCK, BLOCK) == bytes(BLOCK)
 
 
 def test_transfer_validates_its_arguments_first() -> None:
