@@ -249,7 +249,13 @@ bool copy_checked(std::vector<Run> runs, uint64_t slot, uint64_t size, bool stre
   std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.src < b.src; });
   uint64_t at = slot;
   bool inside = true;
-  for (const Run& r : runs) inside = inside && r.src >= at && r.size <= slot + size - r.src && (at = r.src + r.size);
+  for (const Run& r : runs) {
+    if (r.src < at || r.src > slot + size || r.size > slot + size - r.src) {
+      inside = false;
+      break;
+    }
+    at = r.src + r.size;
+  }
   if (!inside) {
     if (crc32c(0, reinterpret_cast<const void*>(slot), size) != expected) return false;
     copy_list(runs, streaming);

@@ -125,6 +125,15 @@ void build_shift_table(uint32_t (&t)[4][256], size_t len) {
 // stores, as the copy engine's) and fed to three CRC chains, which the CRC unit runs side by side
 // while the copy waits on memory. 256 KiB blocks, one thread, 2-vCPU VM: 11.2 GB/s against the
 // copy's 12.0; a CRC pass then the copy: 7.7 (benchmarks/results/cpu-copies-s21-2026-11-27.log).
+// The four words of v, from its register (reading them again from memory, behind the stores, ran
+// at a tenth of the speed).
+__attribute__((target("avx2,sse4.2"))) inline uint64_t crc_words(uint64_t c, __m256i v) {
+  c = _mm_crc32_u64(c, _mm256_extract_epi64(v, 0));
+  c = _mm_crc32_u64(c, _mm256_extract_epi64(v, 1));
+  c = _mm_crc32_u64(c, _mm256_extract_epi64(v, 2));
+  return _mm_crc32_u64(c, _mm256_extract_epi64(v, 3));
+}
+
 __attribute__((target("avx2,sse4.2"))) uint32_t raw_copy_avx2(uint32_t state, uint8_t* dst, const uint8_t* src,
                                                               size_t n, bool streaming) {
   // Up to a 32-byte aligned destination (the lanes' stores are aligned), and the tail: CRC then copy.
@@ -146,18 +155,7 @@ __attribute__((target("avx2,sse4.2"))) uint32_t raw_copy_avx2(uint32_t state, ui
       } else {
         _mm256_store_si256(da, a), _mm256_store_si256(db, b), _mm256_store_si256(dc, c);
       }
-      c0 = _mm_crc32_u64(c0, _mm256_extract_epi64(a, 0));
-      c1 = _mm_crc32_u64(c1, _mm256_extract_epi64(b, 0));
-      c2 = _mm_crc32_u64(c2, _mm256_extract_epi64(c, 0));
-      c0 = _mm_crc32_u64(c0, _mm256_extract_epi64(a, 1));
-      c1 = _mm_crc32_u64(c1, _mm256_extract_epi64(b, 1));
-      c2 = _mm_crc32_u64(c2, _mm256_extract_epi64(c, 1));
-      c0 = _mm_crc32_u64(c0, _mm256_extract_epi64(a, 2));
-      c1 = _mm_crc32_u64(c1, _mm256_extract_epi64(b, 2));
-      c2 = _mm_crc32_u64(c2, _mm256_extract_epi64(c, 2));
-      c0 = _mm_crc32_u64(c0, _mm256_extract_epi64(a, 3));
-      c1 = _mm_crc32_u64(c1, _mm256_extract_epi64(b, 3));
-      c2 = _mm_crc32_u64(c2, _mm256_extract_epi64(c, 3));
+      c0 = crc_words(c0, a), c1 = crc_words(c1, b), c2 = crc_words(c2, c);  // (three chains side by side)
     }
     c0 = shift_state(g_tables.shift_long, static_cast<uint32_t>(c0)) ^ static_cast<uint32_t>(c1);
     c0 = shift_state(g_tables.shift_long, static_cast<uint32_t>(c0)) ^ static_cast<uint32_t>(c2);

@@ -111,6 +111,18 @@ def test_a_chunked_load_checksums_its_sample_as_it_copies_the_shard_it_reads(shi
     assert load() == [0, 2]
 
 
+def test_a_sample_whose_payload_does_not_hold_the_runs_of_its_block_is_verified_before_the_copy() -> None:
+    engine, base = buffer(2 * BLOCK)
+    pool, pool_base = buffer(4 * BLOCK, 0x42)
+    plan = native.plan_transfer([0, BLOCK], [0, 1], regions_of(base, len(engine), 1, 2), 2, len(pool))
+    elsewhere = 2 * BLOCK  # (the checked bytes are not the block's)
+    wrong = native.checksum_blocks(pool_base, [elsewhere], BLOCK)[0] ^ 1
+    assert native.transfer(pool_base, *plan, to_engine=True, blocks=2, check=[1], check_offsets=[elsewhere],
+                           check_size=BLOCK, expected=[wrong]) == [1]
+    assert ctypes.string_at(base, BLOCK) == bytes([0x42]) * BLOCK
+    assert ctypes.string_at(base + BLOCK, BLOCK) == bytes(BLOCK)  # not copied
+
+
 def test_a_whole_load_verifies_before_it_copies_and_posts_each_region_in_the_progress_word() -> None:
     num_blocks, count = 2, 3
     engine, base = buffer(count * num_blocks * BLOCK)
