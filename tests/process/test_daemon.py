@@ -266,6 +266,36 @@ def test_corrupt_block_fails_its_load_and_is_dropped(daemon_factory) -> None:
     engine.close()
 
 
+def test_a_bulk_load_checks_its_blocks_as_it_copies_and_fails_a_corrupt_one(daemon_factory) -> None:
+    """Over PLAIN_LOAD_BYTES a load is copied in chunks, its checksums taken as it copies: a corrupt
+    block fails its load (the engine recomputes it), the others land whole, the block is dropped."""
+    import mmap
+
+    from kvstore_service.backends.cpu import PLAIN_LOAD_BYTES
+
+    block = 4 << 20
+    n = PLAIN_LOAD_BYTES // block + 2
+    daemon = daemon_factory("--verify-loads", "1", pool_size=f"{2 * n * block >> 20}MiB",
+                            segment_size="16MiB").start()
+    engine = Engine(daemon.socket, "bulk-corrupt", 2 * n, block)
+    s = engine.session
+    keys = [key_of("b", i) for i in range(n)]
+    engine.fill(keys, list(range(n)))
+    s.wait([s.store(keys, list(range(n)))])
+    victim = next(off for h, off in _sealed(daemon, n) if h.key == keys[5])
+    with open(daemon.pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as data:
+        data[victim + block - 1] ^= 0xFF  # its last byte
+    job = s.load(keys, list(range(n, 2 * n)))
+    done = s.wait([job])[job]
+    assert (done.blocks_ok, done.blocks_failed) == (n - 1, 1)
+    good = [i for i in range(n) if i != 5]
+    assert engine.verify([keys[i] for i in good], [n + i for i in good]) == 0
+    stats = daemon.client().stats()
+    assert stats.corrupt_blocks == 1 and stats.blocks == n - 1
+    assert s.lookup(keys) == (5, b"")
+    engine.close()
+
+
 def test_daemon_restart_keeps_blocks(daemon) -> None:
     engine = Engine(daemon.socket, "persist", 32, KB64)
     keys = [key_of("p", i) for i in range(10)]
