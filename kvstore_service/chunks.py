@@ -18,8 +18,8 @@ from kvstore_service.index import Block
 from kvstore_service.sessions import EngineSession
 
 # A job is copied in chunks: first one chunk per copy thread (FIRST_CHUNK_BYTES, at most
-# FIRST_CHUNK_BLOCKS), each started as soon as planned (~1-3 µs a block), then the rest in chunks the
-# copy threads take from their queue as they come free, so that one that started late or copies
+# FIRST_CHUNK_BLOCKS), started together once planned (~1-3 µs a block; jobs.py), then the rest in
+# chunks the copy threads take from their queue as they come free, so that one that started late or copies
 # slower (sharing its core with the loop) takes fewer. The first chunks last long enough for the
 # loop to plan the next while they copy (64 MiB: ~6 ms at a CPU thread's ~10 GB/s, ~2.4 ms at half
 # an H100's bus). Then each chunk is what is left over the threads (guided self-scheduling), at most
@@ -34,7 +34,8 @@ from kvstore_service.sessions import EngineSession
 # H100 stores 0.61 -> 0.65, loads 0.64 -> 0.66 of the pinned copy (H200: 0.55 -> 0.61, 0.59 ->
 # 0.61), CPU even. Since clients sleep on a futex for completions (client.py wait()) instead of
 # polling, a thread woken while the loop plans finds a core: each first chunk starting at once
-# against all together, CPU loads 0.72 -> 0.79 and 0.74 -> 0.78, stores even; chunks shrinking to
+# against all together, CPU loads 0.72 -> 0.79 and 0.74 -> 0.78, stores even (together again
+# since the loop sees them taken up: jobs.py HANDOFF_WAIT_S); chunks shrinking to
 # 8 MiB at the end against 64 MiB throughout, loads 0.73 -> 0.77 and 0.77 -> 0.81, stores even.
 FIRST_CHUNK_BYTES = 64 << 20
 FIRST_CHUNK_BLOCKS = 256

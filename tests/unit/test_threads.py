@@ -6,13 +6,14 @@ import asyncio
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from kvstore_service.threads import Threads
 
 
-def test_start_returns_once_a_thread_has_taken_the_work_up_or_after_its_wait() -> None:
+def test_start_returns_once_threads_have_taken_the_calls_up_or_after_its_wait() -> None:
     async def main() -> None:
-        lane = ThreadPoolExecutor(max_workers=1)
+        lane = ThreadPoolExecutor(max_workers=2)
         began: list[str] = []
         release = threading.Event()
 
@@ -20,12 +21,12 @@ def test_start_returns_once_a_thread_has_taken_the_work_up_or_after_its_wait() -
             began.append(tag)
             release.wait(10)
             return tag
-        first = Threads.start(lane, work, "first", wait_s=10)
-        assert began == ["first"]  # taken up before start returned
+        first = Threads.start(lane, [partial(work, "a"), partial(work, "b")], wait_s=10)
+        assert sorted(began) == ["a", "b"]  # both taken up before start returned
         waited = time.monotonic()
-        second = Threads.start(lane, work, "second", wait_s=0.05)  # the lane's only thread is busy
-        assert began == ["first"] and 0.05 <= time.monotonic() - waited < 5
+        second = Threads.start(lane, [partial(work, "c")], wait_s=0.05)  # both threads are busy
+        assert "c" not in began and 0.05 <= time.monotonic() - waited < 5
         release.set()
-        assert (await first, await second) == ("first", "second")
+        assert [await f for f in first + second] == ["a", "b", "c"]
         lane.shutdown()
     asyncio.run(main())
