@@ -19,8 +19,8 @@ from kvstore_service.sessions import EngineSession
 
 # A job is copied in chunks: first one chunk per copy thread (FIRST_CHUNK_BYTES, at most
 # FIRST_CHUNK_BLOCKS), started together once planned (~1-3 µs a block; jobs.py), then the rest in
-# chunks the copy threads take from their queue as they come free, so that one that started late or copies
-# slower (sharing its core with the loop) takes fewer. The first chunks last long enough for the
+# chunks the copy threads take from their queue as they come free, so that one that started late or
+# copies slower (sharing its core with the loop) takes fewer. The first chunks last long enough for the
 # loop to plan the next while they copy (64 MiB: ~6 ms at a CPU thread's ~10 GB/s, ~2.4 ms at half
 # an H100's bus). Then each chunk is what is left over the threads (guided self-scheduling), at most
 # CHUNK_BYTES / CHUNK_BLOCKS (the block cap bounds the loop's planning of one chunk, ~2 ms) and at
