@@ -120,11 +120,6 @@ void build_shift_table(uint32_t (&t)[4][256], size_t len) {
 #endif
 
 #if defined(KV_CRC_X86) && defined(__x86_64__)
-// A copy that takes the CRC of what it copies (a load's checksum sample), reading the source once:
-// three lanes of kLong bytes at a time, 32 bytes of each per step, copied (streaming: non-temporal
-// stores, as the copy engine's) and fed to three CRC chains, which the CRC unit runs side by side
-// while the copy waits on memory. 256 KiB blocks, one thread, 2-vCPU VM: 11.2 GB/s against the
-// copy's 12.0; a CRC pass then the copy: 7.7 (benchmarks/results/cpu-copies-s21-2026-11-27.log).
 // The four words of v, from its register (reading them again from memory, behind the stores, ran
 // at a tenth of the speed).
 __attribute__((target("avx2,sse4.2"))) inline uint64_t crc_words(uint64_t c, __m256i v) {
@@ -134,6 +129,11 @@ __attribute__((target("avx2,sse4.2"))) inline uint64_t crc_words(uint64_t c, __m
   return _mm_crc32_u64(c, _mm256_extract_epi64(v, 3));
 }
 
+// A copy that takes the CRC of what it copies (a load's checksum sample), reading the source once:
+// three lanes of kLong bytes at a time, 32 bytes of each per step, copied (streaming: non-temporal
+// stores, as the copy engine's) and fed to three CRC chains, which the CRC unit runs side by side
+// while the copy waits on memory. 256 KiB blocks, one thread, 2-vCPU VM: 11.2 GB/s against the
+// copy's 12.0; a CRC pass then the copy: 7.7 (benchmarks/results/cpu-copies-s21-2026-11-27.log).
 __attribute__((target("avx2,sse4.2"))) uint32_t raw_copy_avx2(uint32_t state, uint8_t* dst, const uint8_t* src,
                                                               size_t n, bool streaming) {
   // Up to a 32-byte aligned destination (the lanes' stores are aligned), and the tail: CRC then copy.
