@@ -4,10 +4,11 @@
 #   timeline   each job's timeline in the daemon beside what the client saw and the pinned copy's time
 #              (benchmarks/bench_timeline.py): 2048 x 256 KiB stores and loads, a 2048-token hit and a
 #              256-token hit of a vLLM-sized layout
-#   ab-*       bench_copy_ab.py --backend cuda, 10 interleaved rounds each, store and load: the job's cut
+#   ab-*       bench_copy_ab.py --backend cuda, 8 interleaved rounds each, store and load: the job's cut
 #              (chunks.py) as is vs two variants (no shrinking tail: chunks of 64 MiB to the end; chunks
-#              capped at 16 MiB), and copy threads 2 vs 4 (2026-11-27 on an H100 before the shrinking
-#              tail: 4 threads, 4 streams per copy and 16 MiB first chunks were each worse)
+#              capped at 16 MiB), and loads with the checksum sample verified before the DMA vs not
+#              verified (KVSTORE_VERIFY_LOADS=0): what the check costs a bulk load on a GPU
+#              (2026-11-27 on an H100: 4 copy threads, 4 streams per copy, 16 MiB first chunks were each worse)
 # Logs: $OUT/timeline.log, $OUT/ab.log.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -34,15 +35,15 @@ for v in notail cap16; do  # the variants the daemons will import
 print('$v', c.__file__, c.FIRST_CHUNK_BYTES >> 20, c.CHUNK_BYTES >> 20, c.TAIL_CHUNK_BYTES >> 20)" >> "$OUT/ab.log" 2>&1
 done
 
-ab() {  # ab WHAT ARGS...: store then load
-  for mode in store load; do
+ab() {  # ab WHAT MODES ARGS...: each mode (store, load) in turn
+  for mode in $2; do
     echo "== $1 ($mode)" >> "$OUT/ab.log"
-    timeout -k 10 60 python3 benchmarks/bench_copy_ab.py "$mode" --backend cuda --rounds 10 "${@:2}" >> "$OUT/ab.log" 2>&1
+    timeout -k 10 60 python3 benchmarks/bench_copy_ab.py "$mode" --backend cuda --rounds 8 "${@:3}" >> "$OUT/ab.log" 2>&1
     echo "rc=$? at $((SECONDS - T0))s" >> "$OUT/ab.log"
   done
 }
-ab "chunks shrinking to 8 MiB at the end vs 64 MiB to the end" --b-env "PYTHONPATH=/tmp/kvstore-notail:$PYTHONPATH"
-ab "chunks capped at 64 vs 16 MiB" --b-env "PYTHONPATH=/tmp/kvstore-cap16:$PYTHONPATH"
-ab "copy threads 2 vs 4" --b-threads 4
+ab "loads verified before the DMA vs not" load --b-env KVSTORE_VERIFY_LOADS=0
+ab "chunks shrinking to 8 MiB at the end vs 64 MiB to the end" "store load" --b-env "PYTHONPATH=/tmp/kvstore-notail:$PYTHONPATH"
+ab "chunks capped at 64 vs 16 MiB" "store load" --b-env "PYTHONPATH=/tmp/kvstore-cap16:$PYTHONPATH"
 echo "total: $((SECONDS - T0))s" >> "$OUT/ab.log"
 cat "$OUT/ab.log"

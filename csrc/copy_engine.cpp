@@ -772,9 +772,11 @@ PyMethodDef kMethods[] = {
      "The merged (src, dst, size) runs the copy functions would execute."},
     {"cuda_copy_blocks", KV_KW(py_cuda_copy_blocks),
      "cuda_copy_blocks(src_base, dst_base, src_offsets, dst_offsets, sizes, direction, device, stream=0,\n"
-     "                 allow_batch=True) -> None\n\n"
+     "                 allow_batch=True, checksum_base=0, checksum_offsets=None, checksum_size=0) -> bytes\n\n"
      "Copy merged runs with cuMemcpyBatchAsync (driver >= 12.8) or cuMemcpyAsync per run, on `stream` or\n"
-     "a dedicated stream of `device`, and wait for completion (GIL released). direction: 'h2d', 'd2h', 'd2d'."},
+     "a dedicated stream of `device`, and wait for completion (GIL released). direction: 'h2d', 'd2h', 'd2d'.\n"
+     "Returns the CRC32C (native-endian uint64 values) of the host blocks of checksum_size bytes at\n"
+     "checksum_base + checksum_offsets[i], taken once the runs are enqueued, while they copy."},
     {"cuda_host_register", KV_KW(py_cuda_host_register),
      "cuda_host_register(addr, size, device=0) -> None\n\nPin host memory (cuMemHostRegister, portable)."},
     {"cuda_host_unregister", KV_KW(py_cuda_host_unregister),
@@ -934,21 +936,34 @@ bool parse_direction(PyObject* obj, Direction* out) {
   return true;
 }
 
-bool parse_device_copy_args(PyObject* args, PyObject* kwargs, const char* format, DeviceCopyArgs* out) {
-  static const char* kwlist[] = {"src_base", "dst_base", "src_offsets", "dst_offsets", "sizes", "direction",
-                                 "device", "stream", "allow_batch", nullptr};
+bool parse_device_copy_args(PyObject* args, PyObject* kwargs, const char* format, DeviceCopyArgs* out,
+                            bool checksums) {
+  static const char* kwlist[] = {"src_base",    "dst_base",      "src_offsets",      "dst_offsets",
+                                 "sizes",       "direction",     "device",           "stream",
+                                 "allow_batch", "checksum_base", "checksum_offsets", "checksum_size",
+                                 nullptr};
+  static const char* kwlist_plain[] = {"src_base",  "dst_base", "src_offsets", "dst_offsets", "sizes",
+                                       "direction", "device",   "stream",      "allow_batch", nullptr};
   PyObject *src_base_obj, *dst_base_obj, *src_offsets, *dst_offsets, *sizes, *direction_obj;
-  PyObject* stream_obj = nullptr;
+  PyObject *stream_obj = nullptr, *checksum_base_obj = nullptr, *checksum_offsets_obj = Py_None,
+           *checksum_size_obj = nullptr;
   int allow_batch = 1;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, format, const_cast<char**>(kwlist), &src_base_obj,
-                                   &dst_base_obj, &src_offsets, &dst_offsets, &sizes, &direction_obj,
-                                   &out->device, &stream_obj, &allow_batch)) {
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, format, const_cast<char**>(checksums ? kwlist : kwlist_plain),
+                                   &src_base_obj, &dst_base_obj, &src_offsets, &dst_offsets, &sizes, &direction_obj,
+                                   &out->device, &stream_obj, &allow_batch, &checksum_base_obj,
+                                   &checksum_offsets_obj, &checksum_size_obj)) {
     return false;
   }
-  uint64_t src_base, dst_base;
+  uint64_t src_base, dst_base, checksum_base = 0;
+  std::vector<uint64_t> checksum_offsets;
   if (!parse_u64(src_base_obj, "src_base", &src_base) || !parse_u64(dst_base_obj, "dst_base", &dst_base) ||
       !parse_direction(direction_obj, &out->dir) ||
-      (stream_obj != nullptr && stream_obj != Py_None && !parse_u64(stream_obj, "stream", &out->stream))) {
+      (stream_obj != nullptr && stream_obj != Py_None && !parse_u64(stream_obj, "stream", &out->stream)) ||
+      (checksum_base_obj != nullptr && !parse_u64(checksum_base_obj, "checksum_base", &checksum_base)) ||
+      (checksum_size_obj != nullptr && !parse_u64(checksum_size_obj, "checksum_size", &out->checksum_size)) ||
+      (checksum_offsets_obj != Py_None &&
+       (!parse_u64_array(checksum_offsets_obj, "checksum_offsets", &checksum_offsets) ||
+        !block_addresses(checksum_base, checksum_offsets, out->checksum_size, "checksum", &out->checksum_addrs)))) {
     return false;
   }
   out->allow_batch = allow_batch != 0;

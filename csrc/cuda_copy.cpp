@@ -27,11 +27,13 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <utility>
 #include <vector>
 
+#include "crc32c.h"
 #include "kvstore_native.h"
 
 namespace kvstore {
@@ -435,11 +437,15 @@ std::vector<std::pair<size_t, size_t>> split_runs(const std::vector<Run>& runs, 
 // The whole device copy, run with the GIL released. Returns "" or an error message; *code is the
 // CUresult of the failed driver call (0 when the failure was not a driver call's). Ordering against
 // the engine is the caller's (cuda_query_event before the copy). Without a caller's stream, the runs
-// are spread over up to copy_streams streams of our own.
+// are spread over up to copy_streams streams of our own. `while_copying` runs on this thread once
+// every run is enqueued, before the wait for them: host work the DMA hides.
 std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_stream, bool allow_batch,
-                      cu::CUresult* code) {
+                      cu::CUresult* code, const std::function<void()>& while_copying) {
   return in_context(device, code, [&](const Driver& d, DeviceState* dev) -> std::string {
-    if (runs.empty()) return "";
+    if (runs.empty()) {
+      while_copying();
+      return "";
+    }
     auto parts = split_runs(runs, user_stream != 0 ? 1 : d.copy_streams);
     std::string err;
     std::vector<Lane> lanes(parts.size());
@@ -460,6 +466,7 @@ std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_st
       auto [begin, end] = parts[enqueued];
       err = enqueue_copies(d, runs.data() + begin, end - begin, stream_of(enqueued), allow_batch, code);
     }
+    if (err.empty()) while_copying();
     // Wait even after an enqueue error: earlier runs may still be in flight on the streams.
     for (size_t i = 0; i < enqueued; ++i) {
       cu::CUresult rc = d.event_record(lanes[i].event, stream_of(i));
@@ -540,17 +547,23 @@ void raise_cuda_error(const std::string& message, cu::CUresult code) {
 
 PyObject* py_cuda_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
   DeviceCopyArgs a;
-  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|Op:cuda_copy_blocks", &a)) return nullptr;
+  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|OpOOO:cuda_copy_blocks", &a, true)) return nullptr;
   std::string err;
   cu::CUresult code = cu::kSuccess;
+  std::vector<uint64_t> sums(a.checksum_addrs.size());
   Py_BEGIN_ALLOW_THREADS
-  err = cuda_copy(a.runs, a.device, a.stream, a.allow_batch, &code);
+  err = cuda_copy(a.runs, a.device, a.stream, a.allow_batch, &code, [&] {
+    for (size_t i = 0; i < sums.size(); ++i) {
+      sums[i] = crc32c(0, reinterpret_cast<const void*>(a.checksum_addrs[i]), a.checksum_size);
+    }
+  });
   Py_END_ALLOW_THREADS
   if (!err.empty()) {
     raise_cuda_error(err, code);
     return nullptr;
   }
-  Py_RETURN_NONE;
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(sums.data()),
+                                   static_cast<Py_ssize_t>(sums.size() * sizeof(uint64_t)));
 }
 
 static PyObject* host_register_common(PyObject* args, PyObject* kwargs, bool reg) {

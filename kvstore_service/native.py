@@ -269,12 +269,20 @@ def _sticky_cuda_errors(device: int) -> contextlib.AbstractContextManager[None]:
 
 def cuda_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array,
                      sizes: U64Array, direction: str, device: int, stream: int = 0,
-                     allow_batch: bool = True) -> None:
+                     allow_batch: bool = True, checksum_base: int = 0, checksum_offsets: U64Array | None = None,
+                     checksum_size: int = 0) -> list[int]:
     """Copy between GPU memory and host memory ('h2d', 'd2h', 'd2d') and wait for completion.
-    StickyDeviceError when the driver reports an error that leaves the context unusable."""
+    Returns the CRC32C of each `checksum_size`-byte host block at checksum_base + checksum_offsets[i],
+    taken while the copy runs (after it was enqueued, before the wait). StickyDeviceError when the
+    driver reports an error that leaves the context unusable."""
     with _sticky_cuda_errors(device):
-        _native.cuda_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets),
-                                 _as_u64(sizes), direction, device, stream, allow_batch)
+        sums = _native.cuda_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets),
+                                        _as_u64(sizes), direction, device, stream, allow_batch, checksum_base,
+                                        None if checksum_offsets is None else _as_u64(checksum_offsets),
+                                        checksum_size)
+    out = array("Q")
+    out.frombytes(sums)
+    return out.tolist()
 
 
 def cuda_open_ipc_event(handle: bytes, device: int) -> int:

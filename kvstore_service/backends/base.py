@@ -52,6 +52,13 @@ class ChecksumSample:
     size: int
     expected: array
 
+    def corrupt(self, sums: Sequence[int]) -> list[int]:
+        """The positions whose checksum in `sums` (one per sampled block) is not the one expected."""
+        from kvstore_service.native import UNKNOWN_CHECKSUM  # (the interface itself needs no native engine)
+
+        return [k for k, want, got in zip(self.positions, self.expected, sums, strict=True)
+                if want not in (UNKNOWN_CHECKSUM, got)]
+
 
 class ProgressWord:
     """TransferPlan.progress for a whole load whose copy can post its progress itself: `word | k`
@@ -139,14 +146,12 @@ class Backend(ABC):
         reports failed. This default checksums first, then calls copy() for the blocks that passed.
         The cpu backend does both in one native call, and checksums the sample of a load not copied
         whole as it copies it (reading its bytes once: the engine reads none before the job's
-        completion, so a corrupt block may land there, failed)."""
+        completion, so a corrupt block may land there, failed); cuda checksums it while its DMA runs."""
         corrupt: list[int] = []
         if check is not None:
             from kvstore_service import native  # (the interface itself needs no native engine)
 
-            sums = native.checksum_blocks(pool_base, check.offsets, check.size)
-            corrupt = [k for k, want, got in zip(check.positions, check.expected, sums, strict=True)
-                       if want not in (native.UNKNOWN_CHECKSUM, got)]
+            corrupt = check.corrupt(native.checksum_blocks(pool_base, check.offsets, check.size))
         if corrupt:
             plan = without(plan, corrupt, blocks)
         self.copy(mapping, pool_base, plan, to_engine)

@@ -653,9 +653,9 @@ import contextlib, ctypes, json, sys
 from array import array
 from types import SimpleNamespace
 from kvstore_client.protocol.handle import DeviceHandle, encode_handle
-from kvstore_service import sessions
+from kvstore_service import native, sessions
 from kvstore_service.backends import cuda
-from kvstore_service.backends.base import TransferPlan
+from kvstore_service.backends.base import ChecksumSample, TransferPlan
 from kvstore_service.pool import Pool
 
 lib = ctypes.CDLL("libcuda.so.1")
@@ -727,6 +727,11 @@ if a1 is not None:  # 16 MiB of runs: spread over several streams
 if b is not None:
     step("load b", backend.copy, b, pool.base, at(b, [5, 7]), True)
     out["loaded"] = [engines[2].raw[i * BLOCK:(i + 1) * BLOCK] == bytes([1]) * BLOCK for i in range(8)]
+    # A load's checksum sample, taken as it copies: its second block's expected sum is wrong.
+    good = native.crc32c(bytes([1]) * BLOCK)
+    check = ChecksumSample(array("Q", [0, 1]), plan.pool_offsets, BLOCK, array("Q", [good, good ^ 1]))
+    out["corrupt"] = step("load b checked", backend.transfer, b, pool.base, at(b, [4, 6]), True, 2, check)
+    out["loaded checked"] = [engines[2].raw[i * BLOCK:(i + 1) * BLOCK] == bytes([1]) * BLOCK for i in range(8)]
 if c is not None:
     out["pending c"] = step("pending c", backend.order_pending, c)
     out["pending c seq 1"] = step("pending c seq 1", backend.order_pending, c, 1)
@@ -780,6 +785,19 @@ def test_copies_never_wait_on_the_engines_event_on_the_gpu(fake_libcuda: Path, t
         stream = calls[0][1]
         assert [c[0] for c in calls[-2:]] == ["record", "sync"] and calls[-2][2] == stream
     assert out["loaded"] == [False] * 5 + [True, False, True]  # the load moved a's bytes into b's blocks 5 and 7
+
+
+def test_a_loads_checksum_sample_is_taken_while_it_copies(fake_libcuda: Path, tmp_path: Path) -> None:
+    """A chunk of a load with a checksum sample is one copy (copies enqueued, then the wait on its
+    own event): the sample is checksummed in between, the corrupt block named; its bytes land all
+    the same (the engine reads none before the job's completion, which fails that block)."""
+    out = run_scenario(fake_libcuda, tmp_path)
+    step = out["by_step"]["load b checked"]
+    assert step["error"] is None
+    assert [c[0] for c in words(step["calls"])][-2:] == ["record", "sync"]
+    assert {c[0] for c in words(step["calls"])} == {"copy", "record", "sync"}
+    assert out["corrupt"] == [1]
+    assert out["loaded checked"] == [False] * 4 + [True, True, True, True]
 
 
 @pytest.mark.parametrize("rc,pending", [("0", []), ("600", ["0x30a", "0x31a"])])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import mmap
 import re
 from dataclasses import replace
 
@@ -15,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.blocks import key_of
+from support.daemon import wait_for
 
 from kvstore_client.client import peer_handshake
 from kvstore_client.device import (
@@ -42,6 +44,7 @@ from kvstore_client.protocol.handle import (
 )
 from kvstore_service import native
 from kvstore_service.backends import make_backend
+from kvstore_service.pool import sealed_blocks
 
 UUID_A = "0b7e1c2a-5d3f-4e6a-9b8c-1d2e3f4a5b6c"
 UUID_B = "f00dcafe-0000-4111-8222-333344445555"
@@ -466,6 +469,40 @@ def test_cuda_store_and_load_byte_exact(daemon, interleaved: bool) -> None:
             completions.close()
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "is not visible to the daemon" in info.value.details()
+    finally:
+        session.close()
+        client.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: run on a GPU machine (docs/devices.md)")
+def test_cuda_load_checks_its_blocks_as_it_copies_and_fails_a_corrupt_one(daemon_factory) -> None:
+    """--verify-loads 1: each block of a CUDA load is checksummed while its DMA runs. A block
+    corrupted in the pool fails its load (vLLM recomputes it) and is dropped; the others land exact."""
+    daemon = daemon_factory("--verify-loads", "1").start()
+    block, n = 64 << 10, 16
+    buf = torch.randint(-128, 128, (2 * n * block,), dtype=torch.int8, device="cuda")
+    grid = buf.view(2 * n, block)
+    spec = export_kv_memory([buf], 2 * n, [(0, block, block)])
+    client = daemon.client()
+    session = client.session("gpu-corrupt", spec)
+    keys = [key_of("gpu-corrupt", i) for i in range(n)]
+    try:
+        order_before_copies(buf.device)
+        job = session.store(keys, list(range(n)))
+        assert session.wait([job])[job].blocks_ok == n
+        assert wait_for(lambda: len(list(sealed_blocks(daemon.pool_path))) >= n, timeout=10)
+        victim = next(off for h, off in sealed_blocks(daemon.pool_path) if h.key == keys[5])
+        with open(daemon.pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as data:
+            data[victim + block - 1] ^= 0xFF  # its last byte
+        order_before_copies(buf.device)
+        job = session.load(keys, list(range(n, 2 * n)))
+        done = session.wait([job])[job]
+        assert (done.blocks_ok, done.blocks_failed) == (n - 1, 1)
+        good = [i for i in range(n) if i != 5]
+        assert torch.equal(grid[[n + i for i in good]], grid[good])
+        stats = client.stats()
+        assert stats.corrupt_blocks == 1 and stats.blocks == n - 1
+        assert session.lookup(keys) == (5, b"")
     finally:
         session.close()
         client.close()

@@ -450,8 +450,10 @@ def test_cuda_round_trip_on_gpu(allow_batch: bool) -> None:
         host_offs = [i * block for i in range(count)]
         dev_offs = [i * block for i in ids]
         sizes = [block] * count
-        native.cuda_copy_blocks(host.addr, dev_ptr.value, host_offs, dev_offs, sizes, "h2d", 0,
-                                allow_batch=allow_batch)
+        sums = native.cuda_copy_blocks(host.addr, dev_ptr.value, host_offs, dev_offs, sizes, "h2d", 0,
+                                       allow_batch=allow_batch, checksum_base=host.addr,
+                                       checksum_offsets=host_offs[::5], checksum_size=block)
+        assert sums == native.checksum_blocks(host.addr, host_offs[::5], block)  # taken while it copied
         native.cuda_copy_blocks(dev_ptr.value, back.addr, dev_offs, host_offs, sizes, "d2h", 0,
                                 allow_batch=allow_batch)
         assert back.read() == host.read()
