@@ -10,7 +10,12 @@ host -> device copy with `--backend cuda`). Stores go into a cleared namespace, 
 before (a full pool's steady state); loads read one of three stored jobs into scattered block ids.
 Prints the median ratio of each and every round's.
 
+`hit` is a vLLM-sized hit instead (`kvstore bench`'s small_load: `--hit-blocks` blocks of 32 layers x
+K and V x 32 KiB, loaded into random block ids): the ratio is then its submit-to-completion time over
+its copy's (lower is better), and the overhead over the copy is printed too.
+
     python benchmarks/bench_copy_ab.py store --rounds 20 --a-env PYTHONPATH=/tmp/old
+    python benchmarks/bench_copy_ab.py hit --rounds 30 --a-env PYTHONPATH=/tmp/old
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvstore_client import KVStoreClient
-from kvstore_service.bench import Run, private_daemon, wait_sealed
+from kvstore_service.bench import Run, SmallLoad, private_daemon, run_job, wait_sealed
 
 JOB_BYTES = 512 << 20
 
@@ -46,13 +51,45 @@ def daemon_run(env: dict[str, str], block_bytes: int, backend: str, threads: int
             client.close()
 
 
+@contextmanager
+def hit_run(env: dict[str, str], blocks: int, backend: str, threads: int) -> Iterator[SmallLoad]:
+    """A daemon started with `env` added to ours, and a vLLM-sized hit of `blocks` blocks stored in it."""
+    with private_daemon(1 << 30, threads, env) as socket:
+        client = KVStoreClient(socket)
+        hit = SmallLoad(client, backend, blocks, 32, 32 << 10)
+        try:
+            hit.measure(3)  # warm
+            yield hit
+        finally:
+            hit.close()
+            client.close()
+
+
+def hits(args: argparse.Namespace) -> None:
+    """Each round loads the hit through A and B (alternating order), each after its copy's limit."""
+    times: dict[str, list[tuple[float, float]]] = {"A": [], "B": []}
+    with (hit_run(parse_env(args.a_env), args.hit_blocks, args.backend, args.a_threads) as a,
+          hit_run(parse_env(args.b_env), args.hit_blocks, args.backend, args.b_threads) as b):
+        for i in range(args.rounds):
+            for name, hit in (("A", a), ("B", b)) if i % 2 == 0 else (("B", b), ("A", a)):
+                ids = hit.rng.sample(range(hit.cache_blocks), hit.blocks)
+                limit = hit.copy_seconds(ids)
+                times[name].append((run_job(hit.session, lambda h=hit, i=ids: h.session.load(h.keys, i)), limit))
+    for name, env in (("A", args.a_env), ("B", args.b_env)):
+        took = times[name]
+        print(f"hit of {args.hit_blocks} blocks, {name} {' '.join(env) or '(as is)'}: median "
+              f"{statistics.median(t / c for t, c in took):.2f}x its copy, overhead "
+              f"{statistics.median((t - c) * 1e3 for t, c in took):.2f} ms, rounds "
+              f"{[round(t / c, 2) for t, c in took]}")
+
+
 def parse_env(pairs: list[str]) -> dict[str, str]:
     return dict(pair.split("=", 1) for pair in pairs)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["store", "load"])
+    parser.add_argument("mode", choices=["store", "load", "hit"])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--block-kib", type=int, default=256, help="block size (a job is 512 MiB of blocks)")
     parser.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
@@ -60,7 +97,11 @@ def main() -> None:
     parser.add_argument("--b-threads", type=int, default=2, help="daemon B's --copy-threads")
     parser.add_argument("--a-env", nargs="*", default=[], help="KEY=VALUE added to daemon A's environment")
     parser.add_argument("--b-env", nargs="*", default=[], help="KEY=VALUE added to daemon B's environment")
+    parser.add_argument("--hit-blocks", type=int, default=16, help="blocks of a hit (128: 2048 tokens)")
     args = parser.parse_args()
+    if args.mode == "hit":
+        hits(args)
+        return
     ratios: dict[str, list[float]] = {"A": [], "B": []}
     block_bytes = args.block_kib << 10
     with (daemon_run(parse_env(args.a_env), block_bytes, args.backend, args.a_threads) as a,

@@ -6,7 +6,9 @@ job is cut into chunks; for each chunk the loop asks the index for slots (store)
 only make native calls. While chunks copy, the loop plans the next ones; two chunks in flight keep a
 device's DMA busy while the other one's completion is handled (one chunk at a time on all cores
 cost a third of the CUDA path's speed on an H100). The loop then completes each chunk in the index
-and publishes the job's completion to the engine's shared-memory channel.
+and publishes the job's completion to the engine's shared-memory channel. A load whose every block
+landed intact is posted there by the copy thread that finishes its last chunk, before the loop's
+bookkeeping (`_landed` says why).
 
 Stored blocks then wait in a queue to be sealed (seals.py: their checksums taken when no copy is in
 flight, and written into their slot headers); the Seals also verify the blocks recovered after a restart.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import weakref
 from collections import deque
@@ -99,6 +102,10 @@ class Job:
     copied_bytes: int = 0
     ordered: float = 0.0  # when the engine's records were done (monotonic)
     copies: list[tuple[float, float]] = field(default_factory=list)  # each chunk's copy: (start, end)
+    # A load: chunks not landed intact yet, plus 1 while the loop plans or once a block is missing.
+    # The copy thread that brings it to 0 posts the completion (`posted`).
+    unlanded: int = 1
+    posted: bool = False
 
 
 @dataclass(eq=False)
@@ -129,6 +136,7 @@ class Jobs:
         self._corrupt_loads = 0  # blocks that failed their checksum at a load
         self._store_waiters: dict[tuple[Block, int], list[asyncio.Future[bool]]] = {}  # (block, shard)
         self._copies = 0  # chunks handed to copy threads, not finished
+        self._landing = threading.Lock()  # Job.unlanded and the channels' posts, from the loop and copy threads
         self._draining = False
         self.seals = Seals(config, pool, index, self.threads, lambda: self._copies)
         self.queue_seal = self.seals.queue  # (the tiers queue promoted blocks too)
@@ -182,7 +190,7 @@ class Jobs:
             raise invalid(f"job id {job_id} is too large (max {MAX_JOB_ID - 1})")
         slot = job_id % session.channel.slots
         mine = self._jobs_of(session)
-        if slot in mine.running:
+        if slot in mine.running and not mine.running[slot].posted:
             raise KVError("RESOURCE_EXHAUSTED",
                           f"job {job_id}: completion slot busy ({len(mine.running)} jobs in flight, "
                           f"{session.channel.slots} slots); wait for completions")
@@ -339,6 +347,9 @@ class Jobs:
         for k, part in enumerate(parts):
             chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part)
             if chunk is not None:
+                if not job.is_store:
+                    with self._landing:
+                        job.unlanded += 1
                 if whole:
                     copy_whole(job.session, job.job_id, chunk.plan)
                 self._copies += 1
@@ -350,6 +361,8 @@ class Jobs:
                 started = Threads.start(lane, [partial(self._copy, job, c) for c in held], wait_s=HANDOFF_WAIT_S)
                 copies[:0] = zip(held, started, strict=True)
             await asyncio.sleep(0)  # serve other requests between chunks of a large job
+        if not job.is_store and not job.error:  # every block was found: its last copy may post
+            self._landed(job, post=False)
         return copies
 
     def _prepare_store(self, job: Job, part: range) -> Chunk | None:
@@ -397,7 +410,23 @@ class Jobs:
         corrupt = session.backend.transfer(session.mappings[0], self.pool.base, chunk.plan, not job.is_store,
                                            len(chunk.blocks), chunk.check)
         job.copies.append((start, time.monotonic()))
+        if not job.is_store and not corrupt:
+            self._landed(job, post=True)
         return corrupt
+
+    def _landed(self, job: Job, post: bool) -> None:
+        """A load's chunk landed intact (or, from the loop, its planning is done and found every block):
+        the last of them posts its completion if `post` (else the loop does, in _publish).
+
+        So a load's completion reaches the engine when its last chunk lands, not when the loop wakes to
+        complete it (0.15-0.3 ms later on our 2-vCPU VM, then 0.2-0.3 ms of bookkeeping). 16-block
+        vLLM-sized hits, 30 interleaved rounds: 1.62x -> 1.44x their copy's time (overhead 2.5 -> 1.8
+        ms). A missing or corrupt block, a failed copy, a store: the loop posts, as before."""
+        with self._landing:
+            job.unlanded -= 1
+            if job.unlanded == 0 and post:
+                job.session.channel.post(job.job_id, len(job.ok), 0)
+                job.posted = True
 
     def _complete_store(self, job: Job, chunk: Chunk, ok: bool) -> list[Block]:
         """Every byte of the chunk is in the pool (if ok): its blocks become visible and the engine
@@ -442,8 +471,12 @@ class Jobs:
         self.metrics.observe_job(job.is_store, time.monotonic() - job.submitted, job.copy_seconds,
                                  job.copied_bytes)
         mine = self._jobs_of(session)
-        mine.running.pop(job.job_id % session.channel.slots, None)
-        session.channel.post(job.job_id, len(job.ok) - len(failed), len(failed))
+        slot = job.job_id % session.channel.slots
+        if mine.running.get(slot) is job:  # (a job posted by its copy thread may have a successor there)
+            del mine.running[slot]
+        if not job.posted:
+            with self._landing:
+                session.channel.post(job.job_id, len(job.ok) - len(failed), len(failed))
         mine.results.append(JobResult(job.job_id, job.is_store, len(job.ok), failed, job.error))
         mine.results_ready.set()
         if log.isEnabledFor(logging.DEBUG):

@@ -49,6 +49,7 @@ class FakeBackend(Backend):
         self.gate.set()
         self.load_gate = threading.Event()
         self.load_gate.set()
+        self.loads_waiting = 0  # copies that found load_gate closed
         self.unmapped: list[Mapping] = []
         self.device_seconds = 0.0  # how long opening or closing engine memory takes (a device call)
         self.broken: native.StickyDeviceError | None = None  # raised by every copy once set
@@ -66,6 +67,8 @@ class FakeBackend(Backend):
         self.unmapped.append(mapping)
 
     def copy(self, device: int, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+        if to_engine and not self.load_gate.is_set():
+            self.loads_waiting += 1
         assert self.gate.wait(10) and (not to_engine or self.load_gate.wait(10))
         if self.broken is not None:
             raise self.broken
@@ -110,15 +113,15 @@ class Core:
                                                            self.daemon.sessions)
         self.channels: list[CompletionChannel] = []
 
-    async def engine(self, namespace: str = "ns", regions: int = 1) -> EngineSession:
+    async def engine(self, namespace: str = "ns", regions: int = 1, slots: int = SLOTS) -> EngineSession:
         """An engine whose block b is BLOCK bytes at b * BLOCK, described as `regions` equal runs."""
-        channel = CompletionChannel.create(SLOTS)
+        channel = CompletionChannel.create(slots)
         self.channels.append(channel)
         part = BLOCK // regions
         layout = Layout(NUM_BLOCKS, tuple(Region(r * part, BLOCK, part) for r in range(regions)))
         session = await self.sessions.register(
             Registration(PROTOCOL_VERSION, "engine", namespace, layout, "fake", (b"",), (NUM_BLOCKS * BLOCK,), 0,
-                         SLOTS),
+                         slots),
             fds=[os.dup(channel.fd)])
         assert isinstance(session, EngineSession)
         return session
@@ -164,16 +167,22 @@ def block_bytes(session: EngineSession, block_id: int) -> bytes:
     return bytes(memory(session)[block_id * BLOCK:(block_id + 1) * BLOCK])
 
 
+async def wait_done(session: EngineSession, job_id: int) -> Completion:
+    """The job's completion from the shared-memory channel, the loop running meanwhile."""
+    for _ in range(2000):
+        done = session.channel.check(job_id)
+        if done is not None:
+            return done
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"job {job_id} never finished")
+
+
 async def finish(jobs: Jobs, session: EngineSession, job_id: int, keys: list[bytes], block_ids: list[int],
                  is_store: bool) -> tuple[int, int]:
     """Submit a job and wait for its completion in the shared-memory channel: (blocks ok, failed)."""
     jobs.submit(session, job_id, keys, block_ids, is_store)
-    for _ in range(2000):
-        done = session.channel.check(job_id)
-        if done is not None:
-            return done.blocks_ok, done.blocks_failed
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"job {job_id} never finished")
+    done = await wait_done(session, job_id)
+    return done.blocks_ok, done.blocks_failed
 
 
 # -- jobs -----------------------------------------------------------------------------------------
@@ -379,6 +388,52 @@ def test_pool_full_fails_the_blocks_that_got_no_slot(tmp_path: Path) -> None:
         assert result.failed == (0, 1, 2) and "pool full" in result.error
 
     run(tmp_path, body, pool_blocks=30)
+
+
+def test_a_load_that_landed_whole_is_posted_by_its_copy_thread_before_the_loop_wakes(tmp_path: Path) -> None:
+    """The engine sees a load done as its last chunk lands, while the loop is still busy; a client
+    with one completion slot may submit its next job at once (the slot is free once posted)."""
+    async def body(core: Core) -> None:
+        engine = await core.engine(slots=1)
+        await finish(core.jobs, engine, 1, keys_of(20), list(range(20)), True)
+        await core.jobs.poll(engine, 0)
+        for whole_load_bytes, copies in ((20 * BLOCK, 1), (0, 2)):  # a whole load; chunks on both threads
+            core.backend.whole_load_bytes = whole_load_bytes
+            core.backend.load_gate.clear()
+            core.backend.loads_waiting = 0
+            job = core.jobs.submit(engine, 2, keys_of(20), list(range(12, 32)), False)
+            while job.unlanded != copies or core.backend.loads_waiting != copies:  # planned, copies at the gate
+                await asyncio.sleep(0.001)
+            core.backend.load_gate.set()
+            deadline = time.monotonic() + 10
+            while engine.channel.check(2) is None and time.monotonic() < deadline:
+                time.sleep(0.001)  # the loop is held here: only a copy thread can post
+            assert engine.channel.check(2) == Completion(2, 20, 0)
+            assert job.posted and core.jobs._jobs_of(engine).running[0] is job  # its bookkeeping still to come
+            core.jobs.submit(engine, 3, keys_of(2), [0, 1], False)  # the same slot: not refused
+            assert await wait_done(engine, 3) == Completion(3, 2, 0)
+            results = await core.jobs.poll(engine, 100)
+            assert [(r.job_id, r.failed) for r in results] == [(2, ()), (3, ())]
+            assert core.jobs.in_flight == 0
+
+    run(tmp_path, body)
+
+
+def test_a_load_missing_a_block_is_posted_by_the_loop(tmp_path: Path) -> None:
+    """Only a load whose every block was found and landed intact is posted by its copy thread."""
+    async def body(core: Core) -> None:
+        engine = await core.engine()
+        await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
+        core.backend.load_gate.clear()
+        core.jobs.submit(engine, 2, [keys_of(2)[0], keys_of(1, 7)[0]], [5, 6], False)
+        while core.backend.loads_waiting == 0:
+            await asyncio.sleep(0.001)
+        core.backend.load_gate.set()
+        time.sleep(0.2)  # the loop held: the copy lands, nobody posts
+        assert engine.channel.check(2) is None
+        assert await wait_done(engine, 2) == Completion(2, 1, 1)
+
+    run(tmp_path, body)
 
 
 def test_load_of_an_absent_key_fails_that_block_only(tmp_path: Path) -> None:
