@@ -28,8 +28,11 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <map>
 #include <mutex>
+
+#include "crc32c.h"
 #endif
 
 namespace kvstore {
@@ -284,15 +287,21 @@ std::string enqueue_copies(const Runtime& rt, const std::vector<Run>& runs, Dire
   return "";
 }
 
+// `while_copying` runs on this thread once every run is enqueued, before the wait for them (as
+// cuda_copy's: host work the DMA hides).
 std::string acl_copy(const std::vector<Run>& runs, Direction dir, int device, uint64_t user_stream,
-                     bool allow_batch) {
+                     bool allow_batch, const std::function<void()>& while_copying) {
   const Runtime* rtp = nullptr;
   std::string err = initialized_runtime(&rtp);
   if (!err.empty()) return err;
   const Runtime& rt = *rtp;
   DeviceState* dev = nullptr;
   err = bind(rt, device, &dev);
-  if (!err.empty() || runs.empty()) return err;
+  if (!err.empty()) return err;
+  if (runs.empty()) {
+    while_copying();
+    return "";
+  }
   aclrtStream stream = reinterpret_cast<aclrtStream>(user_stream);
   bool own = stream == nullptr;
   if (own) {
@@ -307,6 +316,7 @@ std::string acl_copy(const std::vector<Run>& runs, Direction dir, int device, ui
     if (rc != ACL_SUCCESS) return "aclrtCreateStream failed: " + describe(rt, rc);
   }
   err = enqueue_copies(rt, runs, dir, device, stream, allow_batch);
+  if (err.empty()) while_copying();
   // Wait even after an enqueue error: earlier runs may still be in flight on the stream.
   aclError rc = rt.synchronize_stream(stream);
   if (err.empty() && rc != ACL_SUCCESS) err = "Ascend copy failed while waiting for it: " + describe(rt, rc);
@@ -389,20 +399,26 @@ const char kNotBuilt[] =
 
 PyObject* py_acl_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
   DeviceCopyArgs a;
-  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|Op:acl_copy_blocks", &a)) return nullptr;
+  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|OpOOO:acl_copy_blocks", &a, true)) return nullptr;
 #if defined(KVSTORE_WITH_ACL)
   std::string err;
   aclError code = ACL_SUCCESS;
+  std::vector<uint64_t> sums(a.checksum_addrs.size());
   Py_BEGIN_ALLOW_THREADS
   t_failed = ACL_SUCCESS;
-  err = acl_copy(a.runs, a.dir, a.device, a.stream, a.allow_batch);
+  err = acl_copy(a.runs, a.dir, a.device, a.stream, a.allow_batch, [&] {
+    for (size_t i = 0; i < sums.size(); ++i) {
+      sums[i] = crc32c(0, reinterpret_cast<const void*>(a.checksum_addrs[i]), a.checksum_size);
+    }
+  });
   code = t_failed;
   Py_END_ALLOW_THREADS
   if (!err.empty()) {
     raise_acl_error(err, code);
     return nullptr;
   }
-  Py_RETURN_NONE;
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(sums.data()),
+                                   static_cast<Py_ssize_t>(sums.size() * sizeof(uint64_t)));
 #else
   PyErr_SetString(PyExc_RuntimeError, kNotBuilt);
   return nullptr;

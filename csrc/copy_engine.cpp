@@ -791,7 +791,7 @@ PyMethodDef kMethods[] = {
      "cuda_destroy_event(event, device=0) -> None\n\nDestroy an event cuda_open_ipc_event opened."},
     {"acl_copy_blocks", KV_KW(py_acl_copy_blocks),
      "acl_copy_blocks(src_base, dst_base, src_offsets, dst_offsets, sizes, direction, device, stream=0,\n"
-     "                allow_batch=True) -> None\n\n"
+     "                allow_batch=True, checksum_base=0, checksum_offsets=None, checksum_size=0) -> bytes\n\n"
      "Ascend version of cuda_copy_blocks (aclrtMemcpyBatchAsync or aclrtMemcpyAsync). Unverified on hardware."},
     {"acl_host_register", KV_KW(py_acl_host_register),
      "acl_host_register(addr, size, device=0) -> int\n\n"

@@ -90,20 +90,23 @@ def transfer(pool_base: int, pool_offsets: U64Array, engine_addresses: U64Array,
     runs is copied. With ``progress`` (an address: a completion channel's progress word) the copy goes
     region by region on this thread and stores ``progress_word | regions landed`` there after each;
     else the runs are coalesced and copied on ``threads`` threads. Returns the corrupt positions."""
+    return _u64_list(_native.transfer(pool_base, _as_u64(pool_offsets), _as_u64(engine_addresses), _as_u64(sizes),
+                                      to_engine, blocks, threads, streaming, progress, progress_word,
+                                      None if check is None else _as_u64(check),
+                                      None if check_offsets is None else _as_u64(check_offsets), check_size,
+                                      None if expected is None else _as_u64(expected)))
+
+
+def _u64_list(data: bytes) -> list[int]:
+    """Native-endian uint64 values, as the native engine returns them."""
     out = array("Q")
-    out.frombytes(_native.transfer(pool_base, _as_u64(pool_offsets), _as_u64(engine_addresses), _as_u64(sizes),
-                                   to_engine, blocks, threads, streaming, progress, progress_word,
-                                   None if check is None else _as_u64(check),
-                                   None if check_offsets is None else _as_u64(check_offsets), check_size,
-                                   None if expected is None else _as_u64(expected)))
+    out.frombytes(data)
     return out.tolist()
 
 
 def checksum_blocks(base: int, offsets: U64Array, size: int, threads: int = 1) -> list[int]:
     """CRC32C of each ``size``-byte block at ``base + offsets[i]``."""
-    out = array("Q")
-    out.frombytes(_native.checksum_blocks(base, _as_u64(offsets), size, threads))
-    return out.tolist()
+    return _u64_list(_native.checksum_blocks(base, _as_u64(offsets), size, threads))
 
 
 def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
@@ -280,9 +283,7 @@ def cuda_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_of
                                         _as_u64(sizes), direction, device, stream, allow_batch, checksum_base,
                                         None if checksum_offsets is None else _as_u64(checksum_offsets),
                                         checksum_size)
-    out = array("Q")
-    out.frombytes(sums)
-    return out.tolist()
+    return _u64_list(sums)
 
 
 def cuda_open_ipc_event(handle: bytes, device: int) -> int:
@@ -328,12 +329,16 @@ def _sticky_acl_errors(device: int) -> contextlib.AbstractContextManager[None]:
 
 def acl_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array,
                     sizes: U64Array, direction: str, device: int, stream: int = 0,
-                    allow_batch: bool = True) -> None:
-    """Ascend counterpart of cuda_copy_blocks (unverified on hardware). StickyDeviceError for an
-    error in STICKY_ACL_ERRORS."""
+                    allow_batch: bool = True, checksum_base: int = 0, checksum_offsets: U64Array | None = None,
+                    checksum_size: int = 0) -> list[int]:
+    """Ascend counterpart of cuda_copy_blocks, checksums included (unverified on hardware).
+    StickyDeviceError for an error in STICKY_ACL_ERRORS."""
     with _sticky_acl_errors(device):
-        _native.acl_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes),
-                                direction, device, stream, allow_batch)
+        sums = _native.acl_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets),
+                                       _as_u64(sizes), direction, device, stream, allow_batch, checksum_base,
+                                       None if checksum_offsets is None else _as_u64(checksum_offsets),
+                                       checksum_size)
+    return _u64_list(sums)
 
 
 def acl_host_register(addr: int, size: int, device: int = 0) -> int:

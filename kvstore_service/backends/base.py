@@ -102,6 +102,8 @@ class Backend(ABC):
     # plan with `progress` set), not in chunks spread over the copy threads, and its copy reports its
     # progress region by region (TransferPlan.progress).
     whole_load_bytes = 0
+    # The backend's copy call checksums host blocks while its DMA runs (load_checksummed).
+    checksums_while_copying = False
 
     def register_pool(self, pieces: Sequence[tuple[int, int]],  # noqa: B027 - optional hook
                       device: int | None = None) -> None:
@@ -143,10 +145,13 @@ class Backend(ABC):
                  check: ChecksumSample | None = None) -> list[int]:
         """One chunk of a job (`blocks` blocks, the plan's runs region-major): copy it and verify
         the `check` sample in the pool. Returns the positions of the corrupt ones, which the job
-        reports failed. This default checksums first, then calls copy() for the blocks that passed.
-        The cpu backend does both in one native call, and checksums the sample of a load not copied
-        whole as it copies it (reading its bytes once: the engine reads none before the job's
-        completion, so a corrupt block may land there, failed); cuda checksums it while its DMA runs."""
+        reports failed. This default checksums first, then calls copy() for the blocks that passed; a
+        load not copied whole goes to load_checksummed where the backend has it. (The engine reads none
+        of such a load's blocks before the job's completion, so a corrupt block may land there,
+        failed.) The cpu backend does both in one native call, and checksums the sample of a load not
+        copied whole as it copies it, reading its bytes once."""
+        if check is not None and to_engine and plan.progress is None and self.checksums_while_copying:
+            return check.corrupt(self.load_checksummed(mapping, pool_base, plan, check))
         corrupt: list[int] = []
         if check is not None:
             from kvstore_service import native  # (the interface itself needs no native engine)
@@ -156,3 +161,9 @@ class Backend(ABC):
             plan = without(plan, corrupt, blocks)
         self.copy(mapping, pool_base, plan, to_engine)
         return corrupt
+
+    def load_checksummed(self, mapping: Mapping, pool_base: int, plan: TransferPlan,
+                         check: ChecksumSample) -> list[int]:
+        """Where checksums_while_copying: copy the plan's runs pool -> engine, and return the CRC32C of
+        the `check` sample's blocks in the pool, taken on this thread while the DMA runs."""
+        raise NotImplementedError

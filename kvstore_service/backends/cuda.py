@@ -37,8 +37,8 @@ mid-copy); the host-side logic is also tested without a GPU. See docs/devices.md
   (700 illegal address, 719 launch failed, ...: the context is dead for the whole process) raises
   `StickyDeviceError` (kvstore_service.native): the daemon must exit and be restarted.
 * a load's checksum sample (--verify-loads) is taken on the copy thread once the chunk's DMA is
-  enqueued, while it runs: hidden behind the copy, not before it (as the cpu backend's, a corrupt
-  block may land in the engine; the job names it failed).
+  enqueued, while it runs (`load_checksummed`): hidden behind the copy, not before it (as the cpu
+  backend's, a corrupt block may land in the engine; the job names it failed).
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ class Held:
 
 class CudaBackend(Backend):
     name = "cuda"
+    checksums_while_copying = True
 
     def __init__(self) -> None:
         self.torch = require_cuda()
@@ -274,16 +275,11 @@ class CudaBackend(Backend):
     def order_waiting(self, mapping: Mapping, pending: list[int]) -> list[int]:
         return [e for e in pending if not native.cuda_query_event(e, mapping.device)]
 
-    def transfer(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool, blocks: int,
-                 check: ChecksumSample | None = None) -> list[int]:
-        if check is None or not to_engine or plan.progress is not None:
-            return super().transfer(mapping, pool_base, plan, to_engine, blocks, check)
-        # The sample is checksummed on this thread while the DMA runs, not before it: the engine reads
-        # none of the job's blocks before its completion, which names a corrupt one failed.
-        sums = native.cuda_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes, "h2d",
+    def load_checksummed(self, mapping: Mapping, pool_base: int, plan: TransferPlan,
+                         check: ChecksumSample) -> list[int]:
+        return native.cuda_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes, "h2d",
                                        mapping.device, checksum_base=pool_base, checksum_offsets=check.offsets,
                                        checksum_size=check.size)
-        return check.corrupt(sums)
 
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         # Ordered already: the job's copies start only once the engine's records made before the job

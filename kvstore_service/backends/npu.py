@@ -27,6 +27,8 @@ check, size rounding, the bounds decision) are tested in tests/device/test_npu_b
   Skipped on kernels <= 5.10, where CANN documents that registering memory not from
   aclrtMallocHost "causes exceptions". Whether one registration serves copies to every NPU is
   unverified; a failed registration only costs speed.
+* a load's checksum sample is taken on the copy thread while its DMA runs, as on CUDA (with the
+  legacy registration the copy is synchronous: the checksums then follow it).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from kvstore_client.protocol.handle import (
     resolve_handle,
 )
 from kvstore_service import native
-from kvstore_service.backends.base import Backend, Mapping, TransferPlan
+from kvstore_service.backends.base import Backend, ChecksumSample, Mapping, TransferPlan
 from kvstore_service.native import StickyDeviceError
 
 log = logging.getLogger(__name__)
@@ -133,6 +135,7 @@ def check_npu_bounds(base: int, size: int, allocation: tuple[int, int] | None) -
 
 class NpuBackend(Backend):
     name = "npu"
+    checksums_while_copying = True
 
     def __init__(self) -> None:
         self.torch = require_npu()
@@ -216,6 +219,12 @@ class NpuBackend(Backend):
     def unmap(self, mapping: Mapping) -> None:
         storage, mapping.handle = mapping.handle, None
         del storage  # torch_npu's deleter: stream sync, ref counter release, IPC close
+
+    def load_checksummed(self, mapping: Mapping, pool_base: int, plan: TransferPlan,
+                         check: ChecksumSample) -> list[int]:
+        return native.acl_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes, "h2d",
+                                      mapping.device, checksum_base=pool_base, checksum_offsets=check.offsets,
+                                      checksum_size=check.size)
 
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         if to_engine:

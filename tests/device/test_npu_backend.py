@@ -20,6 +20,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+from array import array
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -31,7 +32,7 @@ from kvstore_client.protocol.handle import (
     physical_npu,
 )
 from kvstore_service import native
-from kvstore_service.backends.base import pool_pieces
+from kvstore_service.backends.base import ChecksumSample, Mapping, TransferPlan, pool_pieces
 from kvstore_service.backends.npu import (
     ACL_NOT_SUPPORTED,
     acl_address_range,
@@ -271,6 +272,11 @@ for direction in sys.argv[3].split(","):
     out[direction] = {k: get(k) for k in ("batch", "batch_runs", "memcpy", "memcpy_kind", "sync")}
 out["errors"], out["codes"] = err, codes
 out["bytes_ok"] = all(dst[o:o + bs] == src[o:o + bs] for o in offs) and dst[bs:2 * bs] == bytes(bs)
+if "h2d" in sys.argv[3] and not err:  # a load's checksum sample, taken while the copy runs
+    sums = nat.acl_copy_blocks(addr(src), addr(dst), offs, offs, sizes, "h2d", 0, None, True, addr(src),
+                               offs[:3], bs)
+    out["sums_ok"] = sums == nat.checksum_blocks(addr(src), offs[:3], bs) and len(sums) == 24
+    out["sums_sync"] = get("sync")
 out["features_after"] = {k: v for k, v in nat.features().items() if k.startswith("acl")}
 pool = mmap.mmap(-1, 3 * 4096)
 try:
@@ -328,6 +334,8 @@ def test_fake_acl_batch_used_and_features_do_not_init(fake_acl: dict[str, Path])
     assert out["features"]["acl_host_pinned"] is None
     assert out["h2d"]["batch"] == 1 and out["h2d"]["batch_runs"] == 32 and out["h2d"]["memcpy"] == 0
     assert out["errors"] == {} and out["bytes_ok"]
+    # With a checksum sample: the same copy (one more wait for the stream) and the sample's CRC32C.
+    assert out["sums_ok"] and out["sums_sync"] == out["h2d"]["sync"] + 1
 
 
 @pytest.mark.parametrize("rc", sorted(ACL_NOT_SUPPORTED))
@@ -515,3 +523,23 @@ def test_pool_registration_failure_unregisters_its_pieces_and_only_warns_once(
     assert caplog.text.count("NPU copies will be slower") == 1 and backend.registered_on is None
     backend.unregister_pool()
     assert len(stub.unregistered) == 2
+
+
+def test_a_loads_checksum_sample_goes_with_its_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunked load's sample is checksummed by the copy call itself, while its DMA runs: one
+    acl_copy_blocks, whose sums name the corrupt block."""
+    calls: list[dict] = []
+
+    class CopyStub(StubNative):
+        def acl_copy_blocks(self, *args: object, **kwargs: object) -> list[int]:
+            calls.append({"args": args, **kwargs})
+            return [11, 99]  # the second block's sum is not the one expected
+
+    backend = bare_backend(monkeypatch, CopyStub(pinned=True), "6.6.0")
+    plan = TransferPlan(array("Q", [0x1000, 0x3000]), array("Q", [0x9000, 0xA000]), array("Q", [4096, 4096]))
+    check = ChecksumSample(array("Q", [0, 1]), array("Q", [0x1000, 0x3000]), 4096, array("Q", [11, 22]))
+    mapping = Mapping(0x9000, 8192, device=2)
+    assert backend.transfer(mapping, 0x7000_0000, plan, True, 2, check) == [1]
+    (call,) = calls
+    assert call["args"][5:7] == ("h2d", 2) and call["checksum_base"] == 0x7000_0000
+    assert list(call["checksum_offsets"]) == [0x1000, 0x3000] and call["checksum_size"] == 4096
