@@ -399,7 +399,7 @@ const char kNotBuilt[] =
 
 PyObject* py_acl_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
   DeviceCopyArgs a;
-  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|OpOOO:acl_copy_blocks", &a, true)) return nullptr;
+  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|OpOOO:acl_copy_blocks", &a)) return nullptr;
 #if defined(KVSTORE_WITH_ACL)
   std::string err;
   aclError code = ACL_SUCCESS;

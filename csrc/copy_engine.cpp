@@ -936,19 +936,16 @@ bool parse_direction(PyObject* obj, Direction* out) {
   return true;
 }
 
-bool parse_device_copy_args(PyObject* args, PyObject* kwargs, const char* format, DeviceCopyArgs* out,
-                            bool checksums) {
+bool parse_device_copy_args(PyObject* args, PyObject* kwargs, const char* format, DeviceCopyArgs* out) {
   static const char* kwlist[] = {"src_base",    "dst_base",      "src_offsets",      "dst_offsets",
                                  "sizes",       "direction",     "device",           "stream",
                                  "allow_batch", "checksum_base", "checksum_offsets", "checksum_size",
                                  nullptr};
-  static const char* kwlist_plain[] = {"src_base",  "dst_base", "src_offsets", "dst_offsets", "sizes",
-                                       "direction", "device",   "stream",      "allow_batch", nullptr};
   PyObject *src_base_obj, *dst_base_obj, *src_offsets, *dst_offsets, *sizes, *direction_obj;
   PyObject *stream_obj = nullptr, *checksum_base_obj = nullptr, *checksum_offsets_obj = Py_None,
            *checksum_size_obj = nullptr;
   int allow_batch = 1;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, format, const_cast<char**>(checksums ? kwlist : kwlist_plain),
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, format, const_cast<char**>(kwlist),
                                    &src_base_obj, &dst_base_obj, &src_offsets, &dst_offsets, &sizes, &direction_obj,
                                    &out->device, &stream_obj, &allow_batch, &checksum_base_obj,
                                    &checksum_offsets_obj, &checksum_size_obj)) {

@@ -547,7 +547,7 @@ void raise_cuda_error(const std::string& message, cu::CUresult code) {
 
 PyObject* py_cuda_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
   DeviceCopyArgs a;
-  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|OpOOO:cuda_copy_blocks", &a, true)) return nullptr;
+  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|OpOOO:cuda_copy_blocks", &a)) return nullptr;
   std::string err;
   cu::CUresult code = cu::kSuccess;
   std::vector<uint64_t> sums(a.checksum_addrs.size());

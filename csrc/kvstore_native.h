@@ -41,9 +41,9 @@ enum class Direction { kHostToDevice, kDeviceToHost, kDeviceToDevice };
 bool parse_direction(PyObject* obj, Direction* out);
 
 // The arguments of cuda_copy_blocks / acl_copy_blocks: (src_base, dst_base, src_offsets,
-// dst_offsets, sizes, direction, device, stream=None, allow_batch=True), runs already built; with
-// `checksums`, also (checksum_base=0, checksum_offsets=None, checksum_size=0): host blocks of
-// checksum_size bytes at checksum_base + checksum_offsets[i] to checksum while the copy runs.
+// dst_offsets, sizes, direction, device, stream=None, allow_batch=True, checksum_base=0,
+// checksum_offsets=None, checksum_size=0), runs already built; the checksum arguments name host
+// blocks of checksum_size bytes at checksum_base + checksum_offsets[i] to checksum while the copy runs.
 struct DeviceCopyArgs {
   std::vector<Run> runs;
   Direction dir = Direction::kHostToDevice;
@@ -53,10 +53,8 @@ struct DeviceCopyArgs {
   std::vector<uint64_t> checksum_addrs;
   uint64_t checksum_size = 0;
 };
-// `format` is "OOOOOOi|Op:<function name>", or "OOOOOOi|OpOOO:<function name>" with `checksums`.
-// Returns false with a Python exception set.
-bool parse_device_copy_args(PyObject* args, PyObject* kwargs, const char* format, DeviceCopyArgs* out,
-                            bool checksums = false);
+// `format` is "OOOOOOi|OpOOO:<function name>". Returns false with a Python exception set.
+bool parse_device_copy_args(PyObject* args, PyObject* kwargs, const char* format, DeviceCopyArgs* out);
 
 // Device paths (cuda_copy.cpp, acl_copy.cpp): Python entry points and feature reporting.
 PyObject* py_cuda_copy_blocks(PyObject* self, PyObject* args, PyObject* kwargs);
