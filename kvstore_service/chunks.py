@@ -92,7 +92,7 @@ def plan_chunk(session: EngineSession, block_ids: list[int], indexes: list[int],
 
 
 def load_check(blocks: list[Block], block_bytes: int, verify: float) -> ChecksumSample | None:
-    """The blocks of a load to verify before its copy (--verify-loads: all, or this share at random)."""
+    """The blocks of a load whose checksums are verified (--verify-loads: all, or this share at random)."""
     n = len(blocks)
     share = n * min(verify, 1.0)  # whole blocks, and the fraction left with that chance
     checked = sorted(random.sample(range(n), int(share) + (random.random() < share % 1)))
