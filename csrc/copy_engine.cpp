@@ -11,8 +11,10 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <string_view>
 #include <system_error>
 #include <thread>
+#include <utility>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -302,6 +304,62 @@ PyObject* py_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
 // offset slot_offsets[k] + shard_offset + the bytes of the regions before r, engine address
 // regions[r].start + block_ids[k] * regions[r].stride. Every run is checked against the pool and its
 // mapping before it is returned (ValueError naming the block): nothing is copied past either.
+// check_job(keys, block_ids, num_blocks, distinct_ids) -> str: what is wrong with a job's keys (a
+// list of bytes) and engine block ids (a list of ints), "" if nothing; its checks at submit, in C
+// (a 2048-block job's min, max and two sets cost ~0.3 ms of Python on our 2-vCPU VM).
+PyObject* py_check_job(PyObject*, PyObject* args, PyObject* kwargs) {
+  static const char* kwlist[] = {"keys", "block_ids", "num_blocks", "distinct_ids", nullptr};
+  PyObject *keys, *ids;
+  long long num_blocks;
+  int distinct_ids;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!Lp:check_job", const_cast<char**>(kwlist), &PyList_Type,
+                                   &keys, &PyList_Type, &ids, &num_blocks, &distinct_ids)) {
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(ids);
+  std::vector<long long> values(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* id = PyList_GET_ITEM(ids, i);
+    if (!PyLong_Check(id)) {
+      PyErr_Format(PyExc_TypeError, "block ids must be ints, not %.100s", Py_TYPE(id)->tp_name);
+      return nullptr;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(id, &overflow);
+    if (v == -1 && PyErr_Occurred()) return nullptr;
+    if (overflow != 0 || v < 0 || v >= num_blocks) {
+      return PyUnicode_FromFormat("block id %S is outside the registered cache (0..%lld)", id, num_blocks - 1);
+    }
+    values[static_cast<size_t>(i)] = v;
+  }
+  // Duplicate keys: sorted by their first 8 bytes (keys are hashes), then compared whole where those tie.
+  std::vector<std::pair<uint64_t, std::string_view>> sorted(static_cast<size_t>(PyList_GET_SIZE(keys)));
+  for (size_t i = 0; i < sorted.size(); ++i) {
+    PyObject* key = PyList_GET_ITEM(keys, static_cast<Py_ssize_t>(i));
+    if (!PyBytes_Check(key)) {
+      PyErr_Format(PyExc_TypeError, "keys must be bytes, not %.100s", Py_TYPE(key)->tp_name);
+      return nullptr;
+    }
+    std::string_view bytes(PyBytes_AS_STRING(key), static_cast<size_t>(PyBytes_GET_SIZE(key)));
+    uint64_t prefix = 0;
+    std::memcpy(&prefix, bytes.data(), std::min<size_t>(sizeof prefix, bytes.size()));
+    sorted[i] = {prefix, bytes};
+  }
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) {
+        return a.second == b.second;
+      }) != sorted.end()) {
+    return PyUnicode_FromString("duplicate keys in one request");
+  }
+  if (distinct_ids) {
+    std::sort(values.begin(), values.end());
+    if (std::adjacent_find(values.begin(), values.end()) != values.end()) {
+      return PyUnicode_FromString("duplicate block ids in one load: two blocks would land in the same place");
+    }
+  }
+  return PyUnicode_FromString("");
+}
+
 PyObject* py_plan_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* kwlist[] = {"slot_offsets", "block_ids", "regions", "num_blocks", "pool_size",
                                  "shard_offset", nullptr};
@@ -740,6 +798,10 @@ PyMethodDef kMethods[] = {
      "`threads` threads, GIL released. Offsets/sizes: uint64 buffers. Runs contiguous on both sides are\n"
      "merged first; returns the number of merged runs. Bounds are the caller's job. streaming: non-temporal\n"
      "stores for runs of 4 KiB and more (for a destination nothing reads soon)."},
+    {"check_job", KV_KW(py_check_job),
+     "check_job(keys, block_ids, num_blocks, distinct_ids) -> str\n\n"
+     "What is wrong with a job's keys (list of bytes) and block ids (list of ints): an id outside\n"
+     "0..num_blocks-1, duplicate keys, duplicate ids (if distinct_ids); \"\" if nothing."},
     {"plan_transfer", KV_KW(py_plan_transfer),
      "plan_transfer(slot_offsets, block_ids, regions, num_blocks, pool_size, shard_offset) -> bytes\n\n"
      "The runs of a chunk's blocks, region-major, as native uint64: n*R pool offsets, then engine addresses,\n"

@@ -177,15 +177,10 @@ class Jobs:
             raise invalid(f"{len(keys)} keys but {len(block_ids)} block ids")
         if not keys:
             raise invalid("a job needs at least one block")
-        num_blocks = session.layout.num_blocks
-        if min(block_ids) < 0 or max(block_ids) >= num_blocks:
-            bad = next(b for b in block_ids if not 0 <= b < num_blocks)
-            raise invalid(f"block id {bad} is outside the registered cache (0..{num_blocks - 1})")
-        if len(set(keys)) != len(keys):
-            raise invalid("duplicate keys in one request")
         # (A store may read one engine block under two keys; a load must not write one twice.)
-        if not is_store and len(set(block_ids)) != len(block_ids):
-            raise invalid("duplicate block ids in one load: two blocks would land in the same place")
+        problem = native.check_job(keys, block_ids, session.layout.num_blocks, distinct_ids=not is_store)
+        if problem:
+            raise invalid(problem)
         if job_id >= MAX_JOB_ID:
             raise invalid(f"job id {job_id} is too large (max {MAX_JOB_ID - 1})")
         slot = job_id % session.channel.slots

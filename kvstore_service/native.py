@@ -59,6 +59,12 @@ def copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets
 UNKNOWN_CHECKSUM: Final = (1 << 64) - 1
 
 
+def check_job(keys: list[bytes], block_ids: list[int], num_blocks: int, distinct_ids: bool) -> str:
+    """What is wrong with a job's keys and engine block ids: an id outside 0..num_blocks-1, duplicate
+    keys, or (distinct_ids) duplicate ids; "" if nothing."""
+    return str(_native.check_job(keys, block_ids, num_blocks, distinct_ids))
+
+
 def plan_transfer(slot_offsets: U64Array, block_ids: U64Array, regions: U64Array, num_blocks: int, pool_size: int,
                   shard_offset: int = 0) -> tuple[array[int], array[int], array[int]]:
     """The byte runs of a chunk's blocks in one call: ``(pool_offsets, engine_addresses, sizes)``,

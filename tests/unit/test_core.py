@@ -476,6 +476,7 @@ def test_submit_refuses_what_cannot_be_copied(tmp_path: Path) -> None:
             ([], [], "at least one block"),
             (keys_of(1), [NUM_BLOCKS], f"block id {NUM_BLOCKS} is outside the registered cache"),
             (keys_of(1), [-1], "block id -1 is outside"),
+            (keys_of(1), [2**70], f"block id {2**70} is outside"),
             (keys_of(1) * 2, [0, 1], "duplicate keys"),
         ]
         for keys, ids, words in cases:
@@ -483,6 +484,7 @@ def test_submit_refuses_what_cannot_be_copied(tmp_path: Path) -> None:
                 core.jobs.submit(engine, 1, keys, ids, True)
         with pytest.raises(KVError, match="duplicate block ids in one load"):
             core.jobs.submit(engine, 1, keys_of(2), [3, 3], False)
+        assert await finish(core.jobs, engine, 2, keys_of(2, 9), [3, 3], True) == (2, 0)  # one block, two keys
         core.backend.gate.clear()
         core.jobs.submit(engine, 5, keys_of(1), [0], True)
         with pytest.raises(KVError, match="completion slot busy") as info:

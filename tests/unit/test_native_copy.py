@@ -460,3 +460,18 @@ def test_cuda_round_trip_on_gpu(allow_batch: bool) -> None:
         native.cuda_host_unregister(host.addr)
     finally:
         cuda.cuMemFree_v2(dev_ptr)
+
+
+def test_check_job_names_what_is_wrong_with_a_jobs_keys_and_ids() -> None:
+    """Keys are compared whole where their first 8 bytes tie; ids against the cache and each other."""
+    same_start = [b"x" * 8 + bytes([i]) * 24 for i in range(50)]
+    assert native.check_job(same_start, list(range(50)), 50, True) == ""
+    assert native.check_job(same_start + same_start[7:8], list(range(51)), 51, True) == "duplicate keys in one request"
+    assert native.check_job([b"ab", b"abc"], [0, 1], 2, True) == ""  # a prefix of another key is another key
+    assert native.check_job([b"a", b"b"], [1, 1], 2, False) == ""  # a store may read one block twice
+    assert "duplicate block ids" in native.check_job([b"a", b"b"], [1, 1], 2, True)
+    assert native.check_job([b"a"], [2], 2, True) == "block id 2 is outside the registered cache (0..1)"
+    with pytest.raises(TypeError, match="keys must be bytes"):
+        native.check_job(["a"], [0], 2, True)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="block ids must be ints"):
+        native.check_job([b"a"], [0.0], 2, True)  # type: ignore[list-item]
