@@ -31,8 +31,6 @@
 #include <functional>
 #include <map>
 #include <mutex>
-
-#include "crc32c.h"
 #endif
 
 namespace kvstore {
@@ -403,22 +401,17 @@ PyObject* py_acl_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
 #if defined(KVSTORE_WITH_ACL)
   std::string err;
   aclError code = ACL_SUCCESS;
-  std::vector<uint64_t> sums(a.checksum_addrs.size());
+  std::vector<uint64_t> sums;
   Py_BEGIN_ALLOW_THREADS
   t_failed = ACL_SUCCESS;
-  err = acl_copy(a.runs, a.dir, a.device, a.stream, a.allow_batch, [&] {
-    for (size_t i = 0; i < sums.size(); ++i) {
-      sums[i] = crc32c(0, reinterpret_cast<const void*>(a.checksum_addrs[i]), a.checksum_size);
-    }
-  });
+  err = acl_copy(a.runs, a.dir, a.device, a.stream, a.allow_batch, [&] { sums = a.checksums(); });
   code = t_failed;
   Py_END_ALLOW_THREADS
   if (!err.empty()) {
     raise_acl_error(err, code);
     return nullptr;
   }
-  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(sums.data()),
-                                   static_cast<Py_ssize_t>(sums.size() * sizeof(uint64_t)));
+  return u64_bytes(sums);
 #else
   PyErr_SetString(PyExc_RuntimeError, kNotBuilt);
   return nullptr;

@@ -206,11 +206,6 @@ uint64_t total_bytes(size_t n, uint64_t size) {
   return __builtin_mul_overflow(static_cast<uint64_t>(n), size, &total) ? UINT64_MAX : total;
 }
 
-PyObject* u64_bytes(const std::vector<uint64_t>& values) {
-  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(values.data()),
-                                   static_cast<Py_ssize_t>(values.size() * sizeof(uint64_t)));
-}
-
 // ---- a job's chunk: planned and copied in one native call each ------------------------------------
 
 // A region of the engine's layout as plan_transfer takes it: block b is `bytes` bytes at
@@ -996,6 +991,19 @@ bool parse_direction(PyObject* obj, Direction* out) {
     return false;
   }
   return true;
+}
+
+PyObject* u64_bytes(const std::vector<uint64_t>& values) {
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(values.data()),
+                                   static_cast<Py_ssize_t>(values.size() * sizeof(uint64_t)));
+}
+
+std::vector<uint64_t> DeviceCopyArgs::checksums() const {
+  std::vector<uint64_t> sums(checksum_addrs.size());
+  for (size_t i = 0; i < sums.size(); ++i) {
+    sums[i] = crc32c(0, reinterpret_cast<const void*>(checksum_addrs[i]), checksum_size);
+  }
+  return sums;
 }
 
 bool parse_device_copy_args(PyObject* args, PyObject* kwargs, const char* format, DeviceCopyArgs* out) {

@@ -33,7 +33,6 @@
 #include <utility>
 #include <vector>
 
-#include "crc32c.h"
 #include "kvstore_native.h"
 
 namespace kvstore {
@@ -550,20 +549,15 @@ PyObject* py_cuda_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
   if (!parse_device_copy_args(args, kwargs, "OOOOOOi|OpOOO:cuda_copy_blocks", &a)) return nullptr;
   std::string err;
   cu::CUresult code = cu::kSuccess;
-  std::vector<uint64_t> sums(a.checksum_addrs.size());
+  std::vector<uint64_t> sums;
   Py_BEGIN_ALLOW_THREADS
-  err = cuda_copy(a.runs, a.device, a.stream, a.allow_batch, &code, [&] {
-    for (size_t i = 0; i < sums.size(); ++i) {
-      sums[i] = crc32c(0, reinterpret_cast<const void*>(a.checksum_addrs[i]), a.checksum_size);
-    }
-  });
+  err = cuda_copy(a.runs, a.device, a.stream, a.allow_batch, &code, [&] { sums = a.checksums(); });
   Py_END_ALLOW_THREADS
   if (!err.empty()) {
     raise_cuda_error(err, code);
     return nullptr;
   }
-  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(sums.data()),
-                                   static_cast<Py_ssize_t>(sums.size() * sizeof(uint64_t)));
+  return u64_bytes(sums);
 }
 
 static PyObject* host_register_common(PyObject* args, PyObject* kwargs, bool reg) {

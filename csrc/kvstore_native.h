@@ -52,7 +52,13 @@ struct DeviceCopyArgs {
   bool allow_batch = true;
   std::vector<uint64_t> checksum_addrs;
   uint64_t checksum_size = 0;
+
+  // The CRC32C of each checksum block: what the copy call returns (taken while its DMA runs).
+  std::vector<uint64_t> checksums() const;
 };
+// A bytes object of native-endian uint64 values.
+PyObject* u64_bytes(const std::vector<uint64_t>& values);
+
 // `format` is "OOOOOOi|OpOOO:<function name>". Returns false with a Python exception set.
 bool parse_device_copy_args(PyObject* args, PyObject* kwargs, const char* format, DeviceCopyArgs* out);
 
