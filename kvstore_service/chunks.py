@@ -73,12 +73,13 @@ def chunks(n: int, block_bytes: int, threads: int) -> list[range]:
     return parts
 
 
-def plan_chunk(session: EngineSession, block_ids: list[int], indexes: list[int], blocks: list[Block],
-         pool_size: int) -> Chunk:
-    """The byte runs of these blocks, in one native call (region-major; the copy coalesces
-    adjacent runs): this engine's shard of each slot, and the engine addresses in its mapped
-    memories. Every run is checked against the pool and its mapping there, before any byte moves
-    (block ids were checked at submit, and every region against its memory at registration)."""
+def plan_chunk(session: EngineSession, ids: list[int], indexes: list[int], blocks: list[Block],
+               pool_size: int) -> Chunk:
+    """The byte runs of these blocks (the job's keys `indexes`, at engine block ids `ids`), in one
+    native call (region-major; the copy coalesces adjacent runs): this engine's shard of each slot,
+    and the engine addresses in its mapped memories. Every run is checked against the pool and its
+    mapping there, before any byte moves (block ids were checked at submit, and every region against
+    its memory at registration)."""
     layout = session.layout
     regions = array("Q")
     for r in layout.regions:
@@ -86,7 +87,7 @@ def plan_chunk(session: EngineSession, block_ids: list[int], indexes: list[int],
         regions.extend((mapping.base + r.offset, r.block_stride, r.block_bytes, mapping.base,
                         mapping.base + mapping.size))
     pool_offsets, engine_addresses, sizes = native.plan_transfer(
-        array("Q", [b.offset for b in blocks]), array("Q", [block_ids[i] for i in indexes]), regions,
+        array("Q", [b.offset for b in blocks]), array("Q", ids), regions,
         layout.num_blocks, pool_size, layout.shard * layout.block_bytes)
     return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_addresses, sizes))
 

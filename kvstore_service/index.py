@@ -223,8 +223,11 @@ class BlockIndex:
         for block in blocks:
             block.pins += 1
             lru = lists[block.tail].get(block.namespace.block_bytes)
-            if lru is not None and block in lru:
-                lru.move_to_end(block)
+            if lru is not None:
+                try:
+                    lru.move_to_end(block)
+                except KeyError:  # (not listed: a store's block before its commit)
+                    pass
 
     def unpin(self, blocks: Iterable[Block]) -> None:
         for block in blocks:
@@ -470,7 +473,7 @@ class BlockIndex:
     def prepare_load(self, ns: Namespace, keys: list[bytes]) -> list[Block | None]:
         """The committed block of each key, pinned until `complete_load`; None where absent."""
         blocks = list(map(ns._committed.get, keys))
-        self.pin(filter(_is_block, blocks))  # type: ignore[arg-type]
+        self.pin(filter(None, blocks))
         return blocks
 
     def complete_load(self, blocks: list[Block], corrupt: list[Block]) -> None:

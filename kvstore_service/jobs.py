@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -135,10 +135,11 @@ class Jobs:
         self.store_failures_pool_full = 0
         self._corrupt_loads = 0  # blocks that failed their checksum at a load
         self._store_waiters: dict[tuple[Block, int], list[asyncio.Future[bool]]] = {}  # (block, shard)
-        self._copies = 0  # chunks handed to copy threads, not finished
+        self._copies: Counter[Executor] = Counter()  # chunks handed to each lane's copy threads, not finished
         self._landing = threading.Lock()  # Job.unlanded and the channels' posts, from the loop and copy threads
         self._draining = False
-        self.seals = Seals(config, pool, index, self.threads, lambda: self._copies)
+        # Seals run on the shared copy threads: they yield to the copies made there, by the host's cores.
+        self.seals = Seals(config, pool, index, self.threads, lambda: self._copies[threads.shared])
         self.queue_seal = self.seals.queue  # (the tiers queue promoted blocks too)
         self.verify_recovered = self.seals.verify_recovered  # once after a restart
 
@@ -274,9 +275,9 @@ class Jobs:
         return not job.error
 
     def _lane(self, session: EngineSession) -> Executor:
-        """The copy threads of the session's device (once shutting down, the shared ones, which refuse
-        new work: no copy may start while the pool closes)."""
-        if self._draining:
+        """The copy threads of the session's device; the shared ones for copies by the host's cores
+        (CPU), and once shutting down (they refuse new work: no copy may start while the pool closes)."""
+        if self._draining or session.backend.copies_on_host:
             return self.threads.shared
         return self.threads.lane(session.backend.name, session.mappings[0].device)
 
@@ -300,7 +301,8 @@ class Jobs:
         """Plan and copy chunk by chunk: the copy threads move the first chunks while this loop
         plans the next ones, then it completes each, so the per-block bookkeeping hides behind the
         copies instead of adding to them."""
-        copies = await self._start_copies(job)
+        lane = self._lane(job.session)
+        copies = await self._start_copies(job, lane)
         stored: list[Block] = []
         for chunk, copying in copies:
             started = time.monotonic()
@@ -312,8 +314,8 @@ class Jobs:
                 corrupt = None
                 if isinstance(e, native.StickyDeviceError):
                     self.fatal(e)
-            self._copies -= 1
-            if not self._copies:
+            self._copies[lane] -= 1
+            if lane is self.threads.shared and not self._copies[lane]:
                 self.seals.no_copies()
             job.copy_seconds += time.monotonic() - started
             if corrupt is not None:
@@ -328,9 +330,8 @@ class Jobs:
         if stored:
             self.queue_seal(stored)
 
-    async def _start_copies(self, job: Job) -> list[tuple[Chunk, asyncio.Future[list[int]]]]:
+    async def _start_copies(self, job: Job, lane: Executor) -> list[tuple[Chunk, asyncio.Future[list[int]]]]:
         """Plan the job's chunks and hand each to the copy threads (chunks.py says how it is cut)."""
-        lane = self._lane(job.session)
         copies = []
         n, block_bytes = len(job.keys), job.session.layout.block_bytes
         whole = not job.is_store and n <= CHUNK_BLOCKS and n * block_bytes <= job.session.backend.whole_load_bytes
@@ -347,8 +348,8 @@ class Jobs:
                         job.unlanded += 1
                 if whole:
                     copy_whole(job.session, job.job_id, chunk.plan)
-                self._copies += 1
-                if k < lead and self._copies <= self.config.copy_threads:
+                self._copies[lane] += 1
+                if k < lead and self._copies[lane] <= self.config.copy_threads:
                     held.append(chunk)
                 else:
                     copies.append((chunk, Threads.run(lane, self._copy, job, chunk)))
@@ -377,20 +378,28 @@ class Jobs:
             job.error = "pool full: every block is pinned or being copied"
         if not plan.blocks:
             return None
-        indexes = [part.start + i for i in plan.reserved]
-        return plan_chunk(job.session, job.block_ids, indexes, plan.blocks, self.pool.size)
+        if len(plan.reserved) == len(part):
+            indexes = list(part)
+            ids = job.block_ids[part.start:part.stop]
+        else:
+            indexes = [part.start + i for i in plan.reserved]
+            ids = [job.block_ids[i] for i in indexes]
+        return plan_chunk(job.session, ids, indexes, plan.blocks, self.pool.size)
 
     def _prepare_load(self, job: Job, part: range) -> Chunk | None:
         """Pin the chunk's present blocks; an absent one fails."""
         found = self.index.prepare_load(job.session.namespace, job.keys[part.start:part.stop])
-        blocks = [block for block in found if block is not None]
-        indexes = list(part)
-        if len(blocks) < len(found):
+        blocks: list[Block] = list(filter(None, found))
+        if len(blocks) == len(found):
+            indexes = list(part)
+            ids = job.block_ids[part.start:part.stop]
+        else:
             job.error = "block not in the pool"
             indexes = [i for i, block in zip(part, found, strict=True) if block is not None]
+            ids = [job.block_ids[i] for i in indexes]
         if not blocks:
             return None
-        chunk = plan_chunk(job.session, job.block_ids, indexes, blocks, self.pool.size)
+        chunk = plan_chunk(job.session, ids, indexes, blocks, self.pool.size)
         if self.config.verify_loads > 0:
             chunk.check = load_check(blocks, job.session.namespace.block_bytes, self.config.verify_loads)
         return chunk
@@ -448,8 +457,12 @@ class Jobs:
         if corrupt is None:
             self.index.unpin(chunk.blocks)
             return
-        for i in chunk.indexes:
-            job.ok[i] = True
+        first, last = chunk.indexes[0], chunk.indexes[-1]
+        if last - first + 1 == len(chunk.indexes):  # (the usual case: every block found)
+            job.ok[first:last + 1] = [True] * len(chunk.indexes)
+        else:
+            for i in chunk.indexes:
+                job.ok[i] = True
         if corrupt:
             self._corrupt_loads += len(corrupt)
             job.error = f"{len(corrupt)} block(s) failed their checksum and were dropped"
@@ -460,7 +473,7 @@ class Jobs:
     def _publish(self, job: Job) -> None:
         """Event loop: the job is done for the engine; write its completion."""
         session = job.session
-        failed = tuple(i for i, ok in enumerate(job.ok) if not ok)
+        failed = () if all(job.ok) else tuple(i for i, ok in enumerate(job.ok) if not ok)
         self.failed_blocks += len(failed)
         if not job.is_store:
             self.failed_load_blocks += len(failed)

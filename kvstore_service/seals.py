@@ -3,16 +3,19 @@
 Stored blocks wait in a queue to be sealed: their checksums taken and written into their slot
 headers, so that loads and a restarted daemon can verify them. A slot gets its header only there,
 so a restarted daemon recovers sealed blocks only: one killed before a seal loses that block, whole
-(its store was reported done, but it is a cache). Nobody waits on a seal, so seals yield to copies:
-they run when no copy is in flight, or once the oldest has waited SEAL_DEFER_S. A burst of stores
-runs at copy speed; under stores without pause seals take their share.
+(its store was reported done, but it is a cache). Nobody waits on a seal, so seals yield to the
+copies made by the host's cores (CPU sessions', on the same shared copy threads): they run when none
+is in flight, or once the oldest has waited SEAL_DEFER_S. A burst of stores runs at copy speed; under
+stores without pause seals take their share. A device's copies are its DMA engines': seals run
+beside them (on an H100 host, sealing only between GPU copies held stores to 0.2 of the bus until
+sealed).
 
 After a restart, the blocks recovered from the pool are verified in the background, batch by batch
 on the copy threads: a block becomes visible once its bytes match the checksum in its header, and
 one that differs is dropped and counted in `corrupt_blocks`.
 
-Jobs (jobs.py) owns the Seals: it queues the blocks its stores committed, says how many copies are in
-flight (`copies`) and when none is left (`no_copies`), and drains the seals at shutdown.
+Jobs (jobs.py) owns the Seals: it queues the blocks its stores committed, says how many host copies
+are in flight (`copies`) and when none is left (`no_copies`), and drains the seals at shutdown.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ class Seals:
         self.pool = pool
         self.index = index
         self.threads = threads
-        self.copies = copies  # chunks handed to copy threads, not finished (Jobs')
+        self.copies = copies  # chunks handed to the shared copy threads, not finished (Jobs')
         self.corrupt_blocks = 0  # recovered blocks that failed their checksum
         self._to_seal: deque[tuple[float, list[Block]]] = deque()  # (queued at, blocks of one namespace)
         self._sealer: asyncio.Task[None] | None = None

@@ -48,10 +48,7 @@ class Threads:
         self._remote: ThreadPoolExecutor | None = None
 
     def lane(self, backend: str, device: int) -> Executor:
-        """The copy threads of this device (the shared ones for the CPU): one GPU's copies never queue
-        behind another's."""
-        if backend == "cpu":
-            return self.shared
+        """The copy threads of this device: one GPU's copies never queue behind another's."""
         key = (backend, device)
         lane = self._lanes.get(key)
         if lane is None:

@@ -104,6 +104,9 @@ class Backend(ABC):
     whole_load_bytes = 0
     # The backend's copy call checksums host blocks while its DMA runs (load_checksummed).
     checksums_while_copying = False
+    # Its copies are made by the host's cores (memcpy), not a device's DMA engines: they run on the
+    # shared copy threads, and seals yield to them (seals.py).
+    copies_on_host = False
 
     def register_pool(self, pieces: Sequence[tuple[int, int]],  # noqa: B027 - optional hook
                       device: int | None = None) -> None:

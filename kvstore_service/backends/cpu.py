@@ -51,6 +51,7 @@ class _Held:
 class CpuBackend(Backend):
     name = "cpu"
     whole_load_bytes = PLAIN_LOAD_BYTES
+    copies_on_host = True
 
     def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
         if fd is None:

@@ -344,6 +344,7 @@ def test_store_of_a_key_being_written_finishes_with_that_copy(tmp_path: Path) ->
 
 def test_seals_yield_to_copies_and_shutdown_seals_what_is_queued(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
+        core.backend.copies_on_host = True  # (as the CPU backend's: on the shared copy threads, beside seals)
         engine = await core.engine()
         await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True)
         await asyncio.sleep(0.05)
@@ -369,6 +370,30 @@ def test_seals_yield_to_copies_and_shutdown_seals_what_is_queued(tmp_path: Path)
         core.backend.load_gate.set()
         await core.jobs.shutdown()  # seals what is queued
         assert all(b.checksum is not None for b in core.index.lookup(engine.namespace, b"".join(keys_of(2, 2)), 32))
+
+    run(tmp_path, body)
+
+
+def test_seals_run_beside_a_devices_copies(tmp_path: Path) -> None:
+    """A device's copies are its DMA engines' and run on its own copy threads: a store's seal does
+    not wait for them (on a GPU host it waited, and stores reached 0.2 of the bus until sealed)."""
+    async def body(core: Core) -> None:
+        engine = await core.engine()
+        assert not core.backend.copies_on_host
+        await finish(core.jobs, engine, 1, keys_of(1), [4], True)
+        core.backend.load_gate.clear()
+        core.jobs.submit(engine, 2, keys_of(3, 1), [6, 7, 8], True)
+        core.jobs.submit(engine, 3, keys_of(1), [4], False)  # held: a device copy in flight
+        stored = []
+        for _ in range(60):  # (well within SEAL_DEFER_S, after which a seal waits no longer)
+            await asyncio.sleep(0.005)
+            stored = core.index.lookup(engine.namespace, b"".join(keys_of(3, 1)), 32)
+            if len(stored) == 3 and all(b.checksum is not None for b in stored):
+                break
+        assert core.backend.loads_waiting == 1 and engine.channel.check(3) is None  # the load still held
+        assert len(stored) == 3 and all(b.checksum is not None for b in stored)  # sealed meanwhile
+        core.backend.load_gate.set()
+        await wait_done(engine, 3)
 
     run(tmp_path, body)
 
