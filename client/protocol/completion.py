@@ -44,6 +44,7 @@ POSTS_OFFSET = 16
 # futex(2) on the posts word: shared, not FUTEX_PRIVATE_FLAG, as two processes map it.
 _SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+POLL_S = 0.001  # a waiter's sleep where no post can wake it (no futex here, or the channel closed)
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -120,8 +121,13 @@ class CompletionChannel:
         struct.pack_into("<Q", self._mm, offset, job_id + 1)
         (posts,) = POSTS.unpack_from(self._mm, POSTS_OFFSET)
         POSTS.pack_into(self._mm, POSTS_OFFSET, (posts + 1) & 0xFFFFFFFF)
-        if _SYS_FUTEX is not None:
-            _futex(self._posts_address, _FUTEX_WAKE, 0x7FFFFFFF)  # every waiter
+        self.wake()
+
+    def wake(self) -> None:
+        """Wake every thread asleep in `wait_posted`: at each post, and client side when the client
+        itself fails a job (a refused submit, a lost daemon)."""
+        if _SYS_FUTEX is not None and not self._mm.closed:
+            _futex(self._posts_address, _FUTEX_WAKE, 0x7FFFFFFF)
 
     def post_progress(self, job_id: int, regions: int) -> None:
         """Daemon side: the first `regions` regions of a load job have landed."""
@@ -142,7 +148,7 @@ class CompletionChannel:
         """Client side: sleep until the daemon posts after `posts()` returned `seen`, or for
         `timeout` seconds (returns at once if it has posted since; may return early)."""
         if _SYS_FUTEX is None or self._mm.closed:
-            time.sleep(timeout)
+            time.sleep(min(timeout, POLL_S))  # nothing to sleep on: poll
             return
         _futex(self._posts_address, _FUTEX_WAIT, seen, _Timespec(int(timeout), int(timeout % 1 * 1e9)))
 

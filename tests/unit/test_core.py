@@ -256,6 +256,13 @@ def test_a_waiting_client_sleeps_until_the_daemon_posts() -> None:
         started = time.monotonic()
         client.wait_posted(seen, 60.0)  # posted since `seen`: no sleep
         assert time.monotonic() - started < 30
+        # A job the client fails itself (a refusal, a lost daemon) wakes its waiters too, with no post.
+        waker = threading.Timer(0.2, client.wake)
+        waker.start()
+        started = time.monotonic()
+        client.wait_posted(client.posts(), 60.0)
+        assert time.monotonic() - started < 30
+        waker.join()
     finally:
         daemon.close()
         client.close()
