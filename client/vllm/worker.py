@@ -312,11 +312,11 @@ class Worker:
 
     def _wait_for_progress(self, lookups: bool) -> list[Completion]:
         """An idle step (vLLM computes nothing) while lookups or loads are in flight: wait until a
-        job of this session completes (the completion channel, read every IDLE_SLICE_S) or, with the
-        scheduler in this process, a lookup reply arrives, at most IDLE_WAIT_MAX_S (IDLE_LOAD_WAIT_MAX_S
-        with a load in flight); returns the completions seen. Sleeps, never spins: the GIL and the
-        cores go to the lookup thread and the daemon's copies. A lookup reply in another process
-        cannot be seen from here: IDLE_WAIT_S."""
+        job of this session completes (asleep on the completion channel until the daemon posts) or,
+        with the scheduler in this process, a lookup reply arrives (then checking the channel every
+        IDLE_SLICE_S), at most IDLE_WAIT_MAX_S (IDLE_LOAD_WAIT_MAX_S with a load in flight); returns
+        the completions seen. Sleeps, never spins: the GIL and the cores go to the lookup thread and
+        the daemon's copies. A lookup reply in another process cannot be seen from here: IDLE_WAIT_S."""
         replied = InProcess.lookup_replied if lookups and InProcess.schedulers else None
         session = self.session
         jobs = session is not None and bool(self.load_jobs or self.store_jobs)
@@ -326,20 +326,24 @@ class Worker:
             else:
                 replied.wait(IDLE_WAIT_MAX_S)
             return []
+        assert session is not None
         deadline = time.monotonic() + (IDLE_LOAD_WAIT_MAX_S if self.load_jobs else IDLE_WAIT_MAX_S)
         while True:
+            channel = session.channel
+            seen = channel.posts() if channel is not None else 0  # before the poll: a post after it wakes us
+            completions = session.poll()
+            if completions:
+                return completions
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return []
             if replied is not None:
                 if replied.wait(min(IDLE_SLICE_S, remaining)):
                     return []
+            elif channel is not None:
+                channel.wait_posted(seen, remaining)
             else:
                 time.sleep(min(IDLE_SLICE_S, remaining))
-            assert session is not None
-            completions = session.poll()
-            if completions:
-                return completions
 
     def _completed(self, c: Completion) -> str | None:
         """Account for a finished job; returns the request whose loads are now all done, if any."""
