@@ -81,13 +81,8 @@ def plan_chunk(session: EngineSession, ids: list[int], indexes: list[int], block
     mapping there, before any byte moves (block ids were checked at submit, and every region against
     its memory at registration)."""
     layout = session.layout
-    regions = array("Q")
-    for r in layout.regions:
-        mapping = session.mappings[r.memory]
-        regions.extend((mapping.base + r.offset, r.block_stride, r.block_bytes, mapping.base,
-                        mapping.base + mapping.size))
     pool_offsets, engine_addresses, sizes = native.plan_transfer(
-        array("Q", [b.offset for b in blocks]), array("Q", ids), regions,
+        array("Q", [b.offset for b in blocks]), array("Q", ids), session.regions,
         layout.num_blocks, pool_size, layout.shard * layout.block_bytes)
     return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_addresses, sizes))
 

@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import time
+from array import array
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -97,6 +98,17 @@ class EngineSession(Session):
     mappings: list[Mapping]  # one per KV memory, in the layout's memory order
     memory_bytes: int  # what the layout addresses (mapped): counts against --max-memory-per-uid
     channel: CompletionChannel
+    # Where the layout's regions lie in the mapped memories, as native.plan_transfer takes them (five
+    # values each: the address of its block 0, its stride, its block bytes, its mapping's [lo, hi)):
+    # made once, not for each chunk (64 regions, ~20 us).
+    regions: array[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.regions = array("Q")
+        for r in self.layout.regions:
+            mapping = self.mappings[r.memory]
+            self.regions.extend((mapping.base + r.offset, r.block_stride, r.block_bytes, mapping.base,
+                                 mapping.base + mapping.size))
 
 
 @dataclass(frozen=True)
