@@ -378,28 +378,20 @@ class Jobs:
             job.error = "pool full: every block is pinned or being copied"
         if not plan.blocks:
             return None
-        if len(plan.reserved) == len(part):
-            indexes = list(part)
-            ids = job.block_ids[part.start:part.stop]
-        else:
-            indexes = [part.start + i for i in plan.reserved]
-            ids = [job.block_ids[i] for i in indexes]
-        return plan_chunk(job.session, ids, indexes, plan.blocks, self.pool.size)
+        indexes = [part.start + i for i in plan.reserved]
+        return plan_chunk(job.session, job.block_ids, indexes, plan.blocks, self.pool.size)
 
     def _prepare_load(self, job: Job, part: range) -> Chunk | None:
         """Pin the chunk's present blocks; an absent one fails."""
         found = self.index.prepare_load(job.session.namespace, job.keys[part.start:part.stop])
         blocks: list[Block] = list(filter(None, found))
-        if len(blocks) == len(found):
-            indexes = list(part)
-            ids = job.block_ids[part.start:part.stop]
-        else:
+        indexes = list(part)
+        if len(blocks) < len(found):
             job.error = "block not in the pool"
             indexes = [i for i, block in zip(part, found, strict=True) if block is not None]
-            ids = [job.block_ids[i] for i in indexes]
         if not blocks:
             return None
-        chunk = plan_chunk(job.session, ids, indexes, blocks, self.pool.size)
+        chunk = plan_chunk(job.session, job.block_ids, indexes, blocks, self.pool.size)
         if self.config.verify_loads > 0:
             chunk.check = load_check(blocks, job.session.namespace.block_bytes, self.config.verify_loads)
         return chunk
