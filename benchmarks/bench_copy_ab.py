@@ -7,7 +7,9 @@ Two private daemons run at once, each with its own environment (`--a-env`, `--b-
 `--block-kib`) through A and through B, in alternating order, each paired with the limit copied right
 before and right after it (as `kvstore bench`: the copy engine's contiguous copy on cpu, one pinned
 host -> device copy with `--backend cuda`). Stores go into a cleared namespace, into slots used
-before (a full pool's steady state); loads read one of three stored jobs into scattered block ids.
+before; loads read one of three stored jobs into scattered block ids. `full` is sustained stores into
+a full pool: each round stores three new jobs back to back into a pool that holds three, so every
+block evicts an old one while the seals of the last ones run (a busy engine's steady state).
 Prints the median ratio of each and every round's.
 
 `hit` is a vLLM-sized hit instead (`kvstore bench`'s small_load: `--hit-blocks` blocks of 32 layers x
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -29,13 +32,14 @@ from kvstore_client import KVStoreClient
 from kvstore_service.bench import Run, SmallLoad, private_daemon, run_job, wait_sealed
 
 JOB_BYTES = 512 << 20
+BURST = 3  # `full`: stores back to back per round
 
 
 @contextmanager
-def daemon_run(env: dict[str, str], block_bytes: int, backend: str, threads: int) -> Iterator[
-        tuple[KVStoreClient, Run, list[tuple[list[bytes], list[int]]]]]:
+def daemon_run(env: dict[str, str], block_bytes: int, backend: str, threads: int, pool_bytes: int = 6 << 30,
+               ) -> Iterator[tuple[KVStoreClient, Run, list[tuple[list[bytes], list[int]]]]]:
     """A daemon started with `env` added to ours, an engine session on it, and three stored jobs."""
-    with private_daemon(6 << 30, threads, env) as socket:
+    with private_daemon(pool_bytes, threads, env) as socket:
         client = KVStoreClient(socket)
         run = Run(client, backend, JOB_BYTES // block_bytes, block_bytes)
         try:
@@ -89,7 +93,7 @@ def parse_env(pairs: list[str]) -> dict[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["store", "load", "hit"])
+    parser.add_argument("mode", choices=["store", "load", "hit", "full"])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--block-kib", type=int, default=256, help="block size (a job is 512 MiB of blocks)")
     parser.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
@@ -104,10 +108,20 @@ def main() -> None:
         return
     ratios: dict[str, list[float]] = {"A": [], "B": []}
     block_bytes = args.block_kib << 10
-    with (daemon_run(parse_env(args.a_env), block_bytes, args.backend, args.a_threads) as a,
-          daemon_run(parse_env(args.b_env), block_bytes, args.backend, args.b_threads) as b):
+    pool_bytes = BURST * JOB_BYTES if args.mode == "full" else 6 << 30
+    with (daemon_run(parse_env(args.a_env), block_bytes, args.backend, args.a_threads, pool_bytes) as a,
+          daemon_run(parse_env(args.b_env), block_bytes, args.backend, args.b_threads, pool_bytes) as b):
         for i in range(args.rounds):
             for name, (client, run, stored) in (("A", a), ("B", b)) if i % 2 == 0 else (("B", b), ("A", a)):
+                if args.mode == "full":  # (the seals run as they can, as under an engine's stores)
+                    jobs = [run.job() for _ in range(BURST)]
+                    before = run.limit_gbps()
+                    start = time.perf_counter()
+                    for keys, ids in jobs:
+                        run.store(keys, ids)
+                    gbps = BURST * run.total / (time.perf_counter() - start) / 1e9
+                    ratios[name].append(gbps / ((before + run.limit_gbps()) / 2))
+                    continue
                 wait_sealed(client)
                 if args.mode == "store":
                     client.clear(run.session.namespace)

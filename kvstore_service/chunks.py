@@ -75,14 +75,15 @@ def chunks(n: int, block_bytes: int, threads: int) -> list[range]:
 
 def plan_chunk(session: EngineSession, block_ids: list[int], indexes: list[int], blocks: list[Block],
                pool_size: int) -> Chunk:
-    """The byte runs of these blocks (the job's keys `indexes`, ascending), in one native call
-    (region-major; the copy coalesces adjacent runs): this engine's shard of each slot, and the
-    engine addresses in its mapped memories. Every run is checked against the pool and its mapping
-    there, before any byte moves (block ids were checked at submit, and every region against its
-    memory at registration)."""
+    """The byte runs of these blocks (of the job's keys `indexes`, in any order: a TP store's joined
+    groups come first), in one native call (region-major; the copy coalesces adjacent runs): this
+    engine's shard of each slot, and the engine addresses in its mapped memories. Every run is
+    checked against the pool and its mapping there, before any byte moves (block ids were checked
+    at submit, and every region against its memory at registration)."""
     layout = session.layout
-    first, last = indexes[0], indexes[-1]
-    ids = block_ids[first:last + 1] if last - first + 1 == len(indexes) else [block_ids[i] for i in indexes]
+    first = indexes[0]
+    whole = indexes == list(range(first, first + len(indexes)))  # (the usual case: a slice, not a lookup per id)
+    ids = block_ids[first:first + len(indexes)] if whole else [block_ids[i] for i in indexes]
     pool_offsets, engine_addresses, sizes = native.plan_transfer(
         array("Q", [b.offset for b in blocks]), array("Q", ids), session.regions,
         layout.num_blocks, pool_size, layout.shard * layout.block_bytes)

@@ -449,9 +449,9 @@ class Jobs:
         if corrupt is None:
             self.index.unpin(chunk.blocks)
             return
-        first, last = chunk.indexes[0], chunk.indexes[-1]
-        if last - first + 1 == len(chunk.indexes):  # (the usual case: every block found)
-            job.ok[first:last + 1] = [True] * len(chunk.indexes)
+        first, n = chunk.indexes[0], len(chunk.indexes)
+        if chunk.indexes == list(range(first, first + n)):  # (the usual case: every block found)
+            job.ok[first:first + n] = [True] * n
         else:
             for i in chunk.indexes:
                 job.ok[i] = True

@@ -91,6 +91,22 @@ def test_a_block_is_visible_once_every_rank_stored_its_shard(tp2) -> None:
     assert namespace_stats(client, "tp2").loaded_blocks == 16
 
 
+def test_a_rank_joining_groups_out_of_order_copies_each_part_to_its_own_group(tp2) -> None:
+    """Rank 1 stores four keys of which rank 0 stored the first and third already: it joins those
+    groups and starts the others (its copy takes them in that order), and every part lands in its
+    own key's group."""
+    _, ranks = tp2
+    keys = [key_of("join", i) for i in range(4)]
+    for rank in ranks:
+        rank.fill(keys, list(range(4)))
+    assert ranks[0].run(True, [keys[0], keys[2]], [0, 2]).ok
+    assert ranks[1].run(True, keys, list(range(4))).ok
+    assert ranks[0].run(True, [keys[1], keys[3]], [1, 3]).ok
+    for rank in ranks:
+        done = rank.run(False, keys, list(range(20, 24)))
+        assert done.ok and rank.holds(keys, list(range(20, 24)))
+
+
 def test_a_shard_of_another_size_or_rank_count_is_refused(tp2) -> None:
     from kvstore_client.errors import FailedPrecondition, InvalidArgument
 

@@ -101,6 +101,28 @@ def test_prepare_store_evicts_then_refuses(pool: Pool) -> None:
     assert found == [first[0]]  # pinned skipped, LRU order
 
 
+def test_a_store_into_a_full_pool_evicts_the_least_recently_used_past_the_held_ones(
+        pool: Pool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The oldest blocks held for their seal stay; the store takes the next oldest, in LRU order,
+    looking at each block once (one eviction at a time passed the held ones for every slot)."""
+    index = BlockIndex(pool)
+    ns = index.namespace("ns", BLOCK)
+    capacity = 4 * pool.slots_per_segment(BLOCK)
+    first = reserve(index, ns, keys_of(capacity, 1))
+    index.complete_store(first, ok=True)
+    held = index.hold(first[:3])  # being sealed: pinned, their recency untouched
+    looked: list[Block] = []
+    evictable = index._evictable
+    monkeypatch.setattr(index, "_evictable", lambda b: looked.append(b) or evictable(b))
+    second = reserve(index, ns, keys_of(4, 2))
+    assert len(second) == 4 and index.evictions == 4
+    assert all(index.present(b) for b in held) and not any(index.present(b) for b in first[3:7])
+    assert all(index.present(b) for b in first[7:])
+    assert len(looked) == len(set(map(id, looked))) == 7  # the 3 held, then the 4 taken
+
+    index.seal(held, None)
+
+
 def test_load_pins_and_drops_corrupt_blocks(pool: Pool) -> None:
     index = BlockIndex(pool)
     ns = index.namespace("ns", BLOCK)
