@@ -229,7 +229,7 @@ class BlockIndex:
             if lru is not None:
                 try:
                     lru.move_to_end(block)
-                except KeyError:  # (not listed: a store's block before its commit)
+                except KeyError:  # (not on it)
                     pass
 
     def unpin(self, blocks: Iterable[Block]) -> None:
