@@ -319,14 +319,11 @@ class BlockIndex:
             for victim in self._victims(ns.block_bytes, len(keys) - len(blocks)):
                 self._evict(victim)
             blocks += self._place(ns, keys[len(blocks):])
-        while len(blocks) < len(keys):  # none of this size left to evict: a segment of another size
-            ref = self._evict_for(ns.block_bytes)
-            if ref is None:
+        while len(blocks) < len(keys) and self._empty_segment(ns.block_bytes):  # none of this size left
+            placed = self._place(ns, keys[len(blocks):])
+            if not placed:
                 break
-            block = Block(keys[len(blocks)], ns, ref.segment, ref.slot, self.pool.payload_offset(ref),
-                          self.pool.header_offset(ref))
-            self._by_segment.setdefault(ref.segment, {})[ref.slot] = block
-            blocks.append(block)
+            blocks += placed
         ns._writing.update(zip(keys, blocks, strict=False))  # blocks: the first keys
         self.count += len(blocks)
         return blocks
@@ -573,14 +570,10 @@ class BlockIndex:
             self.on_evict(block)
         self._drop(block)
 
-    def _evict_for(self, payload_size: int) -> SlotRef | None:
-        """Free a slot of this size: evict the LRU unpinned block of the same size (tails first),
-        else empty a whole segment of another size whose blocks are all evictable."""
-        for lru in (self._tails.get(payload_size), self._lru.get(payload_size)):
-            for block in lru or ():
-                if self._evictable(block):
-                    self._evict(block)
-                    return self.pool.allocate(payload_size)
+    def _empty_segment(self, payload_size: int) -> bool:
+        """Empty the segment of the least recently used block of another size whose blocks are all
+        evictable, for blocks of this size (every slot of it: one per slot evicted a segment each).
+        False if there is none."""
         for size, other in chain(self._tails.items(), self._lru.items()):
             if size == payload_size:
                 continue
@@ -589,8 +582,8 @@ class BlockIndex:
                 if all(self._evictable(b) for b in segment.values()):
                     for victim in list(segment.values()):
                         self._evict(victim)
-                    return self.pool.allocate(payload_size)
-        return None
+                    return True
+        return False
 
     # -- restart ---------------------------------------------------------------------------------
 

@@ -123,6 +123,21 @@ def test_a_store_into_a_full_pool_evicts_the_least_recently_used_past_the_held_o
     index.seal(held, None)
 
 
+def test_a_store_of_another_block_size_empties_the_oldest_segments_it_needs(pool: Pool) -> None:
+    """Segments hold one block size each: a namespace of another size takes whole segments, the
+    least recently used first, and uses every slot of one before it empties the next."""
+    index = BlockIndex(pool)
+    small, big = index.namespace("small", BLOCK // 2), index.namespace("big", BLOCK)
+    per_segment = pool.slots_per_segment(BLOCK // 2)
+    old = reserve(index, small, keys_of(4 * per_segment, 1))
+    index.complete_store(old, ok=True)
+    index.pin(old[per_segment:2 * per_segment])  # the second segment's blocks: in use
+    stored = reserve(index, big, keys_of(pool.slots_per_segment(BLOCK) + 1, 2))
+    assert len(stored) == pool.slots_per_segment(BLOCK) + 1
+    assert index.evictions == 2 * per_segment  # two segments: the first and the third
+    assert [index.present(b) for b in old[::per_segment]] == [False, True, False, True]
+
+
 def test_load_pins_and_drops_corrupt_blocks(pool: Pool) -> None:
     index = BlockIndex(pool)
     ns = index.namespace("ns", BLOCK)
