@@ -52,6 +52,7 @@ class Chunk:
     indexes: list[int]  # into the job's keys
     blocks: list[Block]
     plan: TransferPlan
+    in_order: bool  # indexes are consecutive keys, in order (the usual case: handled by slices)
     check: ChecksumSample | None = None  # load: the blocks whose checksums are verified
 
 
@@ -82,12 +83,12 @@ def plan_chunk(session: EngineSession, block_ids: list[int], indexes: list[int],
     at submit, and every region against its memory at registration)."""
     layout = session.layout
     first = indexes[0]
-    whole = indexes == list(range(first, first + len(indexes)))  # (the usual case: a slice, not a lookup per id)
-    ids = block_ids[first:first + len(indexes)] if whole else [block_ids[i] for i in indexes]
+    in_order = indexes == list(range(first, first + len(indexes)))
+    ids = block_ids[first:first + len(indexes)] if in_order else [block_ids[i] for i in indexes]
     pool_offsets, engine_addresses, sizes = native.plan_transfer(
         array("Q", [b.offset for b in blocks]), array("Q", ids), session.regions,
         layout.num_blocks, pool_size, layout.shard * layout.block_bytes)
-    return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_addresses, sizes))
+    return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_addresses, sizes), in_order)
 
 
 def load_check(blocks: list[Block], block_bytes: int, verify: float) -> ChecksumSample | None:

@@ -572,7 +572,7 @@ class BlockIndex:
 
     def _empty_segment(self, payload_size: int) -> bool:
         """Empty the segment of the least recently used block of another size whose blocks are all
-        evictable, for blocks of this size (every slot of it: one per slot evicted a segment each).
+        evictable, for blocks of this size (the caller fills all its slots before it asks again).
         False if there is none."""
         for size, other in chain(self._tails.items(), self._lru.items()):
             if size == payload_size:

@@ -449,8 +449,8 @@ class Jobs:
         if corrupt is None:
             self.index.unpin(chunk.blocks)
             return
-        first, n = chunk.indexes[0], len(chunk.indexes)
-        if chunk.indexes == list(range(first, first + n)):  # (the usual case: every block found)
+        if chunk.in_order:
+            first, n = chunk.indexes[0], len(chunk.indexes)
             job.ok[first:first + n] = [True] * n
         else:
             for i in chunk.indexes:
