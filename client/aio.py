@@ -24,6 +24,7 @@ from kvstore_client.client import (
     MAX_MESSAGE,
     MemorySpec,
     identity_token,
+    pack_block_ids,
     pack_keys,
     peer_handshake,
     registration,
@@ -137,7 +138,7 @@ class AsyncSession:
         job_id = next(self._job_ids)
         packed, size = pack_keys(keys)
         await self.client.call(method, pb.TransferRequest(session_id=self.session_id, job_id=job_id, keys=packed,
-                                                          key_size=size, block_ids=block_ids))
+                                                          key_size=size, block_id_bytes=pack_block_ids(block_ids)))
         self._pending.add(job_id)
         return job_id
 

@@ -16,8 +16,10 @@ import os
 import queue
 import secrets
 import socket
+import sys
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -132,6 +134,14 @@ def pack_keys(keys: Sequence[bytes]) -> tuple[bytes, int]:
     if len(lengths) != 1:
         raise ValueError("all keys of one request must have the same length")
     return b"".join(keys), lengths.pop()
+
+
+def pack_block_ids(block_ids: Sequence[int]) -> bytes:
+    """Block ids travel as little-endian uint64s (TransferRequest.block_id_bytes)."""
+    ids = array("Q", block_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tobytes()
 
 
 @dataclass(frozen=True)
@@ -290,7 +300,8 @@ class _Submit:
     is_store: bool
     keys: bytes
     key_size: int
-    block_ids: Sequence[int]
+    block_ids: bytes  # packed (pack_block_ids)
+    blocks: int
     partial_tail: bool = False
     order_seq: int = 0
 
@@ -449,12 +460,13 @@ class Session:
             raise FailedPrecondition("this session registered no KV memory")
         job_id = next(self._job_ids)
         packed, size = pack_keys(keys)
+        ids = pack_block_ids(block_ids)
         with self._lock:
             if not self.connected or len(self._pending) >= self.slots:
                 self._done.append(Completion(job_id, 0, max(len(keys), 1)))
                 return job_id
             self._pending[job_id] = self.session_id
-        self._submits.put(_Submit(job_id, is_store, packed, size, block_ids, partial_tail, order_seq))
+        self._submits.put(_Submit(job_id, is_store, packed, size, ids, len(block_ids), partial_tail, order_seq))
         return job_id
 
     def _send_loop(self) -> None:
@@ -472,7 +484,7 @@ class Session:
             if session_id is None:
                 continue  # failed already (disconnect)
             request = pb.TransferRequest(session_id=session_id, job_id=item.job_id, keys=item.keys,
-                                         key_size=item.key_size, block_ids=item.block_ids,
+                                         key_size=item.key_size, block_id_bytes=item.block_ids,
                                          partial_tail=item.partial_tail, order_seq=item.order_seq)
             try:
                 if jobs.usable(self.registrations):
@@ -487,7 +499,7 @@ class Session:
             log.warning("kvstore: %s job %d refused: %s", "store" if item.is_store else "load", item.job_id, error)
             with self._lock:
                 if self._pending.pop(item.job_id, None) is not None:
-                    self._done.append(Completion(item.job_id, 0, max(len(item.block_ids), 1)))
+                    self._done.append(Completion(item.job_id, 0, max(item.blocks, 1)))
             self._wake_waiters()
 
     def poll(self) -> list[Completion]:

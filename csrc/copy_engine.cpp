@@ -305,27 +305,19 @@ PyObject* py_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
 PyObject* py_check_job(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* kwlist[] = {"keys", "block_ids", "num_blocks", "distinct_ids", nullptr};
   PyObject *keys, *ids;
-  long long num_blocks;
+  unsigned long long num_blocks;
   int distinct_ids;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O!Lp:check_job", const_cast<char**>(kwlist), &PyList_Type,
-                                   &keys, &PyList_Type, &ids, &num_blocks, &distinct_ids)) {
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OKp:check_job", const_cast<char**>(kwlist), &PyList_Type,
+                                   &keys, &ids, &num_blocks, &distinct_ids)) {
     return nullptr;
   }
-  const Py_ssize_t n = PyList_GET_SIZE(ids);
-  std::vector<long long> values(static_cast<size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* id = PyList_GET_ITEM(ids, i);
-    if (!PyLong_Check(id)) {
-      PyErr_Format(PyExc_TypeError, "block ids must be ints, not %.100s", Py_TYPE(id)->tp_name);
-      return nullptr;
+  std::vector<uint64_t> values;
+  if (!parse_u64_array(ids, "block_ids", &values)) return nullptr;
+  for (uint64_t v : values) {
+    if (v >= num_blocks) {
+      return PyUnicode_FromFormat("block id %llu is outside the registered cache (0..%lld)",
+                                  static_cast<unsigned long long>(v), static_cast<long long>(num_blocks) - 1);
     }
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(id, &overflow);
-    if (v == -1 && PyErr_Occurred()) return nullptr;
-    if (overflow != 0 || v < 0 || v >= num_blocks) {
-      return PyUnicode_FromFormat("block id %S is outside the registered cache (0..%lld)", id, num_blocks - 1);
-    }
-    values[static_cast<size_t>(i)] = v;
   }
   // Duplicate keys: sorted by their first 8 bytes (keys are hashes), then compared whole where those tie.
   std::vector<std::pair<uint64_t, std::string_view>> sorted(static_cast<size_t>(PyList_GET_SIZE(keys)));
@@ -795,7 +787,7 @@ PyMethodDef kMethods[] = {
      "stores for runs of 4 KiB and more (for a destination nothing reads soon)."},
     {"check_job", KV_KW(py_check_job),
      "check_job(keys, block_ids, num_blocks, distinct_ids) -> str\n\n"
-     "What is wrong with a job's keys (list of bytes) and block ids (list of ints): an id outside\n"
+     "What is wrong with a job's keys (list of bytes) and block ids (uint64 buffer): an id outside\n"
      "0..num_blocks-1, duplicate keys, duplicate ids (if distinct_ids); \"\" if nothing."},
     {"plan_transfer", KV_KW(py_plan_transfer),
      "plan_transfer(slot_offsets, block_ids, regions, num_blocks, pool_size, shard_offset) -> bytes\n\n"

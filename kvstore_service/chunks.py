@@ -74,7 +74,7 @@ def chunks(n: int, block_bytes: int, threads: int) -> list[range]:
     return parts
 
 
-def plan_chunk(session: EngineSession, block_ids: list[int], indexes: list[int], blocks: list[Block],
+def plan_chunk(session: EngineSession, block_ids: array[int], indexes: list[int], blocks: list[Block],
                pool_size: int) -> Chunk:
     """The byte runs of these blocks (of the job's keys `indexes`, in any order: a TP store's joined
     groups come first), in one native call (region-major; the copy coalesces adjacent runs): this
@@ -84,9 +84,9 @@ def plan_chunk(session: EngineSession, block_ids: list[int], indexes: list[int],
     layout = session.layout
     first = indexes[0]
     in_order = indexes == list(range(first, first + len(indexes)))
-    ids = block_ids[first:first + len(indexes)] if in_order else [block_ids[i] for i in indexes]
+    ids = block_ids[first:first + len(indexes)] if in_order else array("Q", [block_ids[i] for i in indexes])
     pool_offsets, engine_addresses, sizes = native.plan_transfer(
-        array("Q", [b.offset for b in blocks]), array("Q", ids), session.regions,
+        array("Q", [b.offset for b in blocks]), ids, session.regions,
         layout.num_blocks, pool_size, layout.shard * layout.block_bytes)
     return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_addresses, sizes), in_order)
 

@@ -20,6 +20,7 @@ import gc
 import logging
 import secrets
 import time
+from array import array
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -167,7 +168,7 @@ class Daemon:
 
     # -- jobs ------------------------------------------------------------------------------------
 
-    def submit(self, session: Session, job_id: int, keys: bytes, key_size: int, block_ids: Sequence[int],
+    def submit(self, session: Session, job_id: int, keys: bytes, key_size: int, block_ids: array[int],
                is_store: bool, partial_tail: bool = False, order_seq: int = 0) -> int:
         """Start a store or load job of an engine session (keys packed); its completion is posted to the
         session's channel. `order_seq`: the engine's ordering record the job follows (0: every record

@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 import weakref
+from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -90,7 +91,7 @@ class Job:
     is_store: bool
     session: EngineSession
     keys: list[bytes]
-    block_ids: list[int]
+    block_ids: array[int]  # ('Q')
     ok: list[bool]
     partial_tail: bool = False  # store: the last key is a prompt's partial last block
     # store: keys another job is writing; this job is done when those are (dedupe without lying)
@@ -171,9 +172,16 @@ class Jobs:
 
     # -- submit and poll -------------------------------------------------------------------------
 
-    def submit(self, session: EngineSession, job_id: int, keys: Sequence[bytes], block_ids: Sequence[int],
+    def submit(self, session: EngineSession, job_id: int, keys: Sequence[bytes], block_ids: array[int] | Sequence[int],
                is_store: bool, partial_tail: bool = False, order_seq: int = 0) -> Job:
-        keys, block_ids = list(keys), list(block_ids)  # (block_ids may be a protobuf container: slow to index)
+        keys = list(keys)
+        if not isinstance(block_ids, array):
+            try:
+                block_ids = array("Q", block_ids)
+            except OverflowError:
+                bad = next(i for i in block_ids if not 0 <= i < 1 << 64)
+                raise invalid(f"block id {bad} is outside the registered cache "
+                              f"(0..{session.layout.num_blocks - 1})") from None
         if len(keys) != len(block_ids):
             raise invalid(f"{len(keys)} keys but {len(block_ids)} block ids")
         if not keys:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
+from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -35,6 +37,21 @@ def check_keys(keys: bytes, key_size: int) -> None:
         raise invalid(f"key_size {key_size} is outside {MIN_KEY}..{MAX_KEY} bytes")
     if len(keys) % key_size:
         raise invalid(f"{len(keys)} key bytes are not a multiple of key_size {key_size}")
+
+
+def block_ids_of(request: pb.TransferRequest) -> array[int]:
+    """A job's engine block ids: block_id_bytes (protocol 3) or block_ids (2)."""
+    packed = request.block_id_bytes
+    if not packed:
+        return array("Q", request.block_ids)
+    if request.block_ids:
+        raise invalid("block_ids and block_id_bytes are both set; send one")
+    if len(packed) % 8:
+        raise invalid(f"block_id_bytes holds {len(packed)} bytes, not whole little-endian uint64s")
+    ids = array("Q", packed)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids
 
 
 def layout_of(message: pb.KVLayout) -> Layout:
@@ -173,7 +190,7 @@ class Servicer(pb_grpc.KVStoreServicer):
         """Store and Load, here and on <socket>.jobs (submits.py)."""
         check_keys(request.keys, request.key_size)
         session = self._session(request.session_id, context)
-        job_id = self.daemon.submit(session, request.job_id, request.keys, request.key_size, request.block_ids,
+        job_id = self.daemon.submit(session, request.job_id, request.keys, request.key_size, block_ids_of(request),
                                     is_store, request.partial_tail, request.order_seq)
         return pb.TransferResponse(job_id=job_id)
 

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvstore_client.protocol import MAX_COMPLETION_SLOTS, PROTOCOL_VERSION
+from kvstore_client.protocol import MAX_COMPLETION_SLOTS, OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION
 from kvstore_client.protocol.completion import CompletionChannel
 from kvstore_service.backends import Backend, Mapping, make_backend
 from kvstore_service.backends.base import pool_pieces
@@ -170,10 +170,10 @@ class Sessions:
         owner = request.owner
         counted = False
         try:
-            if request.protocol_version != PROTOCOL_VERSION:
+            if not OLDEST_PROTOCOL_VERSION <= request.protocol_version <= PROTOCOL_VERSION:
                 raise KVError("FAILED_PRECONDITION",
                               f"client speaks protocol {request.protocol_version}, this daemon speaks "
-                              f"{PROTOCOL_VERSION}; upgrade the client or the daemon so both match")
+                              f"{OLDEST_PROTOCOL_VERSION} to {PROTOCOL_VERSION}; upgrade the client or the daemon")
             check_namespace(request.namespace, self.config.max_namespace_bytes)
             engine_id_bytes = len(request.engine_id.encode())
             if engine_id_bytes > self.config.max_engine_id_bytes:

@@ -12,6 +12,7 @@ import os
 from kvstore_client.protocol import kvstore_pb2 as _pb
 
 PROTOCOL_VERSION = _pb.PROTOCOL_VERSION_CURRENT
+OLDEST_PROTOCOL_VERSION = 2  # the oldest clients a daemon serves (they send TransferRequest.block_ids)
 # Keys are block hashes: vLLM's sha256 (32 bytes) and shorter or longer hashes of other engines.
 MIN_KEY, MAX_KEY = 16, 64
 MAX_COMPLETION_SLOTS = 1 << 16

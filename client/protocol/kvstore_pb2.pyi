@@ -161,7 +161,7 @@ class ReleaseLeaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("session_id", "job_id", "keys", "key_size", "block_ids", "partial_tail", "order_seq")
+    __slots__ = ("session_id", "job_id", "keys", "key_size", "block_ids", "partial_tail", "order_seq", "block_id_bytes")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,7 @@ class TransferRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     PARTIAL_TAIL_FIELD_NUMBER: _ClassVar[int]
     ORDER_SEQ_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_BYTES_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     job_id: int
     keys: bytes
@@ -176,7 +177,8 @@ class TransferRequest(_message.Message):
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     partial_tail: bool
     order_seq: int
-    def __init__(self, session_id: _Optional[bytes] = ..., job_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., partial_tail: _Optional[bool] = ..., order_seq: _Optional[int] = ...) -> None: ...
+    block_id_bytes: bytes
+    def __init__(self, session_id: _Optional[bytes] = ..., job_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., partial_tail: _Optional[bool] = ..., order_seq: _Optional[int] = ..., block_id_bytes: _Optional[bytes] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("job_id",)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import time
 
 import grpc
@@ -105,6 +106,33 @@ def test_duplicate_keys_and_count_mismatch(setup) -> None:
     expect(grpc.StatusCode.INVALID_ARGUMENT, "at least one block", stub.Load, transfer(engine, [], []))
 
 
+def test_block_ids_as_bytes_or_as_a_repeated_field(setup) -> None:
+    """Clients of protocol 3 send block ids packed (block_id_bytes), of 2 as block_ids: both are
+    served; both at once, or bytes that are not whole uint64s, are refused by name."""
+    _, engine, keys, stub = setup
+
+    def load(ids: list[int], packed: bytes, job_id: int = 1000) -> pb.TransferRequest:
+        return pb.TransferRequest(session_id=engine.session.session_id, job_id=job_id, keys=b"".join(keys[:2]),
+                                  key_size=32, block_ids=ids, block_id_bytes=packed)
+
+    packed = struct.pack("<2Q", 20, 21)
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "both set", stub.Load, load([20, 21], packed))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "holds 15 bytes, not whole", stub.Load, load([], packed[:-1]))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "2 keys but 1 block ids", stub.Load, load([], packed[:8]))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, f"block id {NUM_BLOCKS} is outside", stub.Load,
+           load([], struct.pack("<2Q", 20, NUM_BLOCKS)))
+    engine.blocks.zero_()
+    stub.Load(load([], packed, job_id=1001), timeout=10)
+    stub.Load(load([22, 23], b"", job_id=1002), timeout=10)  # (an older client's)
+    done: dict[int, bool] = {}  # (the setup's store is reported too)
+    deadline = time.monotonic() + 10
+    while not {1001, 1002} <= done.keys() and time.monotonic() < deadline:
+        reply = stub.Poll(pb.PollRequest(session_id=engine.session.session_id, wait_ms=1000), timeout=10)
+        done.update((job.job_id, all(job.block_ok)) for job in reply.jobs)
+    assert done[1001] and done[1002]
+    assert engine.verify(keys[:2], [20, 21]) == 0 and engine.verify(keys[:2], [22, 23]) == 0
+
+
 def test_oversized_request(daemon_factory) -> None:
     daemon = daemon_factory("--max-request-bytes", "1MiB").start()
     stub = pb_grpc.KVStoreStub(grpc.insecure_channel(f"unix://{daemon.socket}"))
@@ -134,8 +162,10 @@ def test_register_errors(setup, tmp_path) -> None:
                 setattr(request, name, value)
             return request
 
-        expect(grpc.StatusCode.FAILED_PRECONDITION, f"protocol 7, this daemon speaks {PROTOCOL_VERSION}", stub.Register,
-               register(protocol_version=7))
+        expect(grpc.StatusCode.FAILED_PRECONDITION, f"protocol 7, this daemon speaks 2 to {PROTOCOL_VERSION}",
+               stub.Register, register(protocol_version=7))
+        expect(grpc.StatusCode.FAILED_PRECONDITION, f"protocol 1, this daemon speaks 2 to {PROTOCOL_VERSION}",
+               stub.Register, register(protocol_version=1))
         expect(grpc.StatusCode.FAILED_PRECONDITION, "layout mismatch", stub.Register, register(namespace="bad-input"))
         bad = register()
         bad.layout.regions[0].block_stride = KB64 * 4  # runs past the end of the memory

@@ -570,7 +570,7 @@ def test_a_lookup_session_cannot_run_jobs(tmp_path: Path) -> None:
 
 def test_registration_refusals(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
-        with pytest.raises(KVError, match=f"this daemon speaks {PROTOCOL_VERSION}"):
+        with pytest.raises(KVError, match=f"this daemon speaks 2 to {PROTOCOL_VERSION}"):
             await core.sessions.register(Registration(PROTOCOL_VERSION + 1, "e", "ns"))
         with pytest.raises(KVError, match="namespace is empty"):
             await core.sessions.register(Registration(PROTOCOL_VERSION, "e", ""))
