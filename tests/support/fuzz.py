@@ -29,6 +29,7 @@ import os
 import re
 import secrets
 import socket
+import struct
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -38,7 +39,7 @@ import grpc
 from google.protobuf import text_format
 from hypothesis import strategies as st
 
-from kvstore_client.protocol import PROTOCOL_VERSION, memfd
+from kvstore_client.protocol import OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION, memfd
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import HEADER, MAGIC, VERSION, channel_bytes
@@ -163,7 +164,9 @@ def transfer_cases(draw, method: str) -> Case:
     fields = {"session_id": Session("engine"), "job_id": draw(u64), "keys": b"".join(keys), "key_size": 32,
               "block_ids": draw(st.lists(st.integers(0, ENGINE_BLOCKS - 1), min_size=len(keys), max_size=len(keys),
                                          unique=True)),
-              "via": draw(st.sampled_from(["grpc", "jobs"]))}  # the RPC, or a frame on <socket>.jobs
+              "via": draw(st.sampled_from(["grpc", "jobs"])),  # the RPC, or a frame on <socket>.jobs
+              # block ids as protocol 3's block_id_bytes or 2's block_ids, both at once, or bytes not whole uint64s
+              "ids_as": draw(st.sampled_from(["bytes", "repeated", "both", "ragged"]))}
     fields = _mutate(draw, fields, {"session_id": sessions, "job_id": u64, "block_ids": block_id_lists,
                                     "keys": packed_keys(), "key_size": u32})
     if isinstance(fields["keys"], tuple):  # packed_keys() draws the key size with the keys
@@ -579,7 +582,7 @@ def _register_allowed(f: dict, size: int, good: bool) -> set[Code]:
     layout, slots = f["layout"], f["completion_slots"]
     if f["token"] != "fresh":  # Register on the unix socket needs the caller's handshake
         return {Code.PERMISSION_DENIED}
-    if f["protocol_version"] != PROTOCOL_VERSION:
+    if not OLDEST_PROTOCOL_VERSION <= f["protocol_version"] <= PROTOCOL_VERSION:
         return {Code.FAILED_PRECONDITION}
     if not f["namespace"] or _CONTROL.search(f["namespace"]):
         return {Code.INVALID_ARGUMENT}
@@ -768,6 +771,8 @@ def _transfer_allowed(f: dict, state: str, is_store: bool) -> set[Code]:
         return {Code.NOT_FOUND}
     if state == "maybe":
         return WELL_DEFINED
+    if f.get("ids_as") == "ragged" or (f.get("ids_as") == "both" and ids):
+        return {Code.INVALID_ARGUMENT}
     if state == "lookup":
         return {Code.FAILED_PRECONDITION}
     if (len(keys) != len(ids) or not keys or any(b >= ENGINE_BLOCKS for b in ids) or len(set(keys)) != len(keys)
@@ -776,6 +781,17 @@ def _transfer_allowed(f: dict, state: str, is_store: bool) -> set[Code]:
     if f["job_id"] == U64:  # its completion sequence number (job_id + 1) would not fit 64 bits
         return {Code.OK, Code.INVALID_ARGUMENT}
     return {Code.OK}  # every earlier job of the engine finished: its completion slots are free
+
+
+def _transfer_request(session_id: bytes, f: dict) -> pb.TransferRequest:
+    """The case's request, its block ids in the form it drew (`ids_as`)."""
+    request = pb.TransferRequest(session_id=session_id, job_id=f["job_id"], keys=f["keys"], key_size=f["key_size"])
+    ids, form = f["block_ids"], f.get("ids_as", "repeated")
+    if form != "bytes":
+        request.block_ids.extend(ids)
+    if form != "repeated":
+        request.block_id_bytes = struct.pack(f"<{len(ids)}Q", *ids) + (b"\0" if form == "ragged" else b"")
+    return request
 
 
 def _transfer(t: Target, f: dict, is_store: bool) -> list[str]:
@@ -790,8 +806,7 @@ def _transfer(t: Target, f: dict, is_store: bool) -> list[str]:
             engine.fill(keys, ids)
         else:
             engine.zero(ids)
-    request = pb.TransferRequest(session_id=session_id, job_id=f["job_id"], keys=f["keys"], key_size=f["key_size"],
-                                 block_ids=ids)
+    request = _transfer_request(session_id, f)
     code, reply = t.jobs_call(method, request) if f.get("via") == "jobs" else t.call(method, request)
     what = f"{method} job {f['job_id']} ({state}, {len(keys)} keys, blocks {ids[:16]}, via {f.get('via', 'grpc')})"
     problems = _expect(code, allowed, what)
