@@ -299,8 +299,26 @@ PyObject* py_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
 // offset slot_offsets[k] + shard_offset + the bytes of the regions before r, engine address
 // regions[r].start + block_ids[k] * regions[r].stride. Every run is checked against the pool and its
 // mapping before it is returned (ValueError naming the block): nothing is copied past either.
+// Whether two of these values are equal (`same(i, j)` settling a tie of values i and j), in one pass
+// over an open-addressing table: a sort of 2048 keys and ids took ~0.2 ms of a job's submit.
+template <class Same>
+bool has_duplicate(const std::vector<uint64_t>& values, Same same) {
+  int bits = 4;
+  while ((size_t{1} << bits) < 2 * values.size()) ++bits;
+  const size_t mask = (size_t{1} << bits) - 1;
+  std::vector<size_t> slots(mask + 1, SIZE_MAX);
+  for (size_t i = 0; i < values.size(); ++i) {
+    size_t at = static_cast<size_t>((values[i] * 0x9E3779B97F4A7C15ull) >> (64 - bits));  // (ids are not random)
+    for (; slots[at] != SIZE_MAX; at = (at + 1) & mask) {
+      if (values[slots[at]] == values[i] && same(slots[at], i)) return true;
+    }
+    slots[at] = i;
+  }
+  return false;
+}
+
 // check_job(keys, block_ids, num_blocks, distinct_ids) -> str: what is wrong with a job's keys (a
-// list of bytes) and engine block ids (a list of ints), "" if nothing; its checks at submit, in C
+// list of bytes) and engine block ids (a uint64 buffer), "" if nothing; its checks at submit, in C
 // (a 2048-block job's min, max and two sets cost ~0.3 ms of Python on our 2-vCPU VM).
 PyObject* py_check_job(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* kwlist[] = {"keys", "block_ids", "num_blocks", "distinct_ids", nullptr};
@@ -319,28 +337,24 @@ PyObject* py_check_job(PyObject*, PyObject* args, PyObject* kwargs) {
                                   static_cast<unsigned long long>(v), static_cast<long long>(num_blocks) - 1);
     }
   }
-  // Duplicate keys: sorted by their first 8 bytes (keys are hashes), then compared whole where those tie.
-  std::vector<std::pair<uint64_t, std::string_view>> sorted(static_cast<size_t>(PyList_GET_SIZE(keys)));
-  for (size_t i = 0; i < sorted.size(); ++i) {
+  // Duplicate keys: hashed by their first 8 bytes (keys are hashes), compared whole where those tie.
+  const size_t n = static_cast<size_t>(PyList_GET_SIZE(keys));
+  std::vector<std::string_view> views(n);
+  std::vector<uint64_t> prefixes(n);
+  for (size_t i = 0; i < n; ++i) {
     PyObject* key = PyList_GET_ITEM(keys, static_cast<Py_ssize_t>(i));
     if (!PyBytes_Check(key)) {
       PyErr_Format(PyExc_TypeError, "keys must be bytes, not %.100s", Py_TYPE(key)->tp_name);
       return nullptr;
     }
-    std::string_view bytes(PyBytes_AS_STRING(key), static_cast<size_t>(PyBytes_GET_SIZE(key)));
-    uint64_t prefix = 0;
-    std::memcpy(&prefix, bytes.data(), std::min<size_t>(sizeof prefix, bytes.size()));
-    sorted[i] = {prefix, bytes};
+    views[i] = std::string_view(PyBytes_AS_STRING(key), static_cast<size_t>(PyBytes_GET_SIZE(key)));
+    std::memcpy(&prefixes[i], views[i].data(), std::min<size_t>(sizeof(uint64_t), views[i].size()));
   }
-  std::sort(sorted.begin(), sorted.end());
-  if (std::adjacent_find(sorted.begin(), sorted.end(), [](const auto& a, const auto& b) {
-        return a.second == b.second;
-      }) != sorted.end()) {
+  if (has_duplicate(prefixes, [&](size_t a, size_t b) { return views[a] == views[b]; })) {
     return PyUnicode_FromString("duplicate keys in one request");
   }
   if (distinct_ids) {
-    std::sort(values.begin(), values.end());
-    if (std::adjacent_find(values.begin(), values.end()) != values.end()) {
+    if (has_duplicate(values, [](size_t, size_t) { return true; })) {
       return PyUnicode_FromString("duplicate block ids in one load: two blocks would land in the same place");
     }
   }

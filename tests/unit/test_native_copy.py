@@ -471,6 +471,14 @@ def test_check_job_names_what_is_wrong_with_a_jobs_keys_and_ids() -> None:
     assert native.check_job([b"a", b"b"], [1, 1], 2, False) == ""  # a store may read one block twice
     assert "duplicate block ids" in native.check_job([b"a", b"b"], [1, 1], 2, True)
     assert native.check_job([b"a"], [2], 2, True) == "block id 2 is outside the registered cache (0..1)"
+    rng = random.Random(5)  # thousands of keys and ids, one repeat anywhere, as Python's sets see it
+    for n in (1, 2, 3000):
+        keys, ids = [rng.randbytes(32) for _ in range(n)], array("Q", rng.sample(range(4 * n), n))
+        assert native.check_job(keys, ids, 4 * n, True) == ""
+        i, j = sorted(rng.sample(range(n + 1), 2)) if n > 1 else (0, 1)
+        assert native.check_job(keys[:j] + [keys[i]] + keys[j:], array("Q", range(n + 1)), n + 1, True) == \
+            "duplicate keys in one request"
+        assert "duplicate block ids" in native.check_job(keys + [rng.randbytes(32)], ids + ids[i:i + 1], 4 * n, True)
     with pytest.raises(TypeError, match="keys must be bytes"):
         native.check_job(["a"], [0], 2, True)  # type: ignore[list-item]
     assert "duplicate block ids" in native.check_job([b"a", b"b"], array("Q", [1, 1]), 2, True)  # (the daemon's)
