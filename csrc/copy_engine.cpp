@@ -294,11 +294,6 @@ PyObject* py_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
   return PyLong_FromSize_t(runs.size());
 }
 
-// plan_transfer(slot_offsets, block_ids, regions, num_blocks, pool_size, shard_offset) -> bytes
-// The byte runs of a chunk's blocks, region-major (region r's run of block k is run r * n + k): pool
-// offset slot_offsets[k] + shard_offset + the bytes of the regions before r, engine address
-// regions[r].start + block_ids[k] * regions[r].stride. Every run is checked against the pool and its
-// mapping before it is returned (ValueError naming the block): nothing is copied past either.
 // Whether two of these values are equal (`same(i, j)` settling a tie of values i and j), in one pass
 // over an open-addressing table: a sort of 2048 keys and ids took ~0.2 ms of a job's submit.
 template <class Same>
@@ -361,6 +356,11 @@ PyObject* py_check_job(PyObject*, PyObject* args, PyObject* kwargs) {
   return PyUnicode_FromString("");
 }
 
+// plan_transfer(slot_offsets, block_ids, regions, num_blocks, pool_size, shard_offset) -> bytes
+// The byte runs of a chunk's blocks, region-major (region r's run of block k is run r * n + k): pool
+// offset slot_offsets[k] + shard_offset + the bytes of the regions before r, engine address
+// regions[r].start + block_ids[k] * regions[r].stride. Every run is checked against the pool and its
+// mapping before it is returned (ValueError naming the block): nothing is copied past either.
 PyObject* py_plan_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* kwlist[] = {"slot_offsets", "block_ids", "regions", "num_blocks", "pool_size",
                                  "shard_offset", nullptr};
