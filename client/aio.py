@@ -24,7 +24,6 @@ from kvstore_client.client import (
     MAX_MESSAGE,
     MemorySpec,
     identity_token,
-    pack_block_ids,
     pack_keys,
     peer_handshake,
     registration,
@@ -33,6 +32,7 @@ from kvstore_client.client import (
 from kvstore_client.errors import from_rpc_error
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
+from kvstore_client.protocol import pack_block_ids
 from kvstore_client.protocol.completion import Completion, CompletionChannel
 
 _Reply = TypeVar("_Reply")

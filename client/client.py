@@ -16,10 +16,8 @@ import os
 import queue
 import secrets
 import socket
-import sys
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
@@ -37,7 +35,7 @@ from kvstore_client.errors import (
     error_of,
     from_rpc_error,
 )
-from kvstore_client.protocol import PROTOCOL_VERSION, default_socket
+from kvstore_client.protocol import PROTOCOL_VERSION, default_socket, pack_block_ids
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import POLL_S, Completion, CompletionChannel
@@ -134,14 +132,6 @@ def pack_keys(keys: Sequence[bytes]) -> tuple[bytes, int]:
     if len(lengths) != 1:
         raise ValueError("all keys of one request must have the same length")
     return b"".join(keys), lengths.pop()
-
-
-def pack_block_ids(block_ids: Sequence[int]) -> bytes:
-    """Block ids travel as little-endian uint64s (TransferRequest.block_id_bytes)."""
-    ids = array("Q", block_ids)
-    if sys.byteorder == "big":
-        ids.byteswap()
-    return ids.tobytes()
 
 
 @dataclass(frozen=True)

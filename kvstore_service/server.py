@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -14,7 +13,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from kvstore_client.protocol import MAX_KEY, MIN_KEY
+from kvstore_client.protocol import MAX_KEY, MIN_KEY, unpack_block_ids
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.groups import check_spans
@@ -48,10 +47,7 @@ def block_ids_of(request: pb.TransferRequest) -> array[int]:
         raise invalid("block_ids and block_id_bytes are both set; send one")
     if len(packed) % 8:
         raise invalid(f"block_id_bytes holds {len(packed)} bytes, not whole little-endian uint64s")
-    ids = array("Q", packed)
-    if sys.byteorder == "big":
-        ids.byteswap()
-    return ids
+    return unpack_block_ids(packed)
 
 
 def layout_of(message: pb.KVLayout) -> Layout:

@@ -2,12 +2,16 @@
 
 The daemon imports this subpackage and nothing else of `kvstore_client`: the generated gRPC code
 (`kvstore_pb2`, `kvstore_pb2_grpc`), the completion channel's layout (`completion`), sealed memfds
-(`memfd`), the device-handle codec (`handle`), and the constants below, each defined once here.
+(`memfd`), the device-handle codec (`handle`), and the constants and the block ids' encoding below,
+each defined once here.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+from array import array
+from collections.abc import Sequence
 
 from kvstore_client.protocol import kvstore_pb2 as _pb
 
@@ -24,3 +28,19 @@ DEFAULT_SOCKET = "/tmp/kvstore/kvstore.sock"
 
 def default_socket() -> str:
     return os.environ.get("KVSTORE_SOCKET", DEFAULT_SOCKET)
+
+
+def pack_block_ids(block_ids: Sequence[int]) -> bytes:
+    """Block ids as TransferRequest.block_id_bytes carries them: little-endian uint64s."""
+    ids = array("Q", block_ids)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tobytes()
+
+
+def unpack_block_ids(data: bytes) -> array[int]:
+    """The block ids of `pack_block_ids` (len(data) a multiple of 8)."""
+    ids = array("Q", data)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids
