@@ -33,7 +33,7 @@ import weakref
 from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -107,6 +107,16 @@ class Job:
     # The copy thread that brings it to 0 posts the completion (`posted`).
     unlanded: int = 1
     posted: bool = False
+    # A load: chunks handed to copy threads and not done, plus 1 while the loop plans. The thread that
+    # brings it to 0 sets `copied`. A load's chunks complete together: the loop wakes once, when its last copy
+    # ends, not once per chunk (its completion is posted by that copy thread anyway, `_landed`). Each
+    # wake cost the loop a future's callbacks and a resumption, and a copy thread its vCPU. 2048 x 256
+    # KiB loads, A/Bs of 10-16 interleaved rounds of 30, 2-vCPU VM: the loop's CPU 4.5 -> 3.2 and 4.0
+    # -> 3.0 ms a load, loads 0.72 -> 0.83 and 0.81 -> 0.86 of the copy engine. A store's chunks still
+    # complete as they land: all at once after its last, the loop's CPU fell 8.3 -> 6.7 ms a store but
+    # the store took 1.3 ms longer (its commits no longer hidden behind its copies), 0.74 -> 0.70.
+    copying: int = 1
+    copied: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
 @dataclass(eq=False)
@@ -307,40 +317,44 @@ class Jobs:
 
     async def _transfer(self, job: Job) -> None:
         """Plan and copy chunk by chunk: the copy threads move the first chunks while this loop
-        plans the next ones, then it completes each, so the per-block bookkeeping hides behind the
-        copies instead of adding to them."""
+        plans the next ones, then it completes each. A store's chunks are completed as they land
+        (their bookkeeping hides behind the copies of the others); a load's, all at once after its
+        last (`Job.copied` says why)."""
         lane = self._lane(job.session)
         copies = await self._start_copies(job, lane)
+        if not job.is_store:
+            await job.copied
         stored: list[Block] = []
         for chunk, copying in copies:
-            started = time.monotonic()
             try:
-                corrupt = await copying
+                corrupt = copying.result() if copying.done() else await asyncio.wrap_future(copying)
             except Exception as e:  # every block of the chunk failed; never report it as success
                 log.exception("job %d copy failed", job.job_id)
                 job.error = f"copy failed: {e}"
                 corrupt = None
                 if isinstance(e, native.StickyDeviceError):
                     self.fatal(e)
-            self._copies[lane] -= 1
-            if lane is self.threads.shared and not self._copies[lane]:
-                self.seals.no_copies()
-            job.copy_seconds += time.monotonic() - started
             if corrupt is not None:
                 job.copied_bytes += chunk.plan.total_bytes
             if job.is_store:
                 stored += self._complete_store(job, chunk, ok=corrupt is not None)
             else:
                 self._complete_load(job, chunk, corrupt)
+        self._copies[lane] -= len(copies)
+        if lane is self.threads.shared and not self._copies[lane]:
+            self.seals.no_copies()
+        if job.copies:
+            job.copy_seconds = max(end for _, end in job.copies) - min(start for start, _ in job.copies)
         for i, waiter in job.waits:
             job.ok[i] = await waiter
         self._publish(job)
         if stored:
             self.queue_seal(stored)
 
-    async def _start_copies(self, job: Job, lane: Executor) -> list[tuple[Chunk, asyncio.Future[list[int]]]]:
+    async def _start_copies(self, job: Job, lane: Executor) -> list[tuple[Chunk, Future[list[int]]]]:
         """Plan the job's chunks and hand each to the copy threads (chunks.py says how it is cut)."""
-        copies = []
+        copies: list[tuple[Chunk, Future[list[int]]]] = []
+        loop = asyncio.get_running_loop()
         n, block_bytes = len(job.keys), job.session.layout.block_bytes
         whole = not job.is_store and n <= CHUNK_BLOCKS and n * block_bytes <= job.session.backend.whole_load_bytes
         parts = [range(n)] if whole else chunks(n, block_bytes, self.config.copy_threads)
@@ -354,19 +368,24 @@ class Jobs:
                 if not job.is_store:
                     with self._landing:
                         job.unlanded += 1
+                        job.copying += 1
                 if whole:
                     copy_whole(job.session, job.job_id, chunk.plan)
                 self._copies[lane] += 1
                 if k < lead and self._copies[lane] <= self.config.copy_threads:
                     held.append(chunk)
                 else:
-                    copies.append((chunk, Threads.run(lane, self._copy, job, chunk)))
+                    copies.append((chunk, lane.submit(self._copy, job, chunk)))
             if held and k + 1 == lead:
                 started = Threads.start(lane, [partial(self._copy, job, c) for c in held], wait_s=HANDOFF_WAIT_S)
                 copies[:0] = zip(held, started, strict=True)
             await asyncio.sleep(0)  # serve other requests between chunks of a large job
-        if not job.is_store and not job.error:  # every block was found: its last copy may post
-            self._landed(job, post=False)
+        if not job.is_store:
+            for _, copying in copies:
+                copying.add_done_callback(partial(self._copy_ended, job, loop))
+            self._copy_ended(job, loop)  # (planning is done)
+            if not job.error:  # every block was found: its last copy may post
+                self._landed(job, post=False)
         return copies
 
     def _prepare_store(self, job: Job, part: range) -> Chunk | None:
@@ -417,6 +436,15 @@ class Jobs:
         if not job.is_store and not corrupt:
             self._landed(job, post=True)
         return corrupt
+
+    def _copy_ended(self, job: Job, loop: asyncio.AbstractEventLoop, _: object = None) -> None:
+        """A load's chunk's copy ended (on its copy thread), or the loop planned its last chunk: the
+        last of them wakes the loop, once per job (`Job.copied`)."""
+        with self._landing:
+            job.copying -= 1
+            if job.copying:
+                return
+        loop.call_soon_threadsafe(_resolve, job.copied)
 
     def _landed(self, job: Job, post: bool) -> None:
         """A load's chunk landed intact (or, from the loop, its planning is done and found every block):
@@ -497,6 +525,11 @@ class Jobs:
         self._draining = True
         await self.seals.drain()
         self.threads.close_copies()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # (cancelled: the daemon is stopping)
+        future.set_result(None)
 
 
 def _timeline(job: Job) -> str:

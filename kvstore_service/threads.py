@@ -21,7 +21,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 _T = TypeVar("_T")
@@ -62,8 +62,8 @@ class Threads:
         return asyncio.get_running_loop().run_in_executor(threads, fn, *args)
 
     @staticmethod
-    def start(threads: Executor, calls: list[Callable[[], _T]], wait_s: float) -> list[asyncio.Future[_T]]:
-        """`run` each call, then wait (the GIL released, at most `wait_s` in all) until threads have
+    def start(threads: Executor, calls: list[Callable[[], _T]], wait_s: float) -> list[Future[_T]]:
+        """Submit each call, then wait (the GIL released, at most `wait_s` in all) until threads have
         taken them all up. A woken thread needs the GIL before its native call releases it: while the
         loop goes on in Python it got it only after 1-5 ms on our 2-vCPU VM."""
         taken = [threading.Event() for _ in calls]
@@ -71,7 +71,7 @@ class Threads:
         def take(call: Callable[[], _T], event: threading.Event) -> _T:
             event.set()
             return call()
-        futures = [Threads.run(threads, take, call, event) for call, event in zip(calls, taken, strict=True)]
+        futures = [threads.submit(take, call, event) for call, event in zip(calls, taken, strict=True)]
         deadline = time.monotonic() + wait_s
         for event in taken:
             event.wait(max(0.0, deadline - time.monotonic()))
