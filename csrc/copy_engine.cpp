@@ -217,23 +217,34 @@ struct PlanRegion {
 // A checksum this engine cannot produce (CRC32C is 32 bits): "not known yet, do not check".
 constexpr uint64_t kUnknownChecksum = UINT64_MAX;
 
-// Copies the plan's runs region by region in layout order on this thread, plain or streaming, and
-// after each region publishes `word | regions landed` at `progress` (release: the region's bytes are
-// visible first), skipping the runs of blocks in `skip`.
+// A whole load's regions are copied in groups holding at least this much of each block: a group's
+// runs, sorted by pool address, read each block's part of it in one sweep. Region by region (a 32
+// KiB run, then a jump of a block's size) a 16-block hit of 64 x 32 KiB regions copied 5-7% slower:
+// in process, caches cold, medians of 60, 4.26 and 4.18 ms against 4.08 and 4.03 in groups of 8
+// regions (256 KiB), 4.05 and 3.96 as one plain copy. The engine then sees a group's layers at once.
+constexpr uint64_t kProgressGroupBytes = 256 << 10;
+
+// Copies the plan's runs in layout order, a group of regions at a time, on this thread, plain or
+// streaming, and after each group publishes `word | regions landed` at `progress` (release: the
+// group's bytes are visible first), skipping the runs of blocks in `skip`.
 void copy_regions_with_progress(const std::vector<Run>& runs, size_t blocks, const std::vector<char>& skip,
                                 bool streaming, uint64_t* progress, uint64_t word) {
   const size_t regions = blocks == 0 ? 0 : runs.size() / blocks;
   std::vector<Run> part;
-  part.reserve(blocks);
-  for (size_t r = 0; r < regions; ++r) {
+  for (size_t r = 0; r < regions;) {
     part.clear();
-    for (size_t k = 0; k < blocks; ++k) {
-      const Run& run = runs[r * blocks + k];
-      if (!skip[k] && run.size != 0) part.push_back(run);
-    }
+    uint64_t group_bytes = 0;  // of block 0 (every block has the same runs)
+    do {
+      group_bytes += runs[r * blocks].size;
+      for (size_t k = 0; k < blocks; ++k) {
+        const Run& run = runs[r * blocks + k];
+        if (!skip[k] && run.size != 0) part.push_back(run);
+      }
+      ++r;
+    } while (r < regions && group_bytes < kProgressGroupBytes);
     coalesce(&part);
     copy_list(part, streaming);  // ends with a store fence
-    uint64_t landed = std::min<uint64_t>(r + 1, 0xFFFF);
+    uint64_t landed = std::min<uint64_t>(r, 0xFFFF);
     __atomic_store_n(progress, word | landed, __ATOMIC_RELEASE);
   }
 }
@@ -432,8 +443,8 @@ PyObject* py_plan_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
 // (plan_transfer). The blocks at positions `check` are verified: the CRC32C of their pool bytes (check_size
 // bytes at pool_base + check_offsets[i]) against expected[i] (UINT64_MAX: not known, not checked); one that
 // differs is corrupt. With `progress` (an address: the engine may read each region as it lands) they are
-// verified before the copy, and a corrupt one is not copied; the copy runs region by region on this thread,
-// posting progress_word | regions landed after each. Else (the engine reads nothing before the job's
+// verified before the copy, and a corrupt one is not copied; the copy runs in layout order on this thread,
+// posting progress_word | regions landed after each group of regions (kProgressGroupBytes). Else (the engine reads nothing before the job's
 // completion, which names the corrupt blocks) a load's checked blocks are checksummed as they are copied,
 // reading their bytes once, and the other runs are coalesced over `threads`. Returns the corrupt positions
 // (native uint64).
@@ -812,7 +823,7 @@ PyMethodDef kMethods[] = {
      "transfer(pool_base, pool_offsets, engine_addresses, sizes, to_engine, blocks, threads=1, streaming=True,\n"
      "         progress=0, progress_word=0, check=None, check_offsets=None, check_size=0, expected=None) -> bytes\n\n"
      "One chunk in one call, GIL released: verify the sampled blocks' CRC32C, copy every run of the others\n"
-     "(region by region posting progress when `progress` is an address), return the corrupt positions."},
+     "(in layout order posting progress when `progress` is an address), return the corrupt positions."},
     {"checksum_blocks", KV_KW(py_checksum_blocks),
      "checksum_blocks(base, offsets, size, threads=1) -> bytes\n\n"
      "CRC32C of each `size`-byte block at base+offsets[i], as native-endian uint64 values."},

@@ -106,8 +106,8 @@ def load_check(blocks: list[Block], block_bytes: int, verify: float) -> Checksum
 
 
 def copy_whole(session: EngineSession, job_id: int, plan: TransferPlan) -> None:
-    """A load copied whole: by one thread, region by region (runs are region-major, one per block),
-    reporting each region's arrival in the engine's completion channel (the CPU engine writes the
+    """A load copied whole: by one thread in layout order (runs are region-major, one per block),
+    reporting the regions' arrival in the engine's completion channel (the CPU engine writes the
     channel's progress word itself, see ProgressWord)."""
     channel = session.channel
     plan.regions = len(session.layout.regions)

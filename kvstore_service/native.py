@@ -94,7 +94,8 @@ def transfer(pool_base: int, pool_offsets: U64Array, engine_addresses: U64Array,
     are verified: the CRC32C of ``check_size`` bytes at ``pool_base + check_offsets[i]`` must be
     ``expected[i]`` (UNKNOWN_CHECKSUM: not checked); a block that differs is corrupt and none of its
     runs is copied. With ``progress`` (an address: a completion channel's progress word) the copy goes
-    region by region on this thread and stores ``progress_word | regions landed`` there after each;
+    in layout order on this thread, a group of regions of at least 256 KiB a block at a time, and
+    stores ``progress_word | regions landed`` there after each;
     else the runs are coalesced and copied on ``threads`` threads. Returns the corrupt positions."""
     return _u64_list(_native.transfer(pool_base, _as_u64(pool_offsets), _as_u64(engine_addresses), _as_u64(sizes),
                                       to_engine, blocks, threads, streaming, progress, progress_word,

@@ -123,7 +123,7 @@ def test_a_sample_whose_payload_does_not_hold_the_runs_of_its_block_is_verified_
     assert ctypes.string_at(base + BLOCK, BLOCK) == bytes(BLOCK)  # not copied
 
 
-def test_a_whole_load_verifies_before_it_copies_and_posts_each_region_in_the_progress_word() -> None:
+def test_a_whole_load_verifies_before_it_copies_and_posts_the_regions_landed_in_the_progress_word() -> None:
     num_blocks, count = 2, 3
     engine, base = buffer(count * num_blocks * BLOCK)
     pool, pool_base = buffer(num_blocks * count * BLOCK, 0x42)
