@@ -7,6 +7,8 @@ each chunk here (`plan_chunk`), and hands it to a copy thread, which only makes 
 from __future__ import annotations
 
 import functools
+import math
+import operator
 import random
 from array import array
 from dataclasses import dataclass
@@ -43,6 +45,7 @@ MIN_SHARE_BYTES = 1 << 20  # a smaller job is one chunk: its copy is shorter tha
 CHUNK_BYTES = 64 << 20
 CHUNK_BLOCKS = 1024
 TAIL_CHUNK_BYTES = 8 << 20
+_offset = operator.attrgetter("offset")
 
 
 @dataclass(eq=False)
@@ -86,16 +89,18 @@ def plan_chunk(session: EngineSession, block_ids: array[int], indexes: list[int]
     in_order = indexes == list(range(first, first + len(indexes)))
     ids = block_ids[first:first + len(indexes)] if in_order else array("Q", [block_ids[i] for i in indexes])
     pool_offsets, engine_addresses, sizes = native.plan_transfer(
-        array("Q", [b.offset for b in blocks]), ids, session.regions,
+        array("Q", map(_offset, blocks)), ids, session.regions,
         layout.num_blocks, pool_size, layout.shard * layout.block_bytes)
     return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_addresses, sizes), in_order)
 
 
 def load_check(blocks: list[Block], block_bytes: int, verify: float) -> ChecksumSample | None:
-    """The blocks of a load whose checksums are verified (--verify-loads: all, or this share at random)."""
-    n = len(blocks)
-    share = n * min(verify, 1.0)  # whole blocks, and the fraction left with that chance
-    checked = sorted(random.sample(range(n), int(share) + (random.random() < share % 1)))
+    """The blocks of a load whose checksums are verified (--verify-loads: all, or this share): every
+    1/share-th block from a random start, so that each block is checked with that chance (drawn with
+    random.sample, a 256-block chunk's sample took 8 µs of the loop, not 4)."""
+    n, step = len(blocks), 1 / min(verify, 1.0)
+    first = random.random() * step
+    checked = [p for k in range(math.ceil((n - first) / step)) if (p := int(first + k * step)) < n]
     if not checked:
         return None
     # A block stored a moment ago may not have its checksum yet (None): nothing to check.

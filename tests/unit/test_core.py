@@ -8,6 +8,7 @@ import ctypes
 import gc
 import logging
 import os
+import random
 import re
 import threading
 import time
@@ -23,10 +24,11 @@ from kvstore_client.protocol.completion import Completion, CompletionChannel
 from kvstore_service import native
 from kvstore_service.backends import Backend, Mapping, TransferPlan
 from kvstore_service.backends.cpu import CpuBackend
-from kvstore_service.chunks import CHUNK_BLOCKS, CHUNK_BYTES, TAIL_CHUNK_BYTES, chunks
+from kvstore_service.chunks import CHUNK_BLOCKS, CHUNK_BYTES, TAIL_CHUNK_BYTES, chunks, load_check
 from kvstore_service.config import Config
 from kvstore_service.daemon import Daemon
 from kvstore_service.errors import KVError
+from kvstore_service.index import Block
 from kvstore_service.jobs import RESULTS_KEPT, Jobs
 from kvstore_service.layout import Layout, Region
 from kvstore_service.peercred import PeerCred
@@ -287,6 +289,25 @@ def test_a_job_is_cut_so_every_copy_thread_starts_at_once_and_they_finish_togeth
     # Small blocks: the block cap (CHUNK_BLOCKS) holds the loop's planning of one chunk.
     assert sizes(8192, 64 << 10) == [256, 256] + [1024] * 6 + [768, 384, 192, 128, 64] and CHUNK_BLOCKS == 1024
     assert sizes(512, 256 << 10) == [256, 256]  # a first chunk per thread is all: equal shares
+
+
+def test_a_loads_checksum_sample_checks_each_block_with_the_share_asked() -> None:
+    blocks = [Block(bytes([k]), None, 0, k, k * BLOCK, 0, checksum=k) for k in range(10)]  # type: ignore[arg-type]
+    everything = load_check(blocks, BLOCK, 1.0)
+    assert everything is not None and list(everything.positions) == list(range(10))
+    assert list(everything.offsets) == [k * BLOCK for k in range(10)] and list(everything.expected) == list(range(10))
+    random.seed(7)
+    counts = [0] * 10
+    draws = 20000
+    for _ in range(draws):
+        sample = load_check(blocks, BLOCK, 0.25)
+        positions = [] if sample is None else list(sample.positions)
+        assert positions == sorted(set(positions)) and all(0 <= p < 10 for p in positions)
+        for p in positions:
+            counts[p] += 1
+    assert all(abs(c / draws - 0.25) < 0.02 for c in counts), counts  # every block, not just the first ones
+    one_block = blocks[:1]  # a share below one block: checked with that chance
+    assert abs(sum(load_check(one_block, BLOCK, 0.3) is not None for _ in range(draws)) / draws - 0.3) < 0.02
 
 
 def test_a_load_up_to_the_backends_whole_load_bytes_goes_whole_to_one_copy_thread(tmp_path: Path) -> None:
