@@ -444,10 +444,10 @@ PyObject* py_plan_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
 // bytes at pool_base + check_offsets[i]) against expected[i] (UINT64_MAX: not known, not checked); one that
 // differs is corrupt. With `progress` (an address: the engine may read each region as it lands) they are
 // verified before the copy, and a corrupt one is not copied; the copy runs in layout order on this thread,
-// posting progress_word | regions landed after each group of regions (kProgressGroupBytes). Else (the engine reads nothing before the job's
-// completion, which names the corrupt blocks) a load's checked blocks are checksummed as they are copied,
-// reading their bytes once, and the other runs are coalesced over `threads`. Returns the corrupt positions
-// (native uint64).
+// posting progress_word | regions landed after each group of regions (kProgressGroupBytes). Else (the
+// engine reads nothing before the job's completion, which names the corrupt blocks) a load's checked
+// blocks are checksummed as they are copied, reading their bytes once, and the other runs are coalesced
+// over `threads`. Returns the corrupt positions (native uint64).
 PyObject* py_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* kwlist[] = {"pool_base", "pool_offsets", "engine_addresses", "sizes", "to_engine", "blocks",
                                  "threads", "streaming", "progress", "progress_word", "check", "check_offsets",

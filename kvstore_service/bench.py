@@ -250,7 +250,7 @@ def sustained(run: Run, rounds: int, burst: int = BURST) -> dict[str, Any]:
 
 class CacheSweep:
     """Calling it leaves the host's caches cold: it copies a buffer of SWEEP_BYTES (several times a
-    server's last-level cache) once over another."""
+    server CPU's last-level cache) over another."""
 
     SWEEP_BYTES = 256 << 20
 

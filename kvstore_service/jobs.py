@@ -107,14 +107,15 @@ class Job:
     # The copy thread that brings it to 0 posts the completion (`posted`).
     unlanded: int = 1
     posted: bool = False
-    # A load: chunks handed to copy threads and not done, plus 1 while the loop plans. The thread that
-    # brings it to 0 sets `copied`. A load's chunks complete together: the loop wakes once, when its last copy
-    # ends, not once per chunk (its completion is posted by that copy thread anyway, `_landed`). Each
-    # wake cost the loop a future's callbacks and a resumption, and a copy thread its vCPU. 2048 x 256
-    # KiB loads, A/Bs of 10-16 interleaved rounds of 30, 2-vCPU VM: the loop's CPU 4.5 -> 3.2 and 4.0
-    # -> 3.0 ms a load, loads 0.72 -> 0.83 and 0.81 -> 0.86 of the copy engine. A store's chunks still
-    # complete as they land: all at once after its last, the loop's CPU fell 8.3 -> 6.7 ms a store but
-    # the store took 1.3 ms longer (its commits no longer hidden behind its copies), 0.74 -> 0.70.
+    # A load: chunks handed to copy threads and not done, plus 1 while the loop plans; the thread that
+    # brings it to 0 sets `copied`. A load's chunks complete together: the loop wakes once, when its
+    # last copy ends, not once per chunk (its completion is posted by that copy thread anyway,
+    # `_landed`). Each wake cost the loop a future's callbacks and a resumption, and a copy thread its
+    # vCPU. 2048 x 256 KiB loads, A/Bs of 10-16 interleaved rounds of 30, 2-vCPU VM: the loop's CPU
+    # 4.5 -> 3.2 and 4.0 -> 3.0 ms a load, loads 0.72 -> 0.83 and 0.81 -> 0.86 of the copy engine. A
+    # store's chunks still complete as they land: all at once after its last, the loop's CPU fell
+    # 8.3 -> 6.7 ms a store but the store took 1.3 ms longer (its commits no longer hidden behind its
+    # copies), 0.74 -> 0.70.
     copying: int = 1
     copied: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
