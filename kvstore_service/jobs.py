@@ -8,7 +8,7 @@ device's DMA busy while the other one's completion is handled (one chunk at a ti
 cost a third of the CUDA path's speed on an H100). The loop then completes each chunk in the index
 and publishes the job's completion to the engine's shared-memory channel. A load whose every block
 landed intact is posted there by the copy thread that finishes its last chunk, before the loop's
-bookkeeping (`_landed` says why).
+bookkeeping (`_copy_ended` says why).
 
 Stored blocks then wait in a queue to be sealed (seals.py: their checksums taken when no copy is in
 flight, and written into their slot headers); the Seals also verify the blocks recovered after a restart.
@@ -103,20 +103,17 @@ class Job:
     copied_bytes: int = 0
     ordered: float = 0.0  # when the engine's records were done (monotonic)
     copies: list[tuple[float, float]] = field(default_factory=list)  # each chunk's copy: (start, end)
-    # A load: chunks not landed intact yet, plus 1 while the loop plans or once a block is missing.
-    # The copy thread that brings it to 0 posts the completion (`posted`).
-    unlanded: int = 1
-    posted: bool = False
-    # A load: chunks handed to copy threads and not done, plus 1 while the loop plans; the thread that
-    # brings it to 0 sets `copied`. A load's chunks complete together: the loop wakes once, when its
-    # last copy ends, not once per chunk (its completion is posted by that copy thread anyway,
-    # `_landed`). Each wake cost the loop a future's callbacks and a resumption, and a copy thread its
-    # vCPU. 2048 x 256 KiB loads, A/Bs of 10-16 interleaved rounds of 30, 2-vCPU VM: the loop's CPU
-    # 4.5 -> 3.2 and 4.0 -> 3.0 ms a load, loads 0.72 -> 0.83 and 0.81 -> 0.86 of the copy engine. A
-    # store's chunks still complete as they land: all at once after its last, the loop's CPU fell
-    # 8.3 -> 6.7 ms a store but the store took 1.3 ms longer (its commits no longer hidden behind its
-    # copies), 0.74 -> 0.70.
+    # A load: chunks handed to copy threads and not done, plus 1 while the loop plans. The thread that
+    # brings it to 0 posts the completion if every block was found and landed intact (`_copy_ended`),
+    # and wakes the loop (`copied`): once per job, not once per chunk. Each wake cost the loop a
+    # future's callbacks and a resumption, and a copy thread its vCPU. 2048 x 256 KiB loads, A/Bs of
+    # 10-16 interleaved rounds of 30, 2-vCPU VM: the loop's CPU 4.5 -> 3.2 and 4.0 -> 3.0 ms a load,
+    # loads 0.72 -> 0.83 and 0.81 -> 0.86 of the copy engine. A store's chunks still complete as they
+    # land: all at once after its last, the loop's CPU fell 8.3 -> 6.7 ms a store but the store took
+    # 1.3 ms longer (its commits no longer hidden behind its copies), 0.74 -> 0.70.
     copying: int = 1
+    intact: bool = True  # a load: no chunk's copy failed or found a corrupt block
+    posted: bool = False
     copied: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -148,7 +145,7 @@ class Jobs:
         self._corrupt_loads = 0  # blocks that failed their checksum at a load
         self._store_waiters: dict[tuple[Block, int], list[asyncio.Future[bool]]] = {}  # (block, shard)
         self._copies: Counter[Executor] = Counter()  # chunks handed to each lane's copy threads, not finished
-        self._landing = threading.Lock()  # Job.unlanded and the channels' posts, from the loop and copy threads
+        self._landing = threading.Lock()  # Job.copying and the channels' posts, from the loop and copy threads
         self._draining = False
         # Seals run on the shared copy threads: they yield to the copies made there, by the host's cores.
         self.seals = Seals(config, pool, index, self.threads, lambda: self._copies[threads.shared])
@@ -368,7 +365,6 @@ class Jobs:
             if chunk is not None:
                 if not job.is_store:
                     with self._landing:
-                        job.unlanded += 1
                         job.copying += 1
                 if whole:
                     copy_whole(job.session, job.job_id, chunk.plan)
@@ -384,9 +380,7 @@ class Jobs:
         if not job.is_store:
             for _, copying in copies:
                 copying.add_done_callback(partial(self._copy_ended, job, loop))
-            self._copy_ended(job, loop)  # (planning is done)
-            if not job.error:  # every block was found: its last copy may post
-                self._landed(job, post=False)
+            self._copy_ended(job, loop)  # (planning is done; job.error if a block is missing)
         return copies
 
     def _prepare_store(self, job: Job, part: range) -> Chunk | None:
@@ -434,33 +428,28 @@ class Jobs:
         corrupt = session.backend.transfer(session.mappings[0], self.pool.base, chunk.plan, not job.is_store,
                                            len(chunk.blocks), chunk.check)
         job.copies.append((start, time.monotonic()))
-        if not job.is_store and not corrupt:
-            self._landed(job, post=True)
         return corrupt
 
-    def _copy_ended(self, job: Job, loop: asyncio.AbstractEventLoop, _: object = None) -> None:
-        """A load's chunk's copy ended (on its copy thread), or the loop planned its last chunk: the
-        last of them wakes the loop, once per job (`Job.copied`)."""
-        with self._landing:
-            job.copying -= 1
-            if job.copying:
-                return
-        loop.call_soon_threadsafe(_resolve, job.copied)
-
-    def _landed(self, job: Job, post: bool) -> None:
-        """A load's chunk landed intact (or, from the loop, its planning is done and found every block):
-        the last of them posts its completion if `post` (else the loop does, in _publish).
+    def _copy_ended(self, job: Job, loop: asyncio.AbstractEventLoop, copy: Future[list[int]] | None = None) -> None:
+        """A load's chunk was copied (on its copy thread; `copy` its result), or the loop planned the
+        last chunk. The last of them posts the completion if every block was found and landed intact,
+        then wakes the loop (`Job.copied`).
 
         So a load's completion reaches the engine when its last chunk lands, not when the loop wakes to
         complete it (0.15-0.3 ms later on our 2-vCPU VM, then 0.2-0.3 ms of bookkeeping). 16-block
         vLLM-sized hits, A/Bs of 30 interleaved rounds: 1.62x -> 1.44x and 1.73x -> 1.57x their copy's
-        time; bulk loads 0.81 -> 0.84 of the copy engine. A missing or corrupt block, a failed copy, a
-        store: the loop posts, as before."""
+        time; bulk loads 0.81 -> 0.84 of the copy engine. A missing or corrupt block, a failed copy: the
+        loop posts, in _publish."""
         with self._landing:
-            job.unlanded -= 1
-            if job.unlanded == 0 and post:
+            if copy is not None and (copy.cancelled() or copy.exception() is not None or copy.result()):
+                job.intact = False
+            job.copying -= 1
+            if job.copying:
+                return
+            if job.intact and not job.error:
                 job.session.channel.post(job.job_id, len(job.ok), 0)
                 job.posted = True
+        loop.call_soon_threadsafe(_resolve, job.copied)
 
     def _complete_store(self, job: Job, chunk: Chunk, ok: bool) -> list[Block]:
         """Every byte of the chunk is in the pool (if ok): its blocks become visible and the engine

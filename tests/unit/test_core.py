@@ -455,7 +455,7 @@ def test_a_load_that_landed_whole_is_posted_by_its_copy_thread_before_the_loop_w
             core.backend.load_gate.clear()
             core.backend.loads_waiting = 0
             job = core.jobs.submit(engine, 2, keys_of(20), list(range(12, 32)), False)
-            while job.unlanded != copies or core.backend.loads_waiting != copies:  # planned, copies at the gate
+            while job.copying != copies or core.backend.loads_waiting != copies:  # planned, copies at the gate
                 await asyncio.sleep(0.001)
             core.backend.load_gate.set()
             deadline = time.monotonic() + 10
