@@ -332,15 +332,15 @@ class Jobs:
                 corrupt = None
                 if isinstance(e, native.StickyDeviceError):
                     self.fatal(e)
+            self._copies[lane] -= 1
+            if lane is self.threads.shared and not self._copies[lane]:
+                self.seals.no_copies()
             if corrupt is not None:
                 job.copied_bytes += chunk.plan.total_bytes
             if job.is_store:
                 stored += self._complete_store(job, chunk, ok=corrupt is not None)
             else:
                 self._complete_load(job, chunk, corrupt)
-        self._copies[lane] -= len(copies)
-        if lane is self.threads.shared and not self._copies[lane]:
-            self.seals.no_copies()
         if job.copies:
             job.copy_seconds = max(end for _, end in job.copies) - min(start for start, _ in job.copies)
         for i, waiter in job.waits:
