@@ -102,6 +102,9 @@ class BlockEvents:
 
     def committed(self, ns_hash: bytes, keys: Iterable[bytes]) -> None:
         ns = self._ns(ns_hash)
+        if not ns.pending:  # nothing described ahead of its commit (no router listens): one C call
+            ns.committed.update(keys)
+            return
         for key in keys:
             meta = ns.pending.pop(key, None)
             if meta is None:

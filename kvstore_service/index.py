@@ -334,7 +334,7 @@ class BlockIndex:
         blocks: list[Block] = []
         for seg, slots in self.pool.allocate_many(ns.block_bytes, len(keys)):
             new = list(map(Block, keys[len(blocks):len(blocks) + len(slots)], repeat(ns), repeat(seg.index), slots,
-                           map(seg.payload_offset, slots), map(seg.header_offset, slots)))
+                           seg.payload_offsets(slots), seg.header_offsets(slots)))
             self._by_segment.setdefault(seg.index, {}).update(zip(slots, new, strict=True))
             blocks += new
         return blocks

@@ -376,7 +376,8 @@ class Jobs:
             if held and k + 1 == lead:
                 started = Threads.start(lane, [partial(self._copy, job, c) for c in held], wait_s=HANDOFF_WAIT_S)
                 copies[:0] = zip(held, started, strict=True)
-            await asyncio.sleep(0)  # serve other requests between chunks of a large job
+            if k + 1 < len(parts):
+                await asyncio.sleep(0)  # serve other requests between chunks of a large job
         if not job.is_store:
             for _, copying in copies:
                 copying.add_done_callback(partial(self._copy_ended, job, loop))
@@ -460,10 +461,12 @@ class Jobs:
             # This part is in while its group is (other shards may still be on their way).
             for i, block in zip(chunk.indexes, chunk.blocks, strict=True):
                 job.ok[i] = ok and self.index.present(block)
+        elif len(committed) == len(chunk.blocks):
+            _mark_ok(job, chunk)
         else:
-            done = set(committed) if len(committed) < len(chunk.blocks) else None
+            done = set(committed)
             for i, block in zip(chunk.indexes, chunk.blocks, strict=True):
-                job.ok[i] = done is None or block in done
+                job.ok[i] = block in done
         if self._store_waiters:
             for i, block in zip(chunk.indexes, chunk.blocks, strict=True):
                 for waiter in self._store_waiters.pop((block, shard), ()):
@@ -475,12 +478,7 @@ class Jobs:
         if corrupt is None:
             self.index.unpin(chunk.blocks)
             return
-        if chunk.in_order:
-            first, n = chunk.indexes[0], len(chunk.indexes)
-            job.ok[first:first + n] = [True] * n
-        else:
-            for i in chunk.indexes:
-                job.ok[i] = True
+        _mark_ok(job, chunk)
         if corrupt:
             self._corrupt_loads += len(corrupt)
             job.error = f"{len(corrupt)} block(s) failed their checksum and were dropped"
@@ -515,6 +513,17 @@ class Jobs:
         self._draining = True
         await self.seals.drain()
         self.threads.close_copies()
+
+
+def _mark_ok(job: Job, chunk: Chunk) -> None:
+    """Every block of the chunk is done: in one slice when its keys are in order (a block at a time
+    was ~0.3 ms of the loop per 2048-block store)."""
+    if chunk.in_order:
+        first, n = chunk.indexes[0], len(chunk.indexes)
+        job.ok[first:first + n] = [True] * n
+    else:
+        for i in chunk.indexes:
+            job.ok[i] = True
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
