@@ -2,9 +2,9 @@
 
 A `Session` is what an engine holds: it registers the engine's KV memory, keeps the Attach stream
 open (the daemon ends the session when it closes), submits store/load jobs without blocking the
-caller (a send that never waits, else a submit thread sends them), and learns completions from
-shared memory, with no RPC. When the daemon restarts, the session registers again on its own; jobs
-that were in flight are reported failed.
+caller (a sender thread makes the RPCs), and learns completions from shared memory, with no RPC.
+When the daemon restarts, the session registers again on its own; jobs that were in flight are
+reported failed.
 """
 
 from __future__ import annotations
@@ -16,12 +16,11 @@ import os
 import queue
 import secrets
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf.message import Message
@@ -175,12 +174,9 @@ class MemorySpec:
 
 
 class JobsSocket:
-    """The daemon's <socket>.jobs (kvstore_client.protocol.submits) for one session: connected by its
-    submit thread at the first job, and again once the session re-registered (a restarted daemon).
-    Not usable over TCP, or where it cannot be reached (an older daemon: gRPC then, retried a second
-    later). The caller's thread may send a job on it at once (`send_now`, never waiting); the submit
-    thread sends the rest and reads every reply, in order. The socket blocks with kernel time limits
-    (SO_SNDTIMEO, SO_RCVTIMEO): a Python timeout would have the caller poll before its send."""
+    """The daemon's <socket>.jobs (kvstore_client.protocol.submits) for one session's submit thread:
+    connected at the first job, and again once the session re-registered (a restarted daemon). Not
+    usable over TCP, or where it cannot be reached (an older daemon: gRPC then, retried a second later)."""
 
     def __init__(self, target: str, timeout: float) -> None:
         self.path = target.removeprefix("unix://").removeprefix("unix:") + SUFFIX if target.startswith("unix:") else ""
@@ -188,11 +184,8 @@ class JobsSocket:
         self.sock: socket.socket | None = None
         self.registration = 0  # the session's registration the connection was made in
         self.retry_at = 0.0
-        # The caller's sends and the submit thread's close: a descriptor closed under a send could be reused.
-        self._lock = threading.Lock()
 
     def usable(self, registration: int) -> bool:
-        """Submit thread: connected for this registration (connecting if need be)."""
         if self.sock is not None and self.registration != registration:
             self.close()
         if self.sock is None and self.path and time.monotonic() >= self.retry_at:
@@ -204,48 +197,21 @@ class JobsSocket:
                 sock.close()
                 self.retry_at = time.monotonic() + 1.0
             else:
-                sock.settimeout(None)
-                limit = struct.pack("ll", int(self.timeout), int(self.timeout % 1 * 1e6))
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-                with self._lock:
-                    self.sock, self.registration = sock, registration
+                self.sock, self.registration = sock, registration
         return self.sock is not None
 
-    def send_now(self, data: bytes, registration: int) -> tuple[socket.socket | None, int]:
-        """Caller's thread: what the socket of this registration takes of `data` at once, without
-        waiting; (None, 0) when there is none, it is full or it broke (the submit thread finds out)."""
-        with self._lock:
-            sock = self.sock
-            if sock is None or self.registration != registration:
-                return None, 0
-            try:
-                return sock, sock.send(data, socket.MSG_DONTWAIT)
-            except OSError:
-                return None, 0
-
-    def send(self, data: bytes | memoryview) -> None:
-        """Submit thread: the whole of `data`."""
+    def submit(self, is_store: bool, request: pb.TransferRequest) -> None:
+        """Returns once the daemon took the job; raises its refusal (KVStoreError), or Unavailable when
+        the connection failed (whether the daemon took the job is then unknown)."""
         assert self.sock is not None
         try:
-            self.sock.sendall(data)
-        except OSError as e:
-            self._broke(e)
-
-    def reply(self) -> None:
-        """Submit thread: the daemon's answer to the oldest request unanswered: returns once it took
-        the job; raises its refusal (KVStoreError), or Unavailable when the connection failed
-        (whether the daemon took the job is then unknown)."""
-        try:
+            self.sock.sendall(frame(STORE if is_store else LOAD, request.SerializeToString()))
             body = self._read(int.from_bytes(self._read(4), "little"))
         except OSError as e:
-            self._broke(e)
+            self.close()
+            raise Unavailable(f"UNAVAILABLE: the daemon's {SUFFIX} socket failed: {e}") from None
         if not body or body[0] != 0:
             raise error_of(body[0] if body else 2, body[1:].decode(errors="replace"))
-
-    def _broke(self, e: OSError) -> NoReturn:
-        self.close()
-        raise Unavailable(f"UNAVAILABLE: the daemon's {SUFFIX} socket failed: {e}") from None
 
     def _read(self, n: int) -> bytes:
         assert self.sock is not None
@@ -258,10 +224,9 @@ class JobsSocket:
         return data
 
     def close(self) -> None:
-        with self._lock:
-            sock, self.sock = self.sock, None
-            if sock is not None:
-                sock.close()
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 class KVStoreClient:
@@ -329,17 +294,6 @@ class _Submit:
     blocks: int
     partial_tail: bool = False
     order_seq: int = 0
-    via: socket.socket | None = None  # the connection the caller's thread sent it on (at least in part)
-    rest: bytes = b""  # what the caller's send left for the submit thread
-    unsent: bool = False  # counted in Session._unsent until the submit thread has sent it
-
-    def request(self, session_id: bytes) -> pb.TransferRequest:
-        return pb.TransferRequest(session_id=session_id, job_id=self.job_id, keys=self.keys, key_size=self.key_size,
-                                  block_id_bytes=self.block_ids, partial_tail=self.partial_tail,
-                                  order_seq=self.order_seq)
-
-    def frame(self, session_id: bytes) -> bytes:
-        return frame(STORE if self.is_store else LOAD, self.request(session_id).SerializeToString())
 
 
 class Session:
@@ -368,10 +322,6 @@ class Session:
         self._closed = threading.Event()
         self._closing = False  # close() began: nothing more is queued for the background thread
         self._submits: queue.SimpleQueue[_Submit | None] = queue.SimpleQueue()
-        self._jobs = JobsSocket(client.target, client.timeout)
-        self._send_lock = threading.Lock()  # _unsent, and the order of sends and of the queue
-        self._unsent = 0  # queued jobs the submit thread has yet to send: the caller's may not overtake them
-        self.sent_at_once = 0  # jobs the caller's thread sent whole itself
         self._stream: grpc.Call | None = None
         # Lookups and lease releases run on one background thread, in order: starting a gRPC call
         # costs the caller ~1 ms. The hand-off is a SimpleQueue put (a ThreadPoolExecutor's costs 3x).
@@ -505,38 +455,15 @@ class Session:
             if not self.connected or len(self._pending) >= self.slots:
                 self._done.append(Completion(job_id, 0, max(len(keys), 1)))
                 return job_id
-            session_id = self._pending[job_id] = self.session_id
-        self._queue_submit(_Submit(job_id, is_store, packed, size, ids, len(block_ids), partial_tail, order_seq),
-                           session_id)
+            self._pending[job_id] = self.session_id
+        self._submits.put(_Submit(job_id, is_store, packed, size, ids, len(block_ids), partial_tail, order_seq))
         return job_id
 
-    def _queue_submit(self, item: _Submit, session_id: bytes) -> None:
-        """Hand the job to the submit thread, sent on <socket>.jobs from this thread first when nothing
-        queued is ahead of it (a send that never waits: what the socket does not take now, the submit
-        thread sends). The daemon has it before the submit thread would have woken: 0.2 ms of a
-        16-block hit's 1.3 ms over its copy on a 2-vCPU VM. The submit thread reads the reply."""
-        with self._send_lock:
-            if not self._unsent and self._jobs.sock is not None:
-                data = item.frame(session_id)
-                item.via, sent = self._jobs.send_now(data, self.registrations)
-                item.rest = data[sent:]
-                self.sent_at_once += item.via is not None and not item.rest
-            item.unsent = item.via is None or bool(item.rest)
-            self._unsent += item.unsent
-            self._submits.put(item)
-
-    def _sent(self, item: _Submit) -> None:
-        """The submit thread sent the job, or never will: the caller's next job may go at once."""
-        if item.unsent:
-            item.unsent = False
-            with self._send_lock:
-                self._unsent -= 1
-
     def _send_loop(self) -> None:
-        """Sends the queued stores and loads (or the rest of what the caller's thread began) and reads
-        the daemon's replies: over the daemon's <socket>.jobs where it can (a tenth of a gRPC call's
-        time), else by gRPC; a refused or lost one fails here, as the daemon never ran it."""
-        jobs = self._jobs
+        """Sends the queued stores and loads: over the daemon's <socket>.jobs where it can (a tenth of
+        a gRPC call's time), else by gRPC; a refused or lost one fails here, as the daemon never ran it."""
+        stub = self.client.stub
+        jobs = JobsSocket(self.client.target, self.client.timeout)
         while True:
             item = self._submits.get()
             if item is None:
@@ -544,41 +471,26 @@ class Session:
                 return
             with self._lock:
                 session_id = self._pending.get(item.job_id)
+            if session_id is None:
+                continue  # failed already (disconnect)
+            request = pb.TransferRequest(session_id=session_id, job_id=item.job_id, keys=item.keys,
+                                         key_size=item.key_size, block_id_bytes=item.block_ids,
+                                         partial_tail=item.partial_tail, order_seq=item.order_seq)
             try:
-                if item.via is not None:
-                    self._finish_sent(item)  # (even if failed meanwhile: its reply is on the way)
-                elif session_id is not None:  # (else failed already: disconnect)
-                    self._send(item, session_id)
+                if jobs.usable(self.registrations):
+                    jobs.submit(item.is_store, request)
+                else:
+                    (stub.Store if item.is_store else stub.Load)(request, timeout=self.client.timeout)
                 continue
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
             except KVStoreError as e:
                 error = e
-            finally:
-                self._sent(item)
             log.warning("kvstore: %s job %d refused: %s", "store" if item.is_store else "load", item.job_id, error)
             with self._lock:
                 if self._pending.pop(item.job_id, None) is not None:
                     self._done.append(Completion(item.job_id, 0, max(item.blocks, 1)))
             self._wake_waiters()
-
-    def _send(self, item: _Submit, session_id: bytes) -> None:
-        if self._jobs.usable(self.registrations):
-            self._jobs.send(item.frame(session_id))
-            self._sent(item)
-            self._jobs.reply()
-        else:
-            request = item.request(session_id)
-            (self.client.stub.Store if item.is_store else self.client.stub.Load)(request, timeout=self.client.timeout)
-
-    def _finish_sent(self, item: _Submit) -> None:
-        """A job the caller's thread sent, whole or in part: the rest, then the daemon's reply."""
-        if item.via is not self._jobs.sock:  # that connection broke: the reply is lost with it
-            raise Unavailable(f"UNAVAILABLE: the daemon's {SUFFIX} socket failed")
-        if item.rest:
-            self._jobs.send(item.rest)
-            self._sent(item)
-        self._jobs.reply()
 
     def poll(self) -> list[Completion]:
         """Jobs finished since the last poll, read from shared memory (no RPC)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -339,33 +338,3 @@ def test_stores_and_loads_go_over_the_jobs_socket_and_over_grpc_without_it(daemo
     assert other.verify(keys, list(range(8, 16))) == 0
     engine.close()
     other.close()
-
-
-def test_a_job_goes_out_from_the_callers_thread_unless_a_queued_one_is_ahead_of_it(daemon) -> None:
-    """The caller's thread sends a job on the jobs socket itself when no queued job waits before it
-    (the daemon has it without the submit thread's wake); what the socket does not take at once the
-    submit thread sends, and it reads every reply in order: one refused, one split, jobs back to back."""
-    engine = Engine(daemon.socket, "at-once", 4096, 1024)
-    session = engine.session
-    keys = [key_of("at-once", i) for i in range(2000)]
-    engine.fill(keys, list(range(2000)))
-    first = session.store(keys[:8], list(range(8)))  # the submit thread connects the socket
-    assert session.wait([first])[first].ok and session.sent_at_once == 0
-    for i in range(8):  # one at a time: each goes at once
-        job = session.load(keys[i:i + 1], [2000 + i])
-        assert session.wait([job])[job].ok
-    assert session.sent_at_once == 8 and engine.verify(keys[:8], list(range(2000, 2008))) == 0
-    refused = session.load(keys[:1], [4096])  # outside the cache: refused at submit
-    after = session.load(keys[1:2], [2008])
-    done = session.wait([refused, after])
-    assert not done[refused].ok and done[after].ok  # the refusal's reply was read as the first one's
-    # A frame the socket does not take whole: the caller sends what fits, the submit thread the rest.
-    session._jobs.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    sent = session.sent_at_once
-    split = session.store(keys, list(range(2000)))
-    assert session.wait([split])[split].ok and session.sent_at_once == sent
-    engine.blocks.zero_()
-    burst = [session.load(keys[k:k + 100], list(range(2000 + k, 2100 + k))) for k in range(0, 2000, 100)]
-    assert all(c.ok for c in session.wait(burst).values())
-    assert engine.verify(keys, list(range(2000, 4000))) == 0
-    engine.close()
