@@ -102,7 +102,7 @@ class BlockEvents:
 
     def committed(self, ns_hash: bytes, keys: Iterable[bytes]) -> None:
         ns = self._ns(ns_hash)
-        if not ns.pending:  # nothing described ahead of its commit (no router listens): one C call
+        if not ns.pending:  # no description waits for a commit (no router listens, say): one C call
             ns.committed.update(keys)
             return
         for key in keys:
