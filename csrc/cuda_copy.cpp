@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "copy_kernel_ptx.h"
 #include "kvstore_native.h"
 
 namespace kvstore {
@@ -44,6 +45,8 @@ using CUdeviceptr = unsigned long long;
 using CUcontext = struct CUctx_st*;
 using CUstream = struct CUstream_st*;
 using CUevent = struct CUevent_st*;
+using CUmodule = struct CUmod_st*;
+using CUfunction = struct CUfunc_st*;
 
 struct CUmemLocation {
   int type;  // CUmemLocationType
@@ -73,6 +76,8 @@ constexpr unsigned int kStreamNonBlocking = 0x1;
 constexpr unsigned int kEventBlockingSync = 0x1;
 constexpr unsigned int kEventDisableTiming = 0x2;
 constexpr unsigned int kMemHostRegisterPortable = 0x1;
+constexpr unsigned int kMemHostRegisterDeviceMap = 0x2;
+constexpr int kAttrCanUseHostPointerForRegisteredMem = 91;  // CU_DEVICE_ATTRIBUTE_...
 constexpr unsigned long long kGetProcAddressDefault = 0;
 
 using PFN_cuInit = CUresult (*)(unsigned int);
@@ -101,6 +106,14 @@ using PFN_cuMemcpyBatchAsync = CUresult (*)(CUdeviceptr*, CUdeviceptr*, size_t*,
                                             size_t*, size_t, size_t*, CUstream);
 using PFN_cuMemHostRegister = CUresult (*)(void*, size_t, unsigned int);
 using PFN_cuMemHostUnregister = CUresult (*)(void*);
+using PFN_cuDeviceGetAttribute = CUresult (*)(int*, int, CUdevice);
+using PFN_cuModuleLoadData = CUresult (*)(CUmodule*, const void*);
+using PFN_cuModuleGetFunction = CUresult (*)(CUfunction*, CUmodule, const char*);
+using PFN_cuLaunchKernel = CUresult (*)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int,
+                                        unsigned int, unsigned int, unsigned int, CUstream, void**, void**);
+using PFN_cuMemAlloc = CUresult (*)(CUdeviceptr*, size_t);
+using PFN_cuMemFree = CUresult (*)(CUdeviceptr);
+using PFN_cuMemcpyHtoDAsync = CUresult (*)(CUdeviceptr, const void*, size_t, CUstream);
 
 }  // namespace cu
 
@@ -140,11 +153,26 @@ size_t copy_streams_from_env(size_t fallback) {
   return n >= 1 && n <= 16 ? static_cast<size_t>(n) : fallback;
 }
 
+// KVSTORE_CUDA_COPY_KERNEL=1 (or true/yes/on): copies are made by the GPU's threads (csrc/copy_kernel.cu:
+// one launch per copy, on one stream) instead of its copy engines, and the pool is registered mapped
+// (the kernel reads and writes it through its host addresses). Off unless set: not measured on a GPU yet.
+bool copy_kernel_from_env() {
+  const char* v = std::getenv("KVSTORE_CUDA_COPY_KERNEL");
+  if (v == nullptr) return false;
+  for (const char* on : {"1", "true", "yes", "on"}) {
+    if (strcasecmp(v, on) == 0) return true;
+  }
+  return false;
+}
+constexpr unsigned int kKernelThreads = 256;  // per block; four 16-byte words in flight each
+constexpr unsigned int kKernelMaxBlocks = 1024;  // blocks take runs in turn beyond this
+
 struct Driver {
   std::string error;  // non-empty: CUDA is unusable here, and this says why
   int version = 0;
   bool batch_allowed = true;  // KVSTORE_CUDA_BATCH_MEMCPY, read once when the driver is loaded
   size_t copy_streams = 1;  // KVSTORE_CUDA_COPY_STREAMS, likewise
+  bool copy_kernel = false;  // KVSTORE_CUDA_COPY_KERNEL, likewise
   cu::PFN_cuGetErrorName get_error_name = nullptr;
   cu::PFN_cuGetErrorString get_error_string = nullptr;
   cu::PFN_cuDeviceGetCount device_get_count = nullptr;
@@ -163,6 +191,14 @@ struct Driver {
   cu::PFN_cuMemcpyBatchAsync memcpy_batch_async = nullptr;  // null: driver older than 12.8
   cu::PFN_cuMemHostRegister mem_host_register = nullptr;
   cu::PFN_cuMemHostUnregister mem_host_unregister = nullptr;
+  // The copy kernel's (resolved only with KVSTORE_CUDA_COPY_KERNEL).
+  cu::PFN_cuDeviceGetAttribute device_get_attribute = nullptr;
+  cu::PFN_cuModuleLoadData module_load_data = nullptr;
+  cu::PFN_cuModuleGetFunction module_get_function = nullptr;
+  cu::PFN_cuLaunchKernel launch_kernel = nullptr;
+  cu::PFN_cuMemAlloc mem_alloc = nullptr;
+  cu::PFN_cuMemFree mem_free = nullptr;
+  cu::PFN_cuMemcpyHtoDAsync memcpy_htod_async = nullptr;
 };
 
 std::string describe(const Driver& d, cu::CUresult rc) {
@@ -180,6 +216,7 @@ Driver load_driver() {
   Driver d;
   d.batch_allowed = batch_memcpy_allowed_by_env();
   d.copy_streams = copy_streams_from_env(kStreamsPerCopy);
+  d.copy_kernel = copy_kernel_from_env();
   void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
   if (lib == nullptr) {
     const char* why = dlerror();
@@ -238,6 +275,21 @@ Driver load_driver() {
   if (d.version >= kBatchApiVersion && d.batch_allowed) {
     d.memcpy_batch_async = reinterpret_cast<cu::PFN_cuMemcpyBatchAsync>(resolve("cuMemcpyBatchAsync", kBatchApiVersion));
   }
+  if (d.copy_kernel) {
+    d.device_get_attribute = reinterpret_cast<cu::PFN_cuDeviceGetAttribute>(resolve("cuDeviceGetAttribute", kBase));
+    d.module_load_data = reinterpret_cast<cu::PFN_cuModuleLoadData>(resolve("cuModuleLoadData", kBase));
+    d.module_get_function = reinterpret_cast<cu::PFN_cuModuleGetFunction>(resolve("cuModuleGetFunction", kBase));
+    d.launch_kernel = reinterpret_cast<cu::PFN_cuLaunchKernel>(resolve("cuLaunchKernel", kBase));
+    d.mem_alloc = reinterpret_cast<cu::PFN_cuMemAlloc>(resolve("cuMemAlloc", kBase));
+    d.mem_free = reinterpret_cast<cu::PFN_cuMemFree>(resolve("cuMemFree", kBase));
+    d.memcpy_htod_async = reinterpret_cast<cu::PFN_cuMemcpyHtoDAsync>(resolve("cuMemcpyHtoDAsync", kBase));
+    if (!d.device_get_attribute || !d.module_load_data || !d.module_get_function || !d.launch_kernel ||
+        !d.mem_alloc || !d.mem_free || !d.memcpy_htod_async) {
+      d.error = "KVSTORE_CUDA_COPY_KERNEL is set, but CUDA driver " + std::to_string(d.version) +
+                " lacks an entry point the copy kernel needs";
+      return d;
+    }
+  }
   if (!d.device_get_count || !d.device_get || !d.primary_ctx_retain || !d.ctx_get_current ||
       !d.ctx_set_current || !d.stream_create || !d.event_create || !d.event_record || !d.event_synchronize ||
       !d.event_destroy || !d.ipc_open_event || !d.event_query || !d.memcpy_async || !d.mem_host_register ||
@@ -259,12 +311,19 @@ const Driver& driver() {
 struct Lane {
   cu::CUstream stream = nullptr;
   cu::CUevent event = nullptr;
+  cu::CUdeviceptr table = 0;  // the copy kernel's runs, in device memory (grown as needed)
+  size_t table_runs = 0;
 };
 
 struct DeviceState {
+  cu::CUdevice device = 0;
   cu::CUcontext ctx = nullptr;
   std::mutex mu;
   std::vector<Lane> idle;
+  bool kernel_tried = false;  // the copy kernel's module: loaded once, on first use
+  cu::CUfunction copy_kernel = nullptr;
+  std::string kernel_error;
+  cu::CUresult kernel_code = cu::kSuccess;
 };
 
 // Devices are set up once and kept for the life of the process (the primary context is retained
@@ -296,6 +355,7 @@ DeviceState* device_state(const Driver& d, int ordinal, std::string* err, cu::CU
     return nullptr;
   }
   auto* state = new DeviceState();
+  state->device = dev;
   state->ctx = ctx;
   devices[ordinal] = state;
   return state;
@@ -347,6 +407,61 @@ bool acquire_lane(const Driver& d, DeviceState* dev, Lane* lane, std::string* er
 void release_lane(DeviceState* dev, const Lane& lane) {
   std::lock_guard<std::mutex> lock(dev->mu);
   dev->idle.push_back(lane);
+}
+
+// The copy kernel on this device (its context current), loaded on first use; null when it cannot run
+// here (*err says why: the module was refused, or the device cannot use the pool's host addresses).
+cu::CUfunction copy_kernel_of(const Driver& d, DeviceState* dev, std::string* err, cu::CUresult* code) {
+  std::lock_guard<std::mutex> lock(dev->mu);
+  if (!dev->kernel_tried) {
+    dev->kernel_tried = true;
+    int host_pointers = 0;
+    cu::CUmodule module = nullptr;
+    cu::CUresult rc = d.device_get_attribute(&host_pointers, cu::kAttrCanUseHostPointerForRegisteredMem, dev->device);
+    if (rc != cu::kSuccess || host_pointers != 1) {
+      dev->kernel_code = rc;
+      dev->kernel_error = "this GPU cannot use the pool's host addresses in a kernel";
+    } else if ((rc = d.module_load_data(&module, kCopyKernelPtx)) != cu::kSuccess ||
+               (rc = d.module_get_function(&dev->copy_kernel, module, "kvstore_copy_runs")) != cu::kSuccess) {
+      dev->kernel_code = rc;
+      dev->kernel_error = "the driver refused the copy kernel: " + describe(d, rc);
+    }
+  }
+  if (dev->copy_kernel == nullptr) {
+    *code = dev->kernel_code;
+    *err = "KVSTORE_CUDA_COPY_KERNEL is set, but " + dev->kernel_error + " (unset it to copy with the copy engines)";
+  }
+  return dev->copy_kernel;
+}
+
+// Enqueues all runs on the lane's stream as one launch of the copy kernel: the runs go to the lane's
+// device table first (from pageable memory: the driver stages it before it returns).
+std::string enqueue_kernel(const Driver& d, cu::CUfunction fn, Lane* lane, const Run* runs, size_t n,
+                           cu::CUresult* code) {
+  cu::CUresult rc = cu::kSuccess;
+  if (lane->table_runs < n) {  // (the lane's last copy has ended: cuda_copy waits for it)
+    if (lane->table != 0) d.mem_free(lane->table);
+    lane->table = 0;
+    lane->table_runs = 0;
+    if ((rc = d.mem_alloc(&lane->table, n * sizeof(Run))) != cu::kSuccess) {
+      *code = rc;
+      return "cuMemAlloc of the copy kernel's table failed: " + describe(d, rc);
+    }
+    lane->table_runs = n;
+  }
+  if ((rc = d.memcpy_htod_async(lane->table, runs, n * sizeof(Run), lane->stream)) != cu::kSuccess) {
+    *code = rc;
+    return "cuMemcpyHtoDAsync of the copy kernel's table failed: " + describe(d, rc);
+  }
+  unsigned long long count = n;
+  void* params[] = {&lane->table, &count};
+  unsigned int blocks = static_cast<unsigned int>(std::min<size_t>(n, kKernelMaxBlocks));
+  if ((rc = d.launch_kernel(fn, blocks, 1, 1, kKernelThreads, 1, 1, 0, lane->stream, params, nullptr)) !=
+      cu::kSuccess) {
+    *code = rc;
+    return "cuLaunchKernel of the copy kernel failed: " + describe(d, rc);
+  }
+  return "";
 }
 
 // Enqueues all runs on `stream`; returns "" or an error message (and the CUresult in *code).
@@ -445,8 +560,10 @@ std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_st
       while_copying();
       return "";
     }
-    auto parts = split_runs(runs, user_stream != 0 ? 1 : d.copy_streams);
     std::string err;
+    cu::CUfunction kernel = nullptr;  // the copy kernel's, on one stream of our own
+    if (d.copy_kernel && user_stream == 0 && (kernel = copy_kernel_of(d, dev, &err, code)) == nullptr) return err;
+    auto parts = split_runs(runs, user_stream != 0 || kernel != nullptr ? 1 : d.copy_streams);
     std::vector<Lane> lanes(parts.size());
     size_t acquired = 0;
     while (acquired < lanes.size() && acquire_lane(d, dev, &lanes[acquired], &err, code)) ++acquired;
@@ -463,7 +580,9 @@ std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_st
     size_t enqueued = 0;
     for (; enqueued < parts.size() && err.empty(); ++enqueued) {
       auto [begin, end] = parts[enqueued];
-      err = enqueue_copies(d, runs.data() + begin, end - begin, stream_of(enqueued), allow_batch, code);
+      const Run* part = runs.data() + begin;
+      err = kernel != nullptr ? enqueue_kernel(d, kernel, &lanes[enqueued], part, end - begin, code)
+                              : enqueue_copies(d, part, end - begin, stream_of(enqueued), allow_batch, code);
     }
     if (err.empty()) while_copying();
     // Wait even after an enqueue error: earlier runs may still be in flight on the streams.
@@ -483,8 +602,10 @@ std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_st
 std::string host_register(uint64_t addr, uint64_t size, int device, bool reg, cu::CUresult* code) {
   return in_context(device, code, [&](const Driver& d, DeviceState*) -> std::string {
     void* ptr = reinterpret_cast<void*>(addr);
-    // Portable: the pinning is visible to every context, so one registration serves all GPUs.
-    cu::CUresult rc = reg ? d.mem_host_register(ptr, size, cu::kMemHostRegisterPortable)
+    // Portable: the pinning is visible to every context, so one registration serves all GPUs. Mapped
+    // too for the copy kernel, which reads and writes the pool by its host addresses.
+    unsigned int flags = cu::kMemHostRegisterPortable | (d.copy_kernel ? cu::kMemHostRegisterDeviceMap : 0);
+    cu::CUresult rc = reg ? d.mem_host_register(ptr, size, flags)
                           : d.mem_host_unregister(ptr);
     if (rc != cu::kSuccess) {
       *code = rc;
@@ -682,6 +803,7 @@ bool add_cuda_features(PyObject* features) {
             // The switch as read from KVSTORE_CUDA_BATCH_MEMCPY, reported with or without a driver.
             set_item(features, "cuda_batch_memcpy_allowed", PyBool_FromLong(d->batch_allowed)) &&
             set_item(features, "cuda_copy_streams", PyLong_FromSize_t(d->copy_streams)) &&
+            set_item(features, "cuda_copy_kernel", PyBool_FromLong(d->copy_kernel)) &&  // KVSTORE_CUDA_COPY_KERNEL
             // Whether copies use cuMemcpyBatchAsync: allowed, and the driver (12.8+) has it.
             set_item(features, "cuda_batch_memcpy", PyBool_FromLong(d->error.empty() && d->memcpy_batch_async)) &&
             set_item(features, "cuda_error", PyUnicode_FromString(d->error.c_str()));
@@ -703,6 +825,10 @@ static_assert(kvstore::cu::kStreamNonBlocking == ::CU_STREAM_NON_BLOCKING, "kStr
 static_assert(kvstore::cu::kEventBlockingSync == ::CU_EVENT_BLOCKING_SYNC, "kEventBlockingSync");
 static_assert(kvstore::cu::kEventDisableTiming == ::CU_EVENT_DISABLE_TIMING, "kEventDisableTiming");
 static_assert(kvstore::cu::kMemHostRegisterPortable == CU_MEMHOSTREGISTER_PORTABLE, "PORTABLE");
+static_assert(kvstore::cu::kMemHostRegisterDeviceMap == CU_MEMHOSTREGISTER_DEVICEMAP, "DEVICEMAP");
+static_assert(kvstore::cu::kAttrCanUseHostPointerForRegisteredMem ==
+              ::CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM, "CAN_USE_HOST_POINTER");
+static_assert(sizeof(kvstore::Run) == 3 * sizeof(unsigned long long), "Run: the copy kernel's layout");
 static_assert(kvstore::cu::kIpcHandleSize == CU_IPC_HANDLE_SIZE, "CU_IPC_HANDLE_SIZE");
 static_assert(sizeof(kvstore::cu::CUipcEventHandle) == sizeof(::CUipcEventHandle), "CUipcEventHandle");
 // Everything checked outside the version guard exists in CUDA 12.0 headers (CU_MEM_LOCATION_TYPE_HOST

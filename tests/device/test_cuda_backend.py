@@ -320,6 +320,10 @@ typedef enum CUstream_flags_enum { CU_STREAM_DEFAULT = 0x0, CU_STREAM_NON_BLOCKI
 typedef enum CUevent_flags_enum { CU_EVENT_DEFAULT = 0x0, CU_EVENT_BLOCKING_SYNC = 0x1,
                                   CU_EVENT_DISABLE_TIMING = 0x2, CU_EVENT_INTERPROCESS = 0x4 } CUevent_flags;
 #define CU_MEMHOSTREGISTER_PORTABLE 0x01
+#define CU_MEMHOSTREGISTER_DEVICEMAP 0x02
+typedef enum CUdevice_attribute_enum {
+  CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91
+} CUdevice_attribute;
 #define CU_IPC_HANDLE_SIZE 64
 typedef struct CUipcEventHandle_st { char reserved[CU_IPC_HANDLE_SIZE]; } CUipcEventHandle_v1;
 typedef CUipcEventHandle_v1 CUipcEventHandle;
@@ -614,6 +618,37 @@ static CUresult host_register(void* p, size_t n, unsigned flags) {
   return ++g_registers == knob("FAKE_REGISTER_FAIL_AT") ? 2 : 0;
 }
 static CUresult host_unregister(void* p) { note("unregister %#llx", P(p)); return 0; }
+// The copy kernel's calls (KVSTORE_CUDA_COPY_KERNEL): a launch runs the table's copies on the host.
+static CUresult attribute(int* v, int attr, int dev) {
+  note("attribute %llu device=%llu", (U)attr, (U)dev);
+  *v = attr == 91 && !knob("FAKE_NO_HOST_POINTERS");
+  return 0;
+}
+static CUresult module_load(void** m, const void* image) {
+  bool ours = strstr((const char*)image, ".entry kvstore_copy_runs") != nullptr;
+  note("module ours=%llu ctx=%#llx", (U)ours, P(g_ctx));
+  *m = (void*)0x400;
+  return (CUresult)knob("FAKE_MODULE_RC");
+}
+static CUresult module_function(void** f, void*, const char* name) {
+  *f = (void*)0x500;
+  return strcmp(name, "kvstore_copy_runs") == 0 ? 0 : 500;
+}
+static CUresult mem_alloc(CUdeviceptr* p, size_t n) { *p = P(malloc(n)); note("alloc %llu", n); return 0; }
+static CUresult mem_free(CUdeviceptr p) { free((void*)p); note("free"); return 0; }
+static CUresult htod(CUdeviceptr d, const void* s, size_t n, void* st) {
+  memcpy((void*)d, s, n);
+  note("htod %llu %#llx", n, P(st));
+  return 0;
+}
+static CUresult launch(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                       unsigned shared, void* st, void** params, void** extra) {
+  const U* runs = (const U*)*(CUdeviceptr*)params[0];
+  U n = *(U*)params[1];
+  for (U r = 0; r < n; ++r) memcpy((void*)runs[3 * r + 1], (const void*)runs[3 * r], runs[3 * r + 2]);
+  note("launch %#llx blocks=%llu threads=%llu runs=%llu", P(st), (U)gx, (U)bx, n);
+  return f == (void*)0x500 && gy == 1 && gz == 1 && by == 1 && bz == 1 && shared == 0 && extra == nullptr ? 0 : 1;
+}
 extern "C" {
 __attribute__((visibility("default"))) const char* fake_log() { return g_log.c_str(); }
 CUresult cuInit(unsigned) { return 0; }
@@ -633,6 +668,9 @@ CUresult cuGetProcAddress_v2(const char* name, void** fn, int, unsigned long lon
       {"cuIpcOpenEventHandle", (void*)ipc_open}, {"cuEventQuery", (void*)event_query},
       {"cuMemcpyAsync", (void*)memcpy_async}, {"cuMemcpyBatchAsync", (void*)batch},
       {"cuMemHostRegister", (void*)host_register}, {"cuMemHostUnregister", (void*)host_unregister},
+      {"cuDeviceGetAttribute", (void*)attribute}, {"cuModuleLoadData", (void*)module_load},
+      {"cuModuleGetFunction", (void*)module_function}, {"cuLaunchKernel", (void*)launch},
+      {"cuMemAlloc", (void*)mem_alloc}, {"cuMemFree", (void*)mem_free}, {"cuMemcpyHtoDAsync", (void*)htod},
   };
   for (auto& t : table) {
     if (strcmp(t.name, name) == 0) { *fn = t.fn; *status = 0; return 0; }
@@ -854,6 +892,108 @@ def test_a_large_copy_is_spread_over_streams(fake_libcuda: Path, tmp_path: Path,
     assert set(copies) == set(used) and len(copies) + 2 * n == len(calls)
     if version == "12040":  # one cuMemcpyAsync per run: the 4096 runs shared evenly
         assert [copies.count(s) for s in used] == [4096 // n] * n
+
+
+def test_the_copy_kernel_makes_each_copy_in_one_launch_on_one_stream(fake_libcuda: Path, tmp_path: Path) -> None:
+    """KVSTORE_CUDA_COPY_KERNEL=1: the pool is registered mapped too; GPU 1's context loads our module once,
+    after asking whether a kernel may use registered host addresses; each copy sends its runs to its
+    lane's table, launches once on that one stream and waits on its event. The bytes land as the
+    copy engines land them (the fake runs the table's copies), the checksum sample still taken."""
+    out = run_scenario(fake_libcuda, tmp_path, KVSTORE_CUDA_COPY_KERNEL="1")
+    steps = out["by_step"]
+    assert all(s["error"] is None for s in out["steps"]), out["steps"]
+    assert [c[3] for c in words(steps["open"]["calls"])] == ["flags=3"] * 4  # portable and mapped
+    assert words(steps["store a"]["calls"])[:2] == [["attribute", "91", "device=1"], ["module", "ours=1", "ctx=0x11"]]
+    for name, runs in (("store a", 2), ("store wide", 4096), ("load b", 2), ("load b checked", 2), ("store c", 2)):
+        calls = [c for c in words(steps[name]["calls"]) if c[0] not in ("attribute", "module", "alloc", "free")]
+        stream, event = calls[0][2], calls[2][1]
+        assert calls == [["htod", str(24 * runs), stream],
+                         ["launch", stream, f"blocks={min(runs, 1024)}", "threads=256", f"runs={runs}"],
+                         ["record", event, stream], ["sync", event]], (name, calls)
+    assert [c[0] for c in words(steps["store wide"]["calls"])][:2] == ["free", "alloc"]  # the table grew
+    assert not any(c[0] in ("module", "alloc") for c in words(steps["load b"]["calls"]))  # both kept
+    assert out["loaded"] == [False] * 5 + [True, False, True]
+    assert out["corrupt"] == [1] and out["loaded checked"] == [False] * 4 + [True] * 4
+
+
+@pytest.mark.parametrize("value,on", [(None, False), ("0", False), ("off", False), ("1", True), ("ON", True)])
+def test_the_copy_kernel_is_off_unless_asked_for(value: str | None, on: bool) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "KVSTORE_CUDA_COPY_KERNEL"}
+    if value is not None:
+        env["KVSTORE_CUDA_COPY_KERNEL"] = value
+    code = "from kvstore_service import native; print(native.features()['cuda_copy_kernel'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(on)
+
+
+@pytest.mark.parametrize("env,why", [({"FAKE_NO_HOST_POINTERS": "1"}, "cannot use the pool's host addresses"),
+                                     ({"FAKE_MODULE_RC": "218"}, "the driver refused the copy kernel")])
+def test_a_copy_kernel_that_cannot_run_here_fails_the_copies_saying_why(fake_libcuda: Path, tmp_path: Path,
+                                                                        env: dict[str, str], why: str) -> None:
+    out = run_scenario(fake_libcuda, tmp_path, KVSTORE_CUDA_COPY_KERNEL="1", **env)
+    steps = out["by_step"]
+    for name in ("store a", "load b"):
+        assert "KVSTORE_CUDA_COPY_KERNEL is set, but" in steps[name]["error"] and why in steps[name]["error"]
+        assert "unset it to copy with the copy engines" in steps[name]["error"]
+    assert steps["load b"]["calls"] == []  # asked once, on GPU 1: the answer is kept
+
+
+# On a GPU (a child process: the driver reads KVSTORE_CUDA_COPY_KERNEL once per process): host -> GPU ->
+# host through 32 KiB runs at scattered places, and runs of odd sizes and addresses (the byte path).
+KERNEL_ROUND_TRIP = r"""
+import ctypes, random
+from kvstore_service import native
+cuda = ctypes.CDLL("libcuda.so.1")
+ctx, dev = ctypes.c_void_p(), ctypes.c_uint64()
+assert cuda.cuInit(0) == 0 and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+assert cuda.cuCtxSetCurrent(ctx) == 0
+block, count = 32 << 10, 512
+assert cuda.cuMemAlloc_v2(ctypes.byref(dev), ctypes.c_size_t(2 * count * block)) == 0
+host = (ctypes.c_ubyte * (count * block)).from_buffer_copy(random.Random(5).randbytes(count * block))
+back = (ctypes.c_ubyte * (count * block))()
+base, back_base = ctypes.addressof(host), ctypes.addressof(back)
+native.cuda_host_register(base, count * block)
+native.cuda_host_register(back_base, count * block)
+ids = random.Random(6).sample(range(2 * count), count)
+host_offs, dev_offs = [i * block for i in range(count)], [i * block for i in ids]
+sizes = [block] * count
+sizes[3], host_offs[7], dev_offs[9] = block - 5, host_offs[7] + 3, dev_offs[9] + 1  # odd: byte by byte
+sizes[7] = sizes[9] = block - 3
+native.cuda_copy_blocks(base, dev.value, host_offs, dev_offs, sizes, "h2d", 0)
+native.cuda_copy_blocks(dev.value, back_base, dev_offs, host_offs, sizes, "d2h", 0)
+for h, n in zip(host_offs, sizes):
+    assert bytes(back[h:h + n]) == bytes(host[h:h + n]), h
+native.cuda_host_unregister(base)
+native.cuda_host_unregister(back_base)
+cuda.cuMemFree_v2(dev)
+print("ok")
+"""
+
+
+def test_the_copy_kernel_round_trips_on_a_gpu() -> None:
+    """Unverified on hardware until a GPU session runs it (benchmarks/gpu_checks.sh runs tests/device)."""
+    if not native.features()["cuda_available"]:
+        pytest.skip("no CUDA device")
+    proc = subprocess.run([sys.executable, "-c", KERNEL_ROUND_TRIP], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "KVSTORE_CUDA_COPY_KERNEL": "1"}, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_the_committed_copy_kernel_is_nvccs_and_assembles_for_turing_to_hopper(tmp_path: Path) -> None:
+    """csrc/copy_kernel_ptx.h is what csrc/generate_ptx.py makes of copy_kernel.cu, and ptxas takes it
+    (declared PTX ISA 7.0, older than nvcc writes: the kernel must use nothing newer)."""
+    if shutil.which("nvcc") is None or shutil.which("ptxas") is None:
+        pytest.skip("no CUDA toolkit (nvcc, ptxas) on this machine")
+    sys.path.insert(0, str(ROOT / "csrc"))
+    try:
+        import generate_ptx
+    finally:
+        sys.path.pop(0)
+    header = (ROOT / "csrc" / "copy_kernel_ptx.h").read_text()
+    assert header == generate_ptx.header(), "csrc/copy_kernel_ptx.h is stale: run csrc/generate_ptx.py"
+    (tmp_path / "k.ptx").write_text(header.split('R"ptx(')[1].split(')ptx"')[0])
+    for arch in ("sm_75", "sm_80", "sm_90"):
+        subprocess.run(["ptxas", f"-arch={arch}", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")], check=True)
 
 
 def test_the_engine_events_are_opened_once_and_destroyed_with_their_last_mapping(fake_libcuda: Path,
