@@ -4,11 +4,13 @@
 #   timeline   each job's timeline in the daemon beside what the client saw and the pinned copy's time
 #              (benchmarks/bench_timeline.py): 2048 x 256 KiB stores and loads, a 2048-token hit and a
 #              256-token hit of a vLLM-sized layout
-#   ab-*       bench_copy_ab.py --backend cuda, 8 interleaved rounds each, store and load: the job's cut
-#              (chunks.py) as is vs two variants (no shrinking tail: chunks of 64 MiB to the end; chunks
-#              capped at 16 MiB), and loads with the checksum sample verified before the DMA vs not
-#              verified (KVSTORE_VERIFY_LOADS=0): what the check costs a bulk load on a GPU
-#              (2026-11-27 on an H100: 4 copy threads, 4 streams per copy, 16 MiB first chunks were each worse)
+#   ab-*       bench_copy_ab.py --backend cuda, interleaved rounds: the copy kernel
+#              (KVSTORE_CUDA_COPY_KERNEL=1, csrc/copy_kernel.cu) against the copy engines, for bulk stores
+#              and loads (256 KiB runs) and for vLLM-sized hits of 16 and 128 blocks (32 KiB runs: the
+#              copy engines moved those at 0.3-0.5 of a contiguous copy); then loads with the checksum
+#              sample vs not verified (KVSTORE_VERIFY_LOADS=0), and the job's cut (chunks.py) as is vs
+#              chunks capped at 16 MiB (2026-11-27 on an H100: 4 copy threads, 4 streams per copy, 16 MiB
+#              first chunks and a tail of 64 MiB chunks were each worse)
 # Logs: $OUT/timeline.log, $OUT/ab.log.
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -27,23 +29,24 @@ variant() {  # variant NAME SED-EXPRESSION: /tmp/kvstore-NAME/kvstore_service wi
   rm -rf "/tmp/kvstore-$1" && mkdir -p "/tmp/kvstore-$1" && cp -r "$PKG" "/tmp/kvstore-$1/" &&
     sed -i "$2" "/tmp/kvstore-$1/kvstore_service/chunks.py" && grep -c "$3" "/tmp/kvstore-$1/kvstore_service/chunks.py"
 }
-variant notail 's/^TAIL_CHUNK_BYTES = 8 << 20/TAIL_CHUNK_BYTES = 64 << 20/' "^TAIL_CHUNK_BYTES = 64 << 20"
 variant cap16 's/^CHUNK_BYTES = 64 << 20/CHUNK_BYTES = 16 << 20/' "^CHUNK_BYTES = 16 << 20"
 
-for v in notail cap16; do  # the variants the daemons will import
+for v in cap16; do  # the variants the daemons will import
   PYTHONPATH="/tmp/kvstore-$v:$PYTHONPATH" python3 -c "import kvstore_service.chunks as c
 print('$v', c.__file__, c.FIRST_CHUNK_BYTES >> 20, c.CHUNK_BYTES >> 20, c.TAIL_CHUNK_BYTES >> 20)" >> "$OUT/ab.log" 2>&1
 done
 
-ab() {  # ab WHAT MODES ARGS...: each mode (store, load) in turn
+ab() {  # ab WHAT MODES ARGS...: each mode (store, load, hit) in turn
   for mode in $2; do
     echo "== $1 ($mode)" >> "$OUT/ab.log"
     timeout -k 10 60 python3 benchmarks/bench_copy_ab.py "$mode" --backend cuda --rounds 8 "${@:3}" >> "$OUT/ab.log" 2>&1
     echo "rc=$? at $((SECONDS - T0))s" >> "$OUT/ab.log"
   done
 }
-ab "loads verified before the DMA vs not" load --b-env KVSTORE_VERIFY_LOADS=0
-ab "chunks shrinking to 8 MiB at the end vs 64 MiB to the end" "store load" --b-env "PYTHONPATH=/tmp/kvstore-notail:$PYTHONPATH"
+ab "copy engines vs the copy kernel" "store load" --b-env KVSTORE_CUDA_COPY_KERNEL=1
+ab "copy engines vs the copy kernel, 16-block hits" hit --b-env KVSTORE_CUDA_COPY_KERNEL=1 --rounds 20
+ab "copy engines vs the copy kernel, 128-block hits" hit --b-env KVSTORE_CUDA_COPY_KERNEL=1 --hit-blocks 128 --rounds 12
+ab "loads verified vs not" load --b-env KVSTORE_VERIFY_LOADS=0
 ab "chunks capped at 64 vs 16 MiB" "store load" --b-env "PYTHONPATH=/tmp/kvstore-cap16:$PYTHONPATH"
 echo "total: $((SECONDS - T0))s" >> "$OUT/ab.log"
 cat "$OUT/ab.log"
