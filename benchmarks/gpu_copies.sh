@@ -7,7 +7,8 @@
 #   ab-*       bench_copy_ab.py --backend cuda, interleaved rounds: the copy kernel
 #              (KVSTORE_CUDA_COPY_KERNEL=1, csrc/copy_kernel.cu) against the copy engines, for bulk stores
 #              and loads (256 KiB runs) and for vLLM-sized hits of 16 and 128 blocks (32 KiB runs: the
-#              copy engines moved those at 0.3-0.5 of a contiguous copy); then loads with the checksum
+#              copy engines moved those at 0.3-0.5 of a contiguous copy), and gpu_checks.sh's busy check
+#              with the kernel (what it costs an engine's steps beside it); then loads with the checksum
 #              sample vs not verified (KVSTORE_VERIFY_LOADS=0), and the job's cut (chunks.py) as is vs
 #              chunks capped at 16 MiB (2026-11-27 on an H100: 4 copy threads, 4 streams per copy, 16 MiB
 #              first chunks and a tail of 64 MiB chunks were each worse)
@@ -46,6 +47,11 @@ ab() {  # ab WHAT MODES ARGS...: each mode (store, load, hit) in turn
 ab "copy engines vs the copy kernel" "store load" --b-env KVSTORE_CUDA_COPY_KERNEL=1
 ab "copy engines vs the copy kernel, 16-block hits" hit --b-env KVSTORE_CUDA_COPY_KERNEL=1 --rounds 20
 ab "copy engines vs the copy kernel, 128-block hits" hit --b-env KVSTORE_CUDA_COPY_KERNEL=1 --hit-blocks 128 --rounds 12
+# What the kernel costs an engine beside it (time-sliced with its kernels without MPS): gpu_checks.sh's busy
+# check again, the daemon copying with the kernel; compare the stepper's steps and B's loads with busy.log.
+echo "== busy check, the daemon copying with the copy kernel" >> "$OUT/ab.log"
+KVSTORE_CUDA_COPY_KERNEL=1 timeout -k 10 75 python3 benchmarks/gpu_device_checks.py busy >> "$OUT/ab.log" 2>&1
+echo "rc=$? at $((SECONDS - T0))s" >> "$OUT/ab.log"
 ab "loads verified vs not" load --b-env KVSTORE_VERIFY_LOADS=0
 ab "chunks capped at 64 vs 16 MiB" "store load" --b-env "PYTHONPATH=/tmp/kvstore-cap16:$PYTHONPATH"
 echo "total: $((SECONDS - T0))s" >> "$OUT/ab.log"
