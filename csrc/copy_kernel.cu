@@ -1,9 +1,9 @@
 // The CUDA copy kernel (cuda_copy.cpp, KVSTORE_CUDA_COPY_KERNEL=1): a copy's runs, moved between the
 // pinned pool and device memory by the GPU's threads instead of its copy engines. The engines pay a
-// cost per run: a vLLM layout's 32 KiB runs moved at 0.15-0.48 (16 KiB) and 0.7-0.85 (64 KiB) of a
-// contiguous copy on an H100 (benchmarks/results/README.md). Each thread block takes a run at a time
-// and moves it in 16-byte words, four in flight per thread (reads of host memory cross PCIe: the
-// more in flight, the closer to its bandwidth). Built to PTX by csrc/generate_ptx.py into
+// cost per run: on an H100 they moved 16 KiB runs at 0.15-0.48 and 64 KiB runs at 0.7-0.85 of a
+// contiguous copy, and a vLLM layout's are 32 KiB (benchmarks/results/README.md). Each thread block
+// takes a run at a time and moves it in 16-byte words, four in flight per thread (reads of host
+// memory cross PCIe: the more in flight, the closer to its bandwidth). Built to PTX by csrc/generate_ptx.py into
 // copy_kernel_ptx.h, which is committed: building kvstore needs no CUDA toolkit.
 
 struct Run {  // kvstore_native.h's Run
