@@ -28,6 +28,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -124,16 +125,20 @@ constexpr int kBatchApiVersion = 12080;  // cuMemcpyBatchAsync appeared in CUDA 
 // arrays small and costs one extra call per 8192 runs.
 constexpr size_t kMaxBatch = 8192;
 
+// A switch read from the environment: `fallback`, unless the variable holds one of `flips` (any case).
+bool env_switch(const char* name, bool fallback, std::initializer_list<const char*> flips) {
+  const char* v = std::getenv(name);
+  for (const char* flip : flips) {
+    if (v != nullptr && strcasecmp(v, flip) == 0) return !fallback;
+  }
+  return fallback;
+}
+
 // KVSTORE_CUDA_BATCH_MEMCPY=0 (or false/no/off, any case) turns cuMemcpyBatchAsync off: every run
 // is then copied with cuMemcpyAsync. turbomind disables the batch API on Blackwell (sm_100), where
 // it is reported to crash. Unset, empty or any other value: the batch API is used where it exists.
 bool batch_memcpy_allowed_by_env() {
-  const char* v = std::getenv("KVSTORE_CUDA_BATCH_MEMCPY");
-  if (v == nullptr) return true;
-  for (const char* off : {"0", "false", "no", "off"}) {
-    if (strcasecmp(v, off) == 0) return false;
-  }
-  return true;
+  return env_switch("KVSTORE_CUDA_BATCH_MEMCPY", true, {"0", "false", "no", "off"});
 }
 
 // Streams one copy spreads its runs over (KVSTORE_CUDA_COPY_STREAMS overrides). On an H100 (PCIe 5),
@@ -157,12 +162,7 @@ size_t copy_streams_from_env(size_t fallback) {
 // one launch per copy, on one stream) instead of its copy engines, and the pool is registered mapped
 // (the kernel reads and writes it through its host addresses). Off unless set: not measured on a GPU yet.
 bool copy_kernel_from_env() {
-  const char* v = std::getenv("KVSTORE_CUDA_COPY_KERNEL");
-  if (v == nullptr) return false;
-  for (const char* on : {"1", "true", "yes", "on"}) {
-    if (strcasecmp(v, on) == 0) return true;
-  }
-  return false;
+  return env_switch("KVSTORE_CUDA_COPY_KERNEL", false, {"1", "true", "yes", "on"});
 }
 constexpr unsigned int kKernelThreads = 256;  // per block; four 16-byte words in flight each
 constexpr unsigned int kKernelMaxBlocks = 1024;  // blocks take runs in turn beyond this
