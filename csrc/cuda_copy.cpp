@@ -418,8 +418,10 @@ cu::CUfunction copy_kernel_of(const Driver& d, DeviceState* dev, std::string* er
     int host_pointers = 0;
     cu::CUmodule module = nullptr;
     cu::CUresult rc = d.device_get_attribute(&host_pointers, cu::kAttrCanUseHostPointerForRegisteredMem, dev->device);
-    if (rc != cu::kSuccess || host_pointers != 1) {
+    if (rc != cu::kSuccess) {
       dev->kernel_code = rc;
+      dev->kernel_error = "cuDeviceGetAttribute failed: " + describe(d, rc);
+    } else if (host_pointers != 1) {
       dev->kernel_error = "this GPU cannot use the pool's host addresses in a kernel";
     } else if ((rc = d.module_load_data(&module, kCopyKernelPtx)) != cu::kSuccess ||
                (rc = d.module_get_function(&dev->copy_kernel, module, "kvstore_copy_runs")) != cu::kSuccess) {
