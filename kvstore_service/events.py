@@ -112,18 +112,22 @@ class BlockEvents:
             else:  # (never announced: describe skips announced keys)
                 self._announce(ns, key, meta)
 
-    def removed(self, ns_hash: bytes, key: bytes) -> None:
+    def removed(self, ns_hash: bytes, keys: Iterable[bytes]) -> None:
         ns = self._namespaces.get(ns_hash)
         if ns is None:
             return
-        ns.committed.discard(key)
-        meta = ns.announced.pop(key, None)
-        if meta is None:
+        if not ns.announced:  # nothing announced (no router listens, say): one C call
+            ns.committed.difference_update(keys)
             return
-        self.stats.bytes -= len(meta)
-        event = Event(True, key)
-        for sub in ns.subscribers:
-            sub.push(event, self.stats)
+        for key in keys:
+            ns.committed.discard(key)
+            meta = ns.announced.pop(key, None)
+            if meta is None:
+                continue
+            self.stats.bytes -= len(meta)
+            event = Event(True, key)
+            for sub in ns.subscribers:
+                sub.push(event, self.stats)
 
     def _announce(self, ns: _Namespace, key: bytes, meta: bytes) -> None:
         ns.announced[key] = meta

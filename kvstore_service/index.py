@@ -47,6 +47,7 @@ if TYPE_CHECKING:
 
 _first = operator.itemgetter(0)
 _key = operator.attrgetter("key")
+_ref = operator.attrgetter("segment", "slot")
 _is_block = partial(operator.is_not, None)
 KEYS_PER_UNPACK = 64
 
@@ -238,7 +239,7 @@ class BlockIndex:
             block.pins -= 1
             assert block.pins >= 0, "unbalanced unpin"
             if block.pins == 0 and block.state is doomed:
-                self._free(block)
+                self._free([block])
 
     def _lru_of(self, block: Block) -> OrderedDict[Block, None] | None:
         """The LRU list the block belongs in (tails have their own), if there is one yet."""
@@ -316,8 +317,7 @@ class BlockIndex:
         in: a crash mid-copy drops it."""
         blocks = self._place(ns, keys)
         if len(blocks) < len(keys):
-            for victim in self._victims(ns.block_bytes, len(keys) - len(blocks)):
-                self._evict(victim)
+            self._evict(self._victims(ns.block_bytes, len(keys) - len(blocks)))
             blocks += self._place(ns, keys[len(blocks):])
         while len(blocks) < len(keys) and self._empty_segment(ns.block_bytes):  # none of this size left
             placed = self._place(ns, keys[len(blocks):])
@@ -344,11 +344,12 @@ class BlockIndex:
         the LRU lists. (One eviction at a time passed the blocks pinned at their head, a seal's, once
         per eviction: a full pool under stores looked at ~20 blocks per slot, 13 ms per 2048 blocks.)"""
         victims: list[Block] = []
+        committed = BlockState.COMMITTED
         for lru in (self._tails.get(payload_size), self._lru.get(payload_size)):
             for block in lru or ():
                 if len(victims) == n:
                     return victims
-                if self._evictable(block):
+                if (block.pins == 0 and block.state is committed) or self._evictable(block):  # (the usual case inline)
                     victims.append(block)
         return victims
 
@@ -397,9 +398,7 @@ class BlockIndex:
         if ns.shards > 1:
             return self._complete_shard_store(blocks, ok, (1 << ns.shards) - 1 if whole else 1 << shard)
         if not ok:
-            for block in blocks:
-                if self.present(block):
-                    self._drop(block)
+            self._drop([b for b in blocks if self.present(b)])
             return []
         writing = ns._writing
         done = [b for b in blocks if writing.get(b.key) is b]
@@ -433,7 +432,7 @@ class BlockIndex:
                 if block.shards_in:  # waiting for the other shards: evictable meanwhile, as recent
                     self._make_recent(block)
                 else:
-                    self._drop(block)
+                    self._drop([block])
         for block in done:
             del ns._writing[block.key]
             block.state = BlockState.COMMITTED
@@ -520,42 +519,56 @@ class BlockIndex:
         victims = [b for n in namespaces for b in chain(n._committed.values(), n._writing.values(),
                                                         n._recovered.values())
                    if self._evictable(b)]
-        for block in victims:
-            self._drop(block)
+        self._drop(victims)
         return len(victims)
 
     def present(self, block: Block) -> bool:
         """The block is still in the index (not dropped, evicted or replaced)."""
         return _home(block).get(block.key) is block
 
-    def _drop(self, block: Block) -> None:
-        """Remove an unpinned block and free its slot."""
-        self._unlist(block)
-        self._free(block)
+    def _drop(self, blocks: list[Block]) -> None:
+        """Remove unpinned blocks and free their slots."""
+        self._unlist(blocks)
+        self._free(blocks)
 
     def _discard(self, block: Block) -> None:
         """Remove a bad or replaced block at once; its slot is freed when the last pin goes."""
         if not self.present(block):
             return
         if block.pins == 0:
-            self._drop(block)
+            self._drop([block])
             return
-        self._unlist(block)
+        self._unlist([block])
         self.pool.invalidate(block.ref)  # a restart must not bring it back
         block.state = BlockState.DOOMED
 
-    def _unlist(self, block: Block) -> None:
-        if block.state is BlockState.COMMITTED and self.events is not None:
-            self.events.removed(block.namespace.ns_hash, block.key)
-        del _home(block)[block.key]
-        self.count -= 1
-        lru = self._lru_of(block)
-        if lru is not None:
-            lru.pop(block, None)
+    def _unlist(self, blocks: list[Block]) -> None:
+        """Take present blocks out of their namespaces' maps and LRU lists. One loop for a whole
+        eviction or clear, no call per block: evicting was 3.5 us a block, a full pool's stores
+        spent more on it than on their own blocks (benchmarks/results/README.md, session 27)."""
+        committed, recovered = BlockState.COMMITTED, BlockState.RECOVERED
+        lrus, tails = self._lru, self._tails
+        removed: dict[Namespace, list[bytes]] = {}  # committed keys, for the routers' events
+        for block in blocks:
+            ns, state = block.namespace, block.state
+            if state is committed:
+                del ns._committed[block.key]
+                removed.setdefault(ns, []).append(block.key)
+            else:
+                del (ns._recovered if state is recovered else ns._writing)[block.key]
+            lru = (tails if block.tail else lrus).get(ns.block_bytes)
+            if lru is not None:
+                lru.pop(block, None)
+        self.count -= len(blocks)
+        if self.events is not None:
+            for ns, keys in removed.items():
+                self.events.removed(ns.ns_hash, keys)
 
-    def _free(self, block: Block) -> None:
-        del self._by_segment[block.segment][block.slot]
-        self.pool.release(block.ref)
+    def _free(self, blocks: list[Block]) -> None:
+        by_segment = self._by_segment
+        for block in blocks:
+            del by_segment[block.segment][block.slot]
+        self.pool.release(map(_ref, blocks))
 
     def _evictable(self, block: Block) -> bool:
         """Committed or recovered and unpinned, or a group missing parts that no copy writes into."""
@@ -563,12 +576,14 @@ class BlockIndex:
             return block.shards_in != 0 and block.shards_copying == 0
         return block.state is not BlockState.DOOMED and block.pins == 0
 
-    def _evict(self, block: Block) -> None:
-        block.namespace.counters.evictions += 1
-        self.evictions += 1
+    def _evict(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            block.namespace.counters.evictions += 1
+        self.evictions += len(blocks)
         if self.on_evict is not None:
-            self.on_evict(block)
-        self._drop(block)
+            for block in blocks:
+                self.on_evict(block)
+        self._drop(blocks)
 
     def _empty_segment(self, payload_size: int) -> bool:
         """Empty the segment of the least recently used block of another size whose blocks are all
@@ -580,8 +595,7 @@ class BlockIndex:
             for block in other:
                 segment = self._by_segment.get(block.segment, {})
                 if all(self._evictable(b) for b in segment.values()):
-                    for victim in list(segment.values()):
-                        self._evict(victim)
+                    self._evict(list(segment.values()))
                     return True
         return False
 

@@ -62,6 +62,32 @@ def test_a_block_is_announced_once_committed_and_described_and_removed_when_it_g
     asyncio.run(scenario())
 
 
+def test_one_eviction_across_namespaces_removes_each_ones_blocks_oldest_first(index) -> None:
+    """A store into a full pool evicts the least recently used blocks of every namespace of its block
+    size in one pass: a watcher sees its announced ones removed, oldest first; a block evicted before
+    it was described is never announced afterwards."""
+    async def scenario() -> None:
+        events = index.events = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100)
+        size = 64 * 1024
+        a, b, c = (index.namespace(name, size) for name in "abc")
+        old_a, old_b = keys_of(2, 1), keys_of(2, 2)
+        events.describe(a.ns_hash, old_a, [b"a0", b"a1"])
+        store(index, a, old_a)
+        store(index, b, old_b)
+        store(index, c, keys_of(4 * index.pool.slots_per_segment(size) - 4, 3))  # the pool is full
+        stream = events.watch(a.ns_hash, batch=10, closed=lambda: False)
+        assert [(reset, [e.key for e in got]) for reset, got in await take(stream, 1)] == [(True, old_a)]
+        assert len(store(index, c, keys_of(4, 4))) == 4 and index.evictions == 4
+        assert not any(index.lookup(ns, b"".join(keys), 32) for ns, keys in ((a, old_a), (b, old_b)))
+        (_, got), = await take(stream, 1)
+        assert [(e.removed, e.key) for e in got] == [(True, old_a[0]), (True, old_a[1])]
+        events.describe(b.ns_hash, old_b, [b"b0", b"b1"])  # too late: those blocks are gone
+        assert await take(events.watch(b.ns_hash, batch=10, closed=lambda: False), 1) == [(True, [])]
+        assert a.counters.evictions == b.counters.evictions == 2
+
+    asyncio.run(scenario())
+
+
 def test_a_new_watcher_gets_the_announced_blocks_in_commit_order(index) -> None:
     async def scenario() -> None:
         events = index.events = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100)
