@@ -31,12 +31,12 @@ from __future__ import annotations
 import hashlib
 import operator
 import struct
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache, partial
-from itertools import chain, repeat, takewhile
+from itertools import chain, groupby, repeat, takewhile
 from typing import TYPE_CHECKING
 
 from kvstore_client.protocol.groups import hit_blocks, needed_blocks
@@ -47,7 +47,9 @@ if TYPE_CHECKING:
 
 _first = operator.itemgetter(0)
 _key = operator.attrgetter("key")
-_ref = operator.attrgetter("segment", "slot")
+_segment = operator.attrgetter("segment")
+_slot = operator.attrgetter("slot")
+_kind = operator.attrgetter("namespace", "state", "tail")
 _is_block = partial(operator.is_not, None)
 KEYS_PER_UNPACK = 64
 
@@ -127,12 +129,21 @@ class Block:
         return SlotRef(self.segment, self.slot)
 
 
-def _home(block: Block) -> dict[bytes, Block]:
-    """The map of its namespace a present block lives in, by its state."""
-    ns, state = block.namespace, block.state
+def _map_of(ns: Namespace, state: BlockState) -> dict[bytes, Block]:
+    """The map of the namespace that present blocks in this state live in."""
     if state is BlockState.COMMITTED:
         return ns._committed
     return ns._recovered if state is BlockState.RECOVERED else ns._writing
+
+
+def _home(block: Block) -> dict[bytes, Block]:
+    """The map of its namespace a present block lives in."""
+    return _map_of(block.namespace, block.state)
+
+
+def _consume(calls: Iterable[object]) -> None:
+    """Run a map's calls in C (no Python code per item)."""
+    deque(calls, maxlen=0)
 
 
 @dataclass(slots=True)
@@ -543,32 +554,29 @@ class BlockIndex:
         block.state = BlockState.DOOMED
 
     def _unlist(self, blocks: list[Block]) -> None:
-        """Take present blocks out of their namespaces' maps and LRU lists. One loop for a whole
-        eviction or clear, no call per block: evicting was 3.5 us a block, a full pool's stores
-        spent more on it than on their own blocks (benchmarks/results/README.md, session 27)."""
-        committed, recovered = BlockState.COMMITTED, BlockState.RECOVERED
-        lrus, tails = self._lru, self._tails
+        """Take present blocks out of their namespaces' maps and LRU lists. An eviction or a clear
+        removes thousands: in runs of one namespace, state and list (LRU order makes them long), with
+        C-level loops; one call per block cost a full pool's stores more than their own blocks did."""
         removed: dict[Namespace, list[bytes]] = {}  # committed keys, for the routers' events
-        for block in blocks:
-            ns, state = block.namespace, block.state
-            if state is committed:
-                del ns._committed[block.key]
-                removed.setdefault(ns, []).append(block.key)
-            else:
-                del (ns._recovered if state is recovered else ns._writing)[block.key]
-            lru = (tails if block.tail else lrus).get(ns.block_bytes)
+        for (ns, state, tail), run in groupby(blocks, _kind):
+            gone = list(run)
+            keys = list(map(_key, gone))
+            _consume(map(_map_of(ns, state).__delitem__, keys))
+            lru = (self._tails if tail else self._lru).get(ns.block_bytes)
             if lru is not None:
-                lru.pop(block, None)
+                _consume(map(lru.pop, gone, repeat(None)))
+            if state is BlockState.COMMITTED:
+                removed.setdefault(ns, []).extend(keys)
         self.count -= len(blocks)
         if self.events is not None:
             for ns, keys in removed.items():
                 self.events.removed(ns.ns_hash, keys)
 
     def _free(self, blocks: list[Block]) -> None:
-        by_segment = self._by_segment
-        for block in blocks:
-            del by_segment[block.segment][block.slot]
-        self.pool.release(map(_ref, blocks))
+        for segment, run in groupby(sorted(blocks, key=_segment), _segment):
+            slots = list(map(_slot, run))
+            _consume(map(self._by_segment[segment].__delitem__, slots))
+            self.pool.release(segment, slots)
 
     def _evictable(self, block: Block) -> bool:
         """Committed or recovered and unpinned, or a group missing parts that no copy writes into."""

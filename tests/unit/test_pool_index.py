@@ -11,7 +11,7 @@ import pytest
 from kvstore_client.protocol import MAX_KEY
 from kvstore_service import native
 from kvstore_service.index import KEYS_PER_UNPACK, Block, BlockIndex, BlockState, Namespace, unpack_keys
-from kvstore_service.pool import Pool, SlotRef, SlotState, sealed_blocks
+from kvstore_service.pool import Pool, SlotState, sealed_blocks
 
 MB = 1 << 20
 BLOCK = 256 * 1024
@@ -38,7 +38,7 @@ def test_allocate_many_spans_segments_and_stops_when_full(pool: Pool) -> None:
     assert sum(len(slots) for _, slots in more) == 4 * per_segment - per_segment - 1  # what is left, no more
     assert pool.allocate_many(BLOCK, 1) == []
     seg, slots = taken[0]
-    pool.release([SlotRef(seg.index, slots[0])])
+    pool.release(seg.index, slots[:1])
     assert pool.allocate_many(BLOCK, 5) == [(seg, [slots[0]])]
 
 
