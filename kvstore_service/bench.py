@@ -222,8 +222,8 @@ def sustained(run: Run, rounds: int, burst: int = BURST) -> dict[str, Any]:
     """Bursts of `burst` stores back to back (their seals yield to the copies), each burst paired with
     the limits measured around it: what stores sustain, and what they sustain once sealed. Into a full
     pool, a busy node's steady state: stores not measured fill it first, until one evicts, and then
-    each stored block evicts an old one. (The namespace was cleared before each burst until
-    2026-11-28: that hid evictions, then 3.5 us a block on the loop.)"""
+    each stored block evicts an old one (a namespace cleared before each burst would hide what
+    evictions cost)."""
     copied, sealed, limits = [], [], []
     stats = run.client.stats()
     for _ in range(stats.capacity_bytes // run.total + 1):

@@ -136,11 +136,6 @@ def _map_of(ns: Namespace, state: BlockState) -> dict[bytes, Block]:
     return ns._recovered if state is BlockState.RECOVERED else ns._writing
 
 
-def _home(block: Block) -> dict[bytes, Block]:
-    """The map of its namespace a present block lives in."""
-    return _map_of(block.namespace, block.state)
-
-
 def _consume(calls: Iterable[object]) -> None:
     """Run a map's calls in C (no Python code per item)."""
     deque(calls, maxlen=0)
@@ -251,10 +246,6 @@ class BlockIndex:
             assert block.pins >= 0, "unbalanced unpin"
             if block.pins == 0 and block.state is doomed:
                 self._free([block])
-
-    def _lru_of(self, block: Block) -> OrderedDict[Block, None] | None:
-        """The LRU list the block belongs in (tails have their own), if there is one yet."""
-        return (self._tails if block.tail else self._lru).get(block.namespace.block_bytes)
 
     def _make_recent(self, block: Block) -> None:
         """Put the block at the end (most recent) of its LRU list, whether it is on it or not."""
@@ -536,7 +527,7 @@ class BlockIndex:
 
     def present(self, block: Block) -> bool:
         """The block is still in the index (not dropped, evicted or replaced)."""
-        return _home(block).get(block.key) is block
+        return _map_of(block.namespace, block.state).get(block.key) is block
 
     def present_all(self, blocks: list[Block]) -> list[bool]:
         """`present` of each of these blocks of one namespace: with no Python code per block while
