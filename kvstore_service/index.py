@@ -400,7 +400,7 @@ class BlockIndex:
         if ns.shards > 1:
             return self._complete_shard_store(blocks, ok, (1 << ns.shards) - 1 if whole else 1 << shard)
         if not ok:
-            self._drop([b for b in blocks if self.present(b)])
+            self._drop(list(compress(blocks, self.present_all(blocks))))
             return []
         writing = ns._writing
         done = [b for b in blocks if writing.get(b.key) is b]
