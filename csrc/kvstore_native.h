@@ -82,6 +82,9 @@ bool add_acl_features(PyObject* features);
 // without them (kvstore_service/native.py needs them and fails to import then).
 bool add_disk_io(PyObject* module) __attribute__((weak));
 
+// The index's block record type and make_blocks (block.cpp).
+bool add_block_type(PyObject* module);
+
 // Helper for feature dicts: sets features[key] = value (steals nothing); false on error.
 bool set_item(PyObject* dict, const char* key, PyObject* value);
 

@@ -40,7 +40,8 @@ from itertools import chain, compress, groupby, repeat, takewhile
 from typing import TYPE_CHECKING
 
 from kvstore_client.protocol.groups import hit_blocks, needed_blocks
-from kvstore_service.pool import Pool, SlotRef
+from kvstore_service import native
+from kvstore_service.pool import SLOT_HEADER_BYTES, Pool, SlotRef
 
 if TYPE_CHECKING:
     from kvstore_service.events import BlockEvents
@@ -107,22 +108,38 @@ class Namespace:
         return len(self._committed) + len(self._writing) + len(self._recovered)
 
 
-@dataclass(slots=True, eq=False)
-class Block:
+class Block(native.BlockRecord):
+    """A key's slot in the pool. Its fields are object slots of a native record: a store makes
+    thousands of blocks in one `native.make_blocks` call each (a dataclass's Python __init__ per
+    block took a third of a store's bookkeeping). Identity is equality, as for any object."""
+
+    __slots__ = ()
     key: bytes
     namespace: Namespace
     segment: int
     slot: int
     offset: int  # of the payload in the pool file
     header: int  # of the slot header in the pool file
-    state: BlockState = BlockState.WRITING
-    pins: int = 0
-    checksum: int | None = None  # None until taken at the seal; recovered: from the slot header
+    state: BlockState
+    pins: int
+    checksum: int | None  # None until taken at the seal; recovered: from the slot header
     # Sharded namespaces, while WRITING: bit r set when shard r's part is in / being copied.
-    shards_in: int = 0
-    shards_copying: int = 0
-    tail: bool = False  # a prompt's partial last block: evicted before full blocks
-    promoted: bool = False  # brought in from a lower tier (not offered back to it)
+    shards_in: int
+    shards_copying: int
+    tail: bool  # a prompt's partial last block: evicted before full blocks
+    promoted: bool  # brought in from a lower tier (not offered back to it)
+
+    def __init__(self, key: bytes, namespace: Namespace, segment: int, slot: int, offset: int, header: int,
+                 state: BlockState = BlockState.WRITING, pins: int = 0, checksum: int | None = None) -> None:
+        self.key, self.namespace, self.segment, self.slot, self.offset, self.header = (
+            key, namespace, segment, slot, offset, header)
+        self.state, self.pins, self.checksum = state, pins, checksum
+        self.shards_in = self.shards_copying = 0
+        self.tail = self.promoted = False
+
+    def __repr__(self) -> str:
+        return (f"Block(key={self.key.hex()}, segment={self.segment}, slot={self.slot}, state={self.state.name}, "
+                f"pins={self.pins})")
 
     @property
     def ref(self) -> SlotRef:
@@ -331,12 +348,13 @@ class BlockIndex:
         return blocks
 
     def _place(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
-        """Blocks for the first keys in free slots, as many as there are. Built with C-level
-        map/zip: this runs for every stored block."""
+        """Blocks for the first keys in free slots, as many as there are: made natively, a segment's
+        at a time (this runs for every stored block)."""
         blocks: list[Block] = []
         for seg, slots in self.pool.allocate_many(ns.block_bytes, len(keys)):
-            new = list(map(Block, keys[len(blocks):len(blocks) + len(slots)], repeat(ns), repeat(seg.index), slots,
-                           seg.payload_offsets(slots), seg.header_offsets(slots)))
+            new = native.make_blocks(
+                Block, keys[len(blocks):len(blocks) + len(slots)], ns, seg.index, slots, seg.payload_base,
+                seg.payload_stride, seg.offset, SLOT_HEADER_BYTES, BlockState.WRITING)
             self._by_segment.setdefault(seg.index, {}).update(zip(slots, new, strict=True))
             blocks += new
         return blocks

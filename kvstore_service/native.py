@@ -17,7 +17,7 @@ import importlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar
 
 try:
     _native: ModuleType = importlib.import_module("kvstore_service._native")
@@ -139,6 +139,27 @@ def parse_slot_header(data: Any, offset: int) -> SlotHeaderFields | None:
     none is valid there (never written, torn, invalidated). ValueError past the buffer's end."""
     fields: SlotHeaderFields | None = _native.parse_slot_header(data, offset)
     return fields
+
+
+# The index's block record (csrc/block.cpp): kvstore_service.index.Block subclasses it and declares its
+# fields (key, namespace, segment, slot, offset, header, state, pins, checksum, shards_in,
+# shards_copying, tail, promoted), each an object slot.
+if TYPE_CHECKING:
+    class BlockRecord:  # (no __slots__ here: mypy would then refuse the fields the subclass declares)
+        pass
+else:
+    BlockRecord = _native.BlockRecord
+_Record = TypeVar("_Record", bound=BlockRecord)
+
+
+def make_blocks(cls: type[_Record], keys: list[bytes], namespace: object, segment: int, slots: list[int],
+                payload_base: int, payload_stride: int, header_base: int, header_stride: int,
+                state: object) -> list[_Record]:
+    """A block of `cls` in `state` for each key, in the slot beside it (of one segment): payload at
+    payload_base + slot * payload_stride, header at header_base + slot * header_stride; no pins, no
+    checksum, no shards, neither tail nor promoted. One C call for a store's thousands of blocks."""
+    return list(_native.make_blocks(cls, keys, namespace, segment, slots, payload_base, payload_stride,
+                                    header_base, header_stride, state))
 
 
 def coalesce_runs(src_offsets: U64Array, dst_offsets: U64Array,
