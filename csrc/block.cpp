@@ -1,8 +1,12 @@
-// The index's block record (kvstore_service/index.py `Block` subclasses it) and its batch constructor.
+// The index's block record (kvstore_service/index.py `Block` subclasses it), its batch constructor and
+// the LRU lists of blocks.
 //
 // A store makes a block per slot it reserves, thousands per job, on the event loop while the copies
 // run. A dataclass's __init__ is Python code per block (~0.3 us); here a batch of blocks is made in
 // one C call. Every field is a plain object slot, as a `__slots__` class's: reading one costs the same.
+// The LRU lists are intrusive (each block links to its neighbours): a store appends thousands of
+// blocks to one, an eviction unlinks as many, without hashing or allocating (an OrderedDict's update
+// was a seventh of a full pool's store bookkeeping).
 
 #include "kvstore_native.h"  // (Python.h first)
 
@@ -26,6 +30,17 @@ struct BlockObject {
   PyObject* shards_copying;
   PyObject* tail;
   PyObject* promoted;
+  // On an LRU list (which holds a reference), or all null.
+  struct LruObject* lru;
+  BlockObject* prev;
+  BlockObject* next;
+};
+
+struct LruObject {
+  PyObject_HEAD
+  BlockObject* head;  // least recently used
+  BlockObject* tail;
+  Py_ssize_t size;
 };
 
 constexpr int kFields = 13;
@@ -130,6 +145,172 @@ fail:
   return nullptr;
 }
 
+
+// ---- LRU lists --------------------------------------------------------------------------------
+
+void unlink(BlockObject* b) {
+  LruObject* l = b->lru;
+  (b->prev ? b->prev->next : l->head) = b->next;
+  (b->next ? b->next->prev : l->tail) = b->prev;
+  b->prev = b->next = nullptr;
+  b->lru = nullptr;
+  --l->size;
+}
+
+void link_last(LruObject* l, BlockObject* b) {
+  b->lru = l;
+  b->prev = l->tail;
+  b->next = nullptr;
+  (l->tail ? l->tail->next : l->head) = b;
+  l->tail = b;
+  ++l->size;
+}
+
+// Each item of `blocks` (a list) as a block, or a TypeError.
+BlockObject* block_at(PyObject* blocks, Py_ssize_t i) {
+  PyObject* item = PyList_GET_ITEM(blocks, i);
+  if (!PyObject_TypeCheck(item, &kBlockType)) {
+    PyErr_Format(PyExc_TypeError, "LruList: a %.100s is not a block", Py_TYPE(item)->tp_name);
+    return nullptr;
+  }
+  return reinterpret_cast<BlockObject*>(item);
+}
+
+bool is_list(PyObject* blocks) {
+  if (PyList_Check(blocks)) return true;
+  PyErr_SetString(PyExc_TypeError, "LruList: blocks must be a list");
+  return false;
+}
+
+void lru_dealloc(PyObject* self) {
+  auto* l = reinterpret_cast<LruObject*>(self);
+  while (l->head != nullptr) {
+    BlockObject* b = l->head;
+    unlink(b);
+    Py_DECREF(b);
+  }
+  Py_TYPE(self)->tp_free(self);
+}
+
+// append(blocks): each block to the end (most recent), from wherever it was (this list, another, none).
+PyObject* lru_append(PyObject* self, PyObject* blocks) {
+  auto* l = reinterpret_cast<LruObject*>(self);
+  if (!is_list(blocks)) return nullptr;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); ++i) {
+    BlockObject* b = block_at(blocks, i);
+    if (b == nullptr) return nullptr;
+    if (b->lru != nullptr) {
+      unlink(b);
+    } else {
+      Py_INCREF(b);
+    }
+    link_last(l, b);
+  }
+  Py_RETURN_NONE;
+}
+
+// touch(blocks): those of the blocks on this list to its end; the others stay where they are.
+PyObject* lru_touch(PyObject* self, PyObject* blocks) {
+  auto* l = reinterpret_cast<LruObject*>(self);
+  if (!is_list(blocks)) return nullptr;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); ++i) {
+    BlockObject* b = block_at(blocks, i);
+    if (b == nullptr) return nullptr;
+    if (b->lru == l) {
+      unlink(b);
+      link_last(l, b);
+    }
+  }
+  Py_RETURN_NONE;
+}
+
+// remove(blocks): those of the blocks on this list off it.
+PyObject* lru_remove(PyObject* self, PyObject* blocks) {
+  auto* l = reinterpret_cast<LruObject*>(self);
+  if (!is_list(blocks)) return nullptr;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); ++i) {
+    BlockObject* b = block_at(blocks, i);
+    if (b == nullptr) return nullptr;
+    if (b->lru == l) {
+      unlink(b);
+      Py_DECREF(b);
+    }
+  }
+  Py_RETURN_NONE;
+}
+
+bool is_zero(PyObject* n, PyObject* zero) {
+  return n == zero || (PyLong_Check(n) && PyLong_AsLong(n) == 0);
+}
+
+// victims(n, committed, evictable): up to n blocks from the oldest, each unpinned in state
+// `committed` (checked here) or one for which evictable(block) is true (called for the others only).
+PyObject* lru_victims(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  auto* l = reinterpret_cast<LruObject*>(self);
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "victims takes 3 arguments");
+    return nullptr;
+  }
+  Py_ssize_t n = PyLong_AsSsize_t(args[0]);
+  if (n == -1 && PyErr_Occurred()) return nullptr;
+  PyObject *committed = args[1], *evictable = args[2];
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  PyObject* zero = PyLong_FromLong(0);
+  // The list cannot change under us: evictable() only reads (a callback that appended or removed
+  // blocks could free the block we stand on, so the next one is found before the call).
+  for (BlockObject* b = l->head; b != nullptr && PyList_GET_SIZE(out) < n;) {
+    BlockObject* next = b->next;
+    int take = b->state == committed && is_zero(b->pins, zero);
+    if (!take) {
+      PyObject* r = PyObject_CallOneArg(evictable, reinterpret_cast<PyObject*>(b));
+      take = r == nullptr ? -1 : PyObject_IsTrue(r);
+      Py_XDECREF(r);
+    }
+    if (take < 0 || (take && PyList_Append(out, reinterpret_cast<PyObject*>(b)) < 0)) {
+      Py_DECREF(zero);
+      Py_DECREF(out);
+      return nullptr;
+    }
+    b = next;
+  }
+  Py_DECREF(zero);
+  return out;
+}
+
+Py_ssize_t lru_len(PyObject* self) { return reinterpret_cast<LruObject*>(self)->size; }
+
+// iter(lru): over a snapshot, oldest first (the loop may evict what it sees).
+PyObject* lru_iter(PyObject* self) {
+  auto* l = reinterpret_cast<LruObject*>(self);
+  PyObject* snapshot = PyList_New(l->size);
+  if (snapshot == nullptr) return nullptr;
+  Py_ssize_t i = 0;
+  for (BlockObject* b = l->head; b != nullptr; b = b->next) {
+    PyList_SET_ITEM(snapshot, i++, Py_NewRef(reinterpret_cast<PyObject*>(b)));
+  }
+  PyObject* it = PyObject_GetIter(snapshot);
+  Py_DECREF(snapshot);
+  return it;
+}
+
+PyMethodDef kLruMethods[] = {
+    {"append", lru_append, METH_O, "append(blocks): each block to the end (most recent), from wherever it was."},
+    {"touch", lru_touch, METH_O, "touch(blocks): those of the blocks on this list to its end."},
+    {"remove", lru_remove, METH_O, "remove(blocks): those of the blocks on this list off it."},
+    {"victims", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(lru_victims)), METH_FASTCALL,
+     "victims(n, committed, evictable) -> list: up to n blocks from the oldest, each unpinned in state\n"
+     "`committed`, or one for which evictable(block) is true (asked of the others only)."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PySequenceMethods kLruSequence = {lru_len};
+
+PyTypeObject kLruType = {
+    PyVarObject_HEAD_INIT(nullptr, 0) "kvstore_service._native.LruList",  // tp_name
+    sizeof(LruObject),                                                   // tp_basicsize
+};
+
 }  // namespace
 
 PyMethodDef kBlockMethods[] = {
@@ -154,6 +335,20 @@ bool add_block_type(PyObject* module) {
   Py_INCREF(&kBlockType);
   if (PyModule_AddObject(module, "BlockRecord", reinterpret_cast<PyObject*>(&kBlockType)) < 0) {
     Py_DECREF(&kBlockType);
+    return false;
+  }
+  // Not tracked by the collector: nothing a list holds refers back to it.
+  kLruType.tp_flags = Py_TPFLAGS_DEFAULT;
+  kLruType.tp_doc = "LruList(): blocks, least recently used first; each block is on one list at most.";
+  kLruType.tp_dealloc = lru_dealloc;
+  kLruType.tp_as_sequence = &kLruSequence;
+  kLruType.tp_iter = lru_iter;
+  kLruType.tp_methods = kLruMethods;
+  kLruType.tp_new = PyType_GenericNew;
+  if (PyType_Ready(&kLruType) < 0) return false;
+  Py_INCREF(&kLruType);
+  if (PyModule_AddObject(module, "LruList", reinterpret_cast<PyObject*>(&kLruType)) < 0) {
+    Py_DECREF(&kLruType);
     return false;
   }
   return PyModule_AddFunctions(module, kBlockMethods) == 0;

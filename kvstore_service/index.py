@@ -31,12 +31,12 @@ from __future__ import annotations
 import hashlib
 import operator
 import struct
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache, partial
-from itertools import chain, compress, groupby, repeat, takewhile
+from itertools import chain, compress, groupby, takewhile
 from typing import TYPE_CHECKING
 
 from kvstore_client.protocol.groups import hit_blocks, needed_blocks
@@ -175,8 +175,8 @@ class BlockIndex:
         self.namespaces: dict[bytes, Namespace] = {}
         self.count = 0
         self.evictions = 0
-        self._lru: dict[int, OrderedDict[Block, None]] = {}  # payload size -> committed blocks, oldest first
-        self._tails: dict[int, OrderedDict[Block, None]] = {}  # ... the tails among them: evicted first
+        self._lru: dict[int, native.LruList[Block]] = {}  # payload size -> committed blocks, oldest first
+        self._tails: dict[int, native.LruList[Block]] = {}  # ... the tails among them: evicted first
         self._by_segment: dict[int, dict[int, Block]] = {}
         # Told of each block evicted (not of those cleared or replaced): the disk tier counts the ones
         # evicted before their seal, which never reach it (tiers/).
@@ -245,16 +245,12 @@ class BlockIndex:
         """Keep blocks of one namespace from eviction (a lease, a load), most recently used from now."""
         if not blocks:
             return
-        size = blocks[0].namespace.block_bytes  # (the LRU lists looked up once: a load pins thousands of blocks)
-        lists = (self._lru.get(size), self._tails.get(size))
         for block in blocks:
             block.pins += 1
-            lru = lists[block.tail]
+        size = blocks[0].namespace.block_bytes
+        for lru in (self._lru.get(size), self._tails.get(size)):
             if lru is not None:
-                try:
-                    lru.move_to_end(block)
-                except KeyError:  # (not on it)
-                    pass
+                lru.touch(blocks)  # (those on it)
 
     def unpin(self, blocks: Iterable[Block]) -> None:
         doomed = BlockState.DOOMED  # (an enum member looked up once: ~50 ns each, a load unpins thousands)
@@ -266,9 +262,14 @@ class BlockIndex:
 
     def _make_recent(self, block: Block) -> None:
         """Put the block at the end (most recent) of its LRU list, whether it is on it or not."""
-        lru = (self._tails if block.tail else self._lru).setdefault(block.namespace.block_bytes, OrderedDict())
-        lru[block] = None
-        lru.move_to_end(block)
+        self._list_of(block.namespace.block_bytes, block.tail).append([block])
+
+    def _list_of(self, payload_size: int, tail: bool) -> native.LruList[Block]:
+        lists = self._tails if tail else self._lru
+        lru = lists.get(payload_size)
+        if lru is None:
+            lru = lists[payload_size] = native.LruList()
+        return lru
 
     # -- stores ----------------------------------------------------------------------------------
 
@@ -364,13 +365,9 @@ class BlockIndex:
         the LRU lists. (One eviction at a time passed the blocks pinned at their head, a seal's, once
         per eviction: a full pool under stores looked at ~20 blocks per slot, 13 ms per 2048 blocks.)"""
         victims: list[Block] = []
-        committed = BlockState.COMMITTED
         for lru in (self._tails.get(payload_size), self._lru.get(payload_size)):
-            for block in lru or ():
-                if len(victims) == n:
-                    return victims
-                if (block.pins == 0 and block.state is committed) or self._evictable(block):  # (the usual case inline)
-                    victims.append(block)
+            if lru is not None and len(victims) < n:
+                victims += lru.victims(n - len(victims), BlockState.COMMITTED, self._evictable)
         return victims
 
     def reserve(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
@@ -430,7 +427,7 @@ class BlockIndex:
         if self.events is not None:
             self.events.committed(ns.ns_hash, map(_key, done))
         tail = done[-1] if done and done[-1].tail else None  # (a chunk's tail is its last block)
-        self._lru.setdefault(ns.block_bytes, OrderedDict()).update(dict.fromkeys(done[:-1] if tail else done))
+        self._list_of(ns.block_bytes, False).append(done[:-1] if tail else done)
         if tail is not None:
             self._make_recent(tail)
         ns.counters.stored_blocks += len(done)
@@ -584,7 +581,7 @@ class BlockIndex:
             _consume(map(_map_of(ns, state).__delitem__, keys))
             lru = (self._tails if tail else self._lru).get(ns.block_bytes)
             if lru is not None:
-                _consume(map(lru.pop, gone, repeat(None)))
+                lru.remove(gone)
             if state is BlockState.COMMITTED:
                 removed.setdefault(ns, []).extend(keys)
         self.count -= len(blocks)
@@ -642,5 +639,5 @@ class BlockIndex:
             ns._recovered[block.key] = block
             self.count += 1
             self._by_segment.setdefault(block.segment, {})[block.slot] = block
-            self._lru.setdefault(ns.block_bytes, OrderedDict())[block] = None
+            self._list_of(ns.block_bytes, False).append([block])
         return len(found)

@@ -17,7 +17,7 @@ import importlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Final, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeAlias, TypeVar
 
 try:
     _native: ModuleType = importlib.import_module("kvstore_service._native")
@@ -147,9 +147,35 @@ def parse_slot_header(data: Any, offset: int) -> SlotHeaderFields | None:
 if TYPE_CHECKING:
     class BlockRecord:  # (no __slots__ here: mypy would then refuse the fields the subclass declares)
         pass
+
+    _Record = TypeVar("_Record", bound=BlockRecord)
+
+    class LruList(Generic[_Record]):
+        """Blocks, least recently used first; a block is on one list at most (intrusive links)."""
+
+        def append(self, blocks: list[_Record]) -> None:
+            """Each block to the end (most recent), from wherever it was (this list, another, none)."""
+
+        def touch(self, blocks: list[_Record]) -> None:
+            """Those of the blocks on this list to its end; the others stay where they are."""
+
+        def remove(self, blocks: list[_Record]) -> None:
+            """Those of the blocks on this list off it."""
+
+        def victims(self, n: int, committed: object, evictable: Callable[[_Record], bool]) -> list[_Record]:
+            """Up to n blocks from the oldest, each unpinned in state `committed` (checked natively)
+            or one for which evictable(block) is true (asked of the others only; it must only read)."""
+            return []
+
+        def __len__(self) -> int:
+            return 0
+
+        def __iter__(self) -> Iterator[_Record]:
+            """Over a snapshot, oldest first."""
+            return iter([])
 else:
-    BlockRecord = _native.BlockRecord
-_Record = TypeVar("_Record", bound=BlockRecord)
+    BlockRecord, LruList = _native.BlockRecord, _native.LruList
+    _Record = TypeVar("_Record")
 
 
 def make_blocks(cls: type[_Record], keys: list[bytes], namespace: object, segment: int, slots: list[int],

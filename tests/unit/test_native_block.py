@@ -1,0 +1,133 @@
+"""The index's native pieces as a spec: blocks made in a batch (`native.make_blocks`) and the intrusive
+LRU lists (`native.LruList`) the index keeps them on."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import weakref
+
+import pytest
+
+from kvstore_service import native
+from kvstore_service.index import Block, BlockState, Namespace
+
+
+def make(keys: list[bytes], ns: Namespace | None = None, first_slot: int = 0) -> list[Block]:
+    ns = ns or Namespace("n", b"h" * 16, 4096)
+    slots = list(range(first_slot, first_slot + len(keys)))
+    return native.make_blocks(Block, keys, ns, 3, slots, 1 << 20, 4096, 512, 128, BlockState.WRITING)
+
+
+def test_made_blocks_have_their_slots_addresses_and_the_defaults_of_a_new_block() -> None:
+    ns = Namespace("n", b"h" * 16, 4096)
+    blocks = make([b"a", b"b"], ns, first_slot=5)
+    b = blocks[1]
+    assert (b.key, b.namespace, b.segment, b.slot) == (b"b", ns, 3, 6)
+    assert (b.offset, b.header) == ((1 << 20) + 6 * 4096, 512 + 6 * 128)
+    assert (b.state, b.pins, b.checksum, b.shards_in, b.shards_copying, b.tail, b.promoted) == (
+        BlockState.WRITING, 0, None, 0, 0, False, False)
+    assert type(b) is Block and b.ref == (3, 6)
+    b.pins += 1
+    assert (b.pins, blocks[0].pins) == (1, 0)
+    with pytest.raises(AttributeError):
+        b.other = 1  # type: ignore[attr-defined]
+
+
+def test_made_blocks_match_blocks_made_one_by_one() -> None:
+    ns = Namespace("n", b"h" * 16, 4096)
+    one = Block(b"k", ns, 3, 7, (1 << 20) + 7 * 4096, 512 + 7 * 128)
+    made = make([b"k"], ns, first_slot=7)[0]
+    fields = ("key", "namespace", "segment", "slot", "offset", "header", "state", "pins", "checksum", "shards_in",
+              "shards_copying", "tail", "promoted")
+    assert [getattr(one, f) for f in fields] == [getattr(made, f) for f in fields]
+
+
+def test_make_blocks_refuses_what_is_not_a_block_type_or_a_pair_of_equal_lists() -> None:
+    with pytest.raises(TypeError, match="BlockRecord"):
+        native.make_blocks(object, [b"k"], None, 0, [0], 0, 1, 0, 1, None)  # type: ignore[type-var]
+    with pytest.raises(ValueError, match="one length"):
+        native.make_blocks(Block, [b"k", b"l"], None, 0, [0], 0, 1, 0, 1, None)
+    with pytest.raises(OverflowError):
+        native.make_blocks(Block, [b"k"], None, 0, [-1], 0, 1, 0, 1, None)
+
+
+def test_a_namespace_and_its_blocks_are_collected_together() -> None:
+    ns = Namespace("n", b"h" * 16, 4096)
+    marker = weakref.ref(counters := type("Counters", (), {})())
+    ns.counters = counters  # type: ignore[assignment]
+    for block in make([b"a", b"b"]) + [Block(b"c", ns, 0, 0, 0, 0)]:
+        block.namespace = ns
+        ns._committed[block.key] = block
+    del ns, counters, block
+    gc.collect()
+    assert marker() is None
+
+
+def test_lru_list_keeps_blocks_oldest_first_and_moves_them_on_append_and_touch() -> None:
+    a, b, c, d = make([b"a", b"b", b"c", b"d"])
+    lru: native.LruList[Block] = native.LruList()
+    lru.append([a, b, c])
+    assert list(lru) == [a, b, c] and len(lru) == 3
+    lru.touch([a, d])  # d is on no list: left off
+    assert list(lru) == [b, c, a]
+    lru.append([b])
+    assert list(lru) == [c, a, b]
+    lru.remove([a, d])
+    assert list(lru) == [c, b] and len(lru) == 2
+
+
+def test_a_block_is_on_one_list_at_most() -> None:
+    a, b = make([b"a", b"b"])
+    first: native.LruList[Block] = native.LruList()
+    second: native.LruList[Block] = native.LruList()
+    first.append([a, b])
+    second.append([a])
+    assert (list(first), list(second)) == ([b], [a])
+    first.touch([a])
+    first.remove([a])
+    assert (list(first), list(second)) == ([b], [a])
+
+
+def test_lru_list_holds_its_blocks_until_they_leave_it() -> None:
+    (a,) = make([b"a"])
+    before = sys.getrefcount(a)
+    lru: native.LruList[Block] = native.LruList()
+    lru.append([a])
+    lru.append([a])
+    assert sys.getrefcount(a) == before + 1
+    lru.remove([a])
+    assert sys.getrefcount(a) == before
+    lru.append([a])
+    del lru
+    assert sys.getrefcount(a) == before
+
+
+def test_victims_are_the_oldest_unpinned_committed_blocks_or_those_evictable_says() -> None:
+    blocks = make([bytes([k]) for k in range(6)])
+    for block in blocks:
+        block.state = BlockState.COMMITTED
+    blocks[0].pins = 1
+    blocks[2].state = BlockState.WRITING
+    asked: list[Block] = []
+
+    def evictable(block: Block) -> bool:
+        asked.append(block)
+        return block is blocks[2]
+
+    lru: native.LruList[Block] = native.LruList()
+    lru.append(blocks)
+    assert lru.victims(3, BlockState.COMMITTED, evictable) == [blocks[1], blocks[2], blocks[3]]
+    assert asked == [blocks[0], blocks[2]]
+    assert lru.victims(10, BlockState.COMMITTED, evictable) == blocks[1:]
+    assert lru.victims(0, BlockState.COMMITTED, evictable) == []
+    assert len(lru) == 6  # victims only names them
+
+
+def test_lru_list_refuses_what_is_not_a_list_of_blocks() -> None:
+    lru: native.LruList[Block] = native.LruList()
+    with pytest.raises(TypeError, match="list"):
+        lru.append(b for b in make([b"a"]))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="not a block"):
+        lru.append([object()])  # type: ignore[list-item]
+    assert len(lru) == 0
