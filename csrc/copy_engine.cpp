@@ -677,6 +677,37 @@ static_assert(sizeof(SlotHeader) <= kSlotHeaderBytes, "a slot header must fit it
 #error "the pool file format is little-endian"
 #endif
 
+// invalidate_slot_headers(base, slots, count): zero the magic of header slot of a segment whose
+// `count` headers start at `base`. Every slot is checked against count before any byte is written.
+PyObject* py_invalidate_slot_headers(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "invalidate_slot_headers(base, slots, count) takes 3 arguments");
+    return nullptr;
+  }
+  uint64_t base, count;
+  if (!parse_u64(args[0], "base", &base) || !parse_u64(args[2], "count", &count)) return nullptr;
+  if (!PyList_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "invalidate_slot_headers: slots must be a list of ints");
+    return nullptr;
+  }
+  const Py_ssize_t n = PyList_GET_SIZE(args[1]);
+  std::vector<uint64_t> slots(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!parse_u64(PyList_GET_ITEM(args[1], i), "slot", &slots[i])) return nullptr;
+    if (slots[i] >= count) {
+      PyErr_Format(PyExc_ValueError, "slot %llu is past the segment's %llu slots",
+                   static_cast<unsigned long long>(slots[i]), static_cast<unsigned long long>(count));
+      return nullptr;
+    }
+  }
+  const uint32_t invalid = 0;
+  for (uint64_t slot : slots) {
+    std::memcpy(reinterpret_cast<void*>(base + slot * kSlotHeaderBytes + offsetof(SlotHeader, magic)), &invalid,
+                sizeof invalid);
+  }
+  Py_RETURN_NONE;
+}
+
 PyObject* py_write_slot_headers(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* kwlist[] = {"base",    "offsets", "state",     "payload_len", "generation",
                                  "ns_hash", "keys",    "key_size",  "checksums",   nullptr};
@@ -837,6 +868,11 @@ PyMethodDef kMethods[] = {
      "write_slot_headers(base, offsets, state, payload_len, generation, ns_hash, keys, key_size, checksums=None)\n\n"
      "Write the pool slot header of block i at base+offsets[i] (layout: SlotHeader in csrc/copy_engine.cpp),\n"
      "GIL released. keys: the blocks' keys packed, key_size bytes each; checksums: uint64 buffer, or None for 0."},
+    {"invalidate_slot_headers", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_invalidate_slot_headers)),
+     METH_FASTCALL,
+     "invalidate_slot_headers(base, slots, count)\n\n"
+     "Void the slot header of each slot (of a segment whose `count` headers start at `base`): a recovery then\n"
+     "finds none there. ValueError, before anything is written, for a slot not below count."},
     {"parse_slot_header", KV_KW(py_parse_slot_header),
      "parse_slot_header(data, offset) -> tuple | None\n\n"
      "(state, payload_len, checksum, generation, ns_hash, key) of the slot header at data[offset:], or None\n"

@@ -134,6 +134,12 @@ def write_slot_headers(base: int, offsets: U64Array, state: int, payload_len: in
                                None if checksums is None else _as_u64(checksums))
 
 
+def invalidate_slot_headers(base: int, slots: list[int], count: int) -> None:
+    """Void the header of each slot of a segment whose `count` headers start at `base` (its magic
+    zeroed: a recovery finds no block there). Every slot is checked against `count` first."""
+    _native.invalidate_slot_headers(base, slots, count)
+
+
 def parse_slot_header(data: Any, offset: int) -> SlotHeaderFields | None:
     """The fields of the slot header at ``data[offset:]`` (any buffer, e.g. an mmap), or None if
     none is valid there (never written, torn, invalidated). ValueError past the buffer's end."""

@@ -374,6 +374,20 @@ def test_write_slot_headers() -> None:
         native.write_slot_headers(base, offsets, 2, 4096, 1, ns_hash, keys[:-1], key_size)
 
 
+def test_invalidate_slot_headers_voids_only_the_slots_named_and_checks_them_all_first() -> None:
+    n, key_size = 6, 32
+    keys = random.Random(4).randbytes(n * key_size)
+    data = mmap.mmap(-1, SLOT_HEADER_BYTES * n)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(data))
+    offsets = [SLOT_HEADER_BYTES * i for i in range(n)]
+    native.write_slot_headers(base, offsets, 2, 4096, 1, bytes(16), keys, key_size)
+    native.invalidate_slot_headers(base, [1, 4], n)
+    assert [parse_slot_header(data, o) is not None for o in offsets] == [True, False, True, True, False, True]
+    with pytest.raises(ValueError, match="slot 6 is past the segment's 6 slots"):
+        native.invalidate_slot_headers(base, [0, 6], n)
+    assert parse_slot_header(data, offsets[0]) is not None  # nothing written
+
+
 def test_missing_extension_is_a_clear_import_error() -> None:
     """No pure-Python fallback: without the extension, importing the wrapper says how to get it."""
     code = """
