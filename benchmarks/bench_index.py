@@ -69,7 +69,7 @@ def timed(fn: Callable[..., object], *args: object) -> float:
 
 def new_index(folder: str, name: str) -> BlockIndex:
     index = BlockIndex(Pool(os.path.join(folder, name), 1 << 30, 64 << 20, fresh=True))
-    index.events = BlockEvents(1 << 20, 1024, 100)  # as the daemon's: commits and removals are told
+    index.events = BlockEvents(1 << 20, 1024, 100, index.is_committed)  # as the daemon's: commits and removals are told
     return index
 
 

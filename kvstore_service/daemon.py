@@ -74,7 +74,8 @@ class Daemon:
         self.pool = Pool(config.pool_path, int(config.pool_size), int(config.segment_size), fresh=config.fresh)
         self.index = BlockIndex(self.pool)
         self.events = self.index.events = BlockEvents(int(config.max_event_bytes),
-                                                      int(config.max_event_description_bytes), config.max_event_queue)
+                                                      int(config.max_event_description_bytes), config.max_event_queue,
+                                                      self.index.is_committed)
         self.recovered = self.index.recover() if self.pool.reattached else 0
         self.metrics = Metrics()
         self.jobs = Jobs(config, self.pool, self.index, self.metrics, fatal, threads)

@@ -58,13 +58,17 @@ class Subscriber:
 class _Namespace:
     announced: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)  # key -> description, in commit order
     pending: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)  # described, not committed yet
-    committed: set[bytes] = field(default_factory=set)  # committed, not described yet
     subscribers: set[Subscriber] = field(default_factory=set)
 
 
 class BlockEvents:
-    def __init__(self, max_bytes: int, max_description_bytes: int, max_queue: int) -> None:
+    def __init__(self, max_bytes: int, max_description_bytes: int, max_queue: int,
+                 is_committed: Callable[[bytes, bytes], bool]) -> None:
         self.max_bytes = max_bytes
+        # The index's answer (namespace hash, key): is the block committed? A block described after its
+        # commit is announced at once. (The index is asked rather than mirrored: a set of every committed
+        # key cost each store and eviction a C call per key, and memory per block.)
+        self.is_committed = is_committed
         self.max_description_bytes = max_description_bytes
         self.max_queue = max_queue
         self.stats = EventStats()
@@ -90,8 +94,7 @@ class BlockEvents:
                 self.stats.dropped += 1
                 continue
             self.stats.bytes += len(meta)
-            if key in ns.committed:
-                ns.committed.discard(key)
+            if self.is_committed(ns_hash, key):
                 self._announce(ns, key, meta)
             else:
                 ns.pending[key] = meta
@@ -101,26 +104,19 @@ class BlockEvents:
     # -- from the index -----------------------------------------------------------------------------
 
     def committed(self, ns_hash: bytes, keys: Iterable[bytes]) -> None:
-        ns = self._ns(ns_hash)
-        if not ns.pending:  # no description waits for a commit (no router listens, say): one C call
-            ns.committed.update(keys)
+        ns = self._namespaces.get(ns_hash)
+        if ns is None or not ns.pending:  # no description waits for a commit (no router listens, say)
             return
         for key in keys:
             meta = ns.pending.pop(key, None)
-            if meta is None:
-                ns.committed.add(key)
-            else:  # (never announced: describe skips announced keys)
+            if meta is not None:  # (never announced: describe skips announced keys)
                 self._announce(ns, key, meta)
 
     def removed(self, ns_hash: bytes, keys: Iterable[bytes]) -> None:
         ns = self._namespaces.get(ns_hash)
-        if ns is None:
-            return
-        if not ns.announced:  # nothing announced (no router listens, say): one C call
-            ns.committed.difference_update(keys)
+        if ns is None or not ns.announced:  # nothing announced (no router listens, say)
             return
         for key in keys:
-            ns.committed.discard(key)
             meta = ns.announced.pop(key, None)
             if meta is None:
                 continue

@@ -230,6 +230,11 @@ class BlockIndex:
         ns.counters.misses += len(found) - len(blocks)
         return n, blocks
 
+    def is_committed(self, ns_hash: bytes, key: bytes) -> bool:
+        """The namespace (by hash) holds this key committed (no hit or miss counted; routers' events)."""
+        ns = self.namespaces.get(ns_hash)
+        return ns is not None and key in ns._committed
+
     def leading(self, ns: Namespace, keys: list[bytes]) -> int:
         """How many of the leading keys are committed (no hit or miss counted)."""
         return sum(1 for _ in takewhile(ns._committed.__contains__, keys))

@@ -37,7 +37,8 @@ async def take(stream, count: int) -> list[tuple[bool, list]]:
 
 def test_a_block_is_announced_once_committed_and_described_and_removed_when_it_goes(index) -> None:
     async def scenario() -> None:
-        events = index.events = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100)
+        events = index.events = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100,
+                                               is_committed=index.is_committed)
         ns = index.namespace("ns", 64 * 1024)
         keys = keys_of(4)
         events.describe(ns.ns_hash, keys[:2], [b"d0", b"d1"])  # described before the store commits
@@ -67,7 +68,8 @@ def test_one_eviction_across_namespaces_removes_each_ones_blocks_oldest_first(in
     size in one pass: a watcher sees its announced ones removed, oldest first; a block evicted before
     it was described is never announced afterwards."""
     async def scenario() -> None:
-        events = index.events = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100)
+        events = index.events = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100,
+                                               is_committed=index.is_committed)
         size = 64 * 1024
         a, b, c = (index.namespace(name, size) for name in "abc")
         old_a, old_b = keys_of(2, 1), keys_of(2, 2)
@@ -90,7 +92,8 @@ def test_one_eviction_across_namespaces_removes_each_ones_blocks_oldest_first(in
 
 def test_a_new_watcher_gets_the_announced_blocks_in_commit_order(index) -> None:
     async def scenario() -> None:
-        events = index.events = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100)
+        events = index.events = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100,
+                                               is_committed=index.is_committed)
         ns = index.namespace("ns", 64 * 1024)
         keys = keys_of(5)
         events.describe(ns.ns_hash, keys, [b"x"] * 5)
@@ -106,7 +109,8 @@ def test_a_new_watcher_gets_the_announced_blocks_in_commit_order(index) -> None:
 
 def test_a_watcher_that_falls_behind_is_reset_and_descriptions_are_bounded(index) -> None:
     async def scenario() -> None:
-        events = index.events = BlockEvents(max_bytes=10, max_description_bytes=4, max_queue=3)
+        events = index.events = BlockEvents(max_bytes=10, max_description_bytes=4, max_queue=3,
+                                               is_committed=index.is_committed)
         ns = index.namespace("ns", 64 * 1024)
         stream = events.watch(ns.ns_hash, batch=100, closed=lambda: False)
         assert await take(stream, 1) == [(True, [])]
