@@ -311,6 +311,88 @@ PyTypeObject kLruType = {
     sizeof(LruObject),                                                   // tp_basicsize
 };
 
+// ---- bookkeeping over many blocks ----------------------------------------------------------------
+
+// add_pins(blocks, delta, doomed): each block's pins += delta, in order (a block named twice counts
+// twice); returns those whose pins reached 0 in state `doomed` (an unpin then frees their slots).
+// Pins never go below 0: a block that would is an unbalanced unpin, and every change is undone.
+PyObject* py_add_pins(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "add_pins(blocks, delta, doomed) takes 3 arguments");
+    return nullptr;
+  }
+  long delta = PyLong_AsLong(args[1]);
+  if (delta == -1 && PyErr_Occurred()) return nullptr;
+  PyObject* doomed = args[2];
+  PyObject* seq = PySequence_Fast(args[0], "add_pins: blocks must be a sequence");
+  if (seq == nullptr) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+  PyObject** items = PySequence_Fast_ITEMS(seq);
+  PyObject* out = PyList_New(0);
+  Py_ssize_t i = 0;
+  for (; out != nullptr && i < n; ++i) {
+    if (!PyObject_TypeCheck(items[i], &kBlockType)) {
+      PyErr_Format(PyExc_TypeError, "add_pins: a %.100s is not a block", Py_TYPE(items[i])->tp_name);
+      break;
+    }
+    auto* b = reinterpret_cast<BlockObject*>(items[i]);
+    long pins = b->pins == nullptr ? -1 : PyLong_AsLong(b->pins);
+    if (pins == -1 && PyErr_Occurred()) break;
+    if (pins + delta < 0) {
+      PyErr_SetString(PyExc_ValueError, "add_pins: unbalanced unpin (a block's pins would go below 0)");
+      break;
+    }
+    PyObject* value = PyLong_FromLong(pins + delta);
+    if (value == nullptr) break;
+    Py_SETREF(b->pins, value);
+    if (pins + delta == 0 && b->state == doomed && PyList_Append(out, items[i]) < 0) {
+      ++i;  // (changed: undone below)
+      break;
+    }
+  }
+  if (out == nullptr || PyErr_Occurred()) {
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    for (Py_ssize_t k = i - 1; k >= 0; --k) {  // undo, newest first
+      auto* b = reinterpret_cast<BlockObject*>(items[k]);
+      Py_SETREF(b->pins, PyLong_FromLong(PyLong_AsLong(b->pins) - delta));
+    }
+    PyErr_Restore(type, value, traceback);
+    Py_CLEAR(out);
+  }
+  Py_DECREF(seq);
+  return out;
+}
+
+// commit(blocks, writing, committed, state): each block still in `writing` under its key is moved to
+// `committed` and set to `state`; returns those, in order.
+PyObject* py_commit(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyList_Check(args[0]) || !PyDict_CheckExact(args[1]) || !PyDict_CheckExact(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "commit(blocks: list, writing: dict, committed: dict, state)");
+    return nullptr;
+  }
+  PyObject *blocks = args[0], *writing = args[1], *committed = args[2], *state = args[3];
+  PyObject* out = PyList_New(0);
+  if (out == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); ++i) {
+    BlockObject* b = block_at(blocks, i);
+    if (b == nullptr) goto fail;
+    PyObject* now = PyDict_GetItemWithError(writing, b->key);  // (borrowed)
+    if (now == nullptr && PyErr_Occurred()) goto fail;
+    if (now != reinterpret_cast<PyObject*>(b)) continue;  // dropped (or replaced) while it was copied
+    if (PyDict_SetItem(committed, b->key, now) < 0 || PyDict_DelItem(writing, b->key) < 0 ||
+        PyList_Append(out, now) < 0) {
+      goto fail;
+    }
+    Py_INCREF(state);
+    Py_SETREF(b->state, state);
+  }
+  return out;
+fail:
+  Py_DECREF(out);
+  return nullptr;
+}
+
 }  // namespace
 
 PyMethodDef kBlockMethods[] = {
@@ -320,6 +402,14 @@ PyMethodDef kBlockMethods[] = {
      "A block of `cls` (a BlockRecord subclass) in `state` for each key, in the slot beside it, of one segment:\n"
      "payload at payload_base + slot * payload_stride, header at header_base + slot * header_stride; no pins,\n"
      "no checksum, no shards, neither tail nor promoted."},
+    {"add_pins", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_add_pins)), METH_FASTCALL,
+     "add_pins(blocks, delta, doomed) -> list\n\n"
+     "Each block's pins += delta; returns those whose pins reached 0 in state `doomed`. ValueError, before any\n"
+     "change, if a block's pins would go below 0."},
+    {"commit", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_commit)), METH_FASTCALL,
+     "commit(blocks, writing, committed, state) -> list\n\n"
+     "Each block still in the dict `writing` under its key moved to the dict `committed` and set to `state`;\n"
+     "returns those, in order."},
     {nullptr, nullptr, 0, nullptr},
 };
 

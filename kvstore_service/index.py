@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache, partial
-from itertools import chain, compress, groupby, takewhile
+from itertools import chain, compress, groupby, repeat, takewhile
 from typing import TYPE_CHECKING
 
 from kvstore_client.protocol.groups import hit_blocks, needed_blocks
@@ -50,6 +50,7 @@ _first = operator.itemgetter(0)
 _key = operator.attrgetter("key")
 _segment = operator.attrgetter("segment")
 _slot = operator.attrgetter("slot")
+_namespace = operator.attrgetter("namespace")
 _kind = operator.attrgetter("namespace", "state", "tail")
 _is_block = partial(operator.is_not, None)
 KEYS_PER_UNPACK = 64
@@ -178,9 +179,9 @@ class BlockIndex:
         self._lru: dict[int, native.LruList[Block]] = {}  # payload size -> committed blocks, oldest first
         self._tails: dict[int, native.LruList[Block]] = {}  # ... the tails among them: evicted first
         self._by_segment: dict[int, dict[int, Block]] = {}
-        # Told of each block evicted (not of those cleared or replaced): the disk tier counts the ones
+        # Told of the blocks evicted (not of those cleared or replaced): the disk tier counts the ones
         # evicted before their seal, which never reach it (tiers/).
-        self.on_evict: Callable[[Block], None] | None = None
+        self.on_evict: Callable[[list[Block]], None] | None = None
         # Told of every block committed and every committed block removed, in order (routers' events).
         self.events: BlockEvents | None = None
 
@@ -250,20 +251,16 @@ class BlockIndex:
         """Keep blocks of one namespace from eviction (a lease, a load), most recently used from now."""
         if not blocks:
             return
-        for block in blocks:
-            block.pins += 1
+        native.add_pins(blocks, 1, BlockState.DOOMED)
         size = blocks[0].namespace.block_bytes
         for lru in (self._lru.get(size), self._tails.get(size)):
             if lru is not None:
                 lru.touch(blocks)  # (those on it)
 
-    def unpin(self, blocks: Iterable[Block]) -> None:
-        doomed = BlockState.DOOMED  # (an enum member looked up once: ~50 ns each, a load unpins thousands)
-        for block in blocks:
-            block.pins -= 1
-            assert block.pins >= 0, "unbalanced unpin"
-            if block.pins == 0 and block.state is doomed:
-                self._free([block])
+    def unpin(self, blocks: Sequence[Block]) -> None:
+        doomed = native.add_pins(blocks, -1, BlockState.DOOMED)
+        if doomed:
+            self._free(doomed)
 
     def _make_recent(self, block: Block) -> None:
         """Put the block at the end (most recent) of its LRU list, whether it is on it or not."""
@@ -422,13 +419,7 @@ class BlockIndex:
         if not ok:
             self._drop(list(compress(blocks, self.present_all(blocks))))
             return []
-        writing = ns._writing
-        done = [b for b in blocks if writing.get(b.key) is b]
-        committed = BlockState.COMMITTED
-        for block in done:
-            del writing[block.key]
-            block.state = committed
-        ns._committed.update(zip(map(_key, done), done, strict=True))
+        done = native.commit(blocks, ns._writing, ns._committed, BlockState.COMMITTED)
         if self.events is not None:
             self.events.committed(ns.ns_hash, map(_key, done))
         tail = done[-1] if done and done[-1].tail else None  # (a chunk's tail is its last block)
@@ -469,8 +460,7 @@ class BlockIndex:
         """Those of these blocks still present, pinned (their slots must not be reused while their
         checksums are taken): `seal` them if committed, `verify` them if recovered."""
         held = list(compress(blocks, self.present_all(blocks)))
-        for block in held:  # (not touched: a seal is no use)
-            block.pins += 1
+        native.add_pins(held, 1, BlockState.DOOMED)  # (not touched: a seal is no use)
         return held
 
     def seal(self, blocks: list[Block], checksums: list[int] | None) -> None:
@@ -480,9 +470,8 @@ class BlockIndex:
         present = self.present_all(blocks)
         for block in compress(blocks, map(operator.not_, present)):
             self.pool.invalidate(block.ref)
-        if checksums is not None:
-            for block, checksum in zip(compress(blocks, present), compress(checksums, present), strict=True):
-                block.checksum = checksum
+        if checksums is not None:  # (C-level: thousands of blocks)
+            _consume(map(setattr, compress(blocks, present), repeat("checksum"), compress(checksums, present)))
         self.unpin(blocks)
 
     def recovered(self) -> list[list[Block]]:
@@ -607,12 +596,11 @@ class BlockIndex:
         return block.state is not BlockState.DOOMED and block.pins == 0
 
     def _evict(self, blocks: list[Block]) -> None:
-        for block in blocks:
-            block.namespace.counters.evictions += 1
+        for ns, run in groupby(blocks, _namespace):  # (LRU order: long runs)
+            ns.counters.evictions += len(list(run))
         self.evictions += len(blocks)
         if self.on_evict is not None:
-            for block in blocks:
-                self.on_evict(block)
+            self.on_evict(blocks)
         self._drop(blocks)
 
     def _empty_segment(self, payload_size: int) -> bool:

@@ -134,6 +134,19 @@ def write_slot_headers(base: int, offsets: U64Array, state: int, payload_len: in
                                None if checksums is None else _as_u64(checksums))
 
 
+def add_pins(blocks: Sequence[_Record], delta: int, doomed: object) -> list[_Record]:
+    """Each block's pins += delta, in order; the blocks whose pins reached 0 in state `doomed`.
+    ValueError (every change undone) if a block's pins would go below 0."""
+    return list(_native.add_pins(blocks, delta, doomed))
+
+
+def commit(blocks: list[_Record], writing: dict[bytes, _Record], committed: dict[bytes, _Record],
+           state: object) -> list[_Record]:
+    """Each block still in `writing` under its key moved to `committed` and set to `state`; those, in
+    order (one C call for a store's chunk)."""
+    return list(_native.commit(blocks, writing, committed, state))
+
+
 def invalidate_slot_headers(base: int, slots: list[int], count: int) -> None:
     """Void the header of each slot of a segment whose `count` headers start at `base` (its magic
     zeroed: a recovery finds no block there). Every slot is checked against `count` first."""

@@ -67,14 +67,15 @@ class Tiers:
         """A tier's `release`: block i is unpinned."""
         return lambda i: self.index.unpin((held[i],))
 
-    def _evicted(self, block: Block) -> None:
+    def _evicted(self, blocks: list[Block]) -> None:
         """A block evicted before its seal never reaches the disk (only sealed blocks are written: the
         record needs the checksum): a dropped write, counted. Not kept from eviction until written
         instead: the pool turns over within a seal's delay (up to a second) only when stores outrun the
         seals, and pinning those blocks would then refuse the stores themselves."""
-        if block.checksum is None and block.state is BlockState.COMMITTED and not block.promoted:
-            assert self.disk is not None
-            self.disk.unwritten(block.namespace.ns_hash, block.key)
+        assert self.disk is not None
+        for block in blocks:
+            if block.checksum is None and block.state is BlockState.COMMITTED and not block.promoted:
+                self.disk.unwritten(block.namespace.ns_hash, block.key)
 
     def clear_disk(self, scopes: list[bytes] | None) -> tuple[int, asyncio.Task[None] | None]:
         """Drop these namespaces' blocks (None: every namespace's) from the tiers (`forget`: the disk's, for

@@ -131,3 +131,35 @@ def test_lru_list_refuses_what_is_not_a_list_of_blocks() -> None:
     with pytest.raises(TypeError, match="not a block"):
         lru.append([object()])  # type: ignore[list-item]
     assert len(lru) == 0
+
+
+def test_add_pins_counts_each_naming_and_returns_the_doomed_blocks_it_leaves_unpinned() -> None:
+    a, b, c = make([b"a", b"b", b"c"])
+    assert native.add_pins([a, b, b, c], 1, BlockState.DOOMED) == []
+    assert (a.pins, b.pins, c.pins) == (1, 2, 1)
+    a.state = b.state = BlockState.DOOMED
+    assert native.add_pins((a, b, c), -1, BlockState.DOOMED) == [a]  # b still pinned; c not doomed
+    assert native.add_pins([b], -1, BlockState.DOOMED) == [b]
+    assert (a.pins, b.pins, c.pins) == (0, 0, 0)
+
+
+def test_an_unbalanced_unpin_is_refused_and_changes_nothing() -> None:
+    a, b = make([b"a", b"b"])
+    native.add_pins([a], 1, BlockState.DOOMED)
+    with pytest.raises(ValueError, match="unbalanced unpin"):
+        native.add_pins([a, b], -1, BlockState.DOOMED)
+    assert (a.pins, b.pins) == (1, 0)
+    with pytest.raises(TypeError, match="not a block"):
+        native.add_pins([a, object()], 1, BlockState.DOOMED)  # type: ignore[list-item]
+    assert a.pins == 1
+
+
+def test_commit_moves_the_blocks_still_being_written_and_skips_replaced_ones() -> None:
+    a, b, c = make([b"a", b"b", b"c"])
+    (b2,) = make([b"b"])  # b dropped while copied, its key stored again
+    writing, committed = {a.key: a, b.key: b2, c.key: c}, {}
+    assert native.commit([a, b, c], writing, committed, BlockState.COMMITTED) == [a, c]
+    assert writing == {b"b": b2} and committed == {b"a": a, b"c": c}
+    assert (a.state, b.state, c.state) == (BlockState.COMMITTED, BlockState.WRITING, BlockState.COMMITTED)
+    with pytest.raises(TypeError):
+        native.commit([a], writing, committed.items(), BlockState.COMMITTED)  # type: ignore[arg-type]
