@@ -12,6 +12,8 @@
 
 #include <structmember.h>
 
+#include <cstring>
+
 namespace kvstore {
 namespace {
 
@@ -21,8 +23,6 @@ struct BlockObject {
   PyObject* ns;
   PyObject* segment;
   PyObject* slot;
-  PyObject* offset;
-  PyObject* header;
   PyObject* state;
   PyObject* pins;
   PyObject* checksum;
@@ -30,6 +30,10 @@ struct BlockObject {
   PyObject* shards_copying;
   PyObject* tail;
   PyObject* promoted;
+  // Plain integers, not objects: a block made or freed allocates two ints fewer, and a chunk's or a
+  // seal's offsets are read without making any (block_offsets).
+  uint64_t offset;  // of the payload in the pool file
+  uint64_t header;  // of the slot header in the pool file
   // On an LRU list (which holds a reference), or all null.
   struct LruObject* lru;
   BlockObject* prev;
@@ -43,7 +47,7 @@ struct LruObject {
   Py_ssize_t size;
 };
 
-constexpr int kFields = 13;
+constexpr int kFields = 11;  // the object fields, key to promoted
 
 PyObject** fields(BlockObject* b) { return &b->key; }
 
@@ -53,8 +57,6 @@ PyMemberDef kMembers[] = {
     KV_FIELD("namespace", ns),
     KV_FIELD("segment", segment),
     KV_FIELD("slot", slot),
-    KV_FIELD("offset", offset),
-    KV_FIELD("header", header),
     KV_FIELD("state", state),
     KV_FIELD("pins", pins),
     KV_FIELD("checksum", checksum),
@@ -62,6 +64,8 @@ PyMemberDef kMembers[] = {
     KV_FIELD("shards_copying", shards_copying),
     KV_FIELD("tail", tail),
     KV_FIELD("promoted", promoted),
+    {"offset", T_ULONGLONG, offsetof(BlockObject, offset), 0, nullptr},
+    {"header", T_ULONGLONG, offsetof(BlockObject, header), 0, nullptr},
     {nullptr, 0, 0, 0, nullptr},
 };
 #undef KV_FIELD
@@ -122,9 +126,8 @@ PyObject* py_make_blocks(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     auto* b = reinterpret_cast<BlockObject*>(type->tp_alloc(type, 0));
     if (b == nullptr) goto fail;
     PyList_SET_ITEM(out, i, reinterpret_cast<PyObject*>(b));
-    b->offset = PyLong_FromUnsignedLongLong(payload_base + s * payload_stride);
-    b->header = PyLong_FromUnsignedLongLong(header_base + s * header_stride);
-    if (b->offset == nullptr || b->header == nullptr) goto fail;
+    b->offset = payload_base + s * payload_stride;
+    b->header = header_base + s * header_stride;
     b->key = Py_NewRef(PyList_GET_ITEM(keys, i));
     b->ns = Py_NewRef(ns);
     b->segment = Py_NewRef(segment);
@@ -393,6 +396,31 @@ fail:
   return nullptr;
 }
 
+// block_offsets(blocks, headers): the blocks' payload offsets (header offsets if `headers`) as bytes of
+// native uint64s, for the copy and checksum calls.
+PyObject* py_block_offsets(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyList_Check(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "block_offsets(blocks: list, headers: bool)");
+    return nullptr;
+  }
+  int headers = PyObject_IsTrue(args[1]);
+  if (headers < 0) return nullptr;
+  PyObject* blocks = args[0];
+  const Py_ssize_t n = PyList_GET_SIZE(blocks);
+  PyObject* out = PyBytes_FromStringAndSize(nullptr, n * static_cast<Py_ssize_t>(sizeof(uint64_t)));
+  if (out == nullptr) return nullptr;
+  auto* values = reinterpret_cast<uint64_t*>(PyBytes_AS_STRING(out));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    BlockObject* b = block_at(blocks, i);
+    if (b == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    std::memcpy(values + i, headers ? &b->header : &b->offset, sizeof(uint64_t));
+  }
+  return out;
+}
+
 }  // namespace
 
 PyMethodDef kBlockMethods[] = {
@@ -410,6 +438,9 @@ PyMethodDef kBlockMethods[] = {
      "commit(blocks, writing, committed, state) -> list\n\n"
      "Each block still in the dict `writing` under its key moved to the dict `committed` and set to `state`;\n"
      "returns those, in order."},
+    {"block_offsets", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_block_offsets)), METH_FASTCALL,
+     "block_offsets(blocks, headers) -> bytes\n\n"
+     "The blocks' payload offsets (their slot headers' if `headers`) as native-endian uint64s."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 import random
 from array import array
 from dataclasses import dataclass
@@ -45,7 +44,6 @@ MIN_SHARE_BYTES = 1 << 20  # a smaller job is one chunk: its copy is shorter tha
 CHUNK_BYTES = 64 << 20
 CHUNK_BLOCKS = 1024
 TAIL_CHUNK_BYTES = 8 << 20
-_offset = operator.attrgetter("offset")
 
 
 @dataclass(eq=False)
@@ -89,7 +87,7 @@ def plan_chunk(session: EngineSession, block_ids: array[int], indexes: list[int]
     in_order = indexes == list(range(first, first + len(indexes)))
     ids = block_ids[first:first + len(indexes)] if in_order else array("Q", [block_ids[i] for i in indexes])
     pool_offsets, engine_addresses, sizes = native.plan_transfer(
-        array("Q", map(_offset, blocks)), ids, session.regions,
+        native.block_offsets(blocks), ids, session.regions,
         layout.num_blocks, pool_size, layout.shard * layout.block_bytes)
     return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_addresses, sizes), in_order)
 

@@ -147,6 +147,12 @@ def commit(blocks: list[_Record], writing: dict[bytes, _Record], committed: dict
     return list(_native.commit(blocks, writing, committed, state))
 
 
+def block_offsets(blocks: list[_Record], headers: bool = False) -> bytes:
+    """The blocks' payload offsets in the pool (their slot headers' if `headers`) as native uint64s, as
+    the copy and checksum calls take them (no int object made per block)."""
+    return bytes(_native.block_offsets(blocks, headers))
+
+
 def invalidate_slot_headers(base: int, slots: list[int], count: int) -> None:
     """Void the header of each slot of a segment whose `count` headers start at `base` (its magic
     zeroed: a recovery finds no block there). Every slot is checked against `count` first."""

@@ -24,7 +24,6 @@ import asyncio
 import logging
 import operator
 import time
-from array import array
 from collections import deque
 from collections.abc import Callable
 from typing import cast
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 # SEAL_DEFER_S seals no longer yield to copies.
 SEAL_BATCH_BYTES = 32 << 20
 SEAL_DEFER_S = 1.0
-_offset, _header, _key, _checksum = (operator.attrgetter(name) for name in ("offset", "header", "key", "checksum"))
+_key, _checksum = operator.attrgetter("key"), operator.attrgetter("checksum")
 
 
 class Seals:
@@ -106,8 +105,8 @@ class Seals:
         """Checksum committed, held blocks of one namespace in the pool and seal the checksums into
         their slot headers."""
         ns = blocks[0].namespace
-        offsets = array("Q", map(_offset, blocks))  # (C-level maps: a seal's loop time is thousands of blocks')
-        headers = array("Q", map(_header, blocks))
+        offsets = native.block_offsets(blocks)  # (C-level: a seal's loop time is thousands of blocks')
+        headers = native.block_offsets(blocks, headers=True)
         keys = b"".join(map(_key, blocks))
         generation = self.pool.next_generation()
 
@@ -150,7 +149,7 @@ class Seals:
                 held = self.index.hold(blocks[start:start + batch])
                 if not held:
                     continue
-                offsets = array("Q", map(_offset, held))
+                offsets = native.block_offsets(held)
                 checksums = None
                 try:
                     checksums = await Threads.run(self.threads.shared, native.checksum_blocks, self.pool.base,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import sys
 import weakref
+from array import array
 
 import pytest
 
@@ -163,3 +164,13 @@ def test_commit_moves_the_blocks_still_being_written_and_skips_replaced_ones() -
     assert (a.state, b.state, c.state) == (BlockState.COMMITTED, BlockState.WRITING, BlockState.COMMITTED)
     with pytest.raises(TypeError):
         native.commit([a], writing, committed.items(), BlockState.COMMITTED)  # type: ignore[arg-type]
+
+
+def test_block_offsets_are_the_payloads_or_the_headers_as_uint64s() -> None:
+    blocks = make([b"a", b"b"], first_slot=2)
+    blocks[1].offset = 1 << 40  # (writable: a recovered block's are set one by one)
+    assert array("Q", native.block_offsets(blocks)) == array("Q", [(1 << 20) + 2 * 4096, 1 << 40])
+    assert array("Q", native.block_offsets(blocks, headers=True)) == array("Q", [512 + 2 * 128, 512 + 3 * 128])
+    assert native.block_offsets([]) == b""
+    with pytest.raises(TypeError, match="not a block"):
+        native.block_offsets([blocks[0], 5])  # type: ignore[list-item]
