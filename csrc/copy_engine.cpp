@@ -327,12 +327,19 @@ bool has_duplicate(const std::vector<uint64_t>& values, Same same) {
 // list of bytes) and engine block ids (a uint64 buffer), "" if nothing; its checks at submit, in C
 // (a 2048-block job's min, max and two sets cost ~0.3 ms of Python on our 2-vCPU VM).
 PyObject* py_check_job(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* kwlist[] = {"keys", "block_ids", "num_blocks", "distinct_ids", nullptr};
-  PyObject *keys, *ids;
+  static const char* kwlist[] = {"keys", "key_size", "block_ids", "num_blocks", "distinct_ids", nullptr};
+  Buffer keys;
+  Py_ssize_t key_size;
+  PyObject* ids;
   unsigned long long num_blocks;
   int distinct_ids;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OKp:check_job", const_cast<char**>(kwlist), &PyList_Type,
-                                   &keys, &ids, &num_blocks, &distinct_ids)) {
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*nOKp:check_job", const_cast<char**>(kwlist), &keys.view,
+                                   &key_size, &ids, &num_blocks, &distinct_ids)) {
+    return nullptr;
+  }
+  keys.held = true;
+  if (key_size < 1 || keys.view.len % key_size != 0) {
+    PyErr_Format(PyExc_ValueError, "keys: %zd bytes are not keys of %zd bytes", keys.view.len, key_size);
     return nullptr;
   }
   std::vector<uint64_t> values;
@@ -344,19 +351,14 @@ PyObject* py_check_job(PyObject*, PyObject* args, PyObject* kwargs) {
     }
   }
   // Duplicate keys: hashed by their first 8 bytes (keys are hashes), compared whole where those tie.
-  const size_t n = static_cast<size_t>(PyList_GET_SIZE(keys));
-  std::vector<std::string_view> views(n);
+  const size_t n = static_cast<size_t>(keys.view.len / key_size);
+  const char* packed = static_cast<const char*>(keys.view.buf);
   std::vector<uint64_t> prefixes(n);
   for (size_t i = 0; i < n; ++i) {
-    PyObject* key = PyList_GET_ITEM(keys, static_cast<Py_ssize_t>(i));
-    if (!PyBytes_Check(key)) {
-      PyErr_Format(PyExc_TypeError, "keys must be bytes, not %.100s", Py_TYPE(key)->tp_name);
-      return nullptr;
-    }
-    views[i] = std::string_view(PyBytes_AS_STRING(key), static_cast<size_t>(PyBytes_GET_SIZE(key)));
-    std::memcpy(&prefixes[i], views[i].data(), std::min<size_t>(sizeof(uint64_t), views[i].size()));
+    std::memcpy(&prefixes[i], packed + i * key_size, std::min<size_t>(sizeof(uint64_t), key_size));
   }
-  if (has_duplicate(prefixes, [&](size_t a, size_t b) { return views[a] == views[b]; })) {
+  auto key = [&](size_t i) { return std::string_view(packed + i * key_size, static_cast<size_t>(key_size)); };
+  if (has_duplicate(prefixes, [&](size_t a, size_t b) { return key(a) == key(b); })) {
     return PyUnicode_FromString("duplicate keys in one request");
   }
   if (distinct_ids) {
@@ -842,8 +844,8 @@ PyMethodDef kMethods[] = {
      "merged first; returns the number of merged runs. Bounds are the caller's job. streaming: non-temporal\n"
      "stores for runs of 4 KiB and more (for a destination nothing reads soon)."},
     {"check_job", KV_KW(py_check_job),
-     "check_job(keys, block_ids, num_blocks, distinct_ids) -> str\n\n"
-     "What is wrong with a job's keys (list of bytes) and block ids (uint64 buffer): an id outside\n"
+     "check_job(keys, key_size, block_ids, num_blocks, distinct_ids) -> str\n\n"
+     "What is wrong with a job's keys (packed, key_size bytes each) and block ids (uint64 buffer): an id outside\n"
      "0..num_blocks-1, duplicate keys, duplicate ids (if distinct_ids); \"\" if nothing."},
     {"plan_transfer", KV_KW(py_plan_transfer),
      "plan_transfer(slot_offsets, block_ids, regions, num_blocks, pool_size, shard_offset) -> bytes\n\n"

@@ -29,7 +29,7 @@ from kvstore_service.backends import Backend
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
 from kvstore_service.events import BlockEvents, Event
-from kvstore_service.index import Block, BlockIndex, Namespace, namespace_hash, unpack_keys
+from kvstore_service.index import Block, BlockIndex, Namespace, PackedKeys, namespace_hash, unpack_keys
 from kvstore_service.jobs import JobResult, Jobs
 from kvstore_service.metrics import Metrics
 from kvstore_service.native import StickyDeviceError
@@ -175,7 +175,7 @@ class Daemon:
         session's channel. `order_seq`: the engine's ordering record the job follows (0: every record
         pending at its arrival; see Backend.order_pending). Returns the job's id."""
         engine = self.sessions.engine(session)
-        job = self.jobs.submit(engine, job_id, list(unpack_keys(keys, key_size)), block_ids, is_store,
+        job = self.jobs.submit(engine, job_id, PackedKeys(keys, key_size), block_ids, is_store,
                                is_store and partial_tail, order_seq)
         return job.job_id
 

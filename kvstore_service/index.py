@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from functools import lru_cache, partial
 from itertools import chain, compress, groupby, repeat, takewhile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 from kvstore_client.protocol.groups import hit_blocks, needed_blocks
 from kvstore_service import native
@@ -76,6 +76,45 @@ def unpack_keys(keys: bytes, key_size: int) -> Iterator[bytes]:
     view = memoryview(keys)
     return chain(chain.from_iterable(batch.iter_unpack(view[:whole])),
                  map(_first, struct.iter_unpack(f"{key_size}s", view[whole:])))
+
+
+class PackedKeys(Sequence[bytes]):
+    """A request's keys, packed back to back as they came (`size` bytes each), unpacked a slice at a
+    time: a job's chunk unpacks its own keys when it is planned, so that the first copy need not wait
+    for every key of the job to become an object (2048 keys: ~0.5 ms in the daemon, caches cold)."""
+
+    def __init__(self, packed: bytes, size: int) -> None:
+        self.packed, self.size = packed, size
+
+    @classmethod
+    def of(cls, keys: Sequence[bytes]) -> PackedKeys:
+        """These keys, packed; they must all have one length."""
+        if isinstance(keys, PackedKeys):
+            return keys
+        packed = cls(b"".join(keys), len(keys[0]) if keys else 1)
+        if len(packed.packed) != len(keys) * packed.size:
+            raise ValueError("the keys of one job must all have one length")
+        return packed
+
+    def __len__(self) -> int:
+        return len(self.packed) // self.size
+
+    @overload
+    def __getitem__(self, i: int) -> bytes: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[bytes]: ...
+
+    def __getitem__(self, i: int | slice) -> bytes | list[bytes]:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                raise ValueError("PackedKeys slices are contiguous")
+            return list(unpack_keys(self.packed[start * self.size:stop * self.size], self.size))
+        if not -len(self) <= i < len(self):
+            raise IndexError("key index out of range")
+        start = (i % len(self)) * self.size
+        return self.packed[start:start + self.size]
 
 
 def namespace_hash(name: str) -> bytes:

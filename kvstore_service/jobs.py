@@ -42,7 +42,7 @@ from kvstore_service import native
 from kvstore_service.chunks import CHUNK_BLOCKS, Chunk, chunks, copy_whole, load_check, plan_chunk
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
-from kvstore_service.index import Block, BlockIndex
+from kvstore_service.index import Block, BlockIndex, PackedKeys
 from kvstore_service.metrics import Metrics
 from kvstore_service.pool import Pool
 from kvstore_service.seals import Seals
@@ -90,7 +90,7 @@ class Job:
     job_id: int
     is_store: bool
     session: EngineSession
-    keys: list[bytes]
+    keys: PackedKeys  # (a chunk's unpacked when it is planned)
     block_ids: array[int]  # ('Q')
     ok: list[bool]
     partial_tail: bool = False  # store: the last key is a prompt's partial last block
@@ -182,7 +182,7 @@ class Jobs:
 
     def submit(self, session: EngineSession, job_id: int, keys: Sequence[bytes], block_ids: array[int] | Sequence[int],
                is_store: bool, partial_tail: bool = False, order_seq: int = 0) -> Job:
-        keys = list(keys)
+        packed = PackedKeys.of(keys)
         if not isinstance(block_ids, array):
             try:
                 block_ids = array("Q", block_ids)
@@ -190,12 +190,13 @@ class Jobs:
                 bad = next(i for i in block_ids if not 0 <= i < 1 << 64)
                 raise invalid(f"block id {bad} is outside the registered cache "
                               f"(0..{session.layout.num_blocks - 1})") from None
-        if len(keys) != len(block_ids):
-            raise invalid(f"{len(keys)} keys but {len(block_ids)} block ids")
-        if not keys:
+        if len(packed) != len(block_ids):
+            raise invalid(f"{len(packed)} keys but {len(block_ids)} block ids")
+        if not packed:
             raise invalid("a job needs at least one block")
         # (A store may read one engine block under two keys; a load must not write one twice.)
-        problem = native.check_job(keys, block_ids, session.layout.num_blocks, distinct_ids=not is_store)
+        problem = native.check_job(packed.packed, packed.size, block_ids, session.layout.num_blocks,
+                                   distinct_ids=not is_store)
         if problem:
             raise invalid(problem)
         if job_id >= MAX_JOB_ID:
@@ -210,7 +211,7 @@ class Jobs:
             raise KVError("RESOURCE_EXHAUSTED", f"{len(mine.running)} jobs in flight (--max-inflight-jobs "
                           f"{self.config.max_inflight_jobs}); wait for completions")
 
-        job = Job(job_id, is_store, session, keys, block_ids, [False] * len(keys), partial_tail)
+        job = Job(job_id, is_store, session, packed, block_ids, [False] * len(packed), partial_tail)
         job.order = self._order_pending(job, order_seq)  # now, at arrival: the records the job must follow
         mine.running[slot] = job
         task = asyncio.get_running_loop().create_task(self._run(job))

@@ -59,10 +59,10 @@ def copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets
 UNKNOWN_CHECKSUM: Final = (1 << 64) - 1
 
 
-def check_job(keys: list[bytes], block_ids: U64Array, num_blocks: int, distinct_ids: bool) -> str:
-    """What is wrong with a job's keys and engine block ids: an id outside 0..num_blocks-1, duplicate
-    keys, or (distinct_ids) duplicate ids; "" if nothing."""
-    return str(_native.check_job(keys, _as_u64(block_ids), num_blocks, distinct_ids))
+def check_job(keys: bytes, key_size: int, block_ids: U64Array, num_blocks: int, distinct_ids: bool) -> str:
+    """What is wrong with a job's keys (packed, `key_size` bytes each) and engine block ids: an id outside
+    0..num_blocks-1, duplicate keys, or (distinct_ids) duplicate ids; "" if nothing."""
+    return str(_native.check_job(keys, key_size, _as_u64(block_ids), num_blocks, distinct_ids))
 
 
 def plan_transfer(slot_offsets: U64Array, block_ids: U64Array, regions: U64Array, num_blocks: int, pool_size: int,

@@ -1,5 +1,6 @@
-"""The index's native pieces as a spec: blocks made in a batch (`native.make_blocks`) and the intrusive
-LRU lists (`native.LruList`) the index keeps them on."""
+"""The index's native pieces as a spec: blocks made in a batch (`native.make_blocks`), the intrusive LRU
+lists (`native.LruList`) the index keeps them on, pins and commits over many blocks; and the packed keys
+a job unpacks a chunk at a time."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from array import array
 import pytest
 
 from kvstore_service import native
-from kvstore_service.index import Block, BlockState, Namespace
+from kvstore_service.index import Block, BlockState, Namespace, PackedKeys
 
 
 def make(keys: list[bytes], ns: Namespace | None = None, first_slot: int = 0) -> list[Block]:
@@ -174,3 +175,15 @@ def test_block_offsets_are_the_payloads_or_the_headers_as_uint64s() -> None:
     assert native.block_offsets([]) == b""
     with pytest.raises(TypeError, match="not a block"):
         native.block_offsets([blocks[0], 5])  # type: ignore[list-item]
+
+
+def test_packed_keys_unpack_a_slice_at_a_time() -> None:
+    keys = [bytes([k]) * 4 for k in range(5)]
+    packed = PackedKeys.of(keys)
+    assert (len(packed), packed.size, packed[1:3], packed[3:], packed[-1], packed[0]) == (
+        5, 4, keys[1:3], keys[3:], keys[4], keys[0])
+    assert PackedKeys.of(packed) is packed
+    with pytest.raises(ValueError, match="one length"):
+        PackedKeys.of([b"ab", b"abc"])
+    with pytest.raises(IndexError):
+        packed[5]

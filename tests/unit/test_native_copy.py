@@ -16,6 +16,7 @@ import subprocess
 import sys
 from array import array
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -477,24 +478,27 @@ def test_cuda_round_trip_on_gpu(allow_batch: bool) -> None:
 
 
 def test_check_job_names_what_is_wrong_with_a_jobs_keys_and_ids() -> None:
-    """Keys are compared whole where their first 8 bytes tie; ids against the cache and each other."""
+    """Keys (packed) are compared whole where their first 8 bytes tie; ids against the cache and each other."""
+    def check(keys: list[bytes], ids: Any, num_blocks: int, distinct_ids: bool) -> str:
+        return native.check_job(b"".join(keys), len(keys[0]), ids, num_blocks, distinct_ids)
+
     same_start = [b"x" * 8 + bytes([i]) * 24 for i in range(50)]
-    assert native.check_job(same_start, list(range(50)), 50, True) == ""
-    assert native.check_job(same_start + same_start[7:8], list(range(51)), 51, True) == "duplicate keys in one request"
-    assert native.check_job([b"ab", b"abc"], [0, 1], 2, True) == ""  # a prefix of another key is another key
-    assert native.check_job([b"a", b"b"], [1, 1], 2, False) == ""  # a store may read one block twice
-    assert "duplicate block ids" in native.check_job([b"a", b"b"], [1, 1], 2, True)
-    assert native.check_job([b"a"], [2], 2, True) == "block id 2 is outside the registered cache (0..1)"
+    assert check(same_start, list(range(50)), 50, True) == ""
+    assert check(same_start + same_start[7:8], list(range(51)), 51, True) == "duplicate keys in one request"
+    assert check([b"ab", b"ac"], [0, 1], 2, True) == ""
+    assert check([b"a", b"b"], [1, 1], 2, False) == ""  # a store may read one block twice
+    assert "duplicate block ids" in check([b"a", b"b"], [1, 1], 2, True)
+    assert check([b"a"], [2], 2, True) == "block id 2 is outside the registered cache (0..1)"
     rng = random.Random(5)  # thousands of keys and ids, one repeat anywhere, as Python's sets see it
     for n in (1, 2, 3000):
         keys, ids = [rng.randbytes(32) for _ in range(n)], array("Q", rng.sample(range(4 * n), n))
-        assert native.check_job(keys, ids, 4 * n, True) == ""
+        assert check(keys, ids, 4 * n, True) == ""
         i, j = sorted(rng.sample(range(n + 1), 2)) if n > 1 else (0, 1)
-        assert native.check_job(keys[:j] + [keys[i]] + keys[j:], array("Q", range(n + 1)), n + 1, True) == \
+        assert check(keys[:j] + [keys[i]] + keys[j:], array("Q", range(n + 1)), n + 1, True) == \
             "duplicate keys in one request"
-        assert "duplicate block ids" in native.check_job(keys + [rng.randbytes(32)], ids + ids[i:i + 1], 4 * n, True)
-    with pytest.raises(TypeError, match="keys must be bytes"):
-        native.check_job(["a"], [0], 2, True)  # type: ignore[list-item]
-    assert "duplicate block ids" in native.check_job([b"a", b"b"], array("Q", [1, 1]), 2, True)  # (the daemon's)
+        assert "duplicate block ids" in check(keys + [rng.randbytes(32)], ids + ids[i:i + 1], 4 * n, True)
+    with pytest.raises(ValueError, match="are not keys of 2 bytes"):
+        native.check_job(b"abc", 2, [0], 2, True)
+    assert "duplicate block ids" in check([b"a", b"b"], array("Q", [1, 1]), 2, True)  # (the daemon's)
     with pytest.raises(TypeError, match="integer"):
-        native.check_job([b"a"], [0.0], 2, True)  # type: ignore[list-item]
+        check([b"a"], [0.0], 2, True)
