@@ -3,7 +3,8 @@
 //
 // A store makes a block per slot it reserves, thousands per job, on the event loop while the copies
 // run. A dataclass's __init__ is Python code per block (~0.3 us); here a batch of blocks is made in
-// one C call. Every field is a plain object slot, as a `__slots__` class's: reading one costs the same.
+// one C call. Its fields are object slots, as a `__slots__` class's (reading one costs the same), but
+// for the payload and header offsets: plain integers.
 // The LRU lists are intrusive (each block links to its neighbours): a store appends thousands of
 // blocks to one, an eviction unlinks as many, without hashing or allocating (an OrderedDict's update
 // was a seventh of a full pool's store bookkeeping).
@@ -195,52 +196,36 @@ void lru_dealloc(PyObject* self) {
   Py_TYPE(self)->tp_free(self);
 }
 
-// append(blocks): each block to the end (most recent), from wherever it was (this list, another, none).
-PyObject* lru_append(PyObject* self, PyObject* blocks) {
+enum class LruOp {
+  kAppend,  // each block to the end (most recent), from wherever it was (this list, another, none)
+  kTouch,   // those of the blocks on this list to its end; the others stay where they are
+  kRemove,  // those of the blocks on this list off it
+};
+
+PyObject* lru_apply(PyObject* self, PyObject* blocks, LruOp op) {
   auto* l = reinterpret_cast<LruObject*>(self);
   if (!is_list(blocks)) return nullptr;
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); ++i) {
     BlockObject* b = block_at(blocks, i);
     if (b == nullptr) return nullptr;
+    if (op != LruOp::kAppend && b->lru != l) continue;
     if (b->lru != nullptr) {
       unlink(b);
     } else {
-      Py_INCREF(b);
+      Py_INCREF(b);  // (kAppend of a block on no list: the list's reference)
     }
-    link_last(l, b);
-  }
-  Py_RETURN_NONE;
-}
-
-// touch(blocks): those of the blocks on this list to its end; the others stay where they are.
-PyObject* lru_touch(PyObject* self, PyObject* blocks) {
-  auto* l = reinterpret_cast<LruObject*>(self);
-  if (!is_list(blocks)) return nullptr;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); ++i) {
-    BlockObject* b = block_at(blocks, i);
-    if (b == nullptr) return nullptr;
-    if (b->lru == l) {
-      unlink(b);
+    if (op == LruOp::kRemove) {
+      Py_DECREF(b);
+    } else {
       link_last(l, b);
     }
   }
   Py_RETURN_NONE;
 }
 
-// remove(blocks): those of the blocks on this list off it.
-PyObject* lru_remove(PyObject* self, PyObject* blocks) {
-  auto* l = reinterpret_cast<LruObject*>(self);
-  if (!is_list(blocks)) return nullptr;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); ++i) {
-    BlockObject* b = block_at(blocks, i);
-    if (b == nullptr) return nullptr;
-    if (b->lru == l) {
-      unlink(b);
-      Py_DECREF(b);
-    }
-  }
-  Py_RETURN_NONE;
-}
+PyObject* lru_append(PyObject* self, PyObject* blocks) { return lru_apply(self, blocks, LruOp::kAppend); }
+PyObject* lru_touch(PyObject* self, PyObject* blocks) { return lru_apply(self, blocks, LruOp::kTouch); }
+PyObject* lru_remove(PyObject* self, PyObject* blocks) { return lru_apply(self, blocks, LruOp::kRemove); }
 
 bool is_zero(PyObject* n, PyObject* zero) {
   return n == zero || (PyLong_Check(n) && PyLong_AsLong(n) == 0);

@@ -149,7 +149,7 @@ class Namespace:
 
 
 class Block(native.BlockRecord):
-    """A key's slot in the pool. Its fields are object slots of a native record: a store makes
+    """A key's slot in the pool. Its fields live in a native record (csrc/block.cpp): a store makes
     thousands of blocks in one `native.make_blocks` call each (a dataclass's Python __init__ per
     block took a third of a store's bookkeeping). Identity is equality, as for any object."""
 

@@ -168,7 +168,7 @@ def parse_slot_header(data: Any, offset: int) -> SlotHeaderFields | None:
 
 # The index's block record (csrc/block.cpp): kvstore_service.index.Block subclasses it and declares its
 # fields (key, namespace, segment, slot, offset, header, state, pins, checksum, shards_in,
-# shards_copying, tail, promoted), each an object slot.
+# shards_copying, tail, promoted): offset and header plain uint64s, the others object slots.
 if TYPE_CHECKING:
     class BlockRecord:  # (no __slots__ here: mypy would then refuse the fields the subclass declares)
         pass
