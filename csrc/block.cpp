@@ -228,7 +228,7 @@ PyObject* lru_touch(PyObject* self, PyObject* blocks) { return lru_apply(self, b
 PyObject* lru_remove(PyObject* self, PyObject* blocks) { return lru_apply(self, blocks, LruOp::kRemove); }
 
 bool is_zero(PyObject* n, PyObject* zero) {
-  return n == zero || (PyLong_Check(n) && PyLong_AsLong(n) == 0);
+  return n == zero || (n != nullptr && PyLong_Check(n) && PyLong_AsLong(n) == 0);
 }
 
 // victims(n, committed, evictable): up to n blocks from the oldest, each unpinned in state
@@ -324,7 +324,11 @@ PyObject* py_add_pins(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       break;
     }
     auto* b = reinterpret_cast<BlockObject*>(items[i]);
-    long pins = b->pins == nullptr ? -1 : PyLong_AsLong(b->pins);
+    if (b->pins == nullptr) {
+      PyErr_SetString(PyExc_AttributeError, "add_pins: a block without pins (never initialized)");
+      break;
+    }
+    long pins = PyLong_AsLong(b->pins);
     if (pins == -1 && PyErr_Occurred()) break;
     if (pins + delta < 0) {
       PyErr_SetString(PyExc_ValueError, "add_pins: unbalanced unpin (a block's pins would go below 0)");
@@ -365,6 +369,10 @@ PyObject* py_commit(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); ++i) {
     BlockObject* b = block_at(blocks, i);
     if (b == nullptr) goto fail;
+    if (b->key == nullptr) {
+      PyErr_SetString(PyExc_AttributeError, "commit: a block without a key (never initialized)");
+      goto fail;
+    }
     PyObject* now = PyDict_GetItemWithError(writing, b->key);  // (borrowed)
     if (now == nullptr && PyErr_Occurred()) goto fail;
     if (now != reinterpret_cast<PyObject*>(b)) continue;  // dropped (or replaced) while it was copied

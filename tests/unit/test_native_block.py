@@ -187,3 +187,15 @@ def test_packed_keys_unpack_a_slice_at_a_time() -> None:
         PackedKeys.of([b"ab", b"abc"])
     with pytest.raises(IndexError):
         packed[5]
+
+
+def test_a_record_never_initialized_is_refused_not_read() -> None:
+    bare = native.BlockRecord()
+    with pytest.raises(AttributeError):
+        native.add_pins([bare], 1, BlockState.DOOMED)
+    with pytest.raises(AttributeError):
+        native.commit([bare], {}, {}, BlockState.COMMITTED)  # type: ignore[list-item]
+    lru: native.LruList[native.BlockRecord] = native.LruList()
+    lru.append([bare])
+    with pytest.raises(AttributeError):  # (not unpinned in a state: evictable() is asked, and fails)
+        lru.victims(1, BlockState.COMMITTED, lambda b: b.pins == 0)  # type: ignore[attr-defined]
