@@ -22,9 +22,9 @@ import shutil
 import statistics
 import tempfile
 import time
-from array import array
 from collections.abc import Callable
 
+from kvstore_service import native
 from kvstore_service.chunks import load_check
 from kvstore_service.events import BlockEvents
 from kvstore_service.index import Block, BlockIndex, Namespace
@@ -34,7 +34,7 @@ BLOCK_BYTES = 256 << 10
 BLOCKS = 2048
 CHUNK = 256
 SEAL_BATCH = 128
-_offset, _header, _key, _checksum = (operator.attrgetter(name) for name in ("offset", "header", "key", "checksum"))
+_key, _checksum = operator.attrgetter("key"), operator.attrgetter("checksum")
 
 
 def store(index: BlockIndex, ns: Namespace, keys: list[bytes]) -> list[Block]:
@@ -49,7 +49,7 @@ def store_into(index: BlockIndex, ns: Namespace, keys: list[bytes], stored: list
 def seal(index: BlockIndex, blocks: list[Block]) -> None:
     for s in range(0, len(blocks), SEAL_BATCH):
         held = index.hold(blocks[s:s + SEAL_BATCH])
-        array("Q", map(_offset, held)), array("Q", map(_header, held)), b"".join(map(_key, held))
+        native.block_offsets(held), native.block_offsets(held, headers=True), b"".join(map(_key, held))
         list(map(_checksum, held))
         index.seal(held, list(range(len(held))))
 

@@ -323,8 +323,8 @@ bool has_duplicate(const std::vector<uint64_t>& values, Same same) {
   return false;
 }
 
-// check_job(keys, block_ids, num_blocks, distinct_ids) -> str: what is wrong with a job's keys (a
-// list of bytes) and engine block ids (a uint64 buffer), "" if nothing; its checks at submit, in C
+// check_job(keys, key_size, block_ids, num_blocks, distinct_ids) -> str: what is wrong with a job's keys
+// (packed, key_size bytes each) and engine block ids (a uint64 buffer), "" if nothing; its checks at submit, in C
 // (a 2048-block job's min, max and two sets cost ~0.3 ms of Python on our 2-vCPU VM).
 PyObject* py_check_job(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* kwlist[] = {"keys", "key_size", "block_ids", "num_blocks", "distinct_ids", nullptr};
@@ -679,7 +679,7 @@ static_assert(sizeof(SlotHeader) <= kSlotHeaderBytes, "a slot header must fit it
 #error "the pool file format is little-endian"
 #endif
 
-// invalidate_slot_headers(base, slots, count): zero the magic of header slot of a segment whose
+// invalidate_slot_headers(base, slots, count): zero the magic of each slot's header, in a segment whose
 // `count` headers start at `base`. Every slot is checked against count before any byte is written.
 PyObject* py_invalidate_slot_headers(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 3) {
