@@ -14,6 +14,7 @@
 #include <structmember.h>
 
 #include <cstring>
+#include <vector>
 
 namespace kvstore {
 namespace {
@@ -117,22 +118,35 @@ PyObject* py_make_blocks(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   auto* type = reinterpret_cast<PyTypeObject*>(cls);
   const Py_ssize_t n = PyList_GET_SIZE(keys);
-  PyObject* out = PyList_New(n);
-  if (out == nullptr) return nullptr;
-  PyObject* zero = PyLong_FromLong(0);
+  // Each slot's offsets first, overflow checked: a wrapped offset would pass the copies' bounds checks
+  // and alias another slot. Then the records, from snapshots of the lists (an allocation may run a GC,
+  // whose finalizers could change them).
+  std::vector<uint64_t> offsets(static_cast<size_t>(n)), headers(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* slot = PyList_GET_ITEM(slots, i);
-    uint64_t s = PyLong_AsUnsignedLongLong(slot);
-    if (s == static_cast<uint64_t>(-1) && PyErr_Occurred()) goto fail;
+    uint64_t s = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(slots, i));
+    if (s == static_cast<uint64_t>(-1) && PyErr_Occurred()) return nullptr;
+    if (__builtin_mul_overflow(s, payload_stride, &offsets[i]) ||
+        __builtin_add_overflow(offsets[i], payload_base, &offsets[i]) ||
+        __builtin_mul_overflow(s, header_stride, &headers[i]) || __builtin_add_overflow(headers[i], header_base, &headers[i])) {
+      PyErr_Format(PyExc_OverflowError, "make_blocks: slot %llu's offsets overflow 64 bits", static_cast<unsigned long long>(s));
+      return nullptr;
+    }
+  }
+  PyObject* key_items = PyList_AsTuple(keys);
+  PyObject* slot_items = PyList_AsTuple(slots);
+  PyObject* out = key_items && slot_items ? PyList_New(n) : nullptr;
+  PyObject* zero = PyLong_FromLong(0);
+  if (out == nullptr || zero == nullptr) goto fail;
+  for (Py_ssize_t i = 0; i < n; ++i) {
     auto* b = reinterpret_cast<BlockObject*>(type->tp_alloc(type, 0));
     if (b == nullptr) goto fail;
     PyList_SET_ITEM(out, i, reinterpret_cast<PyObject*>(b));
-    b->offset = payload_base + s * payload_stride;
-    b->header = header_base + s * header_stride;
-    b->key = Py_NewRef(PyList_GET_ITEM(keys, i));
+    b->offset = offsets[i];
+    b->header = headers[i];
+    b->key = Py_NewRef(PyTuple_GET_ITEM(key_items, i));
     b->ns = Py_NewRef(ns);
     b->segment = Py_NewRef(segment);
-    b->slot = Py_NewRef(slot);
+    b->slot = Py_NewRef(PyTuple_GET_ITEM(slot_items, i));
     b->state = Py_NewRef(state);
     b->pins = Py_NewRef(zero);
     b->checksum = Py_NewRef(Py_None);
@@ -142,10 +156,14 @@ PyObject* py_make_blocks(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     b->promoted = Py_NewRef(Py_False);
   }
   Py_DECREF(zero);
+  Py_DECREF(key_items);
+  Py_DECREF(slot_items);
   return out;
 fail:
-  Py_DECREF(zero);
-  Py_DECREF(out);
+  Py_XDECREF(zero);
+  Py_XDECREF(out);
+  Py_XDECREF(key_items);
+  Py_XDECREF(slot_items);
   return nullptr;
 }
 
@@ -228,7 +246,8 @@ PyObject* lru_touch(PyObject* self, PyObject* blocks) { return lru_apply(self, b
 PyObject* lru_remove(PyObject* self, PyObject* blocks) { return lru_apply(self, blocks, LruOp::kRemove); }
 
 bool is_zero(PyObject* n, PyObject* zero) {
-  return n == zero || (n != nullptr && PyLong_Check(n) && PyLong_AsLong(n) == 0);
+  int overflow = 0;  // (a huge count is not zero, and leaves no error set)
+  return n == zero || (n != nullptr && PyLong_Check(n) && PyLong_AsLongAndOverflow(n, &overflow) == 0 && !overflow);
 }
 
 // victims(n, committed, evictable): up to n blocks from the oldest, each unpinned in state
@@ -245,15 +264,24 @@ PyObject* lru_victims(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   PyObject* out = PyList_New(0);
   if (out == nullptr) return nullptr;
   PyObject* zero = PyLong_FromLong(0);
-  // The list cannot change under us: evictable() only reads (a callback that appended or removed
-  // blocks could free the block we stand on, so the next one is found before the call).
+  // evictable() only reads; one that changed the list around the block it was asked about is an
+  // error (both blocks held meanwhile: neither is freed under us).
   for (BlockObject* b = l->head; b != nullptr && PyList_GET_SIZE(out) < n;) {
     BlockObject* next = b->next;
     int take = b->state == committed && is_zero(b->pins, zero);
     if (!take) {
+      Py_INCREF(b);
+      Py_XINCREF(next);
       PyObject* r = PyObject_CallOneArg(evictable, reinterpret_cast<PyObject*>(b));
       take = r == nullptr ? -1 : PyObject_IsTrue(r);
       Py_XDECREF(r);
+      const bool changed = b->lru != l || b->next != next;
+      Py_DECREF(b);  // (unchanged: still on the list, which holds it)
+      Py_XDECREF(next);
+      if (take >= 0 && changed) {
+        PyErr_SetString(PyExc_RuntimeError, "LruList.victims: evictable() changed the list");
+        take = -1;
+      }
     }
     if (take < 0 || (take && PyList_Append(out, reinterpret_cast<PyObject*>(b)) < 0)) {
       Py_DECREF(zero);
@@ -273,6 +301,11 @@ PyObject* lru_iter(PyObject* self) {
   auto* l = reinterpret_cast<LruObject*>(self);
   PyObject* snapshot = PyList_New(l->size);
   if (snapshot == nullptr) return nullptr;
+  if (PyList_GET_SIZE(snapshot) != l->size) {  // (the allocation ran a GC whose finalizers changed the list)
+    Py_DECREF(snapshot);
+    PyErr_SetString(PyExc_RuntimeError, "LruList changed while a snapshot of it was made");
+    return nullptr;
+  }
   Py_ssize_t i = 0;
   for (BlockObject* b = l->head; b != nullptr; b = b->next) {
     PyList_SET_ITEM(snapshot, i++, Py_NewRef(reinterpret_cast<PyObject*>(b)));
@@ -380,8 +413,7 @@ PyObject* py_commit(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         PyList_Append(out, now) < 0) {
       goto fail;
     }
-    Py_INCREF(state);
-    Py_SETREF(b->state, state);
+    Py_XSETREF(b->state, Py_NewRef(state));  // (a record never given a state has none)
   }
   return out;
 fail:

@@ -330,14 +330,15 @@ PyObject* py_check_job(PyObject*, PyObject* args, PyObject* kwargs) {
   static const char* kwlist[] = {"keys", "key_size", "block_ids", "num_blocks", "distinct_ids", nullptr};
   Buffer keys;
   Py_ssize_t key_size;
-  PyObject* ids;
-  unsigned long long num_blocks;
+  PyObject *ids, *num_obj;
+  uint64_t num_blocks;
   int distinct_ids;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*nOKp:check_job", const_cast<char**>(kwlist), &keys.view,
-                                   &key_size, &ids, &num_blocks, &distinct_ids)) {
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*nOOp:check_job", const_cast<char**>(kwlist), &keys.view,
+                                   &key_size, &ids, &num_obj, &distinct_ids)) {
     return nullptr;
   }
   keys.held = true;
+  if (!parse_u64(num_obj, "num_blocks", &num_blocks)) return nullptr;  // ("K" would take -1 as 2**64-1)
   if (key_size < 1 || keys.view.len % key_size != 0) {
     PyErr_Format(PyExc_ValueError, "keys: %zd bytes are not keys of %zd bytes", keys.view.len, key_size);
     return nullptr;
@@ -692,16 +693,23 @@ PyObject* py_invalidate_slot_headers(PyObject*, PyObject* const* args, Py_ssize_
     PyErr_SetString(PyExc_TypeError, "invalidate_slot_headers: slots must be a list of ints");
     return nullptr;
   }
-  const Py_ssize_t n = PyList_GET_SIZE(args[1]);
+  PyObject* items = PyList_AsTuple(args[1]);  // (a slot's __index__ may change the list)
+  if (items == nullptr) return nullptr;
+  const Py_ssize_t n = PyTuple_GET_SIZE(items);
   std::vector<uint64_t> slots(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!parse_u64(PyList_GET_ITEM(args[1], i), "slot", &slots[i])) return nullptr;
+    if (!parse_u64(PyTuple_GET_ITEM(items, i), "slot", &slots[i])) {
+      Py_DECREF(items);
+      return nullptr;
+    }
     if (slots[i] >= count) {
       PyErr_Format(PyExc_ValueError, "slot %llu is past the segment's %llu slots",
                    static_cast<unsigned long long>(slots[i]), static_cast<unsigned long long>(count));
+      Py_DECREF(items);
       return nullptr;
     }
   }
+  Py_DECREF(items);
   const uint32_t invalid = 0;
   for (uint64_t slot : slots) {
     std::memcpy(reinterpret_cast<void*>(base + slot * kSlotHeaderBytes + offsetof(SlotHeader, magic)), &invalid,

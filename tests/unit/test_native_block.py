@@ -52,6 +52,8 @@ def test_make_blocks_refuses_what_is_not_a_block_type_or_a_pair_of_equal_lists()
         native.make_blocks(Block, [b"k", b"l"], None, 0, [0], 0, 1, 0, 1, None)
     with pytest.raises(OverflowError):
         native.make_blocks(Block, [b"k"], None, 0, [-1], 0, 1, 0, 1, None)
+    with pytest.raises(OverflowError, match="overflow 64 bits"):  # (wrapped, it would name another slot's bytes)
+        native.make_blocks(Block, [b"k"], None, 0, [1 << 44], 4096, 1 << 20, 0, 128, None)
 
 
 def test_a_namespace_and_its_blocks_are_collected_together() -> None:
@@ -124,6 +126,17 @@ def test_victims_are_the_oldest_unpinned_committed_blocks_or_those_evictable_say
     assert lru.victims(10, BlockState.COMMITTED, evictable) == blocks[1:]
     assert lru.victims(0, BlockState.COMMITTED, evictable) == []
     assert len(lru) == 6  # victims only names them
+    blocks[0].pins = 1 << 64  # (a count past a C long is not zero, and no error is left behind)
+    assert lru.victims(1, BlockState.COMMITTED, lambda block: False) == [blocks[1]]
+
+
+def test_victims_refuses_an_evictable_that_changes_the_list() -> None:
+    blocks = make([b"a", b"b", b"c"])
+    lru: native.LruList[Block] = native.LruList()
+    lru.append(blocks)
+    with pytest.raises(RuntimeError, match="changed the list"):
+        lru.victims(3, BlockState.COMMITTED, lambda block: lru.remove(blocks) or True)
+    assert len(lru) == 0 and [b.key for b in blocks] == [b"a", b"b", b"c"]  # (none freed under it)
 
 
 def test_lru_list_refuses_what_is_not_a_list_of_blocks() -> None:
@@ -195,6 +208,11 @@ def test_a_record_never_initialized_is_refused_not_read() -> None:
         native.add_pins([bare], 1, BlockState.DOOMED)
     with pytest.raises(AttributeError):
         native.commit([bare], {}, {}, BlockState.COMMITTED)  # type: ignore[list-item]
+    keyed = Block.__new__(Block)  # a key and nothing else: given its state, not read through a null
+    keyed.key = b"k"
+    committed: dict[bytes, Block] = {}
+    assert native.commit([keyed], {b"k": keyed}, committed, BlockState.COMMITTED) == [keyed]
+    assert keyed.state is BlockState.COMMITTED and committed == {b"k": keyed}
     lru: native.LruList[native.BlockRecord] = native.LruList()
     lru.append([bare])
     with pytest.raises(AttributeError):  # (not unpinned in a state: evictable() is asked, and fails)

@@ -387,6 +387,15 @@ def test_invalidate_slot_headers_voids_only_the_slots_named_and_checks_them_all_
     with pytest.raises(ValueError, match="slot 6 is past the segment's 6 slots"):
         native.invalidate_slot_headers(base, [0, 6], n)
     assert parse_slot_header(data, offsets[0]) is not None  # nothing written
+    slots: list[Any] = []
+
+    class Emptying:  # an __index__ that changes the list being read: a snapshot is read, not the list
+        def __index__(self) -> int:
+            slots.clear()
+            return 0
+    slots += [Emptying(), 2]
+    native.invalidate_slot_headers(base, slots, n)
+    assert [parse_slot_header(data, o) is not None for o in offsets] == [False, False, False, True, False, True]
 
 
 def test_missing_extension_is_a_clear_import_error() -> None:
@@ -502,3 +511,6 @@ def test_check_job_names_what_is_wrong_with_a_jobs_keys_and_ids() -> None:
     assert "duplicate block ids" in check([b"a", b"b"], array("Q", [1, 1]), 2, True)  # (the daemon's)
     with pytest.raises(TypeError, match="integer"):
         check([b"a"], [0.0], 2, True)
+    for num_blocks in (-1, 1 << 64):  # (not taken modulo 2**64: -1 would let every id through)
+        with pytest.raises(OverflowError, match="num_blocks"):
+            check([b"a"], [5], num_blocks, True)
