@@ -166,6 +166,9 @@ bool copy_kernel_from_env() {
 }
 constexpr unsigned int kKernelThreads = 256;  // per block; four 16-byte words in flight each
 constexpr unsigned int kKernelMaxBlocks = 1024;  // blocks take runs in turn beyond this
+// A thread block moves one run at a time: runs are cut into pieces of at most this (a multiple of 16,
+// aligned runs stay aligned), so that a copy of a few long coalesced runs still spreads over the SMs.
+constexpr uint64_t kKernelRunPiece = 256 << 10;
 
 struct Driver {
   std::string error;  // non-empty: CUDA is unusable here, and this says why
@@ -313,6 +316,7 @@ struct Lane {
   cu::CUevent event = nullptr;
   cu::CUdeviceptr table = 0;  // the copy kernel's runs, in device memory (grown as needed)
   size_t table_runs = 0;
+  std::vector<Run> pieces;  // the table's source: kept until the copy's wait (the upload is asynchronous)
 };
 
 struct DeviceState {
@@ -436,13 +440,24 @@ cu::CUfunction copy_kernel_of(const Driver& d, DeviceState* dev, std::string* er
   return dev->copy_kernel;
 }
 
-// Enqueues all runs on the lane's stream as one launch of the copy kernel: the runs go to the lane's
-// device table first (from pageable memory: the driver stages it before it returns).
-std::string enqueue_kernel(const Driver& d, cu::CUfunction fn, Lane* lane, const Run* runs, size_t n,
+// Enqueues all runs on the lane's stream as one launch of the copy kernel: the runs, cut into pieces of
+// at most kKernelRunPiece, go to the lane's device table first.
+std::string enqueue_kernel(const Driver& d, cu::CUfunction fn, Lane* lane, const Run* whole, size_t runs,
                            cu::CUresult* code) {
+  std::vector<Run>& pieces = lane->pieces;
+  pieces.clear();
+  for (size_t i = 0; i < runs; ++i) {
+    for (uint64_t at = 0; at < whole[i].size; at += kKernelRunPiece) {
+      pieces.push_back({whole[i].src + at, whole[i].dst + at, std::min(kKernelRunPiece, whole[i].size - at)});
+    }
+  }
+  const size_t n = pieces.size();
   cu::CUresult rc = cu::kSuccess;
   if (lane->table_runs < n) {  // (the lane's last copy has ended: cuda_copy waits for it)
-    if (lane->table != 0) d.mem_free(lane->table);
+    if (lane->table != 0 && (rc = d.mem_free(lane->table)) != cu::kSuccess) {
+      *code = rc;
+      return "cuMemFree of the copy kernel's table failed: " + describe(d, rc);
+    }
     lane->table = 0;
     lane->table_runs = 0;
     if ((rc = d.mem_alloc(&lane->table, n * sizeof(Run))) != cu::kSuccess) {
@@ -451,7 +466,7 @@ std::string enqueue_kernel(const Driver& d, cu::CUfunction fn, Lane* lane, const
     }
     lane->table_runs = n;
   }
-  if ((rc = d.memcpy_htod_async(lane->table, runs, n * sizeof(Run), lane->stream)) != cu::kSuccess) {
+  if ((rc = d.memcpy_htod_async(lane->table, pieces.data(), n * sizeof(Run), lane->stream)) != cu::kSuccess) {
     *code = rc;
     return "cuMemcpyHtoDAsync of the copy kernel's table failed: " + describe(d, rc);
   }

@@ -51,7 +51,7 @@ def open_backend(name: str, pool: Pool, pin_now: bool = True) -> Backend:
     pieces = pool_pieces(pool.base, pool.data_offset, pool.segment_size, len(pool.segments))
     try:
         backend.register_pool(pieces, device=0 if pin_now else None)
-    except RuntimeError as e:  # a sticky device error (a failed pinning only warns): the device is unusable
+    except RuntimeError as e:  # a sticky device error (a failed pinning only warns, see pin_pool_on): unusable
         raise KVError("FAILED_PRECONDITION", f"backend {name!r} is not usable here: {e}") from None
     return backend
 

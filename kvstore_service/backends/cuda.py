@@ -59,6 +59,7 @@ from kvstore_client.protocol.handle import (
 )
 from kvstore_service import native
 from kvstore_service.backends.base import Backend, ChecksumSample, Mapping, TransferPlan
+from kvstore_service.errors import KVError
 from kvstore_service.native import StickyDeviceError, is_sticky_cuda_error
 
 __all__ = ["CudaBackend", "StickyDeviceError", "check_ipc_bounds", "is_sticky_cuda_error", "require_cuda"]
@@ -119,6 +120,7 @@ class CudaBackend(Backend):
         self.pieces: list[tuple[int, int]] = []  # the pool's (address, size) pieces, to pin once
         self.pinned: list[tuple[int, int]] = []  # the pieces pinned
         self.pinned_on: int | None = None  # the device whose context pinned them
+        self.pin_failure = ""  # why pinning failed (it is not retried)
         self._pin_lock = threading.Lock()
         # Engine event rings opened here: (device, handles) -> ([CUevent, ...], mappings using them).
         self.events: dict[tuple[int, bytes], tuple[list[int], list[int]]] = {}
@@ -136,24 +138,30 @@ class CudaBackend(Backend):
         """Pin the recorded pool on `device`'s context, once, piece by piece: cuMemHostRegister
         (portable: one registration serves every GPU), not pin_memory, which would round the size up
         to a power of two. All or none: a piece that fails unpins the ones before it. Failing to pin
-        is not fatal (pageable copies still work, slower) and is not retried; a sticky error is."""
+        is not retried, and not fatal (pageable copies still work, slower) unless the copy kernel is on
+        (KVSTORE_CUDA_COPY_KERNEL): it reads the pool through its mapped addresses, and an unmapped
+        one would fault the GPU (a sticky error: the daemon exits), so every mapping is refused. A
+        sticky error is raised."""
         with self._pin_lock:
-            if not self.pieces or self.pinned_on is not None:
-                return
-            pinned: list[tuple[int, int]] = []
-            try:
-                for addr, size in self.pieces:
-                    native.cuda_host_register(addr, size, device)
-                    pinned.append((addr, size))
-            except StickyDeviceError:
-                raise
-            except RuntimeError as e:
-                log.warning("could not pin the pool for GPU copies (piece %d of %d: %s); copies will be slower",
-                            len(pinned) + 1, len(self.pieces), e)
-                self._unpin(pinned, device)
-                self.pieces = []  # do not retry on every mapping
-                return
-            self.pinned, self.pinned_on = pinned, device
+            if self.pieces and self.pinned_on is None:
+                pinned: list[tuple[int, int]] = []
+                try:
+                    for addr, size in self.pieces:
+                        native.cuda_host_register(addr, size, device)
+                        pinned.append((addr, size))
+                except StickyDeviceError:
+                    raise
+                except RuntimeError as e:
+                    self.pin_failure = f"piece {len(pinned) + 1} of {len(self.pieces)}: {e}"
+                    log.warning("could not pin the pool for GPU copies (%s); copies will be slower", self.pin_failure)
+                    self._unpin(pinned, device)
+                    self.pieces = []  # do not retry on every mapping
+                else:
+                    self.pinned, self.pinned_on = pinned, device
+            if self.pin_failure and native.features().get("cuda_copy_kernel"):
+                raise KVError("FAILED_PRECONDITION", "KVSTORE_CUDA_COPY_KERNEL is set, but the pool could not be "
+                              f"pinned and mapped for the GPU ({self.pin_failure}); unset it to copy with the "
+                              "copy engines")
 
     def unregister_pool(self) -> None:
         with self._pin_lock:

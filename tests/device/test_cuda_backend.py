@@ -29,6 +29,7 @@ from kvstore_service import native
 from kvstore_service.backends import cuda as cuda_backend
 from kvstore_service.backends.base import Mapping, TransferPlan, pool_pieces
 from kvstore_service.backends.cuda import CudaBackend, Held, StickyDeviceError, check_ipc_bounds
+from kvstore_service.errors import KVError
 
 ROOT = Path(__file__).resolve().parents[2]
 UUID_A = "0b7e1c2a-5d3f-4e6a-9b8c-1d2e3f4a5b6c"
@@ -177,6 +178,27 @@ def test_a_failed_pinning_unpins_its_pieces_is_not_fatal_and_not_retried(monkeyp
     assert backend.pinned == [] and backend.pinned_on is None
     backend.unregister_pool()
     assert len(calls) == 2
+
+
+def test_a_failed_pinning_refuses_every_mapping_when_the_copy_kernel_reads_the_pool(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """KVSTORE_CUDA_COPY_KERNEL: the kernel dereferences the pool's mapped addresses; unpinned, it would
+    fault the GPU (a sticky error: the daemon exits), so the engines are refused, saying why."""
+    backend, calls = fake_backend(monkeypatch)
+    monkeypatch.setattr(cuda_backend.native, "features", lambda: {"cuda_copy_kernel": True})
+
+    def fail(addr: int, size: int, device: int = 0) -> None:
+        calls.append(("register", addr))
+        raise RuntimeError("cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
+
+    monkeypatch.setattr(cuda_backend.native, "cuda_host_register", fail)
+    backend.register_pool(POOL_PIECES)
+    for _ in range(2):
+        with pytest.raises(KVError, match="KVSTORE_CUDA_COPY_KERNEL is set, but the pool could not be pinned .*"
+                                          "piece 1 of 3: cuMemHostRegister failed") as refused:
+            backend.map(cuda_handle(), 1 << 20, device=0)
+        assert refused.value.code == "FAILED_PRECONDITION"
+    assert calls == [("register", POOL_PIECES[0][0])]  # tried once
 
 
 def test_a_sticky_error_while_pinning_is_raised(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -706,6 +728,7 @@ def calls():
 
 BLOCK = 4096
 engines = {n: ctypes.create_string_buffer(bytes([n]) * 8 * BLOCK) for n in (1, 2, 3)}
+engines[1] = ctypes.create_string_buffer(bytes([1]) * 80 * BLOCK)  # (mapped: its first 8 blocks; "store long")
 
 class Storage:
     def __init__(self, buf):
@@ -762,6 +785,9 @@ if a1 is not None:
 if a1 is not None:  # 16 MiB of runs: spread over several streams
     wide = TransferPlan(array("Q", [slot] * 4096), array("Q", [a1.base] * 4096), array("Q", [BLOCK] * 4096))
     step("store wide", backend.copy, a1, pool.base, wide, False)
+    long = TransferPlan(array("Q", [slot]), array("Q", [a1.base]), array("Q", [80 * BLOCK]))  # one 320 KiB run
+    step("store long", backend.copy, a1, pool.base, long, False)
+    out["stored long"] = ctypes.string_at(pool.base + slot, 80 * BLOCK) == bytes([1]) * 80 * BLOCK
 if b is not None:
     step("load b", backend.copy, b, pool.base, at(b, [5, 7]), True)
     out["loaded"] = [engines[2].raw[i * BLOCK:(i + 1) * BLOCK] == bytes([1]) * BLOCK for i in range(8)]
@@ -911,6 +937,10 @@ def test_the_copy_kernel_makes_each_copy_in_one_launch_on_one_stream(fake_libcud
                          ["launch", stream, f"blocks={min(runs, 1024)}", "threads=256", f"runs={runs}"],
                          ["record", event, stream], ["sync", event]], (name, calls)
     assert [c[0] for c in words(steps["store wide"]["calls"])][:2] == ["free", "alloc"]  # the table grew
+    # A run longer than a piece (256 KiB) is cut, so that long coalesced runs still spread over the SMs.
+    calls = words(steps["store long"]["calls"])
+    assert calls[0] == ["htod", str(24 * 2), calls[0][2]] and calls[1][3:] == ["threads=256", "runs=2"], calls
+    assert out["stored long"]
     assert not any(c[0] in ("module", "alloc") for c in words(steps["load b"]["calls"]))  # both kept
     assert out["loaded"] == [False] * 5 + [True, False, True]
     assert out["corrupt"] == [1] and out["loaded checked"] == [False] * 4 + [True] * 4
