@@ -386,7 +386,7 @@ bool acquire_lane(const Driver& d, DeviceState* dev, Lane* lane, std::string* er
   {
     std::lock_guard<std::mutex> lock(dev->mu);
     if (!dev->idle.empty()) {
-      *lane = dev->idle.back();
+      *lane = std::move(dev->idle.back());
       dev->idle.pop_back();
       return true;
     }
@@ -408,9 +408,9 @@ bool acquire_lane(const Driver& d, DeviceState* dev, Lane* lane, std::string* er
   return true;
 }
 
-void release_lane(DeviceState* dev, const Lane& lane) {
+void release_lane(DeviceState* dev, Lane& lane) {
   std::lock_guard<std::mutex> lock(dev->mu);
-  dev->idle.push_back(lane);
+  dev->idle.push_back(std::move(lane));
 }
 
 // The copy kernel on this device (its context current), loaded on first use; null when it cannot run
