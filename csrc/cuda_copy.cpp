@@ -452,6 +452,7 @@ std::string enqueue_kernel(const Driver& d, cu::CUfunction fn, Lane* lane, const
     }
   }
   const size_t n = pieces.size();
+  if (n == 0) return "";  // (runs of no bytes: a launch of no blocks would be an error)
   cu::CUresult rc = cu::kSuccess;
   if (lane->table_runs < n) {  // (the lane's last copy has ended: cuda_copy waits for it)
     if (lane->table != 0 && (rc = d.mem_free(lane->table)) != cu::kSuccess) {

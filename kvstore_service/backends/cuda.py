@@ -142,6 +142,7 @@ class CudaBackend(Backend):
         (KVSTORE_CUDA_COPY_KERNEL): it reads the pool through its mapped addresses, and an unmapped
         one would fault the GPU (a sticky error: the daemon exits), so every mapping is refused. A
         sticky error is raised."""
+        kernel = native.features().get("cuda_copy_kernel")
         with self._pin_lock:
             if self.pieces and self.pinned_on is None:
                 pinned: list[tuple[int, int]] = []
@@ -153,12 +154,13 @@ class CudaBackend(Backend):
                     raise
                 except RuntimeError as e:
                     self.pin_failure = f"piece {len(pinned) + 1} of {len(self.pieces)}: {e}"
-                    log.warning("could not pin the pool for GPU copies (%s); copies will be slower", self.pin_failure)
+                    log.warning("could not pin the pool for GPU copies (%s); %s", self.pin_failure,
+                                "engines are refused (KVSTORE_CUDA_COPY_KERNEL)" if kernel else "copies will be slower")
                     self._unpin(pinned, device)
                     self.pieces = []  # do not retry on every mapping
                 else:
                     self.pinned, self.pinned_on = pinned, device
-            if self.pin_failure and native.features().get("cuda_copy_kernel"):
+            if self.pin_failure and kernel:
                 raise KVError("FAILED_PRECONDITION", "KVSTORE_CUDA_COPY_KERNEL is set, but the pool could not be "
                               f"pinned and mapped for the GPU ({self.pin_failure}); unset it to copy with the "
                               "copy engines")
