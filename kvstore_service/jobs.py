@@ -6,9 +6,9 @@ job is cut into chunks; for each chunk the loop asks the index for slots (store)
 only make native calls. While chunks copy, the loop plans the next ones; two chunks in flight keep a
 device's DMA busy while the other one's completion is handled (one chunk at a time on all cores
 cost a third of the CUDA path's speed on an H100). The loop then completes each chunk in the index
-and publishes the job's completion to the engine's shared-memory channel. A load whose every block
+and publishes the job's completion to the engine's shared-memory channel. A job whose every block
 landed intact is posted there by the copy thread that finishes its last chunk, before the loop's
-bookkeeping (`_copy_ended` says why).
+bookkeeping (`_copy_ended` says why); a store's commit is queued on the loop before that post.
 
 Stored blocks then wait in a queue to be sealed (seals.py: their checksums taken when no copy is in
 flight, and written into their slot headers); the Seals also verify the blocks recovered after a restart.
@@ -103,18 +103,23 @@ class Job:
     copied_bytes: int = 0
     ordered: float = 0.0  # when the engine's records were done (monotonic)
     copies: list[tuple[float, float]] = field(default_factory=list)  # each chunk's copy: (start, end)
-    # A load: chunks handed to copy threads and not done, plus 1 while the loop plans. The thread that
-    # brings it to 0 posts the completion if every block was found and landed intact (`_copy_ended`),
-    # and wakes the loop (`copied`): once per job, not once per chunk. Each wake cost the loop a
-    # future's callbacks and a resumption, and a copy thread its vCPU. 2048 x 256 KiB loads, A/Bs of
-    # 10-16 interleaved rounds of 30, 2-vCPU VM: the loop's CPU 4.5 -> 3.2 and 4.0 -> 3.0 ms a load,
-    # loads 0.72 -> 0.83 and 0.81 -> 0.86 of the copy engine. A store's chunks still complete as they
-    # land: all at once after its last, the loop's CPU fell 8.3 -> 6.7 ms a store but the store took
-    # 1.3 ms longer (its commits no longer hidden behind its copies), 0.74 -> 0.70.
+    # Chunks handed to copy threads and not done, plus 1 while the loop plans. The thread that brings
+    # it to 0 wakes the loop (`copied`) and posts the completion if every block landed intact
+    # (`_copy_ended`): once per job, not once per chunk. Each wake cost the loop a future's callbacks
+    # and a resumption, and a copy thread its vCPU. 2048 x 256 KiB loads, A/Bs of 10-16 interleaved
+    # rounds of 30, 2-vCPU VM: the loop's CPU 4.5 -> 3.2 and 4.0 -> 3.0 ms a load, loads 0.72 -> 0.83
+    # and 0.81 -> 0.86 of the copy engine. Stores likewise since 2026-12-01 (their commits all at once
+    # after the last copy, queued before the post: `_land_store`), A/Bs of 30 rounds: stores 0.831 ->
+    # 0.880 and 0.776 -> 0.871, sustained into a full pool (12) 0.779 -> 0.821 and 0.837 -> 0.797,
+    # loads 0.833 -> 0.839, 16-block hits 1.51x -> 1.44x. (Committed as chunks landed, a store's
+    # commits hid behind its other copies, but each chunk woke the loop and the post waited for it.)
     copying: int = 1
-    intact: bool = True  # a load: no chunk's copy failed or found a corrupt block
+    intact: bool = True  # no chunk's copy failed, and (a load) none found a corrupt block
     posted: bool = False
     copied: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    lane: Executor | None = None  # the copy threads its chunks went to
+    chunks: list[tuple[Chunk, Future[list[int]]]] = field(default_factory=list)  # each with its copy
+    stored: list[Block] = field(default_factory=list)  # a store: the blocks it committed
 
 
 @dataclass(eq=False)
@@ -316,17 +321,39 @@ class Jobs:
 
     async def _transfer(self, job: Job) -> None:
         """Plan and copy chunk by chunk: the copy threads move the first chunks while this loop
-        plans the next ones, then it completes each. A store's chunks are completed as they land
-        (their bookkeeping hides behind the copies of the others); a load's, all at once after its
-        last (`Job.copied` says why)."""
-        lane = self._lane(job.session)
-        copies = await self._start_copies(job, lane)
-        if not job.is_store:
-            await job.copied
+        plans the next ones, then it completes them all at once after the last (`Job.copied` says why;
+        a store's are completed by `_land_store`, queued before its post)."""
+        job.lane = self._lane(job.session)
+        await self._start_copies(job, job.lane)
+        await job.copied
+        stored = job.stored if job.is_store else self._complete_chunks(job)
+        if job.copies:
+            job.copy_seconds = max(end for _, end in job.copies) - min(start for start, _ in job.copies)
+        for i, waiter in job.waits:
+            job.ok[i] = await waiter
+        self._publish(job)
+        if stored:
+            self.queue_seal(stored)
+
+    def _land_store(self, job: Job) -> None:
+        """Loop, queued by the copy thread that ended a store's last chunk, before it posts: the
+        store's blocks committed (`Job.stored`), then its task woken for the rest."""
+        try:
+            job.stored = self._complete_chunks(job)
+        except Exception as e:  # a bug: _run reports the job failed
+            if not job.copied.done():
+                job.copied.set_exception(e)
+            return
+        _resolve(job.copied)
+
+    def _complete_chunks(self, job: Job) -> list[Block]:
+        """Loop, once every chunk's copy ended: complete each; returns the blocks a store committed."""
+        lane = job.lane
+        assert lane is not None
         stored: list[Block] = []
-        for chunk, copying in copies:
+        for chunk, copying in job.chunks:
             try:
-                corrupt = copying.result() if copying.done() else await asyncio.wrap_future(copying)
+                corrupt = copying.result()
             except Exception as e:  # every block of the chunk failed; never report it as success
                 log.exception("job %d copy failed", job.job_id)
                 job.error = f"copy failed: {e}"
@@ -342,17 +369,11 @@ class Jobs:
                 stored += self._complete_store(job, chunk, ok=corrupt is not None)
             else:
                 self._complete_load(job, chunk, corrupt)
-        if job.copies:
-            job.copy_seconds = max(end for _, end in job.copies) - min(start for start, _ in job.copies)
-        for i, waiter in job.waits:
-            job.ok[i] = await waiter
-        self._publish(job)
-        if stored:
-            self.queue_seal(stored)
+        return stored
 
-    async def _start_copies(self, job: Job, lane: Executor) -> list[tuple[Chunk, Future[list[int]]]]:
+    async def _start_copies(self, job: Job, lane: Executor) -> None:
         """Plan the job's chunks and hand each to the copy threads (chunks.py says how it is cut)."""
-        copies: list[tuple[Chunk, Future[list[int]]]] = []
+        copies = job.chunks
         loop = asyncio.get_running_loop()
         n, block_bytes = len(job.keys), job.session.layout.block_bytes
         whole = not job.is_store and n <= CHUNK_BLOCKS and n * block_bytes <= job.session.backend.whole_load_bytes
@@ -364,9 +385,8 @@ class Jobs:
         for k, part in enumerate(parts):
             chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part)
             if chunk is not None:
-                if not job.is_store:
-                    with self._landing:
-                        job.copying += 1
+                with self._landing:
+                    job.copying += 1
                 if whole:
                     copy_whole(job.session, job.job_id, chunk.plan)
                 self._copies[lane] += 1
@@ -379,11 +399,9 @@ class Jobs:
                 copies[:0] = zip(held, started, strict=True)
             if k + 1 < len(parts):
                 await asyncio.sleep(0)  # serve other requests between chunks of a large job
-        if not job.is_store:
-            for _, copying in copies:
-                copying.add_done_callback(partial(self._copy_ended, job, loop))
-            self._copy_ended(job, loop)  # (planning is done; job.error if a block is missing)
-        return copies
+        for _, copying in copies:
+            copying.add_done_callback(partial(self._copy_ended, job, loop))
+        self._copy_ended(job, loop)  # (planning is done; job.error if a block is missing)
 
     def _prepare_store(self, job: Job, part: range) -> Chunk | None:
         """Slots for the chunk's new keys; keys present already are done, keys another job is
@@ -433,29 +451,35 @@ class Jobs:
         return corrupt
 
     def _copy_ended(self, job: Job, loop: asyncio.AbstractEventLoop, copy: Future[list[int]] | None = None) -> None:
-        """A load's chunk was copied (on its copy thread; `copy` its result), or the loop planned the
-        last chunk. The last of them posts the completion if every block was found and landed intact,
-        then wakes the loop (`Job.copied`).
+        """A chunk was copied (on its copy thread; `copy` its result), or the loop planned the last
+        chunk. The last of them wakes the loop (`Job.copied`) and posts the completion if every block
+        landed intact, and (a load) was found, or (a store) none waits for another store's copy.
 
-        So a load's completion reaches the engine when its last chunk lands, not when the loop wakes to
-        complete it (0.15-0.3 ms later on our 2-vCPU VM, then 0.2-0.3 ms of bookkeeping). 16-block
-        vLLM-sized hits, A/Bs of 30 interleaved rounds: 1.62x -> 1.44x and 1.73x -> 1.57x their copy's
-        time; bulk loads 0.81 -> 0.84 of the copy engine. A missing or corrupt block, a failed copy: the
-        loop posts, in _publish."""
+        So a job's completion reaches the engine when its last chunk lands, not when the loop wakes to
+        complete it (0.15-0.3 ms later on our 2-vCPU VM, then 0.2-0.3 ms of bookkeeping, more for a
+        store's commits). 16-block vLLM-sized hits, A/Bs of 30 interleaved rounds: 1.62x -> 1.44x and
+        1.73x -> 1.57x their copy's time; bulk loads 0.81 -> 0.84 of the copy engine. A store's commit
+        is queued on the loop before its post: whatever the engine asks after it sees the post reaches
+        the loop behind it (every request's handler runs from the loop's queue), so it finds the
+        blocks (a block a Clear took while it was copied is then reported stored, as if cleared just
+        after). A missing or corrupt block, a failed copy, a refused slot: the loop posts, in _publish."""
         with self._landing:
             if copy is not None and (copy.cancelled() or copy.exception() is not None or copy.result()):
                 job.intact = False
             job.copying -= 1
             if job.copying:
                 return
-            if job.intact and not job.error:
+            if job.is_store:
+                loop.call_soon_threadsafe(self._land_store, job)
+            if job.intact and not job.error and not job.waits:
                 job.session.channel.post(job.job_id, len(job.ok), 0)
                 job.posted = True
-        loop.call_soon_threadsafe(_resolve, job.copied)
+        if not job.is_store:
+            loop.call_soon_threadsafe(_resolve, job.copied)
 
     def _complete_store(self, job: Job, chunk: Chunk, ok: bool) -> list[Block]:
-        """Every byte of the chunk is in the pool (if ok): its blocks become visible and the engine
-        may reuse its memory. Returns the blocks committed."""
+        """Every byte of the chunk is in the pool (if ok): its blocks become visible. Returns the
+        blocks committed."""
         ns, shard = job.session.namespace, job.session.layout.shard
         committed = self.index.complete_store(chunk.blocks, ok, shard)
         if ns.shards > 1:

@@ -52,6 +52,7 @@ class FakeBackend(Backend):
         self.load_gate = threading.Event()
         self.load_gate.set()
         self.loads_waiting = 0  # copies that found load_gate closed
+        self.copies_waiting = 0  # copies that found gate closed
         self.unmapped: list[Mapping] = []
         self.device_seconds = 0.0  # how long opening or closing engine memory takes (a device call)
         self.broken: native.StickyDeviceError | None = None  # raised by every copy once set
@@ -69,6 +70,8 @@ class FakeBackend(Backend):
         self.unmapped.append(mapping)
 
     def copy(self, device: int, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+        if not self.gate.is_set():
+            self.copies_waiting += 1
         if to_engine and not self.load_gate.is_set():
             self.loads_waiting += 1
         assert self.gate.wait(10) and (not to_engine or self.load_gate.wait(10))
@@ -181,9 +184,11 @@ async def wait_done(session: EngineSession, job_id: int) -> Completion:
 
 async def finish(jobs: Jobs, session: EngineSession, job_id: int, keys: list[bytes], block_ids: list[int],
                  is_store: bool) -> tuple[int, int]:
-    """Submit a job and wait for its completion in the shared-memory channel: (blocks ok, failed)."""
+    """Submit a job and wait for its completion in the shared-memory channel, then for the daemon's
+    bookkeeping of it (a completion may be posted before): (blocks ok, failed)."""
     jobs.submit(session, job_id, keys, block_ids, is_store)
     done = await wait_done(session, job_id)
+    await jobs.settle(session)
     return done.blocks_ok, done.blocks_failed
 
 
@@ -468,6 +473,32 @@ def test_a_load_that_landed_whole_is_posted_by_its_copy_thread_before_the_loop_w
             results = await core.jobs.poll(engine, 100)
             assert [(r.job_id, r.failed) for r in results] == [(2, ()), (3, ())]
             assert core.jobs.in_flight == 0
+
+    run(tmp_path, body)
+
+
+def test_a_store_that_landed_whole_is_posted_by_its_copy_thread_and_a_load_after_it_finds_it(tmp_path: Path) -> None:
+    """The engine sees a store done as its last chunk lands, while the loop is still busy: the blocks
+    are committed after the post, but the commit was queued on the loop first, so a load the engine
+    submits once it sees the post finds every block."""
+    async def body(core: Core) -> None:
+        engine = await core.engine()
+        core.backend.gate.clear()
+        job = core.jobs.submit(engine, 1, keys_of(20), list(range(20)), True)
+        deadline = time.monotonic() + 10
+        while core.backend.copies_waiting != 2 and time.monotonic() < deadline:  # planned, both copies at the gate
+            await asyncio.sleep(0.001)
+        assert job.copying == 2
+        core.backend.gate.set()
+        deadline = time.monotonic() + 10
+        while engine.channel.check(1) is None and time.monotonic() < deadline:
+            time.sleep(0.001)  # the loop is held here: only a copy thread can post
+        assert engine.channel.check(1) == Completion(1, 20, 0) and job.posted
+        assert core.index.leading(engine.namespace, keys_of(20)) == 0  # not committed yet: the loop was held
+        stored = [block_bytes(engine, b) for b in range(20)]
+        core.jobs.submit(engine, 2, keys_of(20), list(range(12, 32)), False)
+        assert await wait_done(engine, 2) == Completion(2, 20, 0)
+        assert [block_bytes(engine, 12 + i) for i in range(20)] == stored
 
     run(tmp_path, body)
 
