@@ -14,7 +14,6 @@
 #include <structmember.h>
 
 #include <cstring>
-#include <vector>
 
 namespace kvstore {
 namespace {
@@ -118,31 +117,26 @@ PyObject* py_make_blocks(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   auto* type = reinterpret_cast<PyTypeObject*>(cls);
   const Py_ssize_t n = PyList_GET_SIZE(keys);
-  // Each slot's offsets first, overflow checked: a wrapped offset would pass the copies' bounds checks
-  // and alias another slot. Then the records, from snapshots of the lists (an allocation may run a GC,
-  // whose finalizers could change them).
-  std::vector<uint64_t> offsets(static_cast<size_t>(n)), headers(static_cast<size_t>(n));
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    uint64_t s = PyLong_AsUnsignedLongLong(PyList_GET_ITEM(slots, i));
-    if (s == static_cast<uint64_t>(-1) && PyErr_Occurred()) return nullptr;
-    if (__builtin_mul_overflow(s, payload_stride, &offsets[i]) ||
-        __builtin_add_overflow(offsets[i], payload_base, &offsets[i]) ||
-        __builtin_mul_overflow(s, header_stride, &headers[i]) || __builtin_add_overflow(headers[i], header_base, &headers[i])) {
-      PyErr_Format(PyExc_OverflowError, "make_blocks: slot %llu's offsets overflow 64 bits", static_cast<unsigned long long>(s));
-      return nullptr;
-    }
-  }
+  // From snapshots of the lists (an allocation may run a GC, whose finalizers could change them).
   PyObject* key_items = PyList_AsTuple(keys);
   PyObject* slot_items = PyList_AsTuple(slots);
   PyObject* out = key_items && slot_items ? PyList_New(n) : nullptr;
   PyObject* zero = PyLong_FromLong(0);
   if (out == nullptr || zero == nullptr) goto fail;
   for (Py_ssize_t i = 0; i < n; ++i) {
+    uint64_t s = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(slot_items, i));
+    if (s == static_cast<uint64_t>(-1) && PyErr_Occurred()) goto fail;
+    uint64_t offset, header;  // (overflow checked: a wrapped offset would pass the copies' bounds checks)
+    if (__builtin_mul_overflow(s, payload_stride, &offset) || __builtin_add_overflow(offset, payload_base, &offset) ||
+        __builtin_mul_overflow(s, header_stride, &header) || __builtin_add_overflow(header, header_base, &header)) {
+      PyErr_Format(PyExc_OverflowError, "make_blocks: slot %llu's offsets overflow 64 bits", static_cast<unsigned long long>(s));
+      goto fail;
+    }
     auto* b = reinterpret_cast<BlockObject*>(type->tp_alloc(type, 0));
     if (b == nullptr) goto fail;
     PyList_SET_ITEM(out, i, reinterpret_cast<PyObject*>(b));
-    b->offset = offsets[i];
-    b->header = headers[i];
+    b->offset = offset;
+    b->header = header;
     b->key = Py_NewRef(PyTuple_GET_ITEM(key_items, i));
     b->ns = Py_NewRef(ns);
     b->segment = Py_NewRef(segment);

@@ -372,7 +372,8 @@ class Jobs:
         return stored
 
     async def _start_copies(self, job: Job, lane: Executor) -> None:
-        """Plan the job's chunks and hand each to the copy threads (chunks.py says how it is cut)."""
+        """Plan the job's chunks and hand each to the copy threads, each with its copy into `Job.chunks`
+        (chunks.py says how it is cut)."""
         copies = job.chunks
         loop = asyncio.get_running_loop()
         n, block_bytes = len(job.keys), job.session.layout.block_bytes
@@ -474,7 +475,7 @@ class Jobs:
             if job.intact and not job.error and not job.waits:
                 job.session.channel.post(job.job_id, len(job.ok), 0)
                 job.posted = True
-        if not job.is_store:
+        if not job.is_store:  # (a load commits nothing: posted first, the engine wakes before the loop)
             loop.call_soon_threadsafe(_resolve, job.copied)
 
     def _complete_store(self, job: Job, chunk: Chunk, ok: bool) -> list[Block]:
