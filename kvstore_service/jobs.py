@@ -473,8 +473,8 @@ class Jobs:
             if job.is_store:
                 loop.call_soon_threadsafe(self._land_store, job)
             if job.intact and not job.error and not job.waits:
+                job.posted = True  # (first: whoever sees the post sees the job posted)
                 job.session.channel.post(job.job_id, len(job.ok), 0)
-                job.posted = True
         if not job.is_store:  # (a load commits nothing: posted first, the engine wakes before the loop)
             loop.call_soon_threadsafe(_resolve, job.copied)
 
@@ -525,8 +525,9 @@ class Jobs:
         slot = job.job_id % session.channel.slots
         if mine.running.get(slot) is job:  # (a job posted by its copy thread may have a successor there)
             del mine.running[slot]
-        if not job.posted:
-            with self._landing:
+        with self._landing:  # (decided under the lock: a copy thread may be posting it right now)
+            if not job.posted:
+                job.posted = True
                 session.channel.post(job.job_id, len(job.ok) - len(failed), len(failed))
         mine.results.append(JobResult(job.job_id, job.is_store, len(job.ok), failed, job.error))
         mine.results_ready.set()
