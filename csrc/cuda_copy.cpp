@@ -68,6 +68,7 @@ struct CUmemcpyAttributes {
 };
 
 constexpr CUresult kSuccess = 0;
+constexpr CUresult kErrorOutOfMemory = 2;
 constexpr CUresult kErrorNotReady = 600;
 constexpr CUresult kErrorNotSupported = 801;
 constexpr int kLocationInvalid = 0x0;  // a zeroed CUmemLocation: "no hint"
@@ -110,6 +111,7 @@ using PFN_cuMemHostUnregister = CUresult (*)(void*);
 using PFN_cuDeviceGetAttribute = CUresult (*)(int*, int, CUdevice);
 using PFN_cuModuleLoadData = CUresult (*)(CUmodule*, const void*);
 using PFN_cuModuleGetFunction = CUresult (*)(CUfunction*, CUmodule, const char*);
+using PFN_cuModuleUnload = CUresult (*)(CUmodule);
 using PFN_cuLaunchKernel = CUresult (*)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int,
                                         unsigned int, unsigned int, unsigned int, CUstream, void**, void**);
 using PFN_cuMemAlloc = CUresult (*)(CUdeviceptr*, size_t);
@@ -198,6 +200,7 @@ struct Driver {
   cu::PFN_cuDeviceGetAttribute device_get_attribute = nullptr;
   cu::PFN_cuModuleLoadData module_load_data = nullptr;
   cu::PFN_cuModuleGetFunction module_get_function = nullptr;
+  cu::PFN_cuModuleUnload module_unload = nullptr;
   cu::PFN_cuLaunchKernel launch_kernel = nullptr;
   cu::PFN_cuMemAlloc mem_alloc = nullptr;
   cu::PFN_cuMemFree mem_free = nullptr;
@@ -282,12 +285,13 @@ Driver load_driver() {
     d.device_get_attribute = reinterpret_cast<cu::PFN_cuDeviceGetAttribute>(resolve("cuDeviceGetAttribute", kBase));
     d.module_load_data = reinterpret_cast<cu::PFN_cuModuleLoadData>(resolve("cuModuleLoadData", kBase));
     d.module_get_function = reinterpret_cast<cu::PFN_cuModuleGetFunction>(resolve("cuModuleGetFunction", kBase));
+    d.module_unload = reinterpret_cast<cu::PFN_cuModuleUnload>(resolve("cuModuleUnload", kBase));
     d.launch_kernel = reinterpret_cast<cu::PFN_cuLaunchKernel>(resolve("cuLaunchKernel", kBase));
     d.mem_alloc = reinterpret_cast<cu::PFN_cuMemAlloc>(resolve("cuMemAlloc", kBase));
     d.mem_free = reinterpret_cast<cu::PFN_cuMemFree>(resolve("cuMemFree", kBase));
     d.memcpy_htod_async = reinterpret_cast<cu::PFN_cuMemcpyHtoDAsync>(resolve("cuMemcpyHtoDAsync", kBase));
-    if (!d.device_get_attribute || !d.module_load_data || !d.module_get_function || !d.launch_kernel ||
-        !d.mem_alloc || !d.mem_free || !d.memcpy_htod_async) {
+    if (!d.device_get_attribute || !d.module_load_data || !d.module_get_function || !d.module_unload ||
+        !d.launch_kernel || !d.mem_alloc || !d.mem_free || !d.memcpy_htod_async) {
       d.error = "KVSTORE_CUDA_COPY_KERNEL is set, but CUDA driver " + std::to_string(d.version) +
                 " lacks an entry point the copy kernel needs";
       return d;
@@ -324,7 +328,8 @@ struct DeviceState {
   cu::CUcontext ctx = nullptr;
   std::mutex mu;
   std::vector<Lane> idle;
-  bool kernel_tried = false;  // the copy kernel's module: loaded once, on first use
+  std::mutex kernel_mu;  // the copy kernel's module, loaded on first use (not under `mu`: the JIT takes ~20 ms)
+  bool kernel_tried = false;
   cu::CUfunction copy_kernel = nullptr;
   std::string kernel_error;
   cu::CUresult kernel_code = cu::kSuccess;
@@ -416,7 +421,7 @@ void release_lane(DeviceState* dev, Lane& lane) {
 // The copy kernel on this device (its context current), loaded on first use; null when it cannot run
 // here (*err says why: the module was refused, or the device cannot use the pool's host addresses).
 cu::CUfunction copy_kernel_of(const Driver& d, DeviceState* dev, std::string* err, cu::CUresult* code) {
-  std::lock_guard<std::mutex> lock(dev->mu);
+  std::lock_guard<std::mutex> lock(dev->kernel_mu);
   if (!dev->kernel_tried) {
     dev->kernel_tried = true;
     int host_pointers = 0;
@@ -427,15 +432,22 @@ cu::CUfunction copy_kernel_of(const Driver& d, DeviceState* dev, std::string* er
       dev->kernel_error = "cuDeviceGetAttribute failed: " + describe(d, rc);
     } else if (host_pointers != 1) {
       dev->kernel_error = "this GPU cannot use the pool's host addresses in a kernel";
-    } else if ((rc = d.module_load_data(&module, kCopyKernelPtx)) != cu::kSuccess ||
-               (rc = d.module_get_function(&dev->copy_kernel, module, "kvstore_copy_runs")) != cu::kSuccess) {
+    } else if ((rc = d.module_load_data(&module, kCopyKernelPtx)) != cu::kSuccess) {
       dev->kernel_code = rc;
       dev->kernel_error = "the driver refused the copy kernel: " + describe(d, rc);
+      // Out of memory (the JIT's, or the module's) may pass: the next copy tries again.
+      dev->kernel_tried = rc != cu::kErrorOutOfMemory;
+    } else if ((rc = d.module_get_function(&dev->copy_kernel, module, "kvstore_copy_runs")) != cu::kSuccess) {
+      dev->copy_kernel = nullptr;
+      dev->kernel_code = rc;
+      dev->kernel_error = "the driver refused the copy kernel: " + describe(d, rc);
+      d.module_unload(module);
     }
   }
   if (dev->copy_kernel == nullptr) {
     *code = dev->kernel_code;
-    *err = "KVSTORE_CUDA_COPY_KERNEL is set, but " + dev->kernel_error + " (unset it to copy with the copy engines)";
+    *err = "KVSTORE_CUDA_COPY_KERNEL is set, but " + dev->kernel_error +
+           (dev->kernel_tried ? " (unset it to copy with the copy engines)" : " (tried again at the next copy)");
   }
   return dev->copy_kernel;
 }

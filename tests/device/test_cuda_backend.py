@@ -646,16 +646,21 @@ static CUresult attribute(int* v, int attr, int dev) {
   *v = attr == 91 && !knob("FAKE_NO_HOST_POINTERS");
   return 0;
 }
+static long g_modules = 0;
 static CUresult module_load(void** m, const void* image) {
   bool ours = strstr((const char*)image, ".entry kvstore_copy_runs") != nullptr;
   note("module ours=%llu ctx=%#llx", (U)ours, P(g_ctx));
   *m = (void*)0x400;
+  if (++g_modules <= knob("FAKE_MODULE_OOM_TIMES")) return 2;  // CUDA_ERROR_OUT_OF_MEMORY
   return (CUresult)knob("FAKE_MODULE_RC");
 }
-static CUresult module_function(void** f, void*, const char* name) {
+static CUresult module_function(void** f, void* m, const char* name) {
   *f = (void*)0x500;
+  note("function %#llx", P(m));
+  if (knob("FAKE_FUNCTION_RC")) return (CUresult)knob("FAKE_FUNCTION_RC");
   return strcmp(name, "kvstore_copy_runs") == 0 ? 0 : 500;
 }
+static CUresult module_unload(void* m) { note("unload %#llx", P(m)); return 0; }
 static CUresult mem_alloc(CUdeviceptr* p, size_t n) { *p = P(malloc(n)); note("alloc %llu", n); return 0; }
 static CUresult mem_free(CUdeviceptr p) { free((void*)p); note("free"); return 0; }
 static CUresult htod(CUdeviceptr d, const void* s, size_t n, void* st) {
@@ -691,7 +696,8 @@ CUresult cuGetProcAddress_v2(const char* name, void** fn, int, unsigned long lon
       {"cuMemcpyAsync", (void*)memcpy_async}, {"cuMemcpyBatchAsync", (void*)batch},
       {"cuMemHostRegister", (void*)host_register}, {"cuMemHostUnregister", (void*)host_unregister},
       {"cuDeviceGetAttribute", (void*)attribute}, {"cuModuleLoadData", (void*)module_load},
-      {"cuModuleGetFunction", (void*)module_function}, {"cuLaunchKernel", (void*)launch},
+      {"cuModuleGetFunction", (void*)module_function}, {"cuModuleUnload", (void*)module_unload},
+      {"cuLaunchKernel", (void*)launch},
       {"cuMemAlloc", (void*)mem_alloc}, {"cuMemFree", (void*)mem_free}, {"cuMemcpyHtoDAsync", (void*)htod},
   };
   for (auto& t : table) {
@@ -929,9 +935,11 @@ def test_the_copy_kernel_makes_each_copy_in_one_launch_on_one_stream(fake_libcud
     steps = out["by_step"]
     assert all(s["error"] is None for s in out["steps"]), out["steps"]
     assert [c[3] for c in words(steps["open"]["calls"])] == ["flags=3"] * 4  # portable and mapped
-    assert words(steps["store a"]["calls"])[:2] == [["attribute", "91", "device=1"], ["module", "ours=1", "ctx=0x11"]]
+    assert words(steps["store a"]["calls"])[:3] == [["attribute", "91", "device=1"], ["module", "ours=1", "ctx=0x11"],
+                                                    ["function", "0x400"]]
     for name, runs in (("store a", 2), ("store wide", 4096), ("load b", 2), ("load b checked", 2), ("store c", 2)):
-        calls = [c for c in words(steps[name]["calls"]) if c[0] not in ("attribute", "module", "alloc", "free")]
+        calls = [c for c in words(steps[name]["calls"]) if c[0] not in ("attribute", "module", "function", "alloc",
+                                                                          "free")]
         stream, event = calls[0][2], calls[2][1]
         assert calls == [["htod", str(24 * runs), stream],
                          ["launch", stream, f"blocks={min(runs, 1024)}", "threads=256", f"runs={runs}"],
@@ -957,7 +965,8 @@ def test_the_copy_kernel_is_off_unless_asked_for(value: str | None, on: bool) ->
 
 
 @pytest.mark.parametrize("env,why", [({"FAKE_NO_HOST_POINTERS": "1"}, "cannot use the pool's host addresses"),
-                                     ({"FAKE_MODULE_RC": "218"}, "the driver refused the copy kernel")])
+                                     ({"FAKE_MODULE_RC": "218"}, "the driver refused the copy kernel"),
+                                     ({"FAKE_FUNCTION_RC": "500"}, "the driver refused the copy kernel")])
 def test_a_copy_kernel_that_cannot_run_here_fails_the_copies_saying_why(fake_libcuda: Path, tmp_path: Path,
                                                                         env: dict[str, str], why: str) -> None:
     out = run_scenario(fake_libcuda, tmp_path, KVSTORE_CUDA_COPY_KERNEL="1", **env)
@@ -966,6 +975,22 @@ def test_a_copy_kernel_that_cannot_run_here_fails_the_copies_saying_why(fake_lib
         assert "KVSTORE_CUDA_COPY_KERNEL is set, but" in steps[name]["error"] and why in steps[name]["error"]
         assert "unset it to copy with the copy engines" in steps[name]["error"]
     assert steps["load b"]["calls"] == []  # asked once, on GPU 1: the answer is kept
+    if "FAKE_FUNCTION_RC" in env:  # the module loaded, its function refused: the module is unloaded
+        assert [c[0] for c in words(steps["store a"]["calls"])] == ["attribute", "module", "function", "unload"]
+
+
+def test_a_copy_kernel_that_ran_out_of_memory_is_loaded_again_at_the_next_copy(fake_libcuda: Path,
+                                                                              tmp_path: Path) -> None:
+    """Out of memory in the driver's JIT may pass (the engine frees memory): only that copy fails,
+    saying so, and the next one loads the module again and copies with it."""
+    out = run_scenario(fake_libcuda, tmp_path, KVSTORE_CUDA_COPY_KERNEL="1", FAKE_MODULE_OOM_TIMES="1")
+    steps = out["by_step"]
+    error = steps["store a"]["error"]
+    assert "the driver refused the copy kernel" in error and "(2)" in error and "tried again at the next copy" in error
+    calls = [c[0] for c in words(steps["store wide"]["calls"])]  # the next copy
+    assert steps["store wide"]["error"] is None and calls[:3] == ["attribute", "module", "function"]
+    assert "launch" in calls
+    assert out["loaded"] == [False] * 5 + [True, False, True]
 
 
 # On a GPU (a child process: the driver reads KVSTORE_CUDA_COPY_KERNEL once per process): host -> GPU ->
