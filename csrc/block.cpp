@@ -14,6 +14,7 @@
 #include <structmember.h>
 
 #include <cstring>
+#include <vector>
 
 namespace kvstore {
 namespace {
@@ -339,46 +340,51 @@ PyObject* py_add_pins(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   long delta = PyLong_AsLong(args[1]);
   if (delta == -1 && PyErr_Occurred()) return nullptr;
   PyObject* doomed = args[2];
-  PyObject* seq = PySequence_Fast(args[0], "add_pins: blocks must be a sequence");
+  // A snapshot (a list could change under an allocation's GC); each block's old count is kept, so
+  // that undoing allocates nothing.
+  PyObject* seq = PySequence_Tuple(args[0]);
   if (seq == nullptr) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-  PyObject** items = PySequence_Fast_ITEMS(seq);
+  const Py_ssize_t n = PyTuple_GET_SIZE(seq);
+  std::vector<PyObject*> old;
+  old.reserve(n);
   PyObject* out = PyList_New(0);
-  Py_ssize_t i = 0;
-  for (; out != nullptr && i < n; ++i) {
-    if (!PyObject_TypeCheck(items[i], &kBlockType)) {
-      PyErr_Format(PyExc_TypeError, "add_pins: a %.100s is not a block", Py_TYPE(items[i])->tp_name);
+  for (Py_ssize_t i = 0; out != nullptr && i < n; ++i) {
+    PyObject* item = PyTuple_GET_ITEM(seq, i);
+    if (!PyObject_TypeCheck(item, &kBlockType)) {
+      PyErr_Format(PyExc_TypeError, "add_pins: a %.100s is not a block", Py_TYPE(item)->tp_name);
       break;
     }
-    auto* b = reinterpret_cast<BlockObject*>(items[i]);
+    auto* b = reinterpret_cast<BlockObject*>(item);
     if (b->pins == nullptr) {
       PyErr_SetString(PyExc_AttributeError, "add_pins: a block without pins (never initialized)");
       break;
     }
     long pins = PyLong_AsLong(b->pins);
     if (pins == -1 && PyErr_Occurred()) break;
-    if (pins + delta < 0) {
+    long now;
+    if (__builtin_add_overflow(pins, delta, &now)) {
+      PyErr_SetString(PyExc_OverflowError, "add_pins: a block's pins would overflow");
+      break;
+    }
+    if (now < 0) {
       PyErr_SetString(PyExc_ValueError, "add_pins: unbalanced unpin (a block's pins would go below 0)");
       break;
     }
-    PyObject* value = PyLong_FromLong(pins + delta);
+    PyObject* value = PyLong_FromLong(now);
     if (value == nullptr) break;
-    Py_SETREF(b->pins, value);
-    if (pins + delta == 0 && b->state == doomed && PyList_Append(out, items[i]) < 0) {
-      ++i;  // (changed: undone below)
-      break;
-    }
+    old.push_back(b->pins);  // (its reference moves here)
+    b->pins = value;
+    if (now == 0 && b->state == doomed && PyList_Append(out, item) < 0) break;
   }
   if (out == nullptr || PyErr_Occurred()) {
-    PyObject *type, *value, *traceback;
-    PyErr_Fetch(&type, &value, &traceback);
-    for (Py_ssize_t k = i - 1; k >= 0; --k) {  // undo, newest first
-      auto* b = reinterpret_cast<BlockObject*>(items[k]);
-      Py_SETREF(b->pins, PyLong_FromLong(PyLong_AsLong(b->pins) - delta));
+    for (size_t k = old.size(); k-- > 0;) {  // undo, newest first (a block named twice ends at its first old count)
+      auto* b = reinterpret_cast<BlockObject*>(PyTuple_GET_ITEM(seq, k));
+      Py_SETREF(b->pins, old[k]);
     }
-    PyErr_Restore(type, value, traceback);
+    old.clear();
     Py_CLEAR(out);
   }
+  for (PyObject* o : old) Py_DECREF(o);
   Py_DECREF(seq);
   return out;
 }

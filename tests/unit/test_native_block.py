@@ -167,6 +167,17 @@ def test_an_unbalanced_unpin_is_refused_and_changes_nothing() -> None:
     with pytest.raises(TypeError, match="not a block"):
         native.add_pins([a, object()], 1, BlockState.DOOMED)  # type: ignore[list-item]
     assert a.pins == 1
+    with pytest.raises(ValueError, match="unbalanced unpin"):  # named twice: undone to its first count
+        native.add_pins([a, a, b], -1, BlockState.DOOMED)
+    assert (a.pins, b.pins) == (1, 0)
+
+
+def test_pins_that_would_overflow_are_refused_and_change_nothing() -> None:
+    a, b = make([b"a", b"b"])
+    b.pins = 2**63 - 1
+    with pytest.raises(OverflowError, match="overflow"):
+        native.add_pins([a, b], 1, BlockState.DOOMED)
+    assert (a.pins, b.pins) == (0, 2**63 - 1)
 
 
 def test_commit_moves_the_blocks_still_being_written_and_skips_replaced_ones() -> None:
