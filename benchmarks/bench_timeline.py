@@ -7,6 +7,10 @@ wake-up, on the monotonic clock both processes share) and the limit measured rig
 Jobs: 2048 x 256 KiB stores and loads (`--blocks`, `--block-kib`), a 2048-token hit and a 16-block
 hit of a vLLM-sized layout (32 layers, K and V regions of 32 KiB per block).
 
+Each job's CPU in the daemon too (/proc schedstat): its event loop's and its other threads' (the copy
+threads, mostly). On a machine of few cores the copies and the loop share them: the loop's Python
+runs several times slower while copies stream through the caches, and takes cores the copies need.
+
     python benchmarks/bench_timeline.py --backend cuda --rounds 5
 """
 
@@ -35,6 +39,30 @@ def timelines(log: str, seen: int) -> tuple[list[str], int]:
         time.sleep(0.01)
 
 
+def daemon_pid(socket: str) -> int:
+    """The daemon serving this socket (its command line names it)."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if socket.encode() in f.read():
+                    return int(entry)
+        except (OSError, ValueError):
+            continue
+    raise RuntimeError(f"no process serves {socket}")
+
+
+def thread_cpu(pid: int) -> dict[int, int]:
+    """Nanoseconds on a CPU so far, per thread of the process."""
+    out = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                out[int(tid)] = int(f.read().split()[0])
+        except OSError:  # (a thread that just ended)
+            continue
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=["cpu", "cuda"], default="cpu")
@@ -46,18 +74,24 @@ def main() -> None:
     block_bytes = args.block_kib << 10
     with private_daemon(6 << 30, args.copy_threads, log_level="DEBUG") as socket:
         log, seen = os.path.join(os.path.dirname(socket), "daemon.log"), 0
+        pid = daemon_pid(socket)
         client = KVStoreClient(socket)
         run = Run(client, args.backend, args.blocks, block_bytes)
 
         def show(what: str, limit_gbps: float, job: Callable[[], float], nbytes: int) -> None:
             """Run the job (it returns its seconds), then print its timeline beside the client's."""
             nonlocal seen
+            before = thread_cpu(pid)
             submitted = time.monotonic()
             took = job()
             woke = time.monotonic()
+            after = thread_cpu(pid)
+            used = {tid: (after[tid] - before.get(tid, 0)) / 1e6 for tid in after}
+            loop = used.pop(pid, 0.0)
             lines, seen = timelines(log, seen)
             print(f"{what}: client {took * 1e3:.2f} ms, limit {nbytes / limit_gbps / 1e6:.2f} ms "
-                  f"({nbytes / took / 1e9 / limit_gbps:.2f} of it)")
+                  f"({nbytes / took / 1e9 / limit_gbps:.2f} of it); daemon CPU: loop {loop:.2f} ms, other threads "
+                  f"{sum(used.values()):.2f} ms")
             for line in lines:
                 print("   ", line)
                 found = re.search(r"published ([\d.]+);.* submitted at ([\d.]+)", line)
@@ -73,15 +107,13 @@ def main() -> None:
         run.store(*warm)
         run.load(*warm)
         _, seen = timelines(log, seen)
-        stored = []
-        for _ in range(args.rounds):
+        for _ in range(args.rounds):  # as `kvstore bench`: into slots used before (fresh pool pages would fault)
             keys, ids = run.job()
             wait_sealed(client)
+            client.clear(run.session.namespace)
             limit = run.limit_gbps()
             show("store", limit, partial(seconds, run.store, keys, ids), run.total)
-            stored.append(keys)
-        wait_sealed(client)
-        for keys in stored:
+            wait_sealed(client)
             limit = run.limit_gbps()
             show("load", limit, partial(seconds, run.load, keys, run.ids()), run.total)
         for name, blocks in (("hit of 2048 tokens", 128), ("hit of 256 tokens", 16)):

@@ -168,6 +168,20 @@ class Run:
         cost it 0.1 of the ratio.)"""
         return self.device.gbps(1) if self.device else self.memcpy.gbps(1, copy_engine=True)
 
+    def same_runs_gbps(self, ids: list[int], to_engine: bool) -> float:
+        """cpu: the copy engine moving this job's own runs (its scattered engine blocks, a pool-like
+        buffer's slots in order) on two threads with streaming stores, as the daemon's copy threads
+        do, with no daemon around it: what the job's layout allows, against the contiguous limit."""
+        assert self.memory is not None
+        block_bytes = self.total // self.blocks
+        engine = array("Q", [i * block_bytes for i in ids])
+        slots, sizes = array("Q", range(0, self.total, block_bytes)), array("Q", [block_bytes] * len(ids))
+        pool, kv = self.memcpy.dst.tensor.data_ptr(), self.memory.tensor.data_ptr()
+        src, dst, src_offsets, dst_offsets = (pool, kv, slots, engine) if to_engine else (kv, pool, engine, slots)
+        t0 = time.perf_counter()
+        native.copy_blocks(src, dst, src_offsets, dst_offsets, sizes, 2, True)
+        return self.total / (time.perf_counter() - t0) / 1e9
+
     def store(self, keys: list[bytes], ids: list[int]) -> float:
         synchronize_before_store(self.kv.device)
         return self.total / run_job(self.session, partial(self.session.store, keys, ids)) / 1e9
@@ -192,17 +206,23 @@ def data_path(run: Run, rounds: int) -> dict[str, Any]:
     run.store(*warm)
     run.load(*warm)
     store, load, store_limits, load_limits = [], [], [], []
+    same_runs: dict[str, list[float]] = {"store": [], "load": []}  # cpu: the job's runs copied without the daemon
     for _ in range(rounds):
         keys, ids = run.job()
         wait_sealed(run.client)  # one store's latency, not the previous one's checksums
         run.client.clear(run.session.namespace)
         store_limits.append(run.limit_gbps())
+        if run.memory is not None:
+            same_runs["store"].append(run.same_runs_gbps(ids, False))
         store.append(run.store(keys, ids))
         run.stored = keys
         wait_sealed(run.client)  # (a limit copied beside the seals ran at ~0.7 of a quiet one's speed)
         store_limits.append(run.limit_gbps())
         load_limits.append(run.limit_gbps())
-        load.append(run.load(keys, run.ids()))
+        ids = run.ids()
+        if run.memory is not None:
+            same_runs["load"].append(run.same_runs_gbps(ids, True))
+        load.append(run.load(keys, ids))
         load_limits.append(run.limit_gbps())
     limits, name = store_limits + load_limits, run.ruler
     results: dict[str, Any] = {
@@ -215,6 +235,14 @@ def data_path(run: Run, rounds: int) -> dict[str, Any]:
     results[f"load_vs_{name}"] = statistics.median(ratios[rounds:])
     results[f"store_vs_{name}_rounds"] = [round(r, 3) for r in ratios[:rounds]]
     results[f"load_vs_{name}_rounds"] = [round(r, 3) for r in ratios[rounds:]]
+    if same_runs["store"]:
+        # What the daemon adds, apart from what the job's layout costs any copy: each job against
+        # its own runs copied right before it, and those copies against the limit around them.
+        for kind, jobs in (("store", store), ("load", load)):
+            results[f"{kind}_vs_same_runs"] = statistics.median(
+                job / copy for job, copy in zip(jobs, same_runs[kind], strict=True))
+        results["same_runs_vs_copy_engine"] = statistics.median(
+            paired_ratios(same_runs["store"] + same_runs["load"], limits))
     return results
 
 

@@ -248,6 +248,9 @@ def test_bench_reports_every_figure(tmp_path) -> None:
         assert len(rounds) == 1 and all(0 < r < 100 for r in rounds), (name, rounds)
         assert 0 < results[f"{name}_vs_copy_engine"] < 100, name
     assert 0 < results["copy_engine_gbps_median"] <= results["copy_engine_gbps"]
+    # Each job against its own runs copied without the daemon, and those copies against the limit.
+    for name in ("store_vs_same_runs", "load_vs_same_runs", "same_runs_vs_copy_engine"):
+        assert 0 < results[name] < 100, name
     assert results["store_sustained_evicted_blocks"] == 3 * 32  # into a full pool: each block stored evicts one
     # ... and a 2048-token hit's (128 blocks of 16 tokens), likewise.
     for name, blocks in (("small_load", 16), ("hit_2048", 128)):
