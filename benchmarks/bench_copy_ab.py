@@ -102,13 +102,14 @@ def main() -> None:
     parser.add_argument("--a-env", nargs="*", default=[], help="KEY=VALUE added to daemon A's environment")
     parser.add_argument("--b-env", nargs="*", default=[], help="KEY=VALUE added to daemon B's environment")
     parser.add_argument("--hit-blocks", type=int, default=16, help="blocks of a hit (128: 2048 tokens)")
+    parser.add_argument("--pool-gib", type=int, default=6, help="GiB of pool per daemon (3 hold the jobs)")
     args = parser.parse_args()
     if args.mode == "hit":
         hits(args)
         return
     ratios: dict[str, list[float]] = {"A": [], "B": []}
     block_bytes = args.block_kib << 10
-    pool_bytes = BURST * JOB_BYTES if args.mode == "full" else 6 << 30
+    pool_bytes = BURST * JOB_BYTES if args.mode == "full" else args.pool_gib << 30
     with (daemon_run(parse_env(args.a_env), block_bytes, args.backend, args.a_threads, pool_bytes) as a,
           daemon_run(parse_env(args.b_env), block_bytes, args.backend, args.b_threads, pool_bytes) as b):
         for i in range(args.rounds):

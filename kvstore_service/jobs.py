@@ -351,7 +351,10 @@ class Jobs:
         lane = job.lane
         assert lane is not None
         stored: list[Block] = []
-        for chunk, copying in job.chunks:
+        # Taken off the job: each copy's done callback holds the job, a cycle that kept the job's blocks,
+        # keys and plans alive until the next collection (serve.py's GC_YOUNG_THRESHOLD says what it cost).
+        copies, job.chunks = job.chunks, []
+        for chunk, copying in copies:
             try:
                 corrupt = copying.result()
             except Exception as e:  # every block of the chunk failed; never report it as success

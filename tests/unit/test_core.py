@@ -24,12 +24,12 @@ from kvstore_client.protocol.completion import Completion, CompletionChannel
 from kvstore_service import native
 from kvstore_service.backends import Backend, Mapping, TransferPlan
 from kvstore_service.backends.cpu import CpuBackend
-from kvstore_service.chunks import CHUNK_BLOCKS, CHUNK_BYTES, TAIL_CHUNK_BYTES, chunks, load_check
+from kvstore_service.chunks import CHUNK_BLOCKS, CHUNK_BYTES, TAIL_CHUNK_BYTES, Chunk, chunks, load_check
 from kvstore_service.config import Config
 from kvstore_service.daemon import Daemon
 from kvstore_service.errors import KVError
 from kvstore_service.index import Block
-from kvstore_service.jobs import RESULTS_KEPT, Jobs
+from kvstore_service.jobs import RESULTS_KEPT, Job, Jobs
 from kvstore_service.layout import Layout, Region
 from kvstore_service.peercred import PeerCred
 from kvstore_service.sessions import EngineSession, Registration, Session
@@ -604,6 +604,30 @@ def test_finished_jobs_nobody_polls_keep_memory_flat(tmp_path: Path) -> None:
         assert await core.jobs.poll(engine, 0) == []
 
     run(tmp_path, body)
+
+
+def test_a_finished_job_leaves_no_cycle_its_blocks_and_plans_are_freed_as_it_ends(tmp_path: Path) -> None:
+    """A finished job's chunks, plans and blocks are freed by reference counting, not by the next
+    collection: the daemon collects once a second, and a second of stores kept alive made the loop
+    fault in fresh pages for every new block (serve.py, GC_YOUNG_THRESHOLD)."""
+    async def body(core: Core) -> None:
+        engine = await core.engine()
+        gc.collect()
+        gc.disable()
+        try:
+            assert await finish(core.jobs, engine, 1, keys_of(20), list(range(20)), True) == (20, 0)
+            assert await finish(core.jobs, engine, 2, keys_of(20), list(range(12, 32)), False) == (20, 0)
+            gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection would free, kept in gc.garbage to look at
+            gc.collect()
+            cyclic = [type(o).__name__ for o in gc.garbage if isinstance(o, Job | Chunk | Block)]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert cyclic == []
+
+    run(tmp_path, body)
+
 
 
 # -- sessions and leases --------------------------------------------------------------------------
