@@ -1,4 +1,5 @@
-"""The connector's cost per forward step in the engine that hits (B), A/B between two checkouts, one run.
+"""The connector's cost per forward step in the engine that hits (B), and its TTFT, A/B between two
+checkouts, one run.
 
     python benchmarks/bench_per_step_ab.py --base /tmp/base-checkout [--tokens 2049 --prompts 12 --rounds 3]
 
@@ -42,6 +43,7 @@ def main() -> int:
     daemon = bv.Daemon(work, args.pool_size).start()
     pythonpath = os.environ.get("PYTHONPATH", "")
     runs: dict[str, list[float]] = {"base": [], "new": []}
+    ttfts: dict[str, list[float]] = {"base": [], "new": []}  # each engine's p50 TTFT on its hits
     try:
         bench = bv.Bench(args, model, daemon, work)
         run = bv.ttft_run("ab", a.prompts, a.tokens)
@@ -53,14 +55,17 @@ def main() -> int:
                 engine = bench.engine(f"b_{v}_{r}", True, **run)
                 s = bv.step_summary([engine["steps"]])["forward"]
                 runs[v].append(s["conn_p50_us"])
+                ttfts[v].append(statistics.median(q["ttft_s"] for q in engine["requests"]) * 1e3)
                 methods = ", ".join(f"{k} {m['p50_us']:.1f}" for k, m in s["methods_per_step"].items())
-                print(f"{v} round {r}: p50 {s['conn_p50_us']:.1f} µs (scheduler {s['sched_p50_us']:.1f}, worker "
+                print(f"{v} round {r}: TTFT p50 {ttfts[v][-1]:.1f} ms; connector p50 {s['conn_p50_us']:.1f} µs "
+                      f"(scheduler {s['sched_p50_us']:.1f}, worker "
                       f"{s['worker_p50_us']:.1f}; {s['steps']} forward steps)\n    {methods}", flush=True)
     finally:
         os.environ["PYTHONPATH"] = pythonpath
         daemon.cleanup()
     for v, values in runs.items():
-        print(f"{v}: p50 per run {[round(x, 1) for x in values]} µs, median {statistics.median(values):.1f}")
+        print(f"{v}: connector p50 per run {[round(x, 1) for x in values]} µs, median {statistics.median(values):.1f}; "
+              f"TTFT p50 per run {[round(x, 1) for x in ttfts[v]]} ms, median {statistics.median(ttfts[v]):.1f}")
     return 0
 
 
