@@ -2,7 +2,8 @@
 
 A `Session` is what an engine holds: it registers the engine's KV memory, keeps the Attach stream
 open (the daemon ends the session when it closes), submits store/load jobs without blocking the
-caller (a sender thread makes the RPCs), and learns completions from shared memory, with no RPC.
+caller (their frames written at once where the socket takes them, a sender thread doing the rest and
+reading the replies), and learns completions from shared memory, with no RPC.
 When the daemon restarts, the session registers again on its own; jobs that were in flight are
 reported failed.
 """
@@ -188,7 +189,7 @@ class JobsSocket:
     Not usable over TCP, or where it cannot be reached (an older daemon: gRPC then, retried a second
     later). The caller's thread writes a job's frame itself when the socket takes it at once
     (`try_send`); the submit thread writes the rest and reads every reply, in order. Writes, connects
-    and closes are serialized by the session's send lock."""
+    and closes hold `lock` (replies are read without it)."""
 
     def __init__(self, target: str, timeout: float) -> None:
         self.path = target.removeprefix("unix://").removeprefix("unix:") + SUFFIX if target.startswith("unix:") else ""
@@ -197,6 +198,7 @@ class JobsSocket:
         self.registration = 0  # the session's registration the connection was made in
         self.connection = 0  # counts connections: a frame's reply is read from the one it went out on
         self.retry_at = 0.0
+        self.lock = threading.Lock()
 
     def ready(self, registration: int) -> bool:
         """Connected in this registration of the session (the caller's thread never connects)."""
@@ -243,7 +245,9 @@ class JobsSocket:
         try:
             body = self._read(int.from_bytes(self._read(4), "little"))
         except OSError as e:
-            self.close()
+            with self.lock:  # (the caller's thread may be writing)
+                if connection == self.connection:
+                    self.close()
             raise Unavailable(f"UNAVAILABLE: the daemon's {SUFFIX} socket failed: {e}") from None
         if not body or body[0] != 0:
             raise error_of(body[0] if body else 2, body[1:].decode(errors="replace"))
@@ -372,7 +376,6 @@ class Session:
         # while there are any, later jobs queue behind them (in order).
         self._submits: queue.SimpleQueue[_Submit | _Sent | None] = queue.SimpleQueue()
         self._jobs = JobsSocket(client.target, client.timeout)
-        self._send_lock = threading.Lock()  # writes, connects and closes of _jobs
         self._unsent = 0  # (under _lock)
         self._stream: grpc.Call | None = None
         # Lookups and lease releases run on one background thread, in order: starting a gRPC call
@@ -521,7 +524,7 @@ class Session:
         on our 2-vCPU VM; up to the 5 ms switch interval beside an engine's step). False: nothing
         written, the submit thread sends it. The submit thread reads the reply."""
         jobs = self._jobs
-        if not self._send_lock.acquire(blocking=False):  # the submit thread is writing or connecting
+        if not jobs.lock.acquire(blocking=False):  # the submit thread is writing or connecting
             return False
         try:
             if not jobs.ready(self.registrations):
@@ -535,7 +538,7 @@ class Session:
             self._submits.put(_Sent(item, jobs.connection, data[written:]))
             return True
         finally:
-            self._send_lock.release()
+            jobs.lock.release()
 
     @staticmethod
     def _request(item: _Submit) -> pb.TransferRequest:
@@ -551,7 +554,7 @@ class Session:
         while True:
             item = self._submits.get()
             if item is None:
-                with self._send_lock:
+                with jobs.lock:
                     jobs.close()
                 return
             job = item.item if isinstance(item, _Sent) else item
@@ -576,7 +579,7 @@ class Session:
     def _write(self, data: bytes, connection: int) -> None:
         """The submit thread: the rest of a frame the caller began on `connection`."""
         try:
-            with self._send_lock:
+            with self._jobs.lock:
                 if connection != self._jobs.connection or self._jobs.sock is None:
                     raise Unavailable(f"UNAVAILABLE: the daemon's {SUFFIX} socket failed mid-frame")
                 self._jobs.send(data)
@@ -593,7 +596,7 @@ class Session:
             if queued_in is None:
                 return  # failed already (disconnect)
             request = self._request(item)
-            with self._send_lock:
+            with jobs.lock:
                 connection = jobs.connection if jobs.usable(self.registrations) else 0
                 if connection:
                     jobs.send(frame(STORE if item.is_store else LOAD, request.SerializeToString()))

@@ -195,7 +195,7 @@ def test_the_order_seq_travels_from_the_client_to_the_job() -> None:
     session.memory, session.session_id, session.slots = object(), b"s" * 16, 8  # type: ignore[assignment]
     session._job_ids, session._pending, session._done = itertools.count(1), {}, []
     session._lock, session._connected, session._submits = threading.Lock(), threading.Event(), queue.SimpleQueue()
-    session._send_lock, session._unsent = threading.Lock(), 0
+    session._unsent = 0
     session._jobs = JobsSocket("localhost:1", 1.0)
     session._connected.set()
     session.store(keys_of(2), [0, 1], order_seq=7)
