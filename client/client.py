@@ -2,8 +2,7 @@
 
 A `Session` is what an engine holds: it registers the engine's KV memory, keeps the Attach stream
 open (the daemon ends the session when it closes), submits store/load jobs without blocking the
-caller (their frames written at once where the socket takes them, a sender thread doing the rest and
-reading the replies), and learns completions from shared memory, with no RPC.
+caller (a sender thread makes the RPCs), and learns completions from shared memory, with no RPC.
 When the daemon restarts, the session registers again on its own; jobs that were in flight are
 reported failed.
 """
@@ -11,7 +10,6 @@ reported failed.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import itertools
 import logging
 import os
@@ -175,34 +173,17 @@ class MemorySpec:
         return pb.KVLayout(num_blocks=self.num_blocks, regions=regions, shards=self.shards, shard=self.shard)
 
 
-# write(2) called with the GIL held (ctypes.PyDLL does not release it): on a non-blocking socket it
-# returns at once, and releasing the GIL for it handed the GIL to the session's other threads, which
-# the caller then waited for (an engine's submit p99 0.6-2.5 ms against 0.1-0.3).
-_write_holding_the_gil = ctypes.PyDLL(None).write
-_write_holding_the_gil.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
-_write_holding_the_gil.restype = ctypes.c_ssize_t
-
-
 class JobsSocket:
-    """The daemon's <socket>.jobs (kvstore_client.protocol.submits) for one session: connected by its
-    submit thread at the first job, and again once the session re-registered (a restarted daemon).
-    Not usable over TCP, or where it cannot be reached (an older daemon: gRPC then, retried a second
-    later). The caller's thread writes a job's frame itself when the socket takes it at once
-    (`try_send`); the submit thread writes the rest and reads every reply, in order. Writes, connects
-    and closes hold `lock` (replies are read without it)."""
+    """The daemon's <socket>.jobs (kvstore_client.protocol.submits) for one session's submit thread:
+    connected at the first job, and again once the session re-registered (a restarted daemon). Not
+    usable over TCP, or where it cannot be reached (an older daemon: gRPC then, retried a second later)."""
 
     def __init__(self, target: str, timeout: float) -> None:
         self.path = target.removeprefix("unix://").removeprefix("unix:") + SUFFIX if target.startswith("unix:") else ""
         self.timeout = timeout
         self.sock: socket.socket | None = None
         self.registration = 0  # the session's registration the connection was made in
-        self.connection = 0  # counts connections: a frame's reply is read from the one it went out on
         self.retry_at = 0.0
-        self.lock = threading.Lock()
-
-    def ready(self, registration: int) -> bool:
-        """Connected in this registration of the session (the caller's thread never connects)."""
-        return self.sock is not None and self.registration == registration
 
     def usable(self, registration: int) -> bool:
         if self.sock is not None and self.registration != registration:
@@ -217,37 +198,17 @@ class JobsSocket:
                 self.retry_at = time.monotonic() + 1.0
             else:
                 self.sock, self.registration = sock, registration
-                self.connection += 1
         return self.sock is not None
 
-    def try_send(self, data: bytes) -> int:
-        """Without waiting: how much of `data` the socket took (0 when full or broken; the submit
-        thread then finds out). A socket in timeout mode is non-blocking at the OS level."""
-        assert self.sock is not None
-        written = _write_holding_the_gil(self.sock.fileno(), data, len(data))
-        return max(written, 0)
-
-    def send(self, data: bytes) -> None:
-        """All of `data`, waiting for room up to the timeout; Unavailable when the connection failed."""
+    def submit(self, is_store: bool, request: pb.TransferRequest) -> None:
+        """Returns once the daemon took the job; raises its refusal (KVStoreError), or Unavailable when
+        the connection failed (whether the daemon took the job is then unknown)."""
         assert self.sock is not None
         try:
-            self.sock.sendall(data)
-        except OSError as e:
-            self.close()
-            raise Unavailable(f"UNAVAILABLE: the daemon's {SUFFIX} socket failed: {e}") from None
-
-    def reply(self, connection: int) -> None:
-        """The reply to the oldest unanswered frame sent on `connection`: returns once the daemon took
-        the job; raises its refusal (KVStoreError), or Unavailable when that connection failed (whether
-        the daemon took the job is then unknown)."""
-        if self.sock is None or connection != self.connection:
-            raise Unavailable(f"UNAVAILABLE: the daemon's {SUFFIX} socket failed before its reply")
-        try:
+            self.sock.sendall(frame(STORE if is_store else LOAD, request.SerializeToString()))
             body = self._read(int.from_bytes(self._read(4), "little"))
         except OSError as e:
-            with self.lock:  # (the caller's thread may be writing)
-                if connection == self.connection:
-                    self.close()
+            self.close()
             raise Unavailable(f"UNAVAILABLE: the daemon's {SUFFIX} socket failed: {e}") from None
         if not body or body[0] != 0:
             raise error_of(body[0] if body else 2, body[1:].decode(errors="replace"))
@@ -333,17 +294,6 @@ class _Submit:
     blocks: int
     partial_tail: bool = False
     order_seq: int = 0
-    session_id: bytes = b""
-
-
-@dataclass
-class _Sent:
-    """A job whose frame the caller's thread wrote on `connection`, but for `rest`: the submit thread
-    writes the rest, then reads its reply."""
-
-    item: _Submit
-    connection: int
-    rest: bytes = b""
 
 
 class Session:
@@ -371,12 +321,7 @@ class Session:
         self._connected = threading.Event()
         self._closed = threading.Event()
         self._closing = False  # close() began: nothing more is queued for the background thread
-        # Stores and loads: written to <socket>.jobs by the caller's thread when it can (_hand_off),
-        # else by the submit thread, which reads every reply. `_unsent` counts those queued unwritten:
-        # while there are any, later jobs queue behind them (in order).
-        self._submits: queue.SimpleQueue[_Submit | _Sent | None] = queue.SimpleQueue()
-        self._jobs = JobsSocket(client.target, client.timeout)
-        self._unsent = 0  # (under _lock)
+        self._submits: queue.SimpleQueue[_Submit | None] = queue.SimpleQueue()
         self._stream: grpc.Call | None = None
         # Lookups and lease releases run on one background thread, in order: starting a gRPC call
         # costs the caller ~1 ms. The hand-off is a SimpleQueue put (a ThreadPoolExecutor's costs 3x).
@@ -506,107 +451,46 @@ class Session:
         job_id = next(self._job_ids)
         packed, size = pack_keys(keys)
         ids = pack_block_ids(block_ids)
-        with self._lock:  # (held throughout: the submit thread's queue is in the order frames go out)
+        with self._lock:
             if not self.connected or len(self._pending) >= self.slots:
                 self._done.append(Completion(job_id, 0, max(len(keys), 1)))
                 return job_id
             self._pending[job_id] = self.session_id
-            item = _Submit(job_id, is_store, packed, size, ids, len(block_ids), partial_tail, order_seq,
-                           self.session_id)
-            if self._unsent or not self._hand_off(item):
-                self._unsent += 1
-                self._submits.put(item)
+        self._submits.put(_Submit(job_id, is_store, packed, size, ids, len(block_ids), partial_tail, order_seq))
         return job_id
 
-    def _hand_off(self, item: _Submit) -> bool:
-        """Write the job's frame from the caller's thread (holding _lock), never waiting: a thread woken
-        to write it waited for a core and the GIL (0.15-0.2 ms of a 16-block hit's ~1 ms beyond its copy
-        on our 2-vCPU VM; up to the 5 ms switch interval beside an engine's step). False: nothing
-        written, the submit thread sends it. The submit thread reads the reply."""
-        jobs = self._jobs
-        if not jobs.lock.acquire(blocking=False):  # the submit thread is writing or connecting
-            return False
-        try:
-            if not jobs.ready(self.registrations):
-                return False
-            data = frame(STORE if item.is_store else LOAD, self._request(item).SerializeToString())
-            written = jobs.try_send(data)
-            if not written:
-                return False
-            if written < len(data):  # the rest goes before any other frame
-                self._unsent += 1
-            self._submits.put(_Sent(item, jobs.connection, data[written:]))
-            return True
-        finally:
-            jobs.lock.release()
-
-    @staticmethod
-    def _request(item: _Submit) -> pb.TransferRequest:
-        return pb.TransferRequest(session_id=item.session_id, job_id=item.job_id, keys=item.keys,
-                                  key_size=item.key_size, block_id_bytes=item.block_ids,
-                                  partial_tail=item.partial_tail, order_seq=item.order_seq)
-
     def _send_loop(self) -> None:
-        """Sends the queued stores and loads, and reads the replies of every job: over the daemon's
-        <socket>.jobs where it can (a tenth of a gRPC call's time), else by gRPC; a refused or lost
-        one fails here, as the daemon never ran it."""
-        jobs = self._jobs
+        """Sends the queued stores and loads: over the daemon's <socket>.jobs where it can (a tenth of
+        a gRPC call's time), else by gRPC; a refused or lost one fails here, as the daemon never ran it."""
+        stub = self.client.stub
+        jobs = JobsSocket(self.client.target, self.client.timeout)
         while True:
             item = self._submits.get()
             if item is None:
-                with jobs.lock:
-                    jobs.close()
+                jobs.close()
                 return
-            job = item.item if isinstance(item, _Sent) else item
+            with self._lock:
+                session_id = self._pending.get(item.job_id)
+            if session_id is None:
+                continue  # failed already (disconnect)
+            request = pb.TransferRequest(session_id=session_id, job_id=item.job_id, keys=item.keys,
+                                         key_size=item.key_size, block_id_bytes=item.block_ids,
+                                         partial_tail=item.partial_tail, order_seq=item.order_seq)
             try:
-                if isinstance(item, _Sent):
-                    if item.rest:
-                        self._write(item.rest, item.connection)
-                    jobs.reply(item.connection)
+                if jobs.usable(self.registrations):
+                    jobs.submit(item.is_store, request)
                 else:
-                    self._send(item)
+                    (stub.Store if item.is_store else stub.Load)(request, timeout=self.client.timeout)
                 continue
             except grpc.RpcError as e:
                 error = from_rpc_error(e)
             except KVStoreError as e:
                 error = e
-            log.warning("kvstore: %s job %d refused: %s", "store" if job.is_store else "load", job.job_id, error)
+            log.warning("kvstore: %s job %d refused: %s", "store" if item.is_store else "load", item.job_id, error)
             with self._lock:
-                if self._pending.pop(job.job_id, None) is not None:
-                    self._done.append(Completion(job.job_id, 0, max(job.blocks, 1)))
+                if self._pending.pop(item.job_id, None) is not None:
+                    self._done.append(Completion(item.job_id, 0, max(item.blocks, 1)))
             self._wake_waiters()
-
-    def _write(self, data: bytes, connection: int) -> None:
-        """The submit thread: the rest of a frame the caller began on `connection`."""
-        try:
-            with self._jobs.lock:
-                if connection != self._jobs.connection or self._jobs.sock is None:
-                    raise Unavailable(f"UNAVAILABLE: the daemon's {SUFFIX} socket failed mid-frame")
-                self._jobs.send(data)
-        finally:
-            with self._lock:
-                self._unsent -= 1
-
-    def _send(self, item: _Submit) -> None:
-        """The submit thread: a job queued unwritten, over the socket (then its reply) or by gRPC."""
-        jobs = self._jobs
-        with self._lock:
-            queued_in = self._pending.get(item.job_id)
-        try:
-            if queued_in is None:
-                return  # failed already (disconnect)
-            request = self._request(item)
-            with jobs.lock:
-                connection = jobs.connection if jobs.usable(self.registrations) else 0
-                if connection:
-                    jobs.send(frame(STORE if item.is_store else LOAD, request.SerializeToString()))
-        finally:
-            with self._lock:
-                self._unsent -= 1
-        if connection:
-            jobs.reply(connection)
-        else:
-            (self.client.stub.Store if item.is_store else self.client.stub.Load)(request, timeout=self.client.timeout)
 
     def poll(self) -> list[Completion]:
         """Jobs finished since the last poll, read from shared memory (no RPC)."""

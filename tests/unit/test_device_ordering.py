@@ -25,7 +25,7 @@ from typing import Any
 
 from test_core import BLOCK, NUM_BLOCKS, SLOTS, Core, FakeBackend, block_bytes, fill, keys_of, run
 
-from kvstore_client.client import JobsSocket, Session
+from kvstore_client.client import Session
 from kvstore_client.protocol import PROTOCOL_VERSION
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol.completion import CompletionChannel
@@ -195,8 +195,6 @@ def test_the_order_seq_travels_from_the_client_to_the_job() -> None:
     session.memory, session.session_id, session.slots = object(), b"s" * 16, 8  # type: ignore[assignment]
     session._job_ids, session._pending, session._done = itertools.count(1), {}, []
     session._lock, session._connected, session._submits = threading.Lock(), threading.Event(), queue.SimpleQueue()
-    session._unsent = 0
-    session._jobs = JobsSocket("localhost:1", 1.0)
     session._connected.set()
     session.store(keys_of(2), [0, 1], order_seq=7)
     session.load(keys_of(2), [2, 3], order_seq=8)
