@@ -629,7 +629,6 @@ def test_a_finished_job_leaves_no_cycle_its_blocks_and_plans_are_freed_as_it_end
     run(tmp_path, body)
 
 
-
 # -- sessions and leases --------------------------------------------------------------------------
 
 
