@@ -8,8 +8,9 @@ Jobs: 2048 x 256 KiB stores and loads (`--blocks`, `--block-kib`), a 2048-token 
 hit of a vLLM-sized layout (32 layers, K and V regions of 32 KiB per block).
 
 Each job's CPU in the daemon too (/proc schedstat): its event loop's and its other threads' (the copy
-threads, mostly). On a machine of few cores the copies and the loop share them: the loop's Python
-runs several times slower while copies stream through the caches, and takes cores the copies need.
+threads, mostly). On a machine of few cores the copies and the loop share them: what the loop spends
+is taken from the copies (a loop at 8-15 ms a store, when a cycle kept jobs alive and it faulted in
+fresh pages, against 2-3 ms: `cpu-probes-s31-2026-12-02.log`).
 
     python benchmarks/bench_timeline.py --backend cuda --rounds 5
 """
