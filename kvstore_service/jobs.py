@@ -387,7 +387,12 @@ class Jobs:
         lead = min(self.config.copy_threads, len(parts)) if len(parts) > 1 else 0
         held: list[Chunk] = []
         for k, part in enumerate(parts):
-            chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part)
+            try:
+                chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part)
+            except Exception as e:  # a bug: the chunks planned still copy and complete, the rest fail
+                log.exception("job %d: planning blocks %d-%d failed", job.job_id, part.start, part.stop - 1)
+                job.error = f"internal error: {e}"
+                break
             if chunk is not None:
                 with self._landing:
                     job.copying += 1
@@ -399,13 +404,19 @@ class Jobs:
                 else:
                     copies.append((chunk, lane.submit(self._copy, job, chunk)))
             if held and k + 1 == lead:
-                started = Threads.start(lane, [partial(self._copy, job, c) for c in held], wait_s=HANDOFF_WAIT_S)
-                copies[:0] = zip(held, started, strict=True)
+                self._start_held(job, lane, held)
+                held = []
             if k + 1 < len(parts):
                 await asyncio.sleep(0)  # serve other requests between chunks of a large job
+        if held:  # (planning stopped early)
+            self._start_held(job, lane, held)
         for _, copying in copies:
             copying.add_done_callback(partial(self._copy_ended, job, loop))
         self._copy_ended(job, loop)  # (planning is done; job.error if a block is missing)
+
+    def _start_held(self, job: Job, lane: Executor, held: list[Chunk]) -> None:
+        started = Threads.start(lane, [partial(self._copy, job, c) for c in held], wait_s=HANDOFF_WAIT_S)
+        job.chunks[:0] = zip(held, started, strict=True)
 
     def _prepare_store(self, job: Job, part: range) -> Chunk | None:
         """Slots for the chunk's new keys; keys present already are done, keys another job is
@@ -425,7 +436,11 @@ class Jobs:
         if not plan.blocks:
             return None
         indexes = [part.start + i for i in plan.reserved]
-        return plan_chunk(job.session, job.block_ids, indexes, plan.blocks, self.pool.size)
+        try:
+            return plan_chunk(job.session, job.block_ids, indexes, plan.blocks, self.pool.size)
+        except Exception:  # (a bug) the slots reserved are freed, not left being written forever
+            self.index.complete_store(plan.blocks, False, shard)
+            raise
 
     def _prepare_load(self, job: Job, part: range) -> Chunk | None:
         """Pin the chunk's present blocks; an absent one fails."""
@@ -437,9 +452,13 @@ class Jobs:
             indexes = [i for i, block in zip(part, found, strict=True) if block is not None]
         if not blocks:
             return None
-        chunk = plan_chunk(job.session, job.block_ids, indexes, blocks, self.pool.size)
-        if self.config.verify_loads > 0:
-            chunk.check = load_check(blocks, job.session.namespace.block_bytes, self.config.verify_loads)
+        try:
+            chunk = plan_chunk(job.session, job.block_ids, indexes, blocks, self.pool.size)
+            if self.config.verify_loads > 0:
+                chunk.check = load_check(blocks, job.session.namespace.block_bytes, self.config.verify_loads)
+        except Exception:  # (a bug) the blocks pinned are let go, not pinned forever
+            self.index.unpin(blocks)
+            raise
         return chunk
 
     def _copy(self, job: Job, chunk: Chunk) -> list[int]:

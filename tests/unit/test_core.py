@@ -21,6 +21,7 @@ import pytest
 
 from kvstore_client.protocol import PROTOCOL_VERSION
 from kvstore_client.protocol.completion import Completion, CompletionChannel
+from kvstore_service import jobs as jobs_module
 from kvstore_service import native
 from kvstore_service.backends import Backend, Mapping, TransferPlan
 from kvstore_service.backends.cpu import CpuBackend
@@ -628,6 +629,46 @@ def test_a_finished_job_leaves_no_cycle_its_blocks_and_plans_are_freed_as_it_end
 
     run(tmp_path, body)
 
+
+
+def test_a_bug_while_planning_a_chunk_fails_its_blocks_and_leaves_none_being_written_or_pinned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A job of two chunks (16 + 4 blocks) whose second chunk's plan raises: the first is copied and
+    completes, the second's blocks fail, and no slot is left being written (a later store of those
+    keys would wait for it forever) nor any block pinned (never evictable again)."""
+    def second_plan_fails(real: Callable[..., Chunk]) -> Callable[..., Chunk]:
+        calls = 0
+
+        def plan(*args: object) -> Chunk:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                raise RuntimeError("a planning bug")
+            return real(*args)
+        return plan
+
+    async def body(core: Core) -> None:
+        engine = await core.engine()
+        ns = engine.namespace
+        assert chunks(20, BLOCK, 2) == [range(0, 16), range(16, 20)]
+        with monkeypatch.context() as patched:
+            patched.setattr(jobs_module, "plan_chunk", second_plan_fails(jobs_module.plan_chunk))
+            assert await finish(core.jobs, engine, 1, keys_of(20), list(range(20)), True) == (16, 4)
+        result = (await core.jobs.poll(engine, 0))[-1]
+        assert result.failed == (16, 17, 18, 19) and result.error == "internal error: a planning bug"
+        assert not ns._writing and len(ns._committed) == 16
+        assert await finish(core.jobs, engine, 2, keys_of(20), list(range(20)), True) == (20, 0)
+
+        with monkeypatch.context() as patched:
+            patched.setattr(jobs_module, "plan_chunk", second_plan_fails(jobs_module.plan_chunk))
+            assert await finish(core.jobs, engine, 3, keys_of(20), list(range(12, 32)), False) == (16, 4)
+        assert [block.pins for block in ns._committed.values()] == [0] * 20
+        assert core.index.clear(ns) == 20  # (a pinned block is not cleared)
+
+    with caplog.at_level(logging.ERROR, logger="kvstore_service.jobs"):
+        run(tmp_path, body)
+    assert [r.getMessage() for r in caplog.records] == ["job 1: planning blocks 16-19 failed",
+                                                        "job 3: planning blocks 16-19 failed"]
 
 # -- sessions and leases --------------------------------------------------------------------------
 
