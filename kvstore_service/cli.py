@@ -406,7 +406,9 @@ def clear(socket: str, namespace: str, everything: bool, tenant: str) -> None:
 @socket_option
 @click.option("--blocks", default=2048, show_default=True, help="Blocks per job.")
 @click.option("--block-size", default="256KiB", show_default=True, help="Bytes per block.")
-@click.option("--rounds", default=5, show_default=True, help="Store and load rounds (best is reported).")
+@click.option("--rounds", default=5, show_default=True,
+              help="Rounds of each measure, each paired with the limit copied around it: the medians of the "
+                   "paired ratios are reported.")
 @click.option("--backend", type=click.Choice(["cpu", "cuda", "npu"]), default="cpu", show_default=True)
 @click.option("--spawn/--no-spawn", default=True, show_default=True,
               help="Start a private daemon for the run (else use the one at --socket).")

@@ -224,37 +224,29 @@ def test_completed_store_survives_a_daemon_kill_once_sealed(daemon_factory) -> N
 
 def test_deduplicated_store_waits_for_the_bytes_and_is_sealed(daemon_factory) -> None:
     """A store of a key that another store is still writing waits for that block's bytes
-    (prepare_store reports it in flight; the job waits for that copy) before it reports the block
-    ok: the block then loads byte-exact while the first store still copies its later chunks. The
-    first store seals it with its other blocks, so once the seals are done it survives a daemon kill.
-    The first job is made large and the shared key is in its first chunk; the test skips if the
-    first job still always finished first."""
+    (prepare_store reports it in flight; the job waits for that copy) and reports the block ok: a
+    store's blocks are committed together once its last chunk lands, so the first store is done
+    (posted before, by its last copy thread) when the second is. The block then loads byte-exact,
+    and the first store's seal covers it: once the seals are done it survives a daemon kill."""
     daemon = daemon_factory(pool_size="256MiB").start()
     engine = ShmEngine.contiguous(daemon.socket, "dedupe", 200, 512 * KB)
     session = engine.session
     try:
-        for attempt in range(4):
-            keys = [key_of(f"dedupe{attempt}", i) for i in range(192)]
-            engine.fill(keys, list(range(192)))
-            first = session.store(keys, list(range(192)))  # ~96 MiB in 6 chunks
-            second = session.store(keys[:1], [199])  # its first key again
-            assert session.wait([second])[second].ok
-            if session.channel is None or session.channel.check(first) is not None:
-                session.wait([first])  # the first store had already finished: missed the window
-                daemon.stop()
-                daemon.start("--fresh")  # an empty pool: _recovered counts the next attempt's blocks only
-                assert wait_for(lambda: session.connected, timeout=20)
-                continue
-            engine.zero([198])
-            load = session.load(keys[:1], [198])
-            assert session.wait([load])[load].ok and engine.corrupt_blocks(keys[:1], [198]) == 0
-            assert session.wait([first])[first].ok
-            _sealed(daemon)
-            daemon.kill()
-            daemon.start()
-            assert _recovered(daemon, session, keys) == keys, "a sealed block is gone after a restart"
-            return
-        pytest.skip("the first store always finished before the second one")
+        keys = [key_of("dedupe", i) for i in range(192)]
+        engine.fill(keys, list(range(192)))
+        first = session.store(keys, list(range(192)))  # ~96 MiB in 6 chunks
+        second = session.store(keys[:1], [199])  # its first key again
+        assert session.wait([second])[second].ok
+        assert session.channel is not None and session.channel.check(first) is not None, \
+            "the second store was reported before the first one's bytes landed"
+        assert session.wait([first])[first].ok
+        engine.zero([198])
+        load = session.load(keys[:1], [198])
+        assert session.wait([load])[load].ok and engine.corrupt_blocks(keys[:1], [198]) == 0
+        _sealed(daemon)
+        daemon.kill()
+        daemon.start()
+        assert _recovered(daemon, session, keys) == keys, "a sealed block is gone after a restart"
     finally:
         engine.close()
 
