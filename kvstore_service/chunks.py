@@ -29,15 +29,10 @@ from kvstore_service.sessions import EngineSession
 # small chunk of each other. Each chunk costs a hand-off. A job of at most a first chunk per thread
 # is cut in equal shares, one per thread (a 16-block store of 3 MiB blocks: two chunks of 8; a load
 # up to the backend's whole_load_bytes is one chunk, see backends/cpu.py).
-# 2048 blocks of 256 KiB, A/Bs of interleaved rounds (benchmarks/results/README.md): first chunks
-# started together against a doubling ramp of seven chunks, CPU: stores 0.75 -> 0.84 of the copy
-# engine, loads 0.67 -> 0.74; shares capped at 64 MiB (8 chunks) against 256 MiB (4 chunks): on an
-# H100 stores 0.61 -> 0.65, loads 0.64 -> 0.66 of the pinned copy (H200: 0.55 -> 0.61, 0.59 ->
-# 0.61), CPU even. Since clients sleep on a futex for completions (client.py wait()) instead of
-# polling, a thread woken while the loop plans finds a core: each first chunk starting at once
-# against all together, CPU loads 0.72 -> 0.79 and 0.74 -> 0.78, stores even (together again
-# since the loop sees them taken up: jobs.py HANDOFF_WAIT_S); chunks shrinking to
-# 8 MiB at the end against 64 MiB throughout, loads 0.73 -> 0.77 and 0.77 -> 0.81, stores even.
+# Each choice won its A/B against the one before (2048 x 256 KiB jobs, the ledger of 2026-11-27):
+# first chunks started together against a doubling ramp (CPU stores 0.75 -> 0.84 of the copy
+# engine), shares capped at 64 MiB (H100 stores 0.61 -> 0.65 of the pinned copy, CPU even), chunks
+# shrinking to 8 MiB at the end (CPU loads 0.73 -> 0.77, stores even).
 FIRST_CHUNK_BYTES = 64 << 20
 FIRST_CHUNK_BLOCKS = 256
 MIN_SHARE_BYTES = 1 << 20  # a smaller job is one chunk: its copy is shorter than a hand-off

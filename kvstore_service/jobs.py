@@ -60,14 +60,10 @@ ORDER_WAIT_S = 60.0
 ORDER_POLL_FIRST_S = 0.0002
 ORDER_POLL_MAX_S = 0.002
 # The longest the loop waits for free copy threads to take up a job's first chunks before it plans
-# on (Threads.start). A thread woken while the loop goes on in Python waits for the GIL: a 2048 x
-# 256 KiB load's first copies started 1.5-5 ms after their hand-off. Each handed off as planned and
-# seen taken up, the first started 0.05-0.2 ms after it, the second still 1.4-4 ms after the job's
-# arrival (woken while the loop and the first copy held both vCPUs, it queued behind one); handed
-# off together, both start 0.9-1.2 ms after the arrival. A/Bs of 16-20 interleaved rounds, 2-vCPU
-# VM, of the copy engine: as planned and seen taken up, loads 0.80 -> 0.83, stores 0.92 -> 0.93;
-# then together, loads 0.77 -> 0.83, 0.78 -> 0.83 and 0.73 -> 0.83, stores 0.90 -> 0.87, 0.85 ->
-# 0.93 and 0.87 -> 0.92.
+# on (Threads.start). A thread woken while the loop goes on in Python waits for the GIL (a bulk
+# load's first copies started 1.5-5 ms after their hand-off), and one woken while the loop and the
+# other copy hold both vCPUs queues behind them: handed off together and seen taken up, both start
+# ~1 ms after the job's arrival (2-vCPU VM; loads 0.77 -> 0.83 of the copy engine, ledger 2026-11-27).
 HANDOFF_WAIT_S = 0.002
 # Finished jobs kept per session for the Poll RPC (the shared-memory channel is the main path):
 # the oldest go first when nobody polls.
@@ -105,14 +101,9 @@ class Job:
     copies: list[tuple[float, float]] = field(default_factory=list)  # each chunk's copy: (start, end)
     # Chunks handed to copy threads and not done, plus 1 while the loop plans. The thread that brings
     # it to 0 wakes the loop (`copied`) and posts the completion if every block landed intact
-    # (`_copy_ended`): once per job, not once per chunk. Each wake cost the loop a future's callbacks
-    # and a resumption, and a copy thread its vCPU. 2048 x 256 KiB loads, A/Bs of 10-16 interleaved
-    # rounds of 30, 2-vCPU VM: the loop's CPU 4.5 -> 3.2 and 4.0 -> 3.0 ms a load, loads 0.72 -> 0.83
-    # and 0.81 -> 0.86 of the copy engine. Stores likewise since 2026-12-01 (their commits all at once
-    # after the last copy, queued before the post: `_land_store`), A/Bs of 30 rounds: stores 0.831 ->
-    # 0.880 and 0.776 -> 0.871, sustained into a full pool (12) 0.779 -> 0.821 and 0.837 -> 0.797,
-    # loads 0.833 -> 0.839, 16-block hits 1.51x -> 1.44x. (Committed as chunks landed, a store's
-    # commits hid behind its other copies, but each chunk woke the loop and the post waited for it.)
+    # (`_copy_ended`): once per job, not once per chunk, as each wake cost the loop a resumption and a
+    # copy thread its vCPU (a bulk load's loop CPU 4.5 -> 3.2 ms; a store's commits likewise all at
+    # once after its last copy, `_land_store`: stores 0.83 -> 0.88 of the copy engine, ledger 2026-12-01).
     copying: int = 1
     intact: bool = True  # no chunk's copy failed, and (a load) none found a corrupt block
     posted: bool = False
@@ -479,13 +470,12 @@ class Jobs:
         landed intact, and (a load) was found, or (a store) none waits for another store's copy.
 
         So a job's completion reaches the engine when its last chunk lands, not when the loop wakes to
-        complete it (0.15-0.3 ms later on our 2-vCPU VM, then 0.2-0.3 ms of bookkeeping, more for a
-        store's commits). 16-block vLLM-sized hits, A/Bs of 30 interleaved rounds: 1.62x -> 1.44x and
-        1.73x -> 1.57x their copy's time; bulk loads 0.81 -> 0.84 of the copy engine. A store's commit
-        is queued on the loop before its post: whatever the engine asks after it sees the post reaches
-        the loop behind it (every request's handler runs from the loop's queue), so it finds the
-        blocks (a block a Clear took while it was copied is then reported stored, as if cleared just
-        after). A missing or corrupt block, a failed copy, a refused slot: the loop posts, in _publish."""
+        complete it (0.15-0.3 ms later on our 2-vCPU VM, then its bookkeeping: 16-block hits 1.62x ->
+        1.44x their copy's time). A store's commit is queued on the loop before its post: whatever
+        the engine asks after it sees the post reaches the loop behind it (every request's handler
+        runs from the loop's queue), so it finds the blocks (a block a Clear took while it was copied
+        is then reported stored, as if cleared just after). A missing or corrupt block, a failed
+        copy, a refused slot: the loop posts, in _publish."""
         with self._landing:
             if copy is not None and (copy.cancelled() or copy.exception() is not None or copy.result()):
                 job.intact = False

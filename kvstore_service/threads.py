@@ -35,11 +35,9 @@ REMOTE_THREADS: int | None = None
 class Threads:
     def __init__(self, copy_threads: int) -> None:
         self.copy_threads = copy_threads
-        # Copy threads run at the default priority. At nice 10 (the loop gets a core at once) a
-        # 512 MiB store reached 0.05-0.07 less of the copy engine and a load 0.02-0.06 more (A/Bs of
-        # 14-20 interleaved rounds, 2-vCPU VM; again with clients asleep on a futex: stores 0.93 ->
-        # 0.85, loads 0.80 -> 0.81); a thread cannot move between the two without CAP_SYS_NICE,
-        # and stores lose more than loads gain.
+        # Copy threads run at the default priority: at nice 10 (the loop gets a core at once) stores
+        # lost more than loads gained (2-vCPU VM: stores 0.93 -> 0.85, loads 0.80 -> 0.81 of the copy
+        # engine), and a thread cannot move between the two without CAP_SYS_NICE.
         self.shared = ThreadPoolExecutor(max_workers=copy_threads, thread_name_prefix="kvstore-copy")
         # Device calls get threads of their own, so that they neither block the loop nor wait behind copies.
         self._device_calls = ThreadPoolExecutor(max_workers=DEVICE_CALL_THREADS, thread_name_prefix="kvstore-device")
