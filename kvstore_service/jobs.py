@@ -345,6 +345,9 @@ class Jobs:
         # Taken off the job: each copy's done callback holds the job, a cycle that kept the job's blocks,
         # keys and plans alive until the next collection (serve.py's GC_YOUNG_THRESHOLD says what it cost).
         copies, job.chunks = job.chunks, []
+        self._copies[lane] -= len(copies)
+        if lane is self.threads.shared and not self._copies[lane]:
+            self.seals.no_copies()
         for chunk, copying in copies:
             try:
                 corrupt = copying.result()
@@ -354,15 +357,19 @@ class Jobs:
                 corrupt = None
                 if isinstance(e, native.StickyDeviceError):
                     self.fatal(e)
-            self._copies[lane] -= 1
-            if lane is self.threads.shared and not self._copies[lane]:
-                self.seals.no_copies()
             if corrupt is not None:
                 job.copied_bytes += chunk.plan.total_bytes
-            if job.is_store:
-                stored += self._complete_store(job, chunk, ok=corrupt is not None)
-            else:
-                self._complete_load(job, chunk, corrupt)
+            try:
+                if job.is_store:
+                    stored += self._complete_store(job, chunk, ok=corrupt is not None)
+                else:
+                    self._complete_load(job, chunk, corrupt)
+            except Exception as e:  # a bug: this chunk's blocks fail, the job's other chunks still complete
+                log.exception("job %d: completing blocks %d-%d failed", job.job_id, chunk.indexes[0],
+                              chunk.indexes[-1])
+                job.error = f"internal error: {e}"
+                for i in chunk.indexes:
+                    job.ok[i] = False
         return stored
 
     async def _start_copies(self, job: Job, lane: Executor) -> None:

@@ -670,6 +670,40 @@ def test_a_bug_while_planning_a_chunk_fails_its_blocks_and_leaves_none_being_wri
     assert [r.getMessage() for r in caplog.records] == ["job 1: planning blocks 16-19 failed",
                                                         "job 3: planning blocks 16-19 failed"]
 
+
+def test_a_bug_while_completing_a_chunk_fails_its_blocks_and_the_jobs_other_chunks_still_complete(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A load of two chunks (16 + 4 blocks) whose first chunk's completion raises: the second's blocks
+    are still let go, and no copy stays counted in flight (seals would wait SEAL_DEFER_S for it)."""
+    async def body(core: Core) -> None:
+        core.backend.copies_on_host = True  # (as the CPU backend's: on the shared copy threads, beside seals)
+        engine = await core.engine()
+        assert await finish(core.jobs, engine, 1, keys_of(20), list(range(20)), True) == (20, 0)
+        await asyncio.sleep(0.05)
+        real, calls = core.index.complete_load, 0
+
+        def complete_load(blocks: list[Block], corrupt: list[Block]) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("a completion bug")
+            real(blocks, corrupt)
+
+        monkeypatch.setattr(core.index, "complete_load", complete_load)
+        # (Its bytes landed: its copy thread posted it before the loop's bookkeeping.)
+        assert await finish(core.jobs, engine, 2, keys_of(20), list(range(12, 32)), False) == (20, 0)
+        result = (await core.jobs.poll(engine, 0))[-1]
+        assert result.failed == tuple(range(16)) and result.error == "internal error: a completion bug"
+        blocks = core.index.lookup(engine.namespace, b"".join(keys_of(20)), 32)
+        assert [block.pins for block in blocks[16:]] == [0] * 4
+        assert await finish(core.jobs, engine, 3, keys_of(2, 1), [0, 1], True) == (2, 0)
+        await asyncio.sleep(0.3)  # (< SEAL_DEFER_S)
+        assert all(b.checksum is not None for b in core.index.lookup(engine.namespace, b"".join(keys_of(2, 1)), 32))
+
+    with caplog.at_level(logging.ERROR, logger="kvstore_service.jobs"):
+        run(tmp_path, body)
+    assert [r.getMessage() for r in caplog.records] == ["job 2: completing blocks 0-15 failed"]
+
 # -- sessions and leases --------------------------------------------------------------------------
 
 
