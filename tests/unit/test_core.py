@@ -23,6 +23,7 @@ from kvstore_client.protocol import PROTOCOL_VERSION
 from kvstore_client.protocol.completion import Completion, CompletionChannel
 from kvstore_service import jobs as jobs_module
 from kvstore_service import native
+from kvstore_service import seals as seals_module
 from kvstore_service.backends import Backend, Mapping, TransferPlan
 from kvstore_service.backends.cpu import CpuBackend
 from kvstore_service.chunks import CHUNK_BLOCKS, CHUNK_BYTES, TAIL_CHUNK_BYTES, Chunk, chunks, load_check
@@ -431,6 +432,37 @@ def test_seals_run_beside_a_devices_copies(tmp_path: Path) -> None:
 
     run(tmp_path, body)
 
+
+
+def test_seals_checksum_a_batch_on_each_copy_thread_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store's blocks are sealed in batches (SEAL_BATCH_BYTES), one per copy thread at once, each on
+    its thread: while some are checksummed the loop hands off the next, no thread waits for it."""
+    running, most = 0, 0
+    lock = threading.Lock()
+    checksum_blocks = native.checksum_blocks
+
+    def slow_checksums(*args: object) -> bytes:
+        nonlocal running, most
+        with lock:
+            running += 1
+            most = max(most, running)
+        time.sleep(0.02)
+        with lock:
+            running -= 1
+        return checksum_blocks(*args)  # type: ignore[arg-type]
+
+    async def body(core: Core) -> None:
+        engine = await core.engine()
+        assert await finish(core.jobs, engine, 1, keys_of(20), list(range(20)), True) == (20, 0)
+        while core.jobs.unsealed_blocks:
+            await asyncio.sleep(0.005)
+        stored = core.index.lookup(engine.namespace, b"".join(keys_of(20)), 32)
+        assert len(stored) == 20 and all(b.checksum is not None for b in stored)
+
+    monkeypatch.setattr(seals_module, "SEAL_BATCH_BYTES", 3 * BLOCK)  # 7 batches
+    monkeypatch.setattr(native, "checksum_blocks", slow_checksums)
+    run(tmp_path, body)
+    assert most == 2  # --copy-threads 2
 
 def test_pool_full_fails_the_blocks_that_got_no_slot(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
