@@ -87,9 +87,7 @@ class Seals:
         sealing: set[asyncio.Task[None]] = set()
         while self._to_seal or sealing:
             if not self._to_seal or len(sealing) >= self.threads.copy_threads:
-                done, sealing = await asyncio.wait(sealing, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    task.result()  # (a bug: raised here, as when batches were sealed one at a time)
+                sealing = await _one_ended(sealing)
                 continue
             queued, blocks = self._to_seal[0]
             wait = queued + SEAL_DEFER_S - time.monotonic()
@@ -152,26 +150,37 @@ class Seals:
             self._verifier = asyncio.get_running_loop().create_task(self._verify(recovered))
 
     async def _verify(self, recovered: list[list[Block]]) -> None:
-        """Checksum the recovered blocks of each namespace in batches on a copy thread; the index
-        makes those that match their headers' checksums visible and drops the others."""
-        for blocks in recovered:
-            block_bytes = blocks[0].namespace.block_bytes
-            batch = max(1, SEAL_BATCH_BYTES // block_bytes)
-            for start in range(0, len(blocks), batch):
-                held = self.index.hold(blocks[start:start + batch])
-                if not held:
-                    continue
-                offsets = native.block_offsets(held)
-                checksums = None
-                try:
-                    checksums = await Threads.run(self.threads.shared, native.checksum_blocks, self.pool.base,
-                                                  offsets, block_bytes, self.config.copy_threads)
-                except Exception:
-                    log.exception("checksum failed; %d recovered blocks dropped unverified", len(held))
-                corrupt = self.index.verify(held, checksums)
-                if corrupt:
-                    self.corrupt_blocks += corrupt
-                    log.warning("%d recovered blocks failed their checksum and were dropped", corrupt)
+        """Checksum the recovered blocks of each namespace in batches, as seals: up to one per copy
+        thread at once, each on its thread. The index makes those that match their headers' checksums
+        visible and drops the others."""
+        verifying: set[asyncio.Task[None]] = set()
+        try:
+            for blocks in recovered:
+                batch = max(1, SEAL_BATCH_BYTES // blocks[0].namespace.block_bytes)
+                for start in range(0, len(blocks), batch):
+                    if len(verifying) >= self.threads.copy_threads:
+                        verifying = await _one_ended(verifying)
+                    held = self.index.hold(blocks[start:start + batch])
+                    if held:
+                        verifying.add(asyncio.get_running_loop().create_task(self._verify_batch(held)))
+            while verifying:
+                verifying = await _one_ended(verifying)
+        finally:  # (cancelled: the daemon is stopping)
+            for task in verifying:
+                task.cancel()
+
+    async def _verify_batch(self, blocks: list[Block]) -> None:
+        offsets = native.block_offsets(blocks)
+        checksums = None
+        try:
+            checksums = await Threads.run(self.threads.shared, native.checksum_blocks, self.pool.base, offsets,
+                                          blocks[0].namespace.block_bytes)
+        except Exception:
+            log.exception("checksum failed; %d recovered blocks dropped unverified", len(blocks))
+        corrupt = self.index.verify(blocks, checksums)
+        if corrupt:
+            self.corrupt_blocks += corrupt
+            log.warning("%d recovered blocks failed their checksum and were dropped", corrupt)
 
     async def drain(self) -> None:
         """Shutting down: seal what is queued without yielding to copies (a restarted daemon can then
@@ -182,3 +191,12 @@ class Seals:
             self._verifier.cancel()
         if self._sealer is not None:
             await self._sealer
+
+
+async def _one_ended(tasks: set[asyncio.Task[None]]) -> set[asyncio.Task[None]]:
+    """Wait until one of the tasks ends, raising what it raised (a bug, as when batches ran one at a
+    time); returns the others."""
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in done:
+        task.result()
+    return pending

@@ -109,9 +109,9 @@ class Core:
     def __init__(self, tmp_path: Path, pool_blocks: int = 64, **settings: object) -> None:
         segment = 1 << 20
         per_segment = segment // (BLOCK + 4096)
-        chosen = {"copy_threads": 2, "verify_loads": 0, **settings}
+        chosen = {"copy_threads": 2, "verify_loads": 0, "fresh": True, **settings}
         self.config = Config(pool_path=str(tmp_path / "pool"), pool_size=-(-pool_blocks // per_segment) * segment,
-                             segment_size=segment, fresh=True, **chosen)
+                             segment_size=segment, **chosen)
         self.backend = FakeBackend()
         self.fatal: list[native.StickyDeviceError] = []
         # The daemon's own composition (its constructor), with the fake device backend beside the cpu one.
@@ -434,9 +434,11 @@ def test_seals_run_beside_a_devices_copies(tmp_path: Path) -> None:
 
 
 
-def test_seals_checksum_a_batch_on_each_copy_thread_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_seals_and_verifications_checksum_a_batch_on_each_copy_thread_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A store's blocks are sealed in batches (SEAL_BATCH_BYTES), one per copy thread at once, each on
-    its thread: while some are checksummed the loop hands off the next, no thread waits for it."""
+    its thread: while some are checksummed the loop hands off the next, no thread waits for it. After
+    a restart the recovered blocks are verified likewise."""
     running, most = 0, 0
     lock = threading.Lock()
     checksum_blocks = native.checksum_blocks
@@ -451,7 +453,7 @@ def test_seals_checksum_a_batch_on_each_copy_thread_at_once(tmp_path: Path, monk
             running -= 1
         return checksum_blocks(*args)  # type: ignore[arg-type]
 
-    async def body(core: Core) -> None:
+    async def store(core: Core) -> None:
         engine = await core.engine()
         assert await finish(core.jobs, engine, 1, keys_of(20), list(range(20)), True) == (20, 0)
         while core.jobs.unsealed_blocks:
@@ -459,10 +461,21 @@ def test_seals_checksum_a_batch_on_each_copy_thread_at_once(tmp_path: Path, monk
         stored = core.index.lookup(engine.namespace, b"".join(keys_of(20)), 32)
         assert len(stored) == 20 and all(b.checksum is not None for b in stored)
 
+    async def verify(core: Core) -> None:
+        assert core.index.unverified_blocks == 20
+        core.jobs.verify_recovered()
+        while core.index.unverified_blocks:
+            await asyncio.sleep(0.005)
+        assert core.index.count == 20 and core.jobs.corrupt_blocks == 0
+
     monkeypatch.setattr(seals_module, "SEAL_BATCH_BYTES", 3 * BLOCK)  # 7 batches
     monkeypatch.setattr(native, "checksum_blocks", slow_checksums)
-    run(tmp_path, body)
+    run(tmp_path, store)
     assert most == 2  # --copy-threads 2
+    most = 0
+    run(tmp_path, verify, fresh=False)  # the same pool, re-attached
+    assert most == 2
+
 
 def test_pool_full_fails_the_blocks_that_got_no_slot(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
