@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Issue 38's GPU measurements, after benchmarks/gpu_checks.sh installed kvstore on the GPU machine (about
 # four minutes). From the repository root:  OUT=/some/dir bash benchmarks/gpu_copies.sh
+#   cpu-bench  kvstore bench --backend cpu on the GPU machine's host cores: the CPU targets where the daemon's
+#              loop has a core of its own (the 2-vCPU VM shares its two with both copy threads)
 #   timeline   each job's timeline in the daemon beside what the client saw and the pinned copy's time
 #              (benchmarks/bench_timeline.py): 2048 x 256 KiB stores and loads, a 2048-token hit and a
 #              256-token hit of a vLLM-sized layout
@@ -12,7 +14,7 @@
 #              sample vs not verified (KVSTORE_VERIFY_LOADS=0), and the job's cut (chunks.py) as is vs
 #              chunks capped at 16 MiB (2026-11-27 on an H100: 4 copy threads, 4 streams per copy, 16 MiB
 #              first chunks and a tail of 64 MiB chunks were each worse)
-# Logs: $OUT/timeline.log, $OUT/ab.log.
+# Logs: $OUT/cpu-bench.log, $OUT/timeline.log, $OUT/ab.log.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -21,6 +23,8 @@ SITE=""
 [ -d /tmp/kvstore-site ] && SITE=/tmp/kvstore-site
 export PYTHONPATH="$PWD/tests${SITE:+:$SITE}" PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1
 T0=$SECONDS
+timeout -k 10 75 kvstore bench --backend cpu --rounds 5 > "$OUT/cpu-bench.log" 2>&1
+echo "cpu-bench: rc=$? $((SECONDS - T0))s $(grep -E "(store|load|store_sustained)_vs_copy_engine " "$OUT/cpu-bench.log" | tr -s ' ' | tr '\n' ' ')" | tee -a "$OUT/ab.log"
 timeout -k 10 90 python3 benchmarks/bench_timeline.py --backend cuda --rounds 4 > "$OUT/timeline.log" 2>&1
 echo "timeline: rc=$? $((SECONDS - T0))s" | tee -a "$OUT/ab.log"
 
