@@ -410,7 +410,7 @@ def test_hung_node_is_bounded_by_the_timeout(fresh_cluster: RedisCluster) -> Non
             # The open breaker answers at once: no request goes to the node, none times out.
             t0 = time.monotonic()
             assert await tier.fetch(TENANT, NS, keys) == []
-            assert time.monotonic() - t0 < 0.4
+            assert time.monotonic() - t0 < 0.05
             assert tier.stats().timeouts == s.timeouts
         finally:
             victim.resume()
