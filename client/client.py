@@ -271,10 +271,12 @@ class KVStoreClient:
         return self.call(self.stub.Lookup, request).hits
 
     def session(self, namespace: str, memory: MemorySpec | None = None, engine_id: str = "",
-                completion_slots: int = 1024, wait: bool = True) -> Session:
+                completion_slots: int = 1024, wait: bool = True, says: int = logging.WARNING) -> Session:
         """Register (and keep registered) an engine. With wait=False a daemon that is not up yet
-        is not an error: the session connects in the background and jobs fail until it does."""
-        return Session(self, namespace, memory, engine_id or f"engine-{os.getpid()}", completion_slots, wait)
+        is not an error: the session connects in the background and jobs fail until it does. `says`:
+        the level at which the session logs the daemon going away and coming back (one session of an
+        engine says it; its others log at DEBUG)."""
+        return Session(self, namespace, memory, engine_id or f"engine-{os.getpid()}", completion_slots, wait, says)
 
     def close(self) -> None:
         self.channel.close()
@@ -300,8 +302,9 @@ class Session:
     """One registered engine (or a lookup-only scheduler when `memory` is None)."""
 
     def __init__(self, client: KVStoreClient, namespace: str, memory: MemorySpec | None, engine_id: str,
-                 completion_slots: int, wait: bool = True) -> None:
+                 completion_slots: int, wait: bool = True, says: int = logging.WARNING) -> None:
         self.client = client
+        self.says = says
         self.namespace = namespace
         self.memory = memory
         self.engine_id = engine_id
@@ -334,7 +337,8 @@ class Session:
         except Unavailable:
             if wait:
                 raise
-            log.warning("kvstore: daemon at %s not reachable yet; connecting in the background", client.target)
+            log.log(says, "kvstore: the daemon at %s is unavailable: lookups miss until it is back "
+                    "(connecting in the background)", client.target)
         except KVStoreError as e:  # refused (a limit, a backend the daemon cannot use, a bad layout)
             if wait:
                 raise
@@ -383,7 +387,8 @@ class Session:
             try:
                 if not self.session_id:
                     self._register()
-                    log.warning("kvstore: re-registered with the daemon (session %s)", self.session_id.hex()[:8])
+                    log.log(self.says, "kvstore: the daemon at %s is back (session %s)", self.client.target,
+                            self.session_id.hex()[:8])
                 stream = self._stream = self.client.stub.Attach(pb.AttachRequest(session_id=self.session_id))
                 for event in stream:
                     if event.HasField("attached"):
@@ -417,7 +422,8 @@ class Session:
     def _disconnected(self) -> None:
         """The daemon went away: every job in flight is lost; report it failed."""
         if self._connected.is_set():
-            log.warning("kvstore: lost the daemon; jobs in flight fail, reconnecting in the background")
+            log.log(self.says, "kvstore: lost the daemon at %s: jobs in flight fail and lookups miss until it "
+                    "is back (reconnecting in the background)", self.client.target)
         self._connected.clear()
         self.session_id = b""
         with self._lock:

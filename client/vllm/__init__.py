@@ -1,4 +1,4 @@
-"""vLLM 0.32 KV connector: offload KV blocks to the kvstore sidecar and load them back.
+"""vLLM KV connector (vLLM 0.32 and 0.33, see releases.py): offload KV blocks to the kvstore sidecar and load them back.
 
     --kv-transfer-config '{"kv_connector": "KVStoreConnector",
                            "kv_connector_module_path": "kvstore_client.vllm", "kv_role": "kv_both",
@@ -25,6 +25,11 @@ from typing import Any
 
 def __getattr__(name: str) -> Any:
     if name == "KVStoreConnector":
+        from vllm.version import __version__
+
+        from kvstore_client.vllm.releases import check_vllm_version
+
+        check_vllm_version(__version__)  # before connector.py imports names a release may lack
         from kvstore_client.vllm import connector
 
         return connector.KVStoreConnector

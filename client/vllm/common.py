@@ -4,8 +4,6 @@ the scheduler -> worker metadata and the worker's stats."""
 from __future__ import annotations
 
 import hashlib
-import multiprocessing
-import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -14,52 +12,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvstore_client.layouts import KV_TUPLES, UnsupportedKVCache, heads_first, served_groups
 from kvstore_client.vllm.identity import ModelNotFound, weights_identity
+from kvstore_client.vllm.plan import Transfer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-
-PREEMPTION_WAIT_S = 30.0
-# A step with nothing to compute while the connector waits on the sidecar (lookups, loads) waits
-# for progress: a job's completion in the session's channel, or, with the scheduler in the same
-# process, a lookup's reply. vLLM would spin such steps back to back, and the spinning thread holds
-# the GIL and a core that the lookup/submit threads and the daemon's copies need. The wait sleeps
-# in slices (never spins), ends at the first progress, and lasts at most IDLE_WAIT_MAX_S (a request
-# arriving meanwhile waits that long at most). With a load in flight it lasts up to
-# IDLE_LOAD_WAIT_MAX_S: a load that completes within the wait is reported in this step, and its
-# request runs in the next one; reported a step later, it would cost vLLM's engine core another idle
-# step (a round trip to the worker and a 1 ms sleep). A 2k-token prompt of the benchmark's model
-# (48 MiB) loads in 3-16 ms on this project's 2-core test machine.
-IDLE_WAIT_MAX_S = 0.002
-IDLE_LOAD_WAIT_MAX_S = 0.010
-IDLE_SLICE_S = 0.0001
-# A forward waiting for a layer of an early load (KVStoreConnectorMetadata.early) checks every:
-EARLY_SLICE_S = 0.00005
-# What cannot be seen from the worker's process (another process's lookups): a fixed sleep.
-IDLE_WAIT_S = 0.0005
-# vLLM's engine core in a process of its own with no other request: how long the scheduler waits for
-# a new request's lookup reply before answering "ask again" (see engine_core_sleeps_when_idle). A
-# lookup takes 0.3-1 ms alone, 2-3 ms while vLLM's worker process spins on its message queue.
-LOOKUP_WAIT_S = 0.005
-
-
-class InProcess:
-    """The connector sides living in this process. With the scheduler here too (vLLM's uniprocess
-    executor), a worker's idle wait also ends when a lookup reply arrives (`lookup_replied`, set by
-    the session's background thread after each lookup)."""
-
-    lookup_replied = threading.Event()
-    schedulers = 0
-    workers = 0
-
-
-def engine_core_sleeps_when_idle() -> bool:
-    """vLLM 0.32's engine core in a process of its own (EngineCoreProc: `vllm serve`, or LLM with
-    VLLM_ENABLE_V1_MULTIPROCESSING=1, the default) sleeps 1 ms after a step that ran no model while
-    requests remain (`_process_engine_step`), which is time enough for a lookup reply; in-process
-    (InprocClient) it steps again at once."""
-    return multiprocessing.current_process().name.startswith("EngineCore")
-
 
 # -- settings and identity ----------------------------------------------------------------------
 
@@ -209,20 +166,6 @@ def unsupported_kv_cache(kv_cache_config: KVCacheConfig | None) -> str:
     return ""
 
 
-# Several KV cache groups (vLLM's hybrid allocator): group g's key of a block is vLLM's block hash, this tag
-# and g, so it never equals another group's key or a single-group key (a bare hash).
-GROUP_TAG = b"g"
-
-
-def group_key(block_hash: bytes, group: int) -> bytes:
-    return bytes(block_hash) + GROUP_TAG + bytes([group])
-
-
-def split_group_key(key: bytes) -> tuple[bytes, int]:
-    """(vLLM's block hash, group) of a group key."""
-    return key[: -len(GROUP_TAG) - 1], key[-1]
-
-
 def group_spans(kv_cache_config: KVCacheConfig | None) -> list[int] | None:
     """Per KV cache group, the blocks a hit needs before it (kvstore_client.protocol.groups): 0 for full
     attention, vLLM's ceil((window - 1) / block size) for a sliding window, 1 for a Mamba state (the one
@@ -268,14 +211,6 @@ def group_signature(kv_cache_config: KVCacheConfig) -> str:
 
 
 @dataclass
-class Transfer:
-    req_id: str
-    keys: list[bytes]
-    block_ids: list[int]
-    partial_tail: bool = False  # store: the last key is the prompt's partial last block
-
-
-@dataclass
 class KVStoreConnectorMetadata(KVConnectorMetadata):
     loads: list[Transfer] = field(default_factory=list)
     stores: list[Transfer] = field(default_factory=list)
@@ -283,7 +218,7 @@ class KVStoreConnectorMetadata(KVConnectorMetadata):
     # Requests whose sliding-window blocks vLLM freed this step: their stores must finish before the forward.
     flush: set[str] = field(default_factory=set)
     # Nothing scheduled while lookups or loads are in flight: the worker waits for progress (see
-    # IDLE_WAIT_MAX_S); `lookups`: lookup replies are awaited too (progress a worker in the scheduler's
+    # pacing.py); `lookups`: lookup replies are awaited too (progress a worker in the scheduler's
     # process sees).
     idle_wait: bool = False
     lookups: bool = False

@@ -44,15 +44,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# The vLLM release this connector is written against (its internals: scheduler output, block hashes,
-# KV cache config); another release is refused at start rather than misread.
-VLLM_SERIES = "0.32."
-
-
-def check_vllm_version(version: str) -> None:
-    if not version.startswith(VLLM_SERIES):
-        raise RuntimeError(f"the kvstore connector is written for vLLM {VLLM_SERIES}x and this is vLLM {version}: "
-                           "install the kvstore-sidecar-client release made for it, or remove the kv-transfer-config")
+def log_through_vllm() -> None:
+    """vLLM configures only its own logger ("vllm", which does not propagate): where nothing else
+    configured logging (the root logger has no handler, as in `vllm serve`), the client's loggers write
+    through vLLM's handlers at its level, so that vLLM's output shows their lines as its own."""
+    ours, theirs = logging.getLogger("kvstore_client"), logging.getLogger("vllm")
+    if theirs.handlers and not ours.handlers and not logging.getLogger().handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.level)
 
 
 class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
@@ -60,10 +60,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     and linear-attention hybrids start at all); KV cache configs it cannot serve turn it off."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
-        from vllm.version import __version__ as vllm_version
-
-        check_vllm_version(vllm_version)
         super().__init__(vllm_config, role, kv_cache_config)
+        log_through_vllm()
         transfer = vllm_config.kv_transfer_config
         if transfer is None:  # vLLM creates a connector only from a kv_transfer_config
             raise ValueError("KVStoreConnector needs vllm_config.kv_transfer_config")

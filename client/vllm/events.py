@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvstore_client.vllm.common import split_group_key
+from kvstore_client.vllm.plan import split_group_key
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent

