@@ -29,7 +29,7 @@ from kvstore_service.backends import Backend
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
 from kvstore_service.events import BlockEvents, Event
-from kvstore_service.index import Block, BlockIndex, Namespace, PackedKeys, namespace_hash, unpack_keys
+from kvstore_service.index import BlockIndex, PackedKeys, namespace_hash, unpack_keys
 from kvstore_service.jobs import JobResult, Jobs
 from kvstore_service.metrics import Metrics
 from kvstore_service.native import StickyDeviceError
@@ -127,8 +127,9 @@ class Daemon:
                      key_size: int, lease: bool = False, ttl_ms: int = 0,
                      spans: Sequence[int] = ()) -> tuple[int, bytes]:
         """How many of the leading keys (packed) are in the pool, with `lease` pinned for the session:
-        in the session's namespace, or without one in the caller's tenant's `namespace`. The pool's
-        misses are brought in from the tiers below first. Returns (hits, lease id)."""
+        in the session's namespace, or without one in the caller's tenant's `namespace`; with group `spans`,
+        how many blocks every group serves. The blocks the best hit needs that the pool lacks are brought in
+        from the tiers below first (Tiers.promote). Returns (hits, lease id)."""
         if session is not None:
             name = scoped(session.tenant, namespace) if namespace else ""
         elif caller is not None:
@@ -139,30 +140,8 @@ class Daemon:
             ns = self.index.find_namespace(session.namespace_name if session is not None else name)
             if ns is not None:
                 # Shielded: a promotion cut short would leave its reserved slots WRITING for good.
-                await asyncio.shield(self._promote(ns, list(unpack_keys(keys, key_size))))
+                await asyncio.shield(self.tiers.promote(ns, list(unpack_keys(keys, key_size)), spans))
         return self.sessions.lookup(session, name, keys, key_size, lease, ttl_ms, spans)
-
-    async def _promote(self, ns: Namespace, keys: list[bytes]) -> None:
-        """Bring a lookup's misses in from the tiers, a run at a time (a promotion stops at a block the
-        pool holds), as far as the pool can hold them and --remote-fetch-bytes allows. The lookup's
-        blocks in the pool are pinned meanwhile: the promotion's evictions must not take them."""
-        tiers, index = self.tiers, self.index
-        assert tiers is not None
-        budget = max(1, int(self.config.remote_fetch_bytes) // ns.block_bytes)
-        held: list[Block] = []
-        try:
-            while budget > 0:
-                index.unpin(held)
-                held = index.pin_present(ns, keys)
-                start = index.leading(ns, keys)
-                if start == len(keys):
-                    break
-                promoted = await tiers.promote(ns, keys[:start + budget])
-                if not promoted:
-                    break
-                budget -= promoted
-        finally:
-            index.unpin(held)
 
     def release_lease(self, session: Session, lease_id: bytes) -> None:
         self.sessions.release_lease(session, lease_id)

@@ -39,7 +39,7 @@ from functools import lru_cache, partial
 from itertools import chain, compress, groupby, repeat, takewhile
 from typing import TYPE_CHECKING, overload
 
-from kvstore_client.protocol.groups import hit_blocks, needed_blocks
+from kvstore_client.protocol.groups import grouped_hit
 from kvstore_service import native
 from kvstore_service.pool import SLOT_HEADER_BYTES, Pool, SlotRef
 
@@ -262,10 +262,9 @@ class BlockIndex:
     def lookup_groups(self, ns: Namespace, keys: bytes, key_size: int, spans: Sequence[int]) -> tuple[int, list[Block]]:
         """A grouped lookup (kvstore_client.protocol.groups): the blocks of the longest hit every group
         can serve, and the blocks it needs, block by block."""
-        groups = len(spans)
         found = list(map(ns._committed.get, unpack_keys(keys, key_size)))
-        n = hit_blocks(spans, 0, len(found) // groups, lambda g, i: found[i * groups + g] is not None)
-        blocks: list[Block] = [found[i * groups + g] for g, i in needed_blocks(spans, 0, n)]  # type: ignore[misc]
+        n, needed = grouped_hit(spans, len(found), lambda k: found[k] is not None)
+        blocks: list[Block] = [found[k] for k in needed]  # type: ignore[misc]
         ns.counters.hits += len(blocks)
         ns.counters.misses += len(found) - len(blocks)
         return n, blocks

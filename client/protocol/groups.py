@@ -32,16 +32,31 @@ def hit_blocks(spans: Sequence[int], start: int, end: int, present: Callable[[in
     largest n <= end such that every full-attention group (span 0) has blocks [start, n) and every other
     group the `span` blocks before n (those from `start` on: vLLM holds the rest), iterated to the fixed
     point, as one group's shorter hit shortens the others'. `present(g, i)`: group g's block i is in the
-    pool. Returns `start` where nothing past it hits."""
+    pool. Returns `start` where nothing past it hits.
+
+    Each group's block is asked about at most once, so O(blocks x groups) whatever the gaps: a full group
+    keeps the run [start, edge) it found present, a window the run [edge, n) (n only ever shrinks, so
+    neither is asked again; a gap is never asked again either, as n ends at or before it)."""
     n = end
+    edge = [start if not span else end for span in spans]
     changed = True
     while changed and n > start:
         changed = False
         for g, span in enumerate(spans):
-            missing = [i for i in range(_first(span, start, n), n) if not present(g, i)]
-            if missing:  # full attention stops at its first gap; a window ends just before its last one
-                n = missing[0] if not span else missing[-1]
-                changed = True
+            e = edge[g]
+            if not span:  # full attention stops at its first gap
+                while e < n and present(g, e):
+                    e += 1
+                if e < n:
+                    n, changed = e, True
+            else:  # a window ends just before its last gap
+                e, first = min(e, n), max(start, n - span)
+                while e > first and present(g, e - 1):
+                    e -= 1
+                if e > first:
+                    n = e = e - 1
+                    changed = True
+            edge[g] = e
     return max(n, start)
 
 
@@ -56,3 +71,12 @@ def needed_blocks(spans: Sequence[int], start: int, n: int) -> Iterator[tuple[in
 
 def _first(span: int, start: int, n: int) -> int:
     return start if not span else max(start, n - span)
+
+
+def grouped_hit(spans: Sequence[int], keys: int, present: Callable[[int], bool]) -> tuple[int, list[int]]:
+    """`hit_blocks` and `needed_blocks` over a grouped lookup's `keys` keys (interleaved block by block, from
+    block 0): (the hit in blocks, the positions in the key list of the keys it needs, block by block).
+    `present(k)`: the key at position k is there."""
+    groups = len(spans)
+    n = hit_blocks(spans, 0, keys // groups, lambda g, i: present(i * groups + g))
+    return n, [i * groups + g for g, i in needed_blocks(spans, 0, n)]

@@ -8,8 +8,9 @@ pool misses come from.
 A block goes to disk once sealed (its CRC32C is known; it stays pinned while written), so evicting it
 from the pool later costs nothing: it is on disk already (one evicted before its seal never is: counted
 as a dropped write). A Clear drops blocks from the disk too, for good (`clear_disk`). A lookup that
-misses in the pool asks the tiers for the missing leading blocks, in order, and answers only after those
-it got are committed in the pool, so loads stay pool-only and a hit is always loadable. Every failure
+misses in the pool asks the tiers for the blocks its best hit needs (`promote`: the leading run of a plain
+lookup; per group, by vLLM's hit rule, for a grouped one), in order, and answers only after those it got
+are committed in the pool, so loads stay pool-only and a hit is always loadable. Every failure
 below is a miss; the engine recomputes. Promoted blocks are sealed like stored ones and never written
 down again. Both tiers are driven through one contract (base.py), and only this class meets the index,
 through its verbs.
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
 
+from kvstore_client.protocol.groups import grouped_hit
 from kvstore_service.index import Block, BlockIndex, BlockState, Namespace
 from kvstore_service.pool import Pool
 from kvstore_service.tiers.base import Scope, Tier
@@ -30,6 +32,18 @@ from kvstore_service.tiers.remote import RemoteTier
 
 def scope_of(ns: Namespace) -> Scope:
     return Scope(ns.ns_hash, ns.name, ns.block_bytes)
+
+
+def missing_keys(keys: list[bytes], spans: Sequence[int], pooled: set[bytes], held: set[bytes] | None,
+                 absent: set[bytes]) -> list[bytes]:
+    """The keys that the best hit of a lookup (`grouped_hit` on its `keys` and `spans`) needs and the pool
+    lacks, in the hit's order, each once. A key is present where it is `pooled`, or `held` by a tier (None:
+    a tier cannot tell, so maybe) and not found `absent` from every tier since."""
+    def present(k: int) -> bool:
+        key = keys[k]
+        return key in pooled or (key not in absent and (held is None or key in held))
+    _, needed = grouped_hit(spans, len(keys), present)
+    return list(dict.fromkeys(keys[k] for k in needed if keys[k] not in pooled))
 
 
 class Tiers:
@@ -93,26 +107,89 @@ class Tiers:
 
     # -- up: a lookup's misses ---------------------------------------------------------------------
 
-    async def promote(self, ns: Namespace, keys: list[bytes]) -> int:
-        """Bring the leading keys missing from the pool in from the disk, then from the remote store, as
-        far as they have them (at most max_fetch_bytes at once); returns how many were committed."""
-        lock = self._promoting.setdefault(ns.ns_hash, asyncio.Lock())
-        async with lock:
-            start = self.index.leading(ns, keys)
-            missing = keys[start:start + max(1, self.max_fetch_bytes // ns.block_bytes)]
-            done = 0
-            for tier in self.tiers:
-                if done >= len(missing):
-                    break
-                done += await self._fetch(tier, ns, missing[done:])
-            return done
+    async def promote(self, ns: Namespace, keys: list[bytes], spans: Sequence[int] = ()) -> int:
+        """Bring in the keys of a lookup that its best hit needs and the pool lacks: from the disk, then from
+        the remote store, in the hit's order, at most max_fetch_bytes in all. Returns how many were committed.
 
-    async def _fetch(self, tier: Tier, ns: Namespace, keys: list[bytes]) -> int:
-        """Each batch is verified as it is copied into slots reserved for it; committed as it comes."""
+        `spans`: a grouped lookup's (kvstore_client.protocol.groups: keys interleaved block by block), or
+        none for one full-attention group (a plain lookup: the hit is the leading run of keys). The hit is
+        vLLM's rule (`grouped_hit`, the one the grouped lookup answers by) with a key present where the pool
+        holds it or a tier may: the best hit the pool and the tiers can serve, so a window's blocks before
+        its span, and the blocks past a gap, are never fetched. Whether a tier may hold a key is its
+        `holds` (the disk knows from memory: then the plan is exact at once); where a tier cannot tell
+        (the remote store: a round trip), every key may be there, and the promotion learns otherwise by
+        fetching: each pass fetches the needed keys the pool lacks, in order, up to the first one no tier
+        has (a tier's fetch is its leading run: the next tier goes on from there), marks that one absent and
+        plans again (a full-attention gap ends the hit there, a window's gap moves the window before it;
+        blocks fetched for the longer hit stay in the pool, unneeded). It ends when the hit's keys are all in,
+        the budget is spent, or a pass got nothing because the pool refused a slot (full of pinned blocks,
+        or a store is writing the key). Each pass learns an absent key or commits a block, costs
+        O(blocks x groups) on the loop (`grouped_hit`) and yields it.
+
+        One promotion per namespace at a time (a pass holds its lock): a second lookup of the same prefix
+        waits, then finds it in the pool instead of fetching it again. The lookup's blocks in the pool are
+        pinned meanwhile: the promotion's evictions must not take them."""
+        if not keys or self.index.leading(ns, keys) == len(keys):
+            return 0  # (every key is in the pool: nothing to plan)
+        spans = spans or (0,)
+        scope = scope_of(ns)
+        budget = max(1, self.max_fetch_bytes // ns.block_bytes)
+        lock = self._promoting.setdefault(ns.ns_hash, asyncio.Lock())
+        absent: set[bytes] = set()  # keys the plan needed that no tier gave
+        pinned: list[Block] = []
+        promoted = 0
+        try:
+            while promoted < budget:
+                async with lock:
+                    self.index.unpin(pinned)
+                    pinned = self.index.pin_present(ns, keys)
+                    missing = missing_keys(keys, spans, {b.key for b in pinned}, self._held(scope, keys), absent)
+                    todo = missing[:budget - promoted]
+                    if not todo:
+                        break
+                    got, refused = await self._fetch_all(ns, todo)
+                promoted += got
+                if got == len(missing) or (refused and not got):
+                    break
+                if got < len(todo) and not refused:
+                    absent.add(todo[got])  # in no tier (or corrupt in each): the hit ends before it
+                await asyncio.sleep(0)
+        finally:
+            self.index.unpin(pinned)
+        return promoted
+
+    def _held(self, scope: Scope, keys: list[bytes]) -> set[bytes] | None:
+        """The keys some tier holds, by their `holds`; None where a tier cannot tell (any key may be there)."""
+        held: set[bytes] = set()
+        for tier in self.tiers:
+            some = tier.holds(scope, keys)
+            if some is None:
+                return None
+            held.update(some)
+        return held
+
+    async def _fetch_all(self, ns: Namespace, keys: list[bytes]) -> tuple[int, bool]:
+        """The leading run of `keys` the tiers have between them, in order: each tier from where the one
+        before stopped. Returns (how many were committed, whether the pool refused a slot)."""
+        done = 0
+        refused = False
+        for tier in self.tiers:
+            got, refused = await self._fetch(tier, ns, keys[done:])
+            done += got
+            if refused or done >= len(keys):
+                break
+        return done, refused
+
+    async def _fetch(self, tier: Tier, ns: Namespace, keys: list[bytes]) -> tuple[int, bool]:
+        """Each batch is verified as it is copied into slots reserved for it; committed as it comes.
+        Returns (how many were committed, whether the pool had fewer slots than the tier had blocks)."""
         reserved: list[Block] = []
+        refused = False
 
         def place(first: int, count: int) -> list[int]:
+            nonlocal refused
             blocks = self.index.reserve(ns, keys[first:first + count])  # (a store may have brought some)
+            refused = refused or len(blocks) < count
             reserved.extend(blocks)
             return [b.offset for b in blocks]
         done = 0
@@ -124,7 +201,7 @@ class Tiers:
                     done += self._committed(blocks, checksums)
         finally:  # the rest of the last batch: corrupt, or its fetch was cut short
             self.index.complete_store(reserved, False, whole=True)
-        return done
+        return done, refused
 
     def _committed(self, blocks: list[Block], checksums: Sequence[int]) -> int:
         """Promoted blocks are in: committed, and queued for their seal with the checksums their tier

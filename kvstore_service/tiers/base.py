@@ -4,6 +4,7 @@ verified batches.
 
     accepted = tier.write_behind(memory, scope, keys, offsets, checksums, release)  # loop; never waits
     async for checksums in tier.fetch_verified(memory, scope, keys, place): ...     # leading run, verified
+    held = tier.holds(scope, keys)                                                   # loop; a hint, or None
     forgotten = tier.forget(scopes)                                                  # loop; a Clear
     tier.stats()                                                                     # loop
     await tier.aclose(drain_s)                                                       # the end
@@ -69,6 +70,11 @@ class Tier(Protocol):
         """The leading run of `keys` the tier holds, a batch at a time: each batch's blocks copied into
         the slots `place` gives and verified, yielded as their CRC32Cs (a prefix of the places; the
         fetch ends at the first block absent, corrupt or failed)."""
+        ...
+
+    def holds(self, scope: Scope, keys: Sequence[bytes]) -> Collection[bytes] | None:
+        """Which of `keys` the tier holds, where it can tell without I/O (in memory, brief; nothing counted),
+        or None where only a fetch can tell. A hint: a fetch of a key held may still miss (corrupt, failed)."""
         ...
 
     def forget(self, scopes: Sequence[bytes] | None) -> Forgotten:

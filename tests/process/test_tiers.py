@@ -287,6 +287,48 @@ def test_blocks_evicted_before_their_seal_are_counted_as_dropped_writes(daemon_f
     assert disk.written + disk.write_dropped == sum(stored)
 
 
+HYBRID = [0, 2]  # a Gemma-3-like model's KV cache groups: full attention and a 2-block sliding window
+
+
+def hybrid_keys(blocks: int) -> list[bytes]:
+    """A grouped lookup's keys: block by block, the full-attention group's key, then the window's."""
+    return [key_of(f"{NS}/group-{g}", i) for i in range(blocks) for g in range(len(HYBRID))]
+
+
+@pytest.mark.parametrize("stored", ["every block", "the window's last blocks"])
+def test_a_grouped_lookup_promotes_from_disk_exactly_the_blocks_its_hit_needs(daemon_factory, tmp_path: Path,
+                                                                              stored: str) -> None:
+    """A hybrid model's prompt of 16 blocks on disk, the pool empty after a restart. Its grouped lookup
+    hits all 16 blocks and brings in what that hit needs: every full-attention block and the window's
+    last 2 blocks, never the window's older ones. (The promotion took the keys as one flat run: it
+    brought all 32 blocks where the window had them all, and hit nothing where it had only its last ones,
+    vLLM having freed the older ones before they were stored.)"""
+    daemon = daemon_factory("--disk-path", str(tmp_path / "disk"), *DISK).start()
+    keys = hybrid_keys(BLOCKS)
+    kept = keys if stored == "every block" else [k for n, k in enumerate(keys) if n % 2 == 0 or n >= 2 * BLOCKS - 8]
+    engine = Engine(daemon.socket, NS, len(kept), BLOCK_BYTES)
+    engine.fill(kept, list(range(len(kept))))
+    job = engine.session.store(kept, list(range(len(kept))))
+    assert engine.session.wait([job])[job].ok
+    engine.close()
+    wait_written(daemon, len(kept))
+    daemon.stop()
+    daemon.start("--fresh")  # the pool starts empty; the disk keeps its segments
+    needed = keys[0:2 * BLOCKS:2] + keys[2 * BLOCKS - 3:2 * BLOCKS:2]  # every full block, the window's last 2
+    engine = Engine(daemon.socket, NS, len(needed), BLOCK_BYTES)
+    try:
+        hits, lease = engine.session.lookup(keys, lease=True, group_spans=HYBRID)
+        assert hits == BLOCKS
+        stats = daemon.client().stats()
+        assert stats.blocks == stats.disk.read_blocks == len(needed) == BLOCKS + 2  # nothing else promoted
+        job = engine.session.load(needed, list(range(len(needed))))
+        assert engine.session.wait([job])[job].ok
+        assert engine.verify(needed, list(range(len(needed)))) == 0
+        engine.session.release_lease(lease)
+    finally:
+        engine.close()
+
+
 PROMPT = 29  # blocks of one prompt
 SLOT_BLOCK = 100 * 1024  # 40 of these fill a 4 MiB pool segment
 

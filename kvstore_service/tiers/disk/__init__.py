@@ -428,6 +428,12 @@ class DiskTier(Segments):
         if good:
             yield good  # type: ignore[misc]
 
+    def holds(self, scope: Scope, keys: Sequence[bytes]) -> set[bytes]:
+        """Those of `keys` on disk, from the index in memory (brief; not counted as hits or misses)."""
+        with self._lock:
+            index = self._index.get(scope.ns_hash) if self._healthy and not self._closed else None
+            return index.keys() & keys if index else set()
+
     def forget(self, scopes: Sequence[bytes] | None) -> Forgotten:
         """`clear`, and `save_catalog` on the tier's threads (the task to await before answering)."""
         dropped = self.clear(scopes)

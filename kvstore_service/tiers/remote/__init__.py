@@ -5,7 +5,7 @@
     found = await tier.fetch(tenant, namespace, missing)  # the leading run of verified payloads
 
 The daemon drives it through the tiers' contract (tiers/base.py: `write_behind`, `fetch_verified`,
-`forget`, `stats`, `aclose`). Its parts: keys and values (`Keyring`, codec.py; the bytes in
+`holds`, `forget`, `stats`, `aclose`). Its parts: keys and values (`Keyring`, codec.py; the bytes in
 docs/formats.md), store URLs and credentials (url.py), the store and its Redis/Valkey adapter
 (store.py), the circuit breaker (breaker.py). Capacity and eviction belong to the server
 (``maxmemory`` + ``allkeys-lru``): the tier never deletes a valid value (a Clear does not reach it), and
@@ -372,6 +372,10 @@ class RemoteTier:
         async with contextlib.aclosing(self.fetch_batches(tenant, name, keys, scope.block_bytes, views)) as batches:
             async for batch in batches:
                 yield [crc for _, crc in batch]
+
+    def holds(self, scope: Scope, keys: Sequence[bytes]) -> None:
+        """Not known without asking the store (a round trip): only a fetch tells."""
+        return None
 
     def forget(self, scopes: Sequence[bytes] | None) -> Forgotten:
         """Nothing: the store's keys cannot be listed by namespace, and its values age out under the
