@@ -11,7 +11,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstore_client.layouts import KV_TUPLES, UnsupportedKVCache, heads_first, served_groups
-from kvstore_client.vllm.identity import ModelNotFound, weights_identity
+from kvstore_client.identity import ModelNotFound, weights_identity
 from kvstore_client.vllm.plan import Transfer
 
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ class ConnectorSettings:
     # Blocks vLLM serves from its own cache that the pool lacks (a pool emptied by a new daemon pod,
     # stores dropped while it was away) are offered to it: at most this many a step (0: never).
     offer_blocks_per_step: int = 256
-    # The model's identity in the namespace; empty: a fingerprint of its files (vllm/identity.py).
+    # The model's identity in the namespace; empty: a fingerprint of its files (kvstore_client/identity.py).
     # Set it to name the weights yourself (e.g. "llama-3.1-8b@2026-11-27"), or where vLLM streams them
     # from a store this machine does not hold; change it to start over with an empty cache.
     model_identity: str = ""

@@ -1,4 +1,4 @@
-"""The namespace names what the model is, not where it lies (kvstore_client.vllm.identity): a model
+"""The namespace names what the model is, not where it lies (kvstore_client.identity): a model
 updated in place never meets its old blocks; the same weights at another path share them."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from support.vllm.tiny_model import build_tiny_model, retrain
 
 pytest.importorskip("vllm", reason="the connector package imports vllm (see .ci/run)")
 
-from kvstore_client.vllm.identity import ModelNotFound, fingerprint, weights_identity  # noqa: E402
+from kvstore_client.identity import ModelNotFound, fingerprint, weights_identity  # noqa: E402
 
 
 @pytest.fixture(scope="module")
