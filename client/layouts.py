@@ -126,8 +126,13 @@ def served_groups(config: KVCacheConfig) -> list[KVCacheGroupSpec]:
     """The config's cache groups, if a block id means one page per layer of its group: full-attention and
     sliding-window groups (a sliding-window block holds its tokens' KV while in the window) of one block size,
     and beside them Mamba groups in vLLM's "align" mode (a block then holds the state at its end)."""
-    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec, is_full_attention_spec, iter_layer_specs
+    from vllm.v1 import kv_cache_interface
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
+    # (vLLM 0.23 has neither helper: every full-attention spec there is a FullAttentionSpec, MLA's too)
+    is_full_attention_spec = getattr(kv_cache_interface, "is_full_attention_spec",
+                                     lambda spec: isinstance(spec, FullAttentionSpec))
+    iter_layer_specs = getattr(kv_cache_interface, "iter_layer_specs", lambda spec: [spec])
     groups = config.kv_cache_groups
     for group in groups:
         spec = group.kv_cache_spec
@@ -140,14 +145,14 @@ def served_groups(config: KVCacheConfig) -> list[KVCacheGroupSpec]:
             raise UnsupportedKVCache(f"the KV cache's layers use {kinds} in {len(groups)} KV cache group(s); only "
                                      "full-attention (FullAttentionSpec, MLAAttentionSpec), sliding-window and "
                                      "Mamba ('align' mode) groups hold one block per page")
+        if getattr(group, "host_resident", False):  # (vLLM 0.23 has no host_resident)
+            raise UnsupportedKVCache("host_resident KV cache memory (HiSparse host pool) is not described")
     if all(isinstance(g.kv_cache_spec, MambaSpec) for g in groups):
         raise UnsupportedKVCache("every KV cache group holds Mamba states: a state is served beside attention only")
-        if group.host_resident:
-            raise UnsupportedKVCache("host_resident KV cache memory (HiSparse host pool) is not described")
     sizes = sorted({g.kv_cache_spec.block_size for g in groups})
     if len(sizes) != 1:
         raise UnsupportedKVCache(f"the KV cache groups have block sizes {sizes}; only one block size is served")
-    if any(tensor.host_resident for tensor in config.kv_cache_tensors):
+    if any(getattr(tensor, "host_resident", False) for tensor in config.kv_cache_tensors):
         raise UnsupportedKVCache("host_resident KV cache memory (HiSparse host pool) is not described")
     return list(groups)
 

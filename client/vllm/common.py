@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from kvstore_client.layouts import KV_TUPLES, UnsupportedKVCache, heads_first, served_groups
 from kvstore_client.identity import ModelNotFound, weights_identity
+from kvstore_client.layouts import KV_TUPLES, UnsupportedKVCache, heads_first, served_groups
+from kvstore_client.vllm import compat
 from kvstore_client.vllm.plan import Transfer
 
 if TYPE_CHECKING:
@@ -86,10 +87,10 @@ def page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) 
     axes sit give the same pool bytes (kvstore_client.layouts), so they share a namespace."""
     from vllm.platforms import current_platform
 
-    if current_platform.device_type == "npu":
+    if current_platform.device_type == "npu" or not compat.LAYOUTS:
         return KV_TUPLES.lower()
     layout = (kv_cache_config.kv_cache_layout if kv_cache_config is not None else None) \
-        or vllm_config.cache_config.kv_cache_layout
+        or compat.kv_cache_layout(vllm_config)
     if layout is None:
         raise UnsupportedKVCache("the KV cache layout is not resolved")
     return "HNC" if heads_first(layout) else "NHC"
@@ -135,6 +136,7 @@ def namespace_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
     if group_spans(kv_cache_config) is not None:  # a single full-attention group keeps today's namespace
         assert kv_cache_config is not None
         parts.append(group_signature(kv_cache_config))
+    parts += compat.namespace_parts()
     if settings.tenant_salt:
         parts.append(f"salt={settings.tenant_salt}")
     return ";".join(parts)
@@ -155,13 +157,16 @@ def unsupported_kv_cache(kv_cache_config: KVCacheConfig | None) -> str:
     Mamba groups) the scheduler plans nothing and the worker registers nothing."""
     if kv_cache_config is None:
         return "vLLM gave no KV cache config"
+    if why := compat.unsupported(kv_cache_config):
+        return why
     try:
         groups = served_groups(kv_cache_config)
     except UnsupportedKVCache as e:
         return str(e)
     block_size = groups[0].kv_cache_spec.block_size
-    if kv_cache_config.hash_block_size not in (None, block_size):
-        return (f"vLLM hashes blocks of {kv_cache_config.hash_block_size} tokens, not the KV cache's "
+    hash_block_size = getattr(kv_cache_config, "hash_block_size", None)
+    if hash_block_size not in (None, block_size):
+        return (f"vLLM hashes blocks of {hash_block_size} tokens, not the KV cache's "
                 f"{block_size}-token blocks")
     return ""
 

@@ -11,13 +11,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvstore_client.device import unsupported_allocator
 from kvstore_client.layouts import UnsupportedKVCache
+from kvstore_client.vllm import compat
 from kvstore_client.vllm.common import (
     ConnectorSettings,
     KVStoreConnectorMetadata,
@@ -96,7 +96,10 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """The layout to ask vLLM for (setting kv_layout); vLLM keeps its own where the attention
-        backend does not support it (the CPU backend has LBHNC only)."""
+        backend does not support it (the CPU backend has LBHNC only). vLLM 0.23 takes the answer as the
+        attention backend's own layout ("NHD"/"HND"): none is asked there."""
+        if not compat.LAYOUTS:
+            return None
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {}) if transfer is not None else {}
         return ConnectorSettings.from_extra_config(extra).kv_layout or None
@@ -130,7 +133,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         loaded = connector_output.finished_recving  # load errors come with it
         if loaded and self.scheduler is not None:
-            self.scheduler.finish_loads(loaded, connector_output.invalid_block_ids, connector_output.failed_recving)
+            failed = compat.failed_recving(connector_output)
+            self.scheduler.finish_loads(loaded, connector_output.invalid_block_ids, failed)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
@@ -198,7 +202,7 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
             assert self.worker is not None
             self.worker.start_stores(meta.stores)  # submits and returns: never waits for the copies
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str]) -> compat.KVConnectorTransferResults:
         assert self.worker is not None
         meta: KVStoreConnectorMetadata = self._connector_metadata  # type: ignore[assignment]
         return self.worker.transfer_results(finished_req_ids, meta.idle_wait, meta.lookups)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from kvstore_client.vllm import compat
 from kvstore_client.vllm.plan import split_group_key
 
 if TYPE_CHECKING:
@@ -37,7 +38,11 @@ RETRY_S = 1.0  # a stream that ended (daemon away, session re-registering) is wa
 def describe(request: Request, blocks: Sequence[int], block_size: int) -> list[bytes]:
     """What an event needs of these full blocks of a request, one encoded description each, as vLLM's own
     BlockStored gives it (block_pool.py): parent hash, token ids, extra keys, LoRA."""
-    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
+
+    # (vLLM 0.23 has no to_event_extra_keys: its own events carry the extra keys as they are)
+    to_event_extra_keys = getattr(kv_cache_utils, "to_event_extra_keys", list)
 
     lora = request.lora_request
     lora_id, lora_name = (lora.adapter_id, lora.name) if lora else (None, None)
@@ -113,7 +118,8 @@ class Announcer:
                 token_ids=tokens, block_size=self.block_size, lora_id=lora_id, medium=MEDIUM, lora_name=lora_name,
                 extra_keys=[extra], group_idx=group,
                 kv_cache_spec_kind=type(spec).__name__ if spec is not None else None,
-                kv_cache_spec_sliding_window=getattr(spec, "sliding_window", None), ownership=OWNERSHIP))
+                kv_cache_spec_sliding_window=getattr(spec, "sliding_window", None),
+                **compat.event_fields(BlockStored, OWNERSHIP)))
 
     def _removed(self, keys: list[bytes]) -> None:
         from vllm.distributed.kv_events import BlockRemoved
@@ -122,7 +128,8 @@ class Announcer:
         for key in keys:
             block_hash, group = self._split(key)
             self.events.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(BlockHash(block_hash))],
-                                            medium=MEDIUM, group_idx=group, ownership=OWNERSHIP))
+                                            medium=MEDIUM, group_idx=group,
+                                            **compat.event_fields(BlockRemoved, OWNERSHIP)))
 
     def _split(self, key: bytes) -> tuple[bytes, int | None]:
         """(vLLM's block hash, group) of a key (common.group_key with several groups)."""

@@ -7,7 +7,7 @@ A series is listed once vLLM's own scheduler has driven the connector on it (tes
 
 from __future__ import annotations
 
-SERVED_SERIES = ("0.32", "0.33")
+SERVED_SERIES = ("0.23", "0.32", "0.33")
 
 
 def series_of(version: str) -> str:

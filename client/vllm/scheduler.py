@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvstore_client.client import KVStoreClient, Session
-from kvstore_client.vllm import pacing
+from kvstore_client.vllm import compat, pacing
 from kvstore_client.vllm.common import (
     ConnectorSettings,
     KVStoreConnectorMetadata,
@@ -91,11 +91,15 @@ class Scheduler:
         # their loads (failed_recving): a load is reported once it landed, never early.
         self.early_loads = (self.core_sleeps_when_idle and settings.layerwise_loads
                             and (kv_cache_config is None or len(kv_cache_config.kv_cache_groups) == 1))
+        # vLLM 0.23 gives no block state: the block tables are kept from the scheduler output.
+        self.tables = None if compat.LAYOUTS else compat.BlockTables()
         InProcess.schedulers += 1
 
     # -- vLLM's calls ----------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self.tables is not None and compat.uncacheable(request):
+            return 0, False
         decision = self.plan.match(request, num_computed_tokens)
         if type(decision) is tuple:
             return decision
@@ -113,13 +117,15 @@ class Scheduler:
         return self.plan.answer(decision, request, num_computed_tokens)
 
     def on_new_request(self, request: Request) -> None:
-        self.plan.on_new_request(request)
+        if self.tables is None or not compat.uncacheable(request):
+            self.plan.on_new_request(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self.plan.allocated(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         plan = self.plan
+        tables = self.tables.update(scheduler_output) if self.tables is not None else None
         preempted = scheduler_output.preempted_req_ids
         if preempted:
             plan.preempted(preempted)
@@ -131,7 +137,7 @@ class Scheduler:
             return KVStoreConnectorMetadata(loads=loads, preempted=set(preempted or ()), idle_wait=wait,
                                             lookups=lookups, early=self.early_loads, forward=False)
         stores, flush = plan.plan_stores(scheduler_output.num_scheduled_tokens,
-                                         scheduler_output.kv_connector_block_state)
+                                         tables or scheduler_output.kv_connector_block_state)
         loads = plan.take_loads()
         if not loads and not stores and not preempted and not flush:
             return _NO_JOBS
@@ -141,7 +147,7 @@ class Scheduler:
         plan = self.plan
         return pacing.idle_wait(plan.lookups.values(), bool(plan.load_block_ids), self.core_sleeps_when_idle)
 
-    def finish_loads(self, req_ids: set[str], invalid: set[int], failed: set[str]) -> None:
+    def finish_loads(self, req_ids: set[str], invalid: set[int], failed: Collection[str]) -> None:
         self.plan.loaded(req_ids, invalid, failed)
 
     def request_finished(self, request: Request) -> bool:

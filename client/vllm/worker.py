@@ -9,13 +9,13 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvstore_client.client import KVStoreClient, MemorySpec, Session
 from kvstore_client.device import export_kv_memory, order_before_copies
 from kvstore_client.layouts import KVCacheDescription, UnsupportedKVCache, describe_kv_cache
 from kvstore_client.protocol.completion import Completion
 from kvstore_client.shm import SharedKVMemory, move_to_shared_memory, shared_memory_spec
+from kvstore_client.vllm import compat
 from kvstore_client.vllm.common import ConnectorSettings, KVStoreConnectorStats, Sharding
 from kvstore_client.vllm.pacing import (
     PREEMPTION_WAIT_S,
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # What a step with nothing to report returns, shared (vLLM only reads them): made once, not per step.
+KVConnectorTransferResults = compat.KVConnectorTransferResults
 NO_RESULTS = KVConnectorTransferResults()
 NO_LOAD_ERRORS: set[int] = set()
 
@@ -88,7 +89,9 @@ class Worker:
         if not self.namespace:
             return
         try:
-            layout = self.vllm_config.cache_config.kv_cache_layout
+            layout = compat.kv_cache_layout(self.vllm_config)
+            if layout is None:  # vLLM 0.23: described from the tensors themselves
+                kv_caches = compat.as_layer_tuples(kv_caches, self.kv_cache_config.num_blocks)
             description = describe_kv_cache(self.kv_cache_config, kv_caches, layout)
             if description.memories[0].device.type == "cpu":  # loads may be read layer by layer (start_loads)
                 description = describe_kv_cache(self.kv_cache_config, kv_caches, layout, by_layer=True)

@@ -73,10 +73,11 @@ def test_an_engine_whose_registration_is_refused_starts_and_serves(daemon_factor
 def test_vllm_releases_outside_the_served_series_are_refused_in_one_line() -> None:
     from kvstore_client.vllm.releases import check_vllm_version
 
-    for served in ("0.32.0", "0.32.1+cpu", "0.33.0", "0.33.2rc1"):
+    for served in ("0.23.0", "0.32.0", "0.32.1+cpu", "0.33.0", "0.33.2rc1"):
         check_vllm_version(served)
-    for other in ("0.31.2", "0.34.0", "1.32.0", "0.3.0"):
-        refusal = rf"^the kvstore connector serves vLLM 0\.32\.x, 0\.33\.x and this is vLLM {re.escape(other)}: install"
+    for other in ("0.24.0", "0.31.2", "0.34.0", "1.32.0", "0.3.0"):
+        refusal = (r"^the kvstore connector serves vLLM 0\.23\.x, 0\.32\.x, 0\.33\.x and this is vLLM "
+                   rf"{re.escape(other)}: install")
         with pytest.raises(RuntimeError, match=refusal) as refused:
             check_vllm_version(other)
         assert "\n" not in str(refused.value)

@@ -4,7 +4,7 @@ request's end gives back. vLLM's scheduler calls arrive through client/vllm/sche
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Protocol
 
 from kvstore_client.protocol.groups import needed_blocks
@@ -173,7 +173,7 @@ class Planner:
             self.loads = []
         return loads
 
-    def loaded(self, req_ids: Iterable[str], invalid: set[int], failed: set[str]) -> None:
+    def loaded(self, req_ids: Iterable[str], invalid: set[int], failed: Collection[str]) -> None:
         """These requests' loads are done; `invalid`: blocks that failed to load, `failed`: requests
         whose loads failed (several KV cache groups); those requests recompute and are never offered a
         load again."""
