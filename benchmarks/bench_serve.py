@@ -1,7 +1,8 @@
 """`vllm serve` with and without the kvstore connector, measured by vLLM's own `vllm bench serve`.
 
-    python benchmarks/bench_serve.py [--pairs 3] [--concurrency 1,4,16] [--prompts 32] [--input-len 1024]
-        [--output-len 16] [--prefix-len 896] [--suffix-len 128] [--num-prefixes 4] [--model-size tiny]
+    python benchmarks/bench_serve.py [--pairs 3] [--workloads restart,none,vllm] [--concurrency 1,4,16]
+        [--prompts 32] [--input-len 1024] [--output-len 16] [--prefix-len 896] [--suffix-len 128]
+        [--num-prefixes 4] [--model-size tiny]
         [--threads-bind CPUS|auto] [--kv-cache-bytes 512MiB] [--pool-size 2GiB] [--workdir DIR] [--json FILE]
 
 vLLM's OpenAI server (`python -m kvstore_client.vllm.cpu_cli serve`, tests/support/vllm/serve.py) on a
@@ -129,13 +130,14 @@ class Bench:
                 daemon = DaemonProcess(self.workdir / f"daemon-{tag}", self.args.pool_size, "64MiB", "--fresh")
                 daemon.start()
                 connector = connector_config(daemon.socket)
+            if daemon is not None and "restart" in self.args.workloads:
                 with self.server(f"{tag}-x", connector) as x:  # the warm-up pass of the restart workload
                     for c in self.args.concurrency:
                         self.bench_serve(x, "restart", seed("restart", c), max(self.args.concurrency))
             with self.server(f"{tag}-y", connector) as y:
                 binding = thread_binding(y.log)
                 for c in self.args.concurrency:
-                    for workload in ("restart", "none", "vllm"):
+                    for workload in self.args.workloads:
                         if workload == "vllm":  # the warm-up pass: afterwards vLLM's cache holds every prompt
                             self.bench_serve(y, workload, seed(workload, c), max(self.args.concurrency))
                         r = self.bench_serve(y, workload, seed(workload, c), c)
@@ -215,6 +217,8 @@ def print_report(summary: dict[str, Any], rounds: list[dict[str, Any]]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", type=int, default=3, help="off/on pairs, interleaved")
+    p.add_argument("--workloads", type=lambda text: [w for w in ("restart", "none", "vllm") if w in text.split(",")],
+                   default=["restart", "none", "vllm"], help=f"comma-separated, of {','.join(WORKLOADS)}")
     p.add_argument("--concurrency", type=int_list, default=[1, 4, 16], help="comma-separated")
     p.add_argument("--prompts", type=int, default=32, help="requests per `bench serve` run")
     p.add_argument("--input-len", type=int, default=1024, help="none, restart: prompt tokens")
@@ -264,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         bench.close()
         if temp:
             shutil.rmtree(temp, ignore_errors=True)
-    keys = [f"{w}/c{c}" for w in WORKLOADS for c in args.concurrency]
+    keys = [f"{w}/c{c}" for w in WORKLOADS if w in args.workloads for c in args.concurrency]
     summary = summarize(rounds, args.pairs, keys)
     print_report(summary, rounds)
     print(f"\ntotal {time.monotonic() - started:.0f} s")
