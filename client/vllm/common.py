@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvstore_client.identity import ModelNotFound, weights_identity
 from kvstore_client.layouts import KV_TUPLES, UnsupportedKVCache, heads_first, served_groups
@@ -268,3 +268,32 @@ class KVStoreConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not any(v for v in self.data.values())
+
+
+class KVStorePromMetrics(KVConnectorPromMetrics):
+    """The worker's counters on vLLM's /metrics (`vllm:kvstore_*`, per engine), and its load delays.
+    vLLM's MultiConnector also requires them of every child that reports stats."""
+
+    COUNTERS = {"loaded_blocks": "Blocks loaded from the kvstore sidecar",
+                "load_failed_blocks": "Blocks that failed to load from the kvstore sidecar (recomputed)",
+                "stored_blocks": "Blocks stored in the kvstore sidecar",
+                "store_failed_blocks": "Blocks the kvstore sidecar failed to store"}
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter: Any = self._counter_cls  # (vLLM types them as a union of the three kinds)
+        histogram: Any = self._histogram_cls
+        self.counters = {key: counter(name=f"vllm:kvstore_{key}_total", documentation=doc, labelnames=labelnames)
+                         for key, doc in self.COUNTERS.items()}
+        self.load_seconds = histogram(
+            name="vllm:kvstore_load_seconds", documentation="Load jobs from submission to completion",
+            labelnames=labelnames, buckets=[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0])
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for key, counter in self.counters.items():
+            if transfer_stats_data.get(key):
+                counter.labels(*labels).inc(transfer_stats_data[key])
+        for seconds in transfer_stats_data.get("load_seconds", ()):
+            self.load_seconds.labels(*labels).observe(seconds)

@@ -7,13 +7,14 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
     SupportsHMA,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from kvstore_client.device import unsupported_allocator
 from kvstore_client.layouts import UnsupportedKVCache
@@ -22,6 +23,7 @@ from kvstore_client.vllm.common import (
     ConnectorSettings,
     KVStoreConnectorMetadata,
     KVStoreConnectorStats,
+    KVStorePromMetrics,
     namespace_for,
     unsupported,
     unsupported_kv_cache,
@@ -153,6 +155,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return KVStoreConnectorStats(data=dict(data) if data else {})
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return KVStorePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -224,3 +231,11 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         for side in (self.scheduler, self.worker):
             if side is not None:
                 side.close()
+
+
+# vLLM's MultiConnector rebuilds a child's stats from the class it finds by name in vLLM's registry,
+# where a connector loaded by module path is not: name it there (once per process).
+try:
+    KVConnectorFactory.register_connector("KVStoreConnector", __name__, "KVStoreConnector")
+except ValueError:  # already registered
+    pass

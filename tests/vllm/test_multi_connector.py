@@ -5,15 +5,14 @@ safetensors; the one other connector that runs on CPU) standing in for NIXL.
 The two children are told apart by what they can load for a prompt: kvstore all of it but the last token
 (its partial last block too), ExampleConnector only its full blocks. Stats logging is on in every run
 (each step, `VLLM_LOG_STATS_INTERVAL`), so the children's connector stats go through MultiConnector's
-aggregation, its log line and its Prometheus metrics. On vLLM 0.32 that fails the engine (STATS_DEFECT
-below, in the connector): until the connector is fixed, that failure, and only that one, is an xfail.
+aggregation, its log line and its Prometheus metrics, which take a child's stats only from a connector in
+vLLM's registry (the connector registers its name) with Prometheus metrics (it has them).
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -27,24 +26,6 @@ pytestmark = pytest.mark.forward  # every test here runs vLLM engines
 STATS = {"VLLM_LOG_STATS_INTERVAL": "0.01"}  # log (and so reduce) the connector stats every step
 STATS_LINE = "KV Transfer metrics: KVStoreConnector="
 TWO_ROUNDS = ("--rounds", "2", "--reset-prefix-cache")  # round 2's hits can only come from a connector
-# vLLM 0.32's MultiConnector takes a child's stats only from a connector in KVConnectorFactory's registry
-# (multi_connector.py:677, factory.py:93; 0.33 too) that has Prometheus metrics (multi_connector.py:128;
-# 0.33 skips those without): kvstore, loaded by module path, has neither, so with stats logging on (vLLM's
-# default, not LLM()'s) the first step that carries its stats fails the engine (docs/vllm.md).
-STATS_DEFECT = ("Connector 'KVStoreConnector' is not registered",
-                "KVStoreConnector is not contained in the list of registered connectors")
-
-
-@contextmanager
-def stats_defect_is_xfail():
-    try:
-        yield
-    except AssertionError as e:  # finish(): "engine failed" with the log's tail
-        if any(s in str(e) for s in STATS_DEFECT):
-            pytest.xfail("MultiConnector rejects KVStoreConnector's stats (see STATS_DEFECT)")
-        raise
-
-
 def multi_config(daemon, storage: Path, kvstore_first: bool) -> str:
     kvstore = json.loads(connector_config(daemon, timeout_s=2.0))
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -82,43 +63,43 @@ def test_both_children_serve_hits_and_the_daemon_may_go(model, prompts, referenc
     from_kvstore, from_example = len(prompts[0]) - 1, 3 * BLOCK  # what each child loads for prompt 0
     expected = outputs(reference)
 
-    with stats_defect_is_xfail():
-        # A: both children empty; both store, and kvstore's stats go through MultiConnector every step.
-        a = run_engine(model, prompts, tmp_path / "a.json", config, env=STATS)
-        assert outputs(a) == expected
-        assert STATS_LINE in (tmp_path / "a.log").read_text()
-        assert daemon.client().stats().blocks == 3 + 4  # the shared prefix, each prompt's tail
-        assert any(storage.rglob("*.safetensors"))
+    # A: both children empty; both store, and kvstore's stats go through MultiConnector every step.
+    a = run_engine(model, prompts, tmp_path / "a.json", config, env=STATS)
+    assert outputs(a) == expected
+    assert STATS_LINE in (tmp_path / "a.log").read_text()
+    assert daemon.client().stats().blocks == 3 + 4  # the shared prefix, each prompt's tail
+    assert any(storage.rglob("*.safetensors"))
 
-        # B: a fresh engine, the example's disk emptied: round 1 gets its prefix from kvstore. Round 2
-        # (vLLM's own cache reset) finds it in both, and MultiConnector loads from the first child with a
-        # hit, even a shorter one. Example-first (NIXL's place in P/D) runs as deployed: scheduler and
-        # worker in their own processes, the stats sent between them.
-        shutil.rmtree(storage)
-        processes = () if kvstore_first else ("--multiproc",)
-        b = run_engine(model, prompts, tmp_path / "b.json", config, *processes, *TWO_ROUNDS, env=STATS)
-        assert outputs(b) == expected + expected
-        assert first_cached(b) == [from_kvstore, from_kvstore if kvstore_first else from_example]
-        assert STATS_LINE in (tmp_path / "b.log").read_text()
-        stats = daemon.client().stats()
-        assert stats.hits >= 3 + 1 and stats.failed_load_blocks == 0
-        assert stats.leases == 0 and stats.engines == 0  # the hits the other child won were released
+    # B: a fresh engine, the example's disk emptied: round 1 gets its prefix from kvstore. Round 2
+    # (vLLM's own cache reset) finds it in both, and MultiConnector loads from the first child with a
+    # hit, even a shorter one. Example-first (NIXL's place in P/D) runs as deployed: scheduler and
+    # worker in their own processes, the stats sent between them.
+    shutil.rmtree(storage)
+    processes = () if kvstore_first else ("--multiproc",)
+    b = run_engine(model, prompts, tmp_path / "b.json", config, *processes, *TWO_ROUNDS, env=STATS)
+    assert outputs(b) == expected + expected
+    assert first_cached(b) == [from_kvstore, from_kvstore if kvstore_first else from_example]
+    assert STATS_LINE in (tmp_path / "b.log").read_text()
+    stats = daemon.client().stats()
+    assert stats.hits >= 3 + 1 and stats.failed_load_blocks == 0
+    assert stats.leases == 0 and stats.engines == 0  # the hits the other child won were released
 
-        # C: the daemon goes; the example's disk (written in B from kvstore's KV) serves, answers unchanged.
-        if kvstore_first:  # killed under a running engine, between its rounds: the second child takes over
-            gate = tmp_path / "gate"
-            gate.mkdir()
-            engine = start_engine(model, prompts, tmp_path / "c.json", config, *TWO_ROUNDS, "--round-gate",
-                                  str(gate), env=STATS)
-            assert wait_for(lambda: (gate / "done-0").exists() or engine.poll() is not None, timeout=600)
-            daemon.kill()
-            (gate / "go-0").touch()
-            c = finish(engine, tmp_path / "c.json")
-            assert first_cached(c) == [from_kvstore, from_example]
-            assert outputs(c) == expected + expected
-        else:  # stopped before the engine starts
-            daemon.stop()
-            c = run_engine(model, prompts, tmp_path / "c.json", config, env=STATS)
-            assert first_cached(c) == [from_example]
-            assert outputs(c) == expected
-        assert "unavailable" in (tmp_path / "c.log").read_text()
+    # C: the daemon goes; the example's disk (written in B from kvstore's KV) serves, answers unchanged.
+    if kvstore_first:  # killed under a running engine, between its rounds: the second child takes over
+        gate = tmp_path / "gate"
+        gate.mkdir()
+        engine = start_engine(model, prompts, tmp_path / "c.json", config, *TWO_ROUNDS, "--round-gate",
+                              str(gate), env=STATS)
+        assert wait_for(lambda: (gate / "done-0").exists() or engine.poll() is not None, timeout=600)
+        daemon.kill()
+        (gate / "go-0").touch()
+        c = finish(engine, tmp_path / "c.json")
+        assert first_cached(c) == [from_kvstore, from_example]
+        assert outputs(c) == expected + expected
+    else:  # stopped before the engine starts
+        daemon.stop()
+        c = run_engine(model, prompts, tmp_path / "c.json", config, env=STATS)
+        assert first_cached(c) == [from_example]
+        assert outputs(c) == expected
+    said = "kvstore: lost the daemon at" if kvstore_first else "is unavailable: lookups miss until it is back"
+    assert said in (tmp_path / "c.log").read_text()

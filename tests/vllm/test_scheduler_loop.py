@@ -205,8 +205,6 @@ def test_update_state_after_alloc_a_step_late(make_loop) -> None:
     loop.run()
 
 
-@pytest.mark.xfail(strict=True, reason="connector bug: Planner.take_loads hands out its own pending list when it is "
-                   "empty, so a step's metadata gains the loads planned in later steps (aliasing)")
 def test_a_steps_metadata_is_not_changed_by_later_steps(make_loop) -> None:
     """The metadata vLLM hands the workers for a step must say that step's jobs, whenever a worker reads it."""
     loop, tokens = make_loop(), prompt(64, seed=8)

@@ -127,6 +127,7 @@ def test_vllm_serve_answers_as_without_the_connector_and_a_restarted_server_load
     first_completion, first_chat = replies[0], replies[len(PROMPTS)]
     assert cached_tokens(first_completion) == first_completion["usage"]["prompt_tokens"] - 1
     assert cached_tokens(first_chat) == first_chat["usage"]["prompt_tokens"] - 1
+    assert metrics["vllm:kvstore_loaded_blocks_total"] > 0 and metrics["vllm:kvstore_load_seconds_count"] > 0
     assert metrics["vllm:external_prefix_cache_hits_total"] >= cached_tokens(first_completion) + cached_tokens(
         first_chat)
     # Each kind's first request loads its shared prefix and its tail; every later one at least its tail.

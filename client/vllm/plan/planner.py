@@ -168,9 +168,8 @@ class Planner:
         rec.store_at = self.stores.store_at(rec, state.start * self.block_size + num_external_tokens)
 
     def take_loads(self) -> list[Transfer]:
-        loads = self.loads
-        if loads:
-            self.loads = []
+        """The loads planned since the last step, for this step's metadata: theirs from now on."""
+        loads, self.loads = self.loads, []
         return loads
 
     def loaded(self, req_ids: Iterable[str], invalid: set[int], failed: Collection[str]) -> None:
