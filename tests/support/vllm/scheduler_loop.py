@@ -5,11 +5,15 @@ WORKER-role one as vLLM's worker does and registers KV tensors from vLLM's own a
 forward, between the worker's connector calls in vLLM's order, writes for every token it computes a word that
 depends only on the token's prefix into each attention layer's slot of the block vLLM assigned (a Mamba layer
 folds the chunk into the state it reads): a load that lands is checked exactly. Sampling: always NEXT_TOKEN.
+
+vLLM 0.23's sources (no KV cache layout) run it too: where they differ, feature checks below choose what 0.23's
+engine core, CPU model runner and connector mixin do (each marked "0.23").
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -25,18 +29,30 @@ from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash, resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
-from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
-from vllm.v1.worker.utils import allocate_kv_cache
+from vllm.v1.worker.kv_connector_model_runner_mixin import KVConnectorModelRunnerMixin
+
+try:
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+except ImportError:  # 0.23: no KV cache layout; each layer's tensor is shaped by its attention backend
+    KVCacheLayout = None  # type: ignore[assignment,misc]
 
 try:  # vLLM 0.33 moved it
     from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups
 except ImportError:
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+
+# 0.23's connector mixin: the results come from get_finished (no failed_recving), a step without a forward
+# skips wait_for_save, and start_load_kv always runs before the forward (no sync/async loads).
+TRANSFER_RESULTS = "failed_recving" in KVConnectorOutput.__dataclass_fields__
+NO_FORWARD_SAVES = "wait_for_save" not in inspect.signature(
+    KVConnectorModelRunnerMixin._get_kv_connector_output).parameters
+SYNC_LOADS = hasattr(SchedulerOutput, "has_sync_kv_loads")
 
 BLOCK, HEADS, HEAD_SIZE = 16, 2, 8
 FULL = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
@@ -88,6 +104,46 @@ def _tiny_model(path: Path) -> str:
     return str(path)
 
 
+def _allocate_by_backend(kv_cache_config: KVCacheConfig) -> dict[str, Any]:
+    """0.23's CPU model runner (gpu_model_runner._allocate_kv_cache_tensors, _reshape_kv_cache_tensors): one
+    zeroed int8 tensor per KVCacheTensor, viewed per layer sharing it: attention as the CPU backend's
+    get_kv_cache_shape, [blocks, heads, block_size, 2 * head_size]; a Mamba layer as its states, a page apart."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    specs = {name: g.kv_cache_spec for g in kv_cache_config.kv_cache_groups for name in g.layer_names}
+    kv_caches: dict[str, Any] = {}
+    for kv_cache_tensor in kv_cache_config.kv_cache_tensors:
+        raw = torch.zeros(kv_cache_tensor.size, dtype=torch.int8)
+        for name in kv_cache_tensor.shared_by:
+            spec = specs[name]
+            num_blocks = raw.numel() // spec.page_size_bytes
+            if isinstance(spec, MambaSpec):
+                states, offset = [], 0
+                for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+                    stride = torch.empty(num_blocks, *shape).stride()
+                    states.append(torch.as_strided(raw.view(dtype), (num_blocks, *shape),
+                                                   (spec.page_size_bytes // dtype.itemsize, *stride[1:]),
+                                                   offset // dtype.itemsize))
+                    offset += stride[0] * dtype.itemsize
+                kv_caches[name] = states
+            else:
+                kv_caches[name] = raw.view(spec.dtype).view(CPUAttentionBackend.get_kv_cache_shape(
+                    num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size))
+    return kv_caches
+
+
+def _words(kv_cache: Any) -> torch.Tensor:
+    """A layer's KV as int32 words: attention [blocks, heads, tokens, words], Mamba [blocks, 1, 1, words] (0.23
+    hands a Mamba layer as its states, a page apart: their pages whole, from the first state's start)."""
+    if not isinstance(kv_cache, list):
+        return kv_cache.view(torch.int32)
+    first = kv_cache[0]
+    page = first.stride(0) * first.element_size() // 4
+    return torch.empty(0, dtype=torch.int32).set_(first.untyped_storage(), first.storage_offset() *
+                                                  first.element_size() // 4, (first.shape[0], 1, 1, page),
+                                                  (page, page, page, 1))
+
+
 def _init_worker_distributed(config: VllmConfig, tmp: Path) -> None:
     """The worker's TP group (one rank, gloo), once per process: the worker side asks for its TP rank."""
     if not model_parallel_is_initialized():
@@ -114,12 +170,15 @@ class Loop:
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if kv_events else None)
         config.scheduler_config.max_num_batched_tokens = max_batched_tokens
         # What the engine core does (vllm/v1/engine/core.py): resolve the layout, plan the KV cache, size blocks.
-        config.cache_config.kv_cache_layout = layout
+        # (0.23 has no layout, and its KVCacheConfig no hash block size: the Scheduler is told it alone.)
+        if KVCacheLayout is not None:
+            config.cache_config.kv_cache_layout = layout
         kv_cache_config = get_kv_cache_config_from_groups(config, groups, available_memory=1 << 30)
-        kv_cache_config.kv_cache_layout = layout
         config.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
         block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_cache_config, config)
-        kv_cache_config.hash_block_size = hash_block_size
+        if KVCacheLayout is not None:
+            kv_cache_config.kv_cache_layout = layout
+            kv_cache_config.hash_block_size = hash_block_size
         worker_kv_cache_config = copy.deepcopy(kv_cache_config)  # the workers get their own
         hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
@@ -134,13 +193,15 @@ class Loop:
 
         _init_worker_distributed(config, tmp)
         self.worker: Any = KVStoreConnector(config, KVConnectorRole.WORKER, worker_kv_cache_config)
-        self.kv_caches = allocate_kv_cache(worker_kv_cache_config, torch.device("cpu"), KVCacheLayout[layout],
-                                           [g.kv_cache_spec.block_size for g in groups])
-        self.worker.register_kv_caches(self.kv_caches)
+        if KVCacheLayout is not None:
+            self.kv_caches = allocate_kv_cache(worker_kv_cache_config, torch.device("cpu"), KVCacheLayout[layout],
+                                               [g.kv_cache_spec.block_size for g in groups])
+        else:
+            self.kv_caches = _allocate_by_backend(worker_kv_cache_config)
+        self.worker.register_kv_caches(self.kv_caches)  # (which may move the memory: views of it come after)
         names = [(g, name) for g, group in enumerate(groups) for name in group.layer_names]
         # (layer, group, name, int32 view): attention [blocks, heads, tokens, words], Mamba [blocks, 1, 1, words]
-        self.layers = [(layer, g, name, self.kv_caches[name].view(torch.int32))
-                       for layer, (g, name) in enumerate(names)]
+        self.layers = [(layer, g, name, _words(self.kv_caches[name])) for layer, (g, name) in enumerate(names)]
         self.requests: dict[str, Request] = {}
         self.tables: dict[str, list[list[int]]] = {}  # the worker's block table per request and group
         self.outputs: list[tuple[SchedulerOutput, KVConnectorOutput]] = []  # every step's
@@ -202,19 +263,26 @@ class Loop:
         self._update_tables(out)
         forward = out.total_num_scheduled_tokens > 0
         worker.bind_connector_metadata(meta)
-        sync_load = forward and out.has_sync_kv_loads
+        sync_load = forward and (not SYNC_LOADS or out.has_sync_kv_loads)
         if sync_load:
             worker.start_load_kv(None)
         if forward:
             self._forward(out)
         if not sync_load:
             worker.start_load_kv(None)
-        worker.wait_for_save()
-        results = worker.get_transfer_results(out.finished_req_ids)
-        output = KVConnectorOutput(finished_sending=results.finished_sending or None,
-                                   finished_recving=results.finished_recving or None,
-                                   failed_recving=results.failed_recving,
-                                   invalid_block_ids=worker.get_block_ids_with_load_errors(),
+        if forward or NO_FORWARD_SAVES:
+            worker.wait_for_save()
+        else:  # 0.23: the stores of a step without a forward would never be submitted
+            assert not meta.stores, f"stores planned for a step without a forward: {meta.stores}"
+        if TRANSFER_RESULTS:
+            results = worker.get_transfer_results(out.finished_req_ids)
+            finished = {"finished_sending": results.finished_sending or None,
+                        "finished_recving": results.finished_recving or None,
+                        "failed_recving": results.failed_recving}
+        else:  # 0.23
+            sending, recving = worker.get_finished(out.finished_req_ids)
+            finished = {"finished_sending": sending, "finished_recving": recving}
+        output = KVConnectorOutput(**finished, invalid_block_ids=worker.get_block_ids_with_load_errors(),
                                    kv_connector_stats=worker.get_kv_connector_stats(),
                                    kv_cache_events=worker.get_kv_connector_kv_cache_events(),
                                    kv_connector_worker_meta=worker.build_connector_worker_meta())
