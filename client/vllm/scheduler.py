@@ -131,17 +131,16 @@ class Scheduler:
             plan.preempted(preempted)
         if not scheduler_output.total_num_scheduled_tokens:
             wait, lookups = self._idle_wait()
-            loads = plan.take_loads()
-            if not loads and not preempted:
+            if not plan.loads and not preempted:
                 return _IDLE[wait, lookups]
-            return KVStoreConnectorMetadata(loads=loads, preempted=set(preempted or ()), idle_wait=wait,
+            return KVStoreConnectorMetadata(loads=plan.take_loads(), preempted=set(preempted or ()), idle_wait=wait,
                                             lookups=lookups, early=self.early_loads, forward=False)
         stores, flush = plan.plan_stores(scheduler_output.num_scheduled_tokens,
                                          tables or scheduler_output.kv_connector_block_state)
-        loads = plan.take_loads()
-        if not loads and not stores and not preempted and not flush:
+        if not plan.loads and not stores and not preempted and not flush:
             return _NO_JOBS
-        return KVStoreConnectorMetadata(loads=loads, stores=stores, preempted=set(preempted or ()), flush=flush)
+        return KVStoreConnectorMetadata(loads=plan.take_loads(), stores=stores, preempted=set(preempted or ()),
+                                        flush=flush)
 
     def _idle_wait(self) -> tuple[bool, bool]:
         plan = self.plan

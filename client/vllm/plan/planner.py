@@ -43,7 +43,6 @@ class Planner:
         self.block_size = block_size
         self.spans = spans
         self.load = load
-        self.store = store
         self.outside = outside
         self.describe = describe
         self.reqs: dict[str, Req] = {}
@@ -53,7 +52,9 @@ class Planner:
         self.lookup_errors = 0
         # No partial-tail keys and no offers for grouped keys (yet).
         offers = offer_blocks_per_step if store and spans is None else 0
-        self.stores = Stores(block_size, spans, states, self.lookups, outside, offers, describe)
+        self.stores = Stores(block_size, spans, states, self.reqs, self.lookups, outside, offers, describe)
+        # This step's stores and the requests to flush before its forward (Stores.plan): one call a step.
+        self.plan_stores = self.stores.plan if store else _no_stores
 
     def on_new_request(self, request: Any) -> None:
         self.reqs[request.request_id] = Req(request)
@@ -194,12 +195,6 @@ class Planner:
             if state is not None:
                 self.outside.release(state)
 
-    def plan_stores(self, scheduled_tokens: dict[str, int], block_state: Any) -> tuple[list[Transfer], set[str]]:
-        """This step's stores and the requests to flush before its forward (Stores.plan)."""
-        if not self.store or block_state is None:
-            return [], set()
-        return self.stores.plan(self.reqs, scheduled_tokens, block_state)
-
     def finished(self, req_id: str) -> bool:
         """vLLM's request_finished: True when vLLM must keep the blocks until the request's stores are done."""
         if self.lookups:  # empty in most steps: a hit's lookup ends with its load
@@ -210,3 +205,7 @@ class Planner:
             self.load_block_ids.pop(req_id, None)
         rec = self.reqs.pop(req_id, None)
         return rec is not None and rec.had_stores
+
+
+def _no_stores(scheduled_tokens: dict[str, int], block_state: Any) -> tuple[list[Transfer], set[str]]:
+    return [], set()

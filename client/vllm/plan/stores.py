@@ -19,11 +19,12 @@ KNOWN_KEYS = 65536
 
 
 class Stores:
-    def __init__(self, block_size: int, spans: list[int] | None, states: frozenset[int], lookups: dict[str, Lookup],
-                 outside: Outside, offer_blocks_per_step: int, describe: bool) -> None:
+    def __init__(self, block_size: int, spans: list[int] | None, states: frozenset[int], reqs: dict[str, Req],
+                 lookups: dict[str, Lookup], outside: Outside, offer_blocks_per_step: int, describe: bool) -> None:
         self.block_size = block_size
         self.spans = spans
         self.states = states
+        self.reqs = reqs  # the planner's
         self.lookups = lookups  # the planner's: a tail's key is the one its lookup hashed
         self.outside = outside
         self.offer_blocks_per_step = offer_blocks_per_step
@@ -32,12 +33,14 @@ class Stores:
         self.known_epoch = 0
         self.offers: list[Req] = []  # requests with blocks to offer (appended by the background thread too)
 
-    def plan(self, reqs: dict[str, Req], scheduled_tokens: dict[str, int], block_state: Any) -> tuple[
-            list[Transfer], set[str]]:
+    def plan(self, scheduled_tokens: dict[str, int], block_state: Any) -> tuple[list[Transfer], set[str]]:
         """This step's stores, and the requests whose stores must finish before its forward (flush):
         `block_state` is vLLM's (get_block_ids, boundary_state_offloads)."""
         stores: list[Transfer] = []
         flush: set[str] = set()
+        if block_state is None:
+            return stores, flush
+        reqs = self.reqs
         for req_id, scheduled in scheduled_tokens.items():
             rec = reqs.get(req_id)
             if rec is None:
@@ -47,9 +50,9 @@ class Stores:
             if rec.request.num_computed_tokens + scheduled >= rec.store_at:
                 self._plan_request(rec, scheduled, block_state, stores)
         if self.states and block_state.boundary_state_offloads:
-            self._plan_states(reqs, block_state.boundary_state_offloads, stores)
+            self._plan_states(block_state.boundary_state_offloads, stores)
         if self.offers:
-            self._plan_offers(reqs, block_state, stores)
+            self._plan_offers(block_state, stores)
         return stores, flush
 
     def volatile_freed(self, rec: Req, block_state: Any) -> bool:
@@ -123,14 +126,13 @@ class Stores:
                     _volatile(rec, g, i, block)
         return out_keys, block_ids
 
-    def _plan_states(self, reqs: dict[str, Req], offers: dict[str, list[tuple[int, int, int]]],
-                     stores: list[Transfer]) -> None:
+    def _plan_states(self, offers: dict[str, list[tuple[int, int, int]]], stores: list[Transfer]) -> None:
         """Stores of the Mamba states vLLM offers (boundary_state_offloads: group, block id, tokens before
         it), each under the key of the block it ends: computed by this step's forward and held by vLLM
         only until the next (a flush)."""
         size = self.block_size
         for req_id, offered in offers.items():
-            rec = reqs.get(req_id)
+            rec = self.reqs.get(req_id)
             if rec is None:
                 continue
             hashes = rec.request.block_hashes
@@ -216,14 +218,14 @@ class Stores:
         if hits < local and self.offer_blocks_per_step:
             self.offers.append(rec)
 
-    def _plan_offers(self, reqs: dict[str, Req], block_state: Any, stores: list[Transfer]) -> None:
+    def _plan_offers(self, block_state: Any, stores: list[Transfer]) -> None:
         """Stores of blocks vLLM served from its own cache that the pool lacks: for requests scheduled
         this step (their block ids are at hand), at most `offer_blocks_per_step` blocks in all."""
         budget = self.offer_blocks_per_step
         keep: list[Req] = []
         for rec in self.offers:
             req_id = rec.request.request_id
-            if reqs.get(req_id) is not rec:
+            if self.reqs.get(req_id) is not rec:
                 continue  # finished: its blocks are vLLM's again
             ids = block_state.get_block_ids(req_id)
             if ids is None or not budget:
