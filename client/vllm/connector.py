@@ -172,13 +172,13 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
         # nothing to do. In vLLM 0.32 only those layer hooks ask; this connector reads
         # `_connector_metadata` itself.
         worker = self.worker
-        return worker is not None and bool(worker.early)
+        return worker is not None and bool(worker.early.jobs)
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         worker = self.worker
-        if worker is not None and worker.early and connector_metadata.forward:  # type: ignore[attr-defined]
-            worker.wait_for_layer(worker.first_regions)  # the first layer's new KV is written before it waits
+        if worker is not None and worker.early.jobs and connector_metadata.forward:  # type: ignore[attr-defined]
+            worker.wait_for_layer(worker.early.first_regions)  # the first layer's new KV is written before it waits
 
     # The worker-side calls of every step read the bound metadata directly.
 
@@ -197,8 +197,8 @@ class KVStoreConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         worker = self.worker  # called only while early loads are in flight (has_connector_metadata)
-        if worker is not None and worker.early:
-            worker.wait_for_layer(worker.layer_regions.get(layer_name, worker.total_regions))
+        if worker is not None and (early := worker.early).jobs:
+            worker.wait_for_layer(early.layer_regions.get(layer_name, early.total_regions))
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         pass  # whole blocks are stored after the forward, in wait_for_save

@@ -15,12 +15,12 @@ from kvstore_client.protocol.completion import Completion
 from kvstore_client.shm import SharedKVMemory
 from kvstore_client.vllm import compat, kv_memory
 from kvstore_client.vllm.common import ConnectorSettings, KVStoreConnectorStats, Sharding
+from kvstore_client.vllm.early_loads import EarlyLoads
 from kvstore_client.vllm.kv_memory import KVCaches
 from kvstore_client.vllm.pacing import (
     PREEMPTION_WAIT_S,
     InProcess,
     wait_for_jobs,
-    wait_for_landing,
     wait_for_progress,
 )
 from kvstore_client.vllm.plan import Transfer
@@ -67,19 +67,8 @@ class Worker:
         self.stats = KVStoreConnectorStats()
         self.stats_changed = False  # spares the per-step is_empty() scan of the counters
         self.order_copies = False  # device memory: order the step's kernels before each job (not on CPU)
-        # Loads reported done before they landed (KVStoreConnectorMetadata.early): job -> request. Every
-        # forward reads them layer by layer until they are complete (wait_for_layer).
-        self.early: dict[int, str] = {}
-        self.early_reqs: set[str] = set()  # requests reported, whose loads are not complete
-        self.report: set[str] = set()  # requests to report done in this step's results
-        self.read_early = False  # this step's forward waited on early loads: see them complete
+        self.early = EarlyLoads()  # loads reported done before they landed, read layer by layer
         self.block_bytes = 0  # this engine's bytes of a block
-        # Regions of the layout that must have landed before a layer's attention runs: its own and the
-        # next layer's (vLLM writes a layer's new KV just before that layer's attention, where it waits:
-        # the next layer's pages must be in by then). Set where loads report their progress (CPU).
-        self.layer_regions: dict[str, int] = {}
-        self.first_regions = 0  # before a forward: the first layer's
-        self.total_regions = 0
         InProcess.workers += 1
 
     def register(self, kv_caches: KVCaches) -> None:
@@ -96,12 +85,7 @@ class Worker:
         self.device = description.memories[0].device
         self.order_copies = self.device.type != "cpu"
         self.block_bytes = sum(r.block_bytes for r in description.regions)
-        self.total_regions = len(description.regions)
-        ends = list(description.layer_regions.values())  # in region order: the order a load copies them
-        if ends:
-            self.first_regions = ends[0]
-            self.layer_regions = {name: ends[min(i + 1, len(ends) - 1)]
-                                  for i, name in enumerate(description.layer_regions)}
+        self.early.set_layers(description.layer_regions, len(description.regions))
         try:
             sharding = self.sharding
             spec, self.memories = kv_memory.share(self.vllm_config, kv_caches, description, sharding.shards,
@@ -114,7 +98,7 @@ class Worker:
                       "the KV cache with the daemon: %s", self.rank, e)
             return
         log.info("kvstore connector active (worker side, rank %d): %s KV cache, %d regions in %d allocations, "
-                 "%d blocks, shard %d of %d, namespace %s", self.rank, description.layout, self.total_regions,
+                 "%d blocks, shard %d of %d, namespace %s", self.rank, description.layout, len(description.regions),
                  len(description.memories), spec.num_blocks, spec.shard, spec.shards, self.namespace)
 
     def start_loads(self, loads: list[Transfer], early: bool = False) -> None:
@@ -130,55 +114,21 @@ class Worker:
         if loads and self.order_copies:
             assert self.device is not None
             seq = order_before_copies(self.device)  # blocks taken from a preempted request may still be written
-        early = early and bool(self.layer_regions)
+        early = early and bool(self.early.layer_regions)
         for t in loads:
             job = session.load(t.keys, t.block_ids, order_seq=seq)
             self.load_jobs[job] = (t.req_id, t.block_ids, time.monotonic())
             self.loads_left[t.req_id] = self.loads_left.get(t.req_id, 0) + 1
             if early and len(t.block_ids) * self.block_bytes <= session.progress_load_bytes:
-                self.early[job] = t.req_id
-                self.early_reqs.add(t.req_id)
-                self.report.add(t.req_id)
+                self.early.add(job, t.req_id)
 
     def wait_for_layer(self, regions: int) -> None:
-        """Before a layer of a forward: wait until the first `regions` regions of every early load
-        landed (or the load finished). A load that does not progress within the session's timeout
-        fails: its blocks are reported as load errors (vLLM recomputes them)."""
-        session = self.session
-        assert session is not None
-        self.read_early = True
-        deadline = 0.0
-        for job in list(self.early):
-            landed, deadline = wait_for_landing(session, job, regions, deadline, self.settings.timeout_s)
-            if not landed:
-                log.error("kvstore: load job %d did not land in %ss; its blocks are recomputed",
-                          job, self.settings.timeout_s)
-                self._load_failed(*self.load_jobs[job][:2])
-                del self.early[job]
+        """Before a layer of a forward: the early loads' first `regions` regions have landed (EarlyLoads)."""
+        assert self.session is not None
+        self.early.wait_for_layer(self.session, regions, self.settings.timeout_s, self._early_failed)
 
-    def _report_early(self, results: KVConnectorTransferResults) -> bool:
-        """Report the loads started early in this step as done; after a forward that read early loads,
-        wait for their completions, so that a load that failed is reported (as load errors) with the
-        step that used it. Returns False if a request was reported (it runs next step: no idle wait)."""
-        reported = bool(self.report)
-        results.finished_recving.update(self.report)
-        self.report.clear()
-        if self.read_early and self.early:
-            session = self.session
-            assert session is not None
-            try:
-                done = wait_for_jobs(session, list(self.early), self.settings.timeout_s)
-            except TimeoutError:  # their blocks are recomputed; the forward does not wait for them again
-                log.error("kvstore: early loads %s did not complete in %ss", sorted(self.early),
-                          self.settings.timeout_s)
-                for job in self.early:
-                    self._load_failed(*self.load_jobs[job][:2])
-                self.early.clear()
-                done = {}
-            for completion in done.values():
-                self._completed(completion)
-        self.read_early = False
-        return not reported
+    def _early_failed(self, job: int) -> None:
+        self._load_failed(*self.load_jobs[job][:2])
 
     def start_stores(self, stores: list[Transfer]) -> None:
         if self.session is None:
@@ -214,8 +164,10 @@ class Worker:
                 or (finished_req_ids and self.had_stores)):
             return NO_RESULTS  # most steps: nothing in flight, nothing to report
         results = KVConnectorTransferResults()
-        if self.report or self.read_early:
-            idle_wait = self._report_early(results) and idle_wait
+        early = self.early
+        if early.report or early.read:
+            idle_wait = early.take_report(results.finished_recving, self.session, self.settings.timeout_s,
+                                          self._completed, self._early_failed) and idle_wait
         if self.session is None:
             return self._results_off(results, idle_wait, lookups)
         if finished_req_ids and self.had_stores:
@@ -271,7 +223,6 @@ class Worker:
         self.stats_changed = True
         if c.job_id in self.load_jobs:
             req_id, block_ids, submitted = self.load_jobs.pop(c.job_id)
-            self.early.pop(c.job_id, None)
             self.stats.data["load_seconds"].append(time.monotonic() - submitted)
             if c.ok:
                 self.stats.data["loaded_blocks"] += c.blocks_ok
@@ -280,12 +231,12 @@ class Worker:
                 self._load_failed(req_id, block_ids)
                 self.stats.data["load_failed_blocks"] += len(block_ids)
             self.loads_left[req_id] -= 1
-            if self.loads_left[req_id] == 0:
+            last = self.loads_left[req_id] == 0
+            if last:
                 del self.loads_left[req_id]
-                if req_id in self.early_reqs:  # reported when it started
-                    self.early_reqs.discard(req_id)
-                    return None
-                return req_id
+            if self.early.completed(c.job_id, req_id if last else None):
+                return None  # reported when it started
+            return req_id if last else None
         elif c.job_id in self.store_jobs:
             req_id = self.store_jobs.pop(c.job_id)
             self.stats.data["stored_blocks"] += c.blocks_ok

@@ -287,7 +287,8 @@ def test_with_a_load_in_flight_the_idle_wait_lasts_up_to_the_load_bound(connecto
 
 def _early_worker(worker) -> None:
     """The worker as registered on CPU memory of one layer (the test engine's one region)."""
-    worker.block_bytes, worker.layer_regions, worker.first_regions, worker.total_regions = KB64, {"l0": 1}, 1, 1
+    worker.block_bytes = KB64
+    worker.early.set_layers({"l0": 1}, 1)
 
 
 def test_an_early_load_is_reported_when_it_starts_and_read_once_landed(connector_sides, monkeypatch) -> None:
@@ -307,7 +308,7 @@ def test_an_early_load_is_reported_when_it_starts_and_read_once_landed(connector
     worker.wait_for_layer(1)  # a forward's first layer
     assert engine.verify(keys, list(range(8, 16))) == 0
     assert worker.transfer_results(set()).finished_recving == set()  # after that forward
-    assert not worker.early and not worker.load_jobs and not worker.load_errors
+    assert not worker.early.jobs and not worker.load_jobs and not worker.load_errors
 
 
 def test_an_early_load_that_fails_is_reported_with_the_forward_that_read_it(connector_sides) -> None:
@@ -335,7 +336,7 @@ def test_a_load_is_reported_early_only_where_planned_so_and_small_enough(connect
     worker.start_loads([Transfer("big", keys, [4, 5, 6, 7])], early=True)
     worker.block_bytes = KB64
     worker.start_loads([Transfer("planned-late", keys, [8, 9, 10, 11])], early=False)
-    assert not worker.early
+    assert not worker.early.jobs
     reported: set[str] = set()
     wait_for(lambda: reported.update(worker.transfer_results(set()).finished_recving) or len(reported) == 2)
     assert reported == {"big", "planned-late"}
