@@ -50,6 +50,9 @@ MAX_MESSAGE = 64 << 20
 # (POLL_S). A 1 ms slice woke a client waiting for a 512 MiB load ~25 times, ~1 ms of CPU per load
 # taken from the copy threads' cores (2-vCPU VM: loads 0.75 -> 0.83 of the copy engine at 50 ms).
 WAIT_SLICE_S = 0.05
+# A job given up on (`give_up_s`) expires this much earlier in the daemon: a chunk's copy that started
+# just before its expiry is not interrupted (a chunk copies in milliseconds).
+COPY_MARGIN_S = 0.5
 
 
 def target_for(socket: str | None) -> str:
@@ -296,6 +299,7 @@ class _Submit:
     blocks: int
     partial_tail: bool = False
     order_seq: int = 0
+    expires_ns: int = 0
 
 
 class Session:
@@ -319,6 +323,9 @@ class Session:
         self._channel_path = ""
         self._job_ids = itertools.count(1)
         self._pending: dict[int, bytes] = {}  # job id -> session id it was submitted under
+        # Jobs sent without the daemon's word that it took them: job id -> when they are surely over
+        # (their expiry in the daemon, and a chunk's copy after it).
+        self._unconfirmed: dict[int, int] = {}
         self._done: list[Completion] = []  # finished, not yet returned by poll()
         self._lock = threading.Lock()  # guards _pending/_done between the caller and the threads
         self._connected = threading.Event()
@@ -420,16 +427,20 @@ class Session:
             log.error("kvstore: the daemon refuses this session (retrying in the background): %s", e)
 
     def _disconnected(self) -> None:
-        """The daemon went away: every job in flight is lost; report it failed."""
+        """The daemon ended the session (once its copies did) or its process is gone: every job is
+        over. Those it posted keep their outcome; the others failed."""
         if self._connected.is_set():
             log.log(self.says, "kvstore: lost the daemon at %s: jobs in flight fail and lookups miss until it "
                     "is back (reconnecting in the background)", self.client.target)
         self._connected.clear()
         self.session_id = b""
         with self._lock:
+            channel = self.channel
             for job_id in self._pending:
-                self._done.append(Completion(job_id, 0, 1))
+                posted = channel.check(job_id) if channel is not None else None
+                self._done.append(posted or Completion(job_id, 0, 1))
             self._pending.clear()
+            self._unconfirmed.clear()
         self._wake_waiters()
 
     @property
@@ -439,22 +450,27 @@ class Session:
     # -- jobs ------------------------------------------------------------------------------------
 
     def store(self, keys: Sequence[bytes], block_ids: Sequence[int], partial_tail: bool = False,
-              order_seq: int = 0) -> int:
+              order_seq: int = 0, give_up_s: float = 0.0) -> int:
         """Queue a copy engine -> pool; returns the job id at once. `partial_tail`: the last key is a
         prompt's partial last block, which the pool evicts before full blocks. `order_seq`: what
         kvstore_client.device.order_before_copies returned just before (device memory): the daemon
-        copies once that record of the engine's stream is done; 0: after every record pending then."""
-        return self._submit(True, keys, block_ids, partial_tail, order_seq)
+        copies once that record of the engine's stream is done; 0: after every record pending then.
+        `give_up_s`: the caller takes the job as failed if not finished this long after now, and may
+        reuse its blocks: the daemon then no longer touches them (0: the caller waits for its end)."""
+        return self._submit(True, keys, block_ids, partial_tail, order_seq, give_up_s)
 
-    def load(self, keys: Sequence[bytes], block_ids: Sequence[int], order_seq: int = 0) -> int:
-        """Queue a copy pool -> engine; returns the job id at once. `order_seq`: as for store."""
-        return self._submit(False, keys, block_ids, order_seq=order_seq)
+    def load(self, keys: Sequence[bytes], block_ids: Sequence[int], order_seq: int = 0,
+             give_up_s: float = 0.0) -> int:
+        """Queue a copy pool -> engine; returns the job id at once. `order_seq`, `give_up_s`: as for store."""
+        return self._submit(False, keys, block_ids, order_seq=order_seq, give_up_s=give_up_s)
 
     def _submit(self, is_store: bool, keys: Sequence[bytes], block_ids: Sequence[int],
-                partial_tail: bool = False, order_seq: int = 0) -> int:
+                partial_tail: bool = False, order_seq: int = 0, give_up_s: float = 0.0) -> int:
         if self.memory is None:
             raise FailedPrecondition("this session registered no KV memory")
         job_id = next(self._job_ids)
+        # (Before the caller's clock starts; less a chunk's copy, which the daemon does not interrupt.)
+        expires_ns = time.monotonic_ns() + int((give_up_s - COPY_MARGIN_S) * 1e9) if give_up_s else 0
         packed, size = pack_keys(keys)
         ids = pack_block_ids(block_ids)
         with self._lock:
@@ -462,7 +478,8 @@ class Session:
                 self._done.append(Completion(job_id, 0, max(len(keys), 1)))
                 return job_id
             self._pending[job_id] = self.session_id
-        self._submits.put(_Submit(job_id, is_store, packed, size, ids, len(block_ids), partial_tail, order_seq))
+        self._submits.put(_Submit(job_id, is_store, packed, size, ids, len(block_ids), partial_tail, order_seq,
+                                  expires_ns))
         return job_id
 
     def _send_loop(self) -> None:
@@ -481,7 +498,8 @@ class Session:
                 continue  # failed already (disconnect)
             request = pb.TransferRequest(session_id=session_id, job_id=item.job_id, keys=item.keys,
                                          key_size=item.key_size, block_id_bytes=item.block_ids,
-                                         partial_tail=item.partial_tail, order_seq=item.order_seq)
+                                         partial_tail=item.partial_tail, order_seq=item.order_seq,
+                                         expires_ns=item.expires_ns)
             try:
                 if jobs.usable(self.registrations):
                     jobs.submit(item.is_store, request)
@@ -492,7 +510,17 @@ class Session:
                 error = from_rpc_error(e)
             except KVStoreError as e:
                 error = e
-            log.warning("kvstore: %s job %d refused: %s", "store" if item.is_store else "load", item.job_id, error)
+            what = "store" if item.is_store else "load"
+            if isinstance(error, Unavailable):
+                # Whether the daemon took the job is unknown: it stays pending until its completion is
+                # posted, its expiry passed (poll) or the session ended (_disconnected), as the daemon
+                # may still run it.
+                log.warning("kvstore: %s job %d not confirmed: %s", what, item.job_id, error)
+                if item.expires_ns:
+                    with self._lock:
+                        self._unconfirmed[item.job_id] = item.expires_ns + int(COPY_MARGIN_S * 1e9)
+                continue
+            log.warning("kvstore: %s job %d refused: %s", what, item.job_id, error)
             with self._lock:
                 if self._pending.pop(item.job_id, None) is not None:
                     self._done.append(Completion(item.job_id, 0, max(item.blocks, 1)))
@@ -509,7 +537,15 @@ class Session:
                     completion = channel.check(job_id)
                     if completion is not None:
                         del self._pending[job_id]
+                        self._unconfirmed.pop(job_id, None)
                         done.append(completion)
+            if self._unconfirmed:
+                now = time.monotonic_ns()
+                for job_id, over in list(self._unconfirmed.items()):
+                    if now >= over:
+                        del self._unconfirmed[job_id]
+                        if self._pending.pop(job_id, None) is not None:
+                            done.append(Completion(job_id, 0, 1))
         return done
 
     def progress(self, job_id: int) -> int:

@@ -152,6 +152,11 @@ class Config(BaseSettings):
         True, description="Per-namespace series on /metrics (labelled with the tenant, the model and a namespace "
         "id); off: daemon-wide figures only, no tenant named.")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="Log level.")
+    drain_timeout_s: float = Field(
+        20.0, gt=0, description="A stopping daemon (SIGTERM) lets the copies in flight finish for at most this "
+        "long before any engine learns that its jobs ended; past it the daemon exits at once, without telling "
+        "them (a copy may still be writing). Keep it below the pod's terminationGracePeriodSeconds."
+    )
     handshake_timeout_s: float = Field(
         2.0, gt=0, description="A connection to <socket>.cred that has not sent its token within this is closed."
     )

@@ -149,13 +149,14 @@ class Daemon:
     # -- jobs ------------------------------------------------------------------------------------
 
     def submit(self, session: Session, job_id: int, keys: bytes, key_size: int, block_ids: array[int],
-               is_store: bool, partial_tail: bool = False, order_seq: int = 0) -> int:
+               is_store: bool, partial_tail: bool = False, order_seq: int = 0, expires_ns: int = 0) -> int:
         """Start a store or load job of an engine session (keys packed); its completion is posted to the
         session's channel. `order_seq`: the engine's ordering record the job follows (0: every record
-        pending at its arrival; see Backend.order_pending). Returns the job's id."""
+        pending at its arrival; see Backend.order_pending); `expires_ns`: when the client gives it up
+        (Job.expires_ns). Returns the job's id."""
         engine = self.sessions.engine(session)
         job = self.jobs.submit(engine, job_id, PackedKeys(keys, key_size), block_ids, is_store,
-                               is_store and partial_tail, order_seq)
+                               is_store and partial_tail, order_seq, expires_ns)
         return job.job_id
 
     async def poll(self, session: Session, wait_ms: int) -> list[JobResult]:
@@ -291,8 +292,16 @@ class Daemon:
         gc.collect()
         gc.freeze()
 
+    async def drain(self) -> bool:
+        """Stopping: the jobs drained (Jobs.drain), then every session ended, which tells its engine.
+        False (nothing told) if copies still run after --drain-timeout-s."""
+        if not await self.jobs.drain(self.config.drain_timeout_s):
+            return False
+        await self.sessions.end_all()
+        return True
+
     async def shutdown(self) -> None:
-        """Let copies finish, drop mappings (engines register again with the next daemon)."""
+        """Drop mappings (engines register again with the next daemon), seal what is queued, close."""
         await self.sessions.end_all()
         await self.jobs.shutdown()
         if self.tiers is not None:

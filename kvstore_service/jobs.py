@@ -21,6 +21,10 @@ loop polls them from the host (`order_waiting`) before it plans the job, with a 
 (ORDER_WAIT_S) and for no longer than the session lives. No copy thread waits on an engine: one that
 died or stalls fails its own jobs, and its session's end is not held up by them. Each device has its
 own copy threads (`--copy-threads` per device), so one GPU's copies never queue behind another's.
+
+No engine learns that a job ended while a copy of it may still touch the engine's memory: a job the
+client gives up on at its deadline (`expires_ns`) starts no copy after it, and a store copied past it
+is not committed (the engine may have reused its blocks); a stopping daemon first drains (`drain`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import weakref
 from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import CancelledError, Executor, Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
@@ -111,6 +115,9 @@ class Job:
     lane: Executor | None = None  # the copy threads its chunks went to
     chunks: list[tuple[Chunk, Future[list[int]]]] = field(default_factory=list)  # each with its copy
     stored: list[Block] = field(default_factory=list)  # a store: the blocks it committed
+    # CLOCK_MONOTONIC ns (every process of the node reads the same clock) after which the client
+    # takes the job as failed: no copy starts later, a store copied later is not committed. 0: none.
+    expires_ns: int = 0
 
 
 @dataclass(eq=False)
@@ -177,7 +184,9 @@ class Jobs:
     # -- submit and poll -------------------------------------------------------------------------
 
     def submit(self, session: EngineSession, job_id: int, keys: Sequence[bytes], block_ids: array[int] | Sequence[int],
-               is_store: bool, partial_tail: bool = False, order_seq: int = 0) -> Job:
+               is_store: bool, partial_tail: bool = False, order_seq: int = 0, expires_ns: int = 0) -> Job:
+        if self._draining:
+            raise KVError("UNAVAILABLE", "the daemon is stopping: no job starts (the engine recomputes)")
         packed = PackedKeys.of(keys)
         if not isinstance(block_ids, array):
             try:
@@ -207,7 +216,8 @@ class Jobs:
             raise KVError("RESOURCE_EXHAUSTED", f"{len(mine.running)} jobs in flight (--max-inflight-jobs "
                           f"{self.config.max_inflight_jobs}); wait for completions")
 
-        job = Job(job_id, is_store, session, packed, block_ids, [False] * len(packed), partial_tail)
+        job = Job(job_id, is_store, session, packed, block_ids, [False] * len(packed), partial_tail,
+                  expires_ns=expires_ns)
         job.order = self._order_pending(job, order_seq)  # now, at arrival: the records the job must follow
         mine.running[slot] = job
         task = asyncio.get_running_loop().create_task(self._run(job))
@@ -269,6 +279,9 @@ class Jobs:
         deadline = time.monotonic() + self.order_wait_s
         delay = ORDER_POLL_FIRST_S
         while pending:
+            if self._draining:
+                job.error = "cancelled: the daemon is stopping"
+                return False
             if session.closed:
                 job.error = "the session ended before the engine's work this job must follow was done"
                 return False
@@ -351,6 +364,9 @@ class Jobs:
         for chunk, copying in copies:
             try:
                 corrupt = copying.result()
+            except (Expired, CancelledError) as e:  # past its deadline, or cancelled by a drain: never copied
+                job.error = str(e) or "cancelled: the daemon is stopping"
+                corrupt = None
             except Exception as e:  # every block of the chunk failed; never report it as success
                 log.exception("job %d copy failed", job.job_id)
                 job.error = f"copy failed: {e}"
@@ -385,6 +401,9 @@ class Jobs:
         lead = min(self.config.copy_threads, len(parts)) if len(parts) > 1 else 0
         held: list[Chunk] = []
         for k, part in enumerate(parts):
+            if self._draining:  # the rest is cancelled: it never starts
+                job.error = "cancelled: the daemon is stopping"
+                break
             try:
                 chunk = self._prepare_store(job, part) if job.is_store else self._prepare_load(job, part)
             except Exception as e:  # a bug: the chunks planned still copy and complete, the rest fail
@@ -466,9 +485,12 @@ class Jobs:
         holds the GIL while it plans."""
         session = job.session
         start = time.monotonic()
+        _check_expiry(job)
         corrupt = session.backend.transfer(session.mappings[0], self.pool.base, chunk.plan, not job.is_store,
                                            len(chunk.blocks), chunk.check)
         job.copies.append((start, time.monotonic()))
+        if job.is_store:  # read after the client gave up: the engine may have reused those blocks
+            _check_expiry(job)
         return corrupt
 
     def _copy_ended(self, job: Job, loop: asyncio.AbstractEventLoop, copy: Future[list[int]] | None = None) -> None:
@@ -553,12 +575,36 @@ class Jobs:
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", _timeline(job))
 
+    async def drain(self, timeout_s: float) -> bool:
+        """The daemon stops: no job starts and no chunk not yet copying will; those copying finish and
+        every job's completion is posted (the cancelled ones failed). False if copies still run after
+        `timeout_s`: then no engine may be told, as they may still write into its memory."""
+        self._draining = True
+        for mine in self._of.values():
+            for job in mine.running.values():
+                for _, copying in job.chunks:
+                    copying.cancel()  # (only one not started yet is cancelled)
+        tasks = [task for mine in self._of.values() for task in mine.tasks]
+        if not tasks:
+            return True
+        _, running = await asyncio.wait(tasks, timeout=timeout_s)
+        return not running
+
     async def shutdown(self) -> None:
         """Seal what is queued (a restarted daemon can then verify it), then stop the threads.
         Recovered blocks not verified yet keep their headers: the next daemon verifies them."""
         self._draining = True
         await self.seals.drain()
         self.threads.close_copies()
+
+
+class Expired(Exception):
+    pass
+
+
+def _check_expiry(job: Job) -> None:
+    if job.expires_ns and time.monotonic_ns() >= job.expires_ns:
+        raise Expired("expired: the client gave up on the job (the daemon was stalled past its deadline)")
 
 
 def _mark_ok(job: Job, chunk: Chunk) -> None:

@@ -152,6 +152,12 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
     log.info("shutting down")
     chores.cancel()
     await submits.close()
+    # No engine may learn that its jobs ended while a copy can still touch its memory: drained first.
+    if not await daemon.drain():
+        log.error("copies still running after --drain-timeout-s %g s: exiting without telling the engines "
+                  "(they learn it from this process's end, when no copy can run)", config.drain_timeout_s)
+        logging.shutdown()
+        os._exit(1)
     await server.stop(grace=2.0)
     await creds.close()
     await daemon.shutdown()

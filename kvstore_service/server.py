@@ -134,12 +134,10 @@ class Servicer(pb_grpc.KVStoreServicer):
         session = daemon.attach(self._session(request.session_id, context))
         try:
             yield pb.SessionEvent(attached=pb.Attached(daemon_boot_id=daemon.boot_id))
-            stopping = asyncio.ensure_future(self.stopping.wait())
-            ended = asyncio.ensure_future(session.ended.wait())
-            await asyncio.wait([stopping, ended], return_when=asyncio.FIRST_COMPLETED)
-            stopping.cancel()
-            ended.cancel()
-            reason = "session ended" if session.ended.is_set() else "daemon shutting down"
+            # Ended once its copies are (also when the daemon stops: Daemon.drain): the client then
+            # takes every job not posted as failed.
+            await session.ended.wait()
+            reason = "daemon shutting down" if self.stopping.is_set() else "session ended"
             yield pb.SessionEvent(shutdown=pb.Shutdown(reason=reason))
         finally:
             # The stream closed: the client went away (or unregistered). Clean up off this task,
@@ -187,7 +185,7 @@ class Servicer(pb_grpc.KVStoreServicer):
         check_keys(request.keys, request.key_size)
         session = self._session(request.session_id, context)
         job_id = self.daemon.submit(session, request.job_id, request.keys, request.key_size, block_ids_of(request),
-                                    is_store, request.partial_tail, request.order_seq)
+                                    is_store, request.partial_tail, request.order_seq, request.expires_ns)
         return pb.TransferResponse(job_id=job_id)
 
     async def Poll(self, request: pb.PollRequest, context: Any) -> pb.PollResponse:

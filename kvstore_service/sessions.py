@@ -336,14 +336,16 @@ class Sessions:
         if session.closed:
             return
         session.closed = True
-        session.ended.set()
         for lease in list(session.leases.values()):
             self._drop_lease(session, lease)
         if isinstance(session, EngineSession):
-            await self.settle(session)  # copies in flight still use the mapping: let them finish first
+            # Copies in flight still use the mapping, and the engine takes the session's end as its
+            # jobs' end: both wait until they finish.
+            await self.settle(session)
             session.channel.close()
             for mapping in session.mappings:  # device calls may sync the device
                 await self.off_loop(session.backend.unmap, mapping)
+        session.ended.set()
         self.by_id.pop(session.session_id, None)
         log.info("session %s ended", session.session_id.hex()[:8])
 

@@ -161,7 +161,7 @@ class ReleaseLeaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TransferRequest(_message.Message):
-    __slots__ = ("session_id", "job_id", "keys", "key_size", "block_ids", "partial_tail", "order_seq", "block_id_bytes")
+    __slots__ = ("session_id", "job_id", "keys", "key_size", "block_ids", "partial_tail", "order_seq", "block_id_bytes", "expires_ns")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +170,7 @@ class TransferRequest(_message.Message):
     PARTIAL_TAIL_FIELD_NUMBER: _ClassVar[int]
     ORDER_SEQ_FIELD_NUMBER: _ClassVar[int]
     BLOCK_ID_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_NS_FIELD_NUMBER: _ClassVar[int]
     session_id: bytes
     job_id: int
     keys: bytes
@@ -178,7 +179,8 @@ class TransferRequest(_message.Message):
     partial_tail: bool
     order_seq: int
     block_id_bytes: bytes
-    def __init__(self, session_id: _Optional[bytes] = ..., job_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., partial_tail: _Optional[bool] = ..., order_seq: _Optional[int] = ..., block_id_bytes: _Optional[bytes] = ...) -> None: ...
+    expires_ns: int
+    def __init__(self, session_id: _Optional[bytes] = ..., job_id: _Optional[int] = ..., keys: _Optional[bytes] = ..., key_size: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., partial_tail: _Optional[bool] = ..., order_seq: _Optional[int] = ..., block_id_bytes: _Optional[bytes] = ..., expires_ns: _Optional[int] = ...) -> None: ...
 
 class TransferResponse(_message.Message):
     __slots__ = ("job_id",)

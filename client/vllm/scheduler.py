@@ -84,7 +84,7 @@ class Scheduler:
             self.announcer = Announcer(self.session, block_size, groups)
         self.plan = Planner(block_size, spans, state_groups(kv_cache_config), self, load=settings.load,
                             store=settings.store, offer_blocks_per_step=settings.offer_blocks_per_step,
-                            describe=self.announcer is not None)
+                            describe=self.announcer is not None, min_load_tokens=settings.min_load_tokens)
         self._handoff = threading.Lock()  # who releases the lease of a lookup dropped before its reply
         self.core_sleeps_when_idle = pacing.engine_core_sleeps_when_idle()
         # With several KV cache groups vLLM takes load failures only from requests still waiting for

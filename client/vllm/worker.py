@@ -116,10 +116,14 @@ class Worker:
             seq = order_before_copies(self.device)  # blocks taken from a preempted request may still be written
         early = early and bool(self.early.layer_regions)
         for t in loads:
-            job = session.load(t.keys, t.block_ids, order_seq=seq)
+            # An early load's blocks are recomputed if it does not land in time (the forward gives up):
+            # the daemon must not write into them later. Others are waited for.
+            early_one = early and len(t.block_ids) * self.block_bytes <= session.progress_load_bytes
+            give_up_s = self.settings.timeout_s if early_one else 0.0
+            job = session.load(t.keys, t.block_ids, order_seq=seq, give_up_s=give_up_s)
             self.load_jobs[job] = (t.req_id, t.block_ids, time.monotonic())
             self.loads_left[t.req_id] = self.loads_left.get(t.req_id, 0) + 1
-            if early and len(t.block_ids) * self.block_bytes <= session.progress_load_bytes:
+            if early_one:
                 self.early.add(job, t.req_id)
 
     def wait_for_layer(self, regions: int) -> None:
@@ -140,7 +144,8 @@ class Worker:
             assert self.device is not None
             seq = order_before_copies(self.device)  # the daemon may read the blocks as soon as a job arrives
         for t in stores:
-            job = self.session.store(t.keys, t.block_ids, t.partial_tail, order_seq=seq)
+            # (A preemption's flush gives up after PREEMPTION_WAIT_S, and vLLM reuses the blocks.)
+            job = self.session.store(t.keys, t.block_ids, t.partial_tail, order_seq=seq, give_up_s=PREEMPTION_WAIT_S)
             self.store_jobs[job] = t.req_id
             self.stores_left[t.req_id] = self.stores_left.get(t.req_id, 0) + 1
             self.had_stores.add(t.req_id)

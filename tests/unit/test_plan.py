@@ -115,6 +115,25 @@ def test_a_hit_becomes_a_load_of_its_blocks_and_every_token_but_the_last() -> No
     assert plan.finished("r") is False  # nothing stored: vLLM frees its blocks at once
 
 
+def test_a_hit_that_saves_less_than_a_block_is_recomputed_and_not_stored_again() -> None:
+    for min_load_tokens, loaded in ((None, 0), (0, BLOCK - 1)):
+        plan, outside = planner(min_load_tokens=min_load_tokens)
+        engine = Engine(plan, 4 * BLOCK)
+        r = engine.request
+        lookup = plan.match(r, 3 * BLOCK)  # vLLM holds the first 3 blocks itself
+        assert isinstance(lookup, Lookup)
+        plan.lookup_keys(lookup, r)
+        lookup.hits, lookup.lease_id, lookup.replied = 4, b"lease", True
+        assert plan.match(r, 3 * BLOCK) == ((loaded, True) if loaded else (0, False))
+        plan.allocated(r, engine.tables, loaded)
+        assert [len(t.keys) for t in plan.take_loads()] == ([1] if loaded else [])
+        r.num_computed_tokens = 3 * BLOCK + loaded
+        assert engine.step(BLOCK - loaded) == []  # the pool holds block 3: computed, not stored again
+        if loaded:
+            plan.loaded({"r"}, set(), set())
+        assert outside.released == [b"lease"]
+
+
 def test_after_a_partial_hit_the_blocks_computed_next_are_stored() -> None:
     plan, _ = planner()
     engine = Engine(plan, 4 * BLOCK)

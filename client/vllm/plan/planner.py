@@ -39,8 +39,11 @@ class Planner:
 
     def __init__(self, block_size: int, spans: list[int] | None, states: frozenset[int], outside: Outside, *,
                  load: bool = True, store: bool = True, offer_blocks_per_step: int = 0,
-                 describe: bool = False) -> None:
+                 describe: bool = False, min_load_tokens: int | None = None) -> None:
         self.block_size = block_size
+        # A load costs its request a step (it lands asynchronously); fewer tokens are cheaper to compute
+        # in the step the request is scheduled anyway. None: one block.
+        self.min_load_tokens = block_size if min_load_tokens is None else min_load_tokens
         self.spans = spans
         self.load = load
         self.outside = outside
@@ -114,7 +117,7 @@ class Planner:
             self._read(state, self.reqs[request.request_id], min(start, state.full))
         state.start = start
         cached = self._cached(state, start, request.num_tokens)
-        if cached <= num_computed_tokens:
+        if cached <= num_computed_tokens or cached - num_computed_tokens < self.min_load_tokens:
             return NO_MATCH
         return cached - num_computed_tokens, True
 
@@ -148,6 +151,22 @@ class Planner:
         if state is None or rec is None:
             return
         count = -(-num_external_tokens // self.block_size)  # the last one may be loaded for part of its tokens
+        if count:
+            self._plan_load(request, block_ids, state, count)
+        else:  # nothing to load (vLLM holds as much, or the hit is too small): the lease goes back now
+            del self.lookups[req_id]
+            self.outside.release(state)
+        # Full blocks loaded, or held by the pool and recomputed (a load too small), need no store; a
+        # loaded tail's block does once output tokens fill it.
+        held = state.hits - (state.tail > 0 and state.hits == len(state.keys)) if self.spans is None else 0
+        rec.stored_upto = max(rec.stored_upto, min(max(state.start + count, held), len(request.block_hashes)))
+        if state.tail and state.hits == len(state.keys):  # the tail is in the pool: no need to store it
+            rec.tail_done = True
+        rec.store_at = self.stores.store_at(rec, state.start * self.block_size + num_external_tokens)
+
+    def _plan_load(self, request: Any, block_ids: tuple[list[int], ...], state: Lookup, count: int) -> None:
+        """A load of the hit's first `count` blocks past vLLM's own, into the blocks vLLM allocated."""
+        req_id = request.request_id
         if self.spans is None:
             ids = block_ids[0][state.start : state.start + count]
             keys = list(state.keys[state.start : state.start + count])
@@ -162,11 +181,6 @@ class Planner:
         self.load_block_ids[req_id] = set(ids)
         if self.describe:  # (a daemon restarted since they were stored no longer knows them)
             self.outside.describe(request, keys)
-        # Loaded full blocks need no store; a loaded tail's block does once output tokens fill it.
-        rec.stored_upto = max(rec.stored_upto, min(state.start + count, len(request.block_hashes)))
-        if state.tail and state.hits == len(state.keys):  # the tail is in the pool: no need to store it
-            rec.tail_done = True
-        rec.store_at = self.stores.store_at(rec, state.start * self.block_size + num_external_tokens)
 
     def take_loads(self) -> list[Transfer]:
         """The loads planned since the last step, for this step's metadata: theirs from now on."""
