@@ -1,8 +1,8 @@
 """No engine learns that a job ended while the daemon may still touch the job's blocks: the engine
 reuses them at once (vLLM recomputes into a failed load's blocks, and frees a finished or preempted
 request's). A stopping daemon finishes or cancels its copies before its sessions end; a job the
-client gives up on (`give_up_s`) is never copied after it. Each test fails on a daemon that tells
-first and copies after."""
+client gives up on (`give_up_s`) is never copied after it. The drained load and the jobs given up
+on fail against the daemon before these rules (fb939e3): it told first and copied after."""
 
 from __future__ import annotations
 

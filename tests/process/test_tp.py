@@ -206,7 +206,7 @@ def test_replicas_split_the_stores_of_their_shard() -> None:
             self.tails: list[bytes] = []
 
         def store(self, keys: list[bytes], block_ids: list[int], partial_tail: bool = False,
-                  order_seq: int = 0) -> int:
+                  order_seq: int = 0, give_up_s: float = 0.0) -> int:
             self.stored += zip(keys, block_ids, strict=True)
             self.tails += keys[-1:] if partial_tail else []
             return len(self.stored)

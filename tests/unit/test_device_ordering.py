@@ -172,7 +172,7 @@ def test_the_order_seq_travels_from_the_client_to_the_job() -> None:
     daemon.sessions = SimpleNamespace(engine=lambda session: session)  # type: ignore[assignment]
 
     def submit(engine: object, job_id: int, keys: list[bytes], block_ids: object, is_store: bool,
-               partial_tail: bool = False, order_seq: int = 0) -> Any:
+               partial_tail: bool = False, order_seq: int = 0, expires_ns: int = 0) -> Any:
         got.append((is_store, order_seq))
         return SimpleNamespace(job_id=job_id)
 

@@ -242,6 +242,36 @@ def test_daemon_killed_during_run(model, daemon, tmp_path) -> None:
     assert "kvstore: lost the daemon at" in (tmp_path / "run.log").read_text()  # it noticed, warned, and went on
 
 
+def test_a_rolling_update_of_the_daemon_fails_no_request_and_changes_no_answer(model, daemon, tmp_path) -> None:
+    # A rolling update of the DaemonSet: SIGTERM while an engine loads prefixes (the daemon drains its
+    # copies, then ends its sessions), and a new daemon on the same pool file. Engine A stores every
+    # prompt; engine B loads them, one request at a time, while the daemon goes and comes back; engine
+    # C loads them from the new daemon. Every answer is as without the connector.
+    prompts = make_prompts(seed=5, count=48, prefix_tokens=0, suffix_tokens=2 * BLOCK + 20)
+    ref = run_engine(model, prompts, tmp_path / "ref.json", None, "--mode", "sequential")
+    run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon))
+    proc = start_engine(model, prompts, tmp_path / "b.json", connector_config(daemon, timeout_s=2.0),
+                        "--mode", "sequential")
+    client = daemon.client()
+    assert wait_for(lambda: client.stats().loaded_blocks >= 8 or proc.poll() is not None, timeout=300)
+    assert proc.poll() is None
+    stopped = time.monotonic()
+    daemon.stop()  # SIGTERM
+    daemon.start()
+    client = daemon.client()
+    assert wait_for(lambda: client.stats().engines == 1 or proc.poll() is not None, timeout=60)
+    away_s = time.monotonic() - stopped
+    b = finish(proc, tmp_path / "b.json")
+    assert outputs(b) == outputs(ref)
+    assert "kvstore: lost the daemon at" in (tmp_path / "b.log").read_text()
+    c = run_engine(model, prompts, tmp_path / "c.json", connector_config(daemon))
+    assert outputs(c) == outputs(ref)
+    assert all(r["num_cached_tokens"] >= 2 * BLOCK for r in c["requests"])  # loaded from the new daemon
+    assert client.stats().failed_load_blocks == 0
+    print(f"engine B served without the daemon for {away_s:.2f} s, "
+          f"{sum(r['num_cached_tokens'] < 2 * BLOCK for r in b['requests'])} of {len(prompts)} requests recomputed")
+
+
 def test_two_engines_share_a_prefix(model, daemon, tmp_path) -> None:
     # 5. Two engines at once on one daemon: B finds the common prefix A stored, while A still runs.
     shared = dict(prefix_tokens=4 * BLOCK, suffix_tokens=60, prefix_seed=9)
@@ -319,7 +349,8 @@ def test_tp2_engines_store_one_block_per_key_and_load_on_both_ranks(model, promp
     assert (ns.blocks, ns.block_bytes) == (3 + 4, 2 * RANK_BLOCK_BYTES)
     assert stats.used_bytes == (3 + 4) * 2 * RANK_BLOCK_BYTES
 
-    b = run_tp2(model, prompts, tmp_path / "b.json", connector_config(daemon))  # a fresh engine
+    # A fresh engine; a tail alone loads too (min_load_tokens 0).
+    b = run_tp2(model, prompts, tmp_path / "b.json", connector_config(daemon, min_load_tokens=0))
     assert outputs(b) == outputs(reference)
     assert external_hits(b) >= len(prompts[0]) - 1  # one scheduler lookup answers for both ranks
     stats = daemon.client().stats()
@@ -357,7 +388,8 @@ def test_tp2_under_constant_eviction_loads_never_fail(model, daemon_factory, tmp
 
 def test_a_restarted_engine_loads_all_but_the_last_token_of_any_prompt(model, daemon, tmp_path) -> None:
     """Prompt lengths a multiple of the block size, one more, one less, and others: the full blocks
-    and the partial last block are stored; a fresh engine computes only each prompt's last token."""
+    and the partial last block are stored; a fresh engine computes only each prompt's last token, but
+    where that would load less than a block (min_load_tokens): then it computes the prompt."""
     rng = random.Random(11)
     lengths = [2 * BLOCK, 2 * BLOCK + 1, 2 * BLOCK - 1, BLOCK - 50, rng.randrange(300, 700), rng.randrange(300, 700)]
     prompts = [random.Random(100 + i).choices(range(3, 2000), k=n) for i, n in enumerate(lengths)]
@@ -365,9 +397,9 @@ def test_a_restarted_engine_loads_all_but_the_last_token_of_any_prompt(model, da
     run_engine(model, prompts, tmp_path / "a.json", connector_config(daemon))
     b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon))
     assert outputs(b) == outputs(reference)
-    assert [r["num_cached_tokens"] for r in b["requests"]] == [n - 1 for n in lengths]
+    assert [r["num_cached_tokens"] for r in b["requests"]] == [n - 1 if n > BLOCK else 0 for n in lengths]
     # Multi-process (vLLM's default), loads are read layer by layer by the forward that follows.
-    c = run_engine(model, prompts, tmp_path / "c.json", connector_config(daemon), "--multiproc")
+    c = run_engine(model, prompts, tmp_path / "c.json", connector_config(daemon, min_load_tokens=0), "--multiproc")
     assert outputs(c) == outputs(reference)
     assert [r["num_cached_tokens"] for r in c["requests"]] == [n - 1 for n in lengths]
     assert daemon.client().stats().failed_load_blocks == 0
@@ -382,7 +414,8 @@ def test_prompts_that_differ_inside_the_tail_never_take_each_others(model, daemo
     run_engine(model, [stored], tmp_path / "a.json", connector_config(daemon))
     prompts = [other, shorter, stored]
     reference = run_engine(model, prompts, tmp_path / "ref.json", None, "--mode", "sequential")
-    b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon), "--mode", "sequential")
+    b = run_engine(model, prompts, tmp_path / "b.json", connector_config(daemon, min_load_tokens=0),
+                   "--mode", "sequential")  # (a tail alone loads too)
     assert outputs(b) == outputs(reference)
     # Only the stored prompt finds its tail; the others find the shared full blocks only.
     assert [r["num_cached_tokens"] for r in b["requests"]] == [2 * BLOCK, 2 * BLOCK, len(stored) - 1]

@@ -130,8 +130,9 @@ def test_vllm_serve_answers_as_without_the_connector_and_a_restarted_server_load
     assert metrics["vllm:kvstore_loaded_blocks_total"] > 0 and metrics["vllm:kvstore_load_seconds_count"] > 0
     assert metrics["vllm:external_prefix_cache_hits_total"] >= cached_tokens(first_completion) + cached_tokens(
         first_chat)
-    # Each kind's first request loads its shared prefix and its tail; every later one at least its tail.
-    assert second.loaded_blocks >= 3 + len(PROMPTS) + 3 + len(CHATS)
+    # Each kind's first request loads its shared prefix and its tail; a later one finds the prefix in
+    # vLLM's own cache and computes its tail (less than a block: not worth a load, min_load_tokens).
+    assert second.loaded_blocks >= 3 + 1 + 3 + 1
     assert second.hits > first.hits
     client = daemon.client()
     assert wait_for(lambda: (s := client.stats()).engines == 0 and s.leases == 0 and s.jobs_in_flight == 0,

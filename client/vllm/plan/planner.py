@@ -117,7 +117,10 @@ class Planner:
             self._read(state, self.reqs[request.request_id], min(start, state.full))
         state.start = start
         cached = self._cached(state, start, request.num_tokens)
-        if cached <= num_computed_tokens or cached - num_computed_tokens < self.min_load_tokens:
+        if cached <= num_computed_tokens:
+            return NO_MATCH
+        if cached - num_computed_tokens < self.min_load_tokens:  # recomputed, but not stored again
+            self._pool_holds(self.reqs[request.request_id], state, request)
             return NO_MATCH
         return cached - num_computed_tokens, True
 
@@ -151,18 +154,19 @@ class Planner:
         if state is None or rec is None:
             return
         count = -(-num_external_tokens // self.block_size)  # the last one may be loaded for part of its tokens
-        if count:
-            self._plan_load(request, block_ids, state, count)
-        else:  # nothing to load (vLLM holds as much, or the hit is too small): the lease goes back now
-            del self.lookups[req_id]
-            self.outside.release(state)
-        # Full blocks loaded, or held by the pool and recomputed (a load too small), need no store; a
-        # loaded tail's block does once output tokens fill it.
-        held = state.hits - (state.tail > 0 and state.hits == len(state.keys)) if self.spans is None else 0
-        rec.stored_upto = max(rec.stored_upto, min(max(state.start + count, held), len(request.block_hashes)))
-        if state.tail and state.hits == len(state.keys):  # the tail is in the pool: no need to store it
-            rec.tail_done = True
+        self._plan_load(request, block_ids, state, count)
+        # Loaded full blocks need no store; a loaded tail's block does once output tokens fill it.
+        rec.stored_upto = max(rec.stored_upto, min(state.start + count, len(request.block_hashes)))
+        self._pool_holds(rec, state, request)
         rec.store_at = self.stores.store_at(rec, state.start * self.block_size + num_external_tokens)
+
+    def _pool_holds(self, rec: Req, state: Lookup, request: Any) -> None:
+        """The pool holds the hit's blocks, also those vLLM computes rather than loads: none is stored again."""
+        tail = state.tail > 0 and state.hits == len(state.keys)
+        if self.spans is None:
+            rec.stored_upto = max(rec.stored_upto, min(state.hits - tail, len(request.block_hashes)))
+        if tail:
+            rec.tail_done = True
 
     def _plan_load(self, request: Any, block_ids: tuple[list[int], ...], state: Lookup, count: int) -> None:
         """A load of the hit's first `count` blocks past vLLM's own, into the blocks vLLM allocated."""
