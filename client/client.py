@@ -39,7 +39,7 @@ from kvstore_client.protocol import PROTOCOL_VERSION, default_socket, pack_block
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import POLL_S, Completion, CompletionChannel
-from kvstore_client.protocol.submits import LOAD, STORE, SUFFIX, frame
+from kvstore_client.protocol.submits import LOAD, MAX_REQUEST_BYTES, STORE, SUFFIX, TURNED_AWAY, frame
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ WAIT_SLICE_S = 0.05
 # A job given up on (`give_up_s`) expires this much earlier in the daemon: a chunk's copy that started
 # just before its expiry is not interrupted (a chunk copies in milliseconds).
 COPY_MARGIN_S = 0.5
+TURNED_AWAY_S = 30.0  # the daemon's <socket>.jobs turned this client away: gRPC for this long
 
 
 def target_for(socket: str | None) -> str:
@@ -203,18 +204,29 @@ class JobsSocket:
                 self.sock, self.registration = sock, registration
         return self.sock is not None
 
-    def submit(self, is_store: bool, request: pb.TransferRequest) -> None:
-        """Returns once the daemon took the job; raises its refusal (KVStoreError), or Unavailable when
-        the connection failed (whether the daemon took the job is then unknown)."""
+    def submit(self, is_store: bool, request: pb.TransferRequest) -> bool:
+        """True once the daemon took the job; False where this socket does not take it (too large, or the
+        daemon turned the connection away: gRPC for a while). Raises its refusal (KVStoreError), or
+        Unavailable when the connection failed (whether the daemon took the job is then unknown)."""
         assert self.sock is not None
+        payload = request.SerializeToString()
+        if len(payload) + 1 > MAX_REQUEST_BYTES:
+            return False
         try:
-            self.sock.sendall(frame(STORE if is_store else LOAD, request.SerializeToString()))
+            self.sock.sendall(frame(STORE if is_store else LOAD, payload))
             body = self._read(int.from_bytes(self._read(4), "little"))
         except OSError as e:
             self.close()
             raise Unavailable(f"UNAVAILABLE: the daemon's {SUFFIX} socket failed: {e}") from None
+        if body[:1] == bytes([TURNED_AWAY]):
+            log.warning("kvstore: the daemon's %s socket turned this client away (%s); using gRPC",
+                        SUFFIX, body[2:].decode(errors="replace"))
+            self.close()
+            self.retry_at = time.monotonic() + TURNED_AWAY_S
+            return False
         if not body or body[0] != 0:
             raise error_of(body[0] if body else 2, body[1:].decode(errors="replace"))
+        return True
 
     def _read(self, n: int) -> bytes:
         assert self.sock is not None
@@ -501,9 +513,7 @@ class Session:
                                          partial_tail=item.partial_tail, order_seq=item.order_seq,
                                          expires_ns=item.expires_ns)
             try:
-                if jobs.usable(self.registrations):
-                    jobs.submit(item.is_store, request)
-                else:
+                if not (jobs.usable(self.registrations) and jobs.submit(item.is_store, request)):
                     (stub.Store if item.is_store else stub.Load)(request, timeout=self.client.timeout)
                 continue
             except grpc.RpcError as e:

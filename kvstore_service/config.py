@@ -100,6 +100,14 @@ class Config(BaseSettings):
         256, ge=1, le=4096, description="Most TP shards of a namespace's blocks (a block holds one part per shard).")
     max_inflight_jobs: int = Field(1024, ge=1, description="Most unfinished jobs per session.")
     max_request_bytes: ByteSize = Field(ByteSize(64 << 20), description="Largest gRPC message accepted.")
+    max_job_request_bytes: ByteSize = Field(
+        ByteSize(4 << 20), description="Largest store or load request on <socket>.jobs (a 64k-block job is "
+        "2.6 MiB); clients send larger ones by gRPC.")
+    max_jobs_buffer_bytes: ByteSize = Field(
+        ByteSize(64 << 20), description="Bytes of requests being received on <socket>.jobs, in all; a frame "
+        "over it turns its connection away (the client then uses gRPC).")
+    max_jobs_buffer_bytes_per_uid: ByteSize = Field(
+        ByteSize(16 << 20), description="The same, of one peer uid.")
     max_event_bytes: ByteSize = Field(
         ByteSize(64 << 20), description="Most bytes of block descriptions (token ids, parent hash: what routers' "
         "KV events need) held for every namespace together: descriptions of blocks not stored yet make room first "

@@ -137,7 +137,7 @@ class PeerCredServer:
                 conn.setblocking(False)
                 # The kernel's record of the peer is there right after accept: limits apply per uid
                 # before a byte is read.
-                cred = _peer_cred(conn)
+                cred = peer_cred(conn)
             except OSError:
                 conn.close()
                 continue
@@ -243,7 +243,7 @@ class PeerCredServer:
 _CLOEXEC = getattr(socket, "MSG_CMSG_CLOEXEC", 0)
 
 
-def _peer_cred(conn: socket.socket) -> PeerCred:
+def peer_cred(conn: socket.socket) -> PeerCred:
     return PeerCred(*_UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)))
 
 

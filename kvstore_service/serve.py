@@ -131,10 +131,10 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
         await creds.close()
         _remove(config.socket)
         raise
-    chores = loop.create_task(_housekeeping(daemon, creds))
+    submits = SubmitSocket(config.socket + SUFFIX, server.servicer, config, tenancy.handshake_uids())
+    chores = loop.create_task(_housekeeping(daemon, creds, submits))
     daemon.start_verifying()
     await server.serve(daemon)
-    submits = SubmitSocket(config.socket + SUFFIX, server.servicer, int(config.max_request_bytes), config.max_sessions)
     await submits.start(int(config.socket_mode, 8), gid)
     log.info("kvstore %s serving on %s (pool %s, %d bytes, %d blocks recovered)", __version__, config.socket,
              config.pool_path, daemon.pool.capacity, daemon.recovered)
@@ -166,10 +166,11 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
         http.close()
 
 
-async def _housekeeping(daemon: Daemon, creds: PeerCredServer) -> None:
+async def _housekeeping(daemon: Daemon, creds: PeerCredServer, submits: SubmitSocket) -> None:
     while True:
         await asyncio.sleep(HOUSEKEEPING_S)
         creds.expire()
+        submits.expire()
         await daemon.housekeeping()
 
 

@@ -10,6 +10,10 @@ from __future__ import annotations
 
 STORE = 1
 LOAD = 2
+# A reply's head when the daemon closes the connection for breaking one of the socket's rules (then a
+# status code and the message): the client sends by gRPC instead.
+TURNED_AWAY = 255
+MAX_REQUEST_BYTES = 4 << 20  # the daemon's default --max-job-request-bytes: larger requests go by gRPC
 SUFFIX = ".jobs"  # the socket's path: the daemon's unix socket's, plus this
 
 

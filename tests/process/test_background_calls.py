@@ -249,7 +249,7 @@ def test_who_waits_for_a_lookup_reply_in_an_idle_step(connector_sides, monkeypat
     assert engine_core_sleeps_when_idle() is False  # the test process: like vLLM's in-process engine core
     gate, ran = threading.Event(), []
     _blocking(scheduler.session, gate, ran)
-    request = _request("r", [key_of("w", 0)], 16)
+    request = _request("r", [key_of("w", 0), key_of("w", 1)], 32)
     scheduler.on_new_request(request)
     assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
     assert scheduler._idle_wait() == (True, True)  # the worker is here: it waits for the reply

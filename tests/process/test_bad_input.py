@@ -18,7 +18,7 @@ from kvstore_client.protocol import PROTOCOL_VERSION, memfd
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import CompletionChannel
-from kvstore_client.protocol.submits import LOAD, STORE, SUFFIX, frame
+from kvstore_client.protocol.submits import LOAD, STORE, SUFFIX, TURNED_AWAY, frame
 from kvstore_client.shm import block_cache
 
 KB64 = 64 * 1024
@@ -278,15 +278,14 @@ def test_too_many_sessions(daemon_factory) -> None:
     open_ = [jobs_socket(daemon), jobs_socket(daemon)]
     time.sleep(0.2)  # (accepted)
     third = jobs_socket(daemon)
-    code, message = answer(third)
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and b"(--max-sessions 2)" in message, message
-    assert third.recv(1) == b""
+    code, message = turned_away(third)
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "(--max-sessions 2)" in message, message
     open_[0].close()
     time.sleep(0.2)
     again = jobs_socket(daemon)  # a place came free: this one is served
     again.sendall(frame(LOAD, pb.TransferRequest(session_id=os.urandom(16), job_id=1, keys=b"k" * 32, key_size=32,
                                                  block_ids=[0]).SerializeToString()))
-    assert answer(again)[0] == grpc.StatusCode.NOT_FOUND.value[0]
+    assert turned_away(again)[0] == grpc.StatusCode.NOT_FOUND.value[0]  # (a first frame names a live session)
     for s in (open_[1], third, again):
         s.close()
 
@@ -332,6 +331,14 @@ def answer(s: socket.socket) -> tuple[int, bytes]:
     return body[0], body[1:]
 
 
+def turned_away(s: socket.socket) -> tuple[int, str]:
+    """The status code and message of a reply that turns the connection away; the connection is closed."""
+    head, payload = answer(s)
+    assert head == TURNED_AWAY, (head, payload)
+    assert s.recv(1) == b""  # closed
+    return payload[0], payload[1:].decode()
+
+
 def test_the_jobs_socket_refuses_a_bad_frame_naming_it_and_closes_the_connection(setup) -> None:
     daemon = setup[0]
     for data, words in ((frame(9, b""), "unknown request kind 9"),
@@ -339,22 +346,26 @@ def test_the_jobs_socket_refuses_a_bad_frame_naming_it_and_closes_the_connection
                         ((1 << 31).to_bytes(4, "little"), "a request frame of 2147483648 bytes")):
         s = jobs_socket(daemon)
         s.sendall(data)
-        code, message = answer(s)
-        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and words in message.decode(), message
-        assert s.recv(1) == b""  # closed
+        code, message = turned_away(s)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and words in message, message
         s.close()
 
 
 def test_the_jobs_socket_answers_as_the_rpc_does_and_stays_open(setup) -> None:
     daemon, engine, keys, _ = setup
     s = jobs_socket(daemon)
-    s.sendall(frame(STORE, transfer(engine, keys[:1], [0], session_id=os.urandom(16)).SerializeToString()))
-    code, message = answer(s)
-    assert code == grpc.StatusCode.NOT_FOUND.value[0] and b"unknown or ended session" in message
     s.sendall(frame(LOAD, transfer(engine, keys[:1], [NUM_BLOCKS + 5], job_id=2000).SerializeToString()))
     code, message = answer(s)
     assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"outside the registered cache" in message
     s.sendall(frame(LOAD, transfer(engine, keys[:2], [20, 21], job_id=2001).SerializeToString()))
     code, body = answer(s)
     assert code == 0 and pb.TransferResponse.FromString(body).job_id == 2001
+    # The connection serves the session its first frame named, only.
+    s.sendall(frame(STORE, transfer(engine, keys[:1], [0], session_id=os.urandom(16)).SerializeToString()))
+    assert turned_away(s) == (grpc.StatusCode.PERMISSION_DENIED.value[0], "this connection serves another session")
+    s.close()
+    s = jobs_socket(daemon)  # a first frame must name a live session
+    s.sendall(frame(STORE, transfer(engine, keys[:1], [0], session_id=os.urandom(16)).SerializeToString()))
+    code, message = turned_away(s)
+    assert code == grpc.StatusCode.NOT_FOUND.value[0] and "unknown or ended session" in message
     s.close()

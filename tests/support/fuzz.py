@@ -43,7 +43,7 @@ from kvstore_client.protocol import OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION, m
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import HEADER, MAGIC, VERSION, channel_bytes
-from kvstore_client.protocol.submits import LOAD, STORE, SUFFIX, frame
+from kvstore_client.protocol.submits import LOAD, STORE, SUFFIX, TURNED_AWAY, frame
 from support.blocks import content_of, key_of
 from support.shm_engine import ShmEngine
 
@@ -338,7 +338,8 @@ class Target:
         self.engine = ShmEngine(socket, VICTIM_NS, ENGINE_BLOCKS, ENGINE_REGIONS, completion_slots=ENGINE_SLOTS)
         self.lookup = self.victim.client.session(VICTIM_NS)
         self.boot_id = self.engine.session.boot_id
-        self.jobs: socket.socket | None = None  # the cases' connection to <socket>.jobs
+        # The cases' connections to <socket>.jobs, one per session named: a connection serves one session.
+        self.jobs: dict[bytes, socket.socket] = {}
 
     # -- the handshake -------------------------------------------------------------------------
 
@@ -439,21 +440,25 @@ class Target:
     def jobs_call(self, method: str, request: pb.TransferRequest) -> tuple[Code, object]:
         """Store or Load as a frame on <socket>.jobs: the reply's status, and its TransferResponse (or
         the refusal's message). A connection the daemon closed is opened again for the next case."""
+        jobs = self.jobs.get(request.session_id)
         try:
-            if self.jobs is None:
-                self.jobs = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self.jobs.settimeout(self.timeout)
-                self.jobs.connect(self.socket + SUFFIX)
-            self.jobs.sendall(frame(STORE if method == "Store" else LOAD, request.SerializeToString()))
-            body = _read_frame(self.jobs)
+            if jobs is None:
+                jobs = self.jobs[request.session_id] = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                jobs.settimeout(self.timeout)
+                jobs.connect(self.socket + SUFFIX)
+            jobs.sendall(frame(STORE if method == "Store" else LOAD, request.SerializeToString()))
+            body = _read_frame(jobs)
         except OSError:
-            if self.jobs is not None:
-                self.jobs.close()
-            self.jobs = None
+            body = None
+        if not body or body[0] == TURNED_AWAY:  # (closed)
+            jobs = self.jobs.pop(request.session_id, None)
+            if jobs is not None:
+                jobs.close()
+        if body is None:
             code, reply = Code.UNAVAILABLE, None
         else:
-            code = _status(body[0]) if body else Code.UNKNOWN
-            reply = pb.TransferResponse.FromString(body[1:]) if code == Code.OK else body[1:].decode(errors="replace")
+            code, message = _reply_status(body)
+            reply = pb.TransferResponse.FromString(message) if code == Code.OK else message.decode(errors="replace")
         self.statuses[(f"{method} on {SUFFIX}", code.name)] += 1
         return code, reply
 
@@ -468,7 +473,7 @@ class Target:
             s.shutdown(socket.SHUT_WR)
             codes = []
             while (body := _read_frame(s)) is not None:
-                codes.append(body[0] if body else -1)
+                codes.append(_reply_status(body)[0].value[0] if body else -1)
             return codes
 
     def call(self, method: str, request, count: bool = True) -> tuple[Code, object]:
@@ -482,8 +487,8 @@ class Target:
         return code, reply
 
     def close(self) -> None:
-        if self.jobs is not None:
-            self.jobs.close()
+        for jobs in self.jobs.values():
+            jobs.close()
         for closer in (self.lookup.close, self.engine.close, self.victim.close, self.channel.close):
             try:
                 closer()
@@ -523,6 +528,14 @@ def run_case(t: Target, case: Case) -> list[str]:
 
 def _status(number: int) -> Code:
     return next((c for c in Code if c.value[0] == number), Code.UNKNOWN)
+
+
+def _reply_status(body: bytes) -> tuple[Code, bytes]:
+    """A <socket>.jobs reply's status and the rest: a TransferResponse, or a refusal's message (also
+    of a reply that turns the connection away)."""
+    if body[0] == TURNED_AWAY and len(body) > 1:
+        return _status(body[1]), body[2:]
+    return _status(body[0]), body[1:]
 
 
 def _read_frame(s: socket.socket) -> bytes | None:

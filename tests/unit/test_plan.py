@@ -115,25 +115,35 @@ def test_a_hit_becomes_a_load_of_its_blocks_and_every_token_but_the_last() -> No
     assert plan.finished("r") is False  # nothing stored: vLLM frees its blocks at once
 
 
-def test_a_hit_that_saves_less_than_a_block_is_recomputed_and_not_stored_again() -> None:
-    for min_load_tokens, loaded in ((None, 0), (0, BLOCK - 1)):
-        plan, outside = planner(min_load_tokens=min_load_tokens)
-        engine = Engine(plan, 4 * BLOCK)
-        r = engine.request
-        lookup = plan.match(r, 3 * BLOCK)  # vLLM holds the first 3 blocks itself
-        assert isinstance(lookup, Lookup)
-        plan.lookup_keys(lookup, r)
-        lookup.hits, lookup.lease_id, lookup.replied = 4, b"lease", True
-        assert plan.match(r, 3 * BLOCK) == ((loaded, True) if loaded else (0, False))
-        if loaded:  # (vLLM calls the connector's update_state_after_alloc only for a load)
-            plan.allocated(r, engine.tables, loaded)
-            assert [len(t.keys) for t in plan.take_loads()] == [1]
-        r.num_computed_tokens = 3 * BLOCK + loaded
-        assert engine.step(BLOCK - loaded) == []  # the pool holds block 3: computed, not stored again
-        if loaded:
-            plan.loaded({"r"}, set(), set())
-        assert plan.finished("r") is False  # nothing stored: vLLM frees its blocks at once
-        assert outside.released == [b"lease"]
+def test_a_prompt_whose_blocks_vllm_holds_but_the_last_is_not_looked_up() -> None:
+    """Loading the last block would save less than a block (vLLM recomputes its last token anyway):
+    not worth a step, nor the lookup's (min_load_tokens, default one block)."""
+    plan, outside = planner(offer_blocks_per_step=256)
+    engine = Engine(plan, 4 * BLOCK)
+    keys = engine.request.block_hashes
+    assert plan.match(engine.request, 3 * BLOCK) == (0, False)  # at once: no lookup
+    assert outside.asked == [keys[:3]]  # whether the pool holds vLLM's blocks (else they are offered)
+    engine.request.num_computed_tokens = 3 * BLOCK
+    assert engine.step(BLOCK) == [(keys[3:4], [103], False)]  # computed: stored (the pool keeps one copy)
+    planned, _ = planner(min_load_tokens=0)  # every hit loads
+    engine = Engine(planned, 4 * BLOCK)
+    assert isinstance(planned.match(engine.request, 3 * BLOCK), Lookup)
+
+
+def test_a_hit_that_saves_too_little_is_recomputed_and_not_stored_again() -> None:
+    plan, outside = planner(min_load_tokens=2 * BLOCK)
+    engine = Engine(plan, 4 * BLOCK + 5)
+    r = engine.request
+    lookup = plan.match(r, 2 * BLOCK)  # vLLM holds 2 blocks; the pool might save 2 more and the tail
+    assert isinstance(lookup, Lookup)
+    plan.lookup_keys(lookup, r)
+    lookup.hits, lookup.lease_id, lookup.replied = 3, b"lease", True  # it holds one more block only
+    assert plan.match(r, 2 * BLOCK) == (0, False)
+    r.num_computed_tokens = 2 * BLOCK
+    keys = r.block_hashes
+    assert engine.step(2 * BLOCK) == [(keys[3:4], [103], False)]  # block 2 is in the pool: not stored again
+    assert plan.finished("r") is True
+    assert outside.released == [b"lease"]
 
 
 def test_after_a_partial_hit_the_blocks_computed_next_are_stored() -> None:

@@ -30,7 +30,9 @@ TWO_ROUNDS = ("--rounds", "2", "--reset-prefix-cache")  # round 2's hits can onl
 
 
 def multi_config(daemon, storage: Path, kvstore_first: bool) -> str:
-    kvstore = json.loads(connector_config(daemon, timeout_s=2.0))
+    # (Every hit loads, a tail alone too: the round's requests store nothing the pool holds, and vLLM frees
+    # their blocks at once, as --reset-prefix-cache needs.)
+    kvstore = json.loads(connector_config(daemon, timeout_s=2.0, min_load_tokens=0))
     example = {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
     children = [kvstore, example] if kvstore_first else [example, kvstore]

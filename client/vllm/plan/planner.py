@@ -84,7 +84,10 @@ class Planner:
             if state is not None:
                 self.outside.release(state)
             tail = self.stores.has_tail(request, full)
-            if full + tail <= start:  # vLLM has every block locally: does the pool?
+            # The most the pool could save (its every block but the last token), against what a load is
+            # worth: vLLM holding the prompt but its last block, a lookup would cost the request a step.
+            end = min(request.num_tokens if tail else full * self.block_size, request.num_tokens - 1)
+            if end - num_computed_tokens < max(self.min_load_tokens, 1):  # does the pool hold vLLM's blocks?
                 self.stores.check_pool(rec, request, min(start, full))
                 return NO_MATCH
             state = self.lookups[req_id] = Lookup(full, tail)
