@@ -391,8 +391,9 @@ def health(socket: str) -> None:
 @click.option("--tenant", default="", help="Admins: the tenant to clear in (default with --all: every tenant; "
               "with --namespace: the admin's own).")
 def clear(socket: str, namespace: str, everything: bool, tenant: str) -> None:
-    """Drop your tenant's cached blocks of one namespace (-n NS), or of all of them (--all); pinned
-    blocks stay. Without -n or --all nothing is cleared (exit 2)."""
+    """Drop your tenant's cached blocks of one namespace (-n NS), or of all of them (--all), from this
+    node's pool and disk tier; pinned blocks stay. The shared remote store is not cleared: this node and
+    every other one can still fetch its values. Without -n or --all nothing is cleared (exit 2)."""
     if not namespace and not everything:
         raise click.UsageError("name what to clear: -n NAMESPACE for one namespace, or --all for every namespace")
     if namespace and everything:

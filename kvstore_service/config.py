@@ -100,6 +100,13 @@ class Config(BaseSettings):
         256, ge=1, le=4096, description="Most TP shards of a namespace's blocks (a block holds one part per shard).")
     max_inflight_jobs: int = Field(1024, ge=1, description="Most unfinished jobs per session.")
     max_request_bytes: ByteSize = Field(ByteSize(64 << 20), description="Largest gRPC message accepted.")
+    max_watches_per_session: int = Field(
+        4, ge=1, description="Most WatchBlocks streams one session holds open (the connector opens one).")
+    max_watches_per_uid: int = Field(
+        64, ge=1, description="Most WatchBlocks streams the sessions of one peer uid (or client certificate) hold.")
+    max_lookup_keys: int = Field(
+        131072, ge=1, description="Most keys one Lookup names (a 2M-token prompt in 16-token blocks; with "
+        "several KV cache groups, blocks x groups): the hit rule runs on the event loop, ~1 ms per 8k keys.")
     max_job_request_bytes: ByteSize = Field(
         ByteSize(4 << 20), description="Largest store or load request on <socket>.jobs (a 64k-block job is "
         "2.6 MiB); clients send larger ones by gRPC.")

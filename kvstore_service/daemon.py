@@ -21,6 +21,7 @@ import logging
 import secrets
 import time
 from array import array
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -76,6 +77,7 @@ class Daemon:
         self.events = self.index.events = BlockEvents(int(config.max_event_bytes),
                                                       int(config.max_event_description_bytes), config.max_event_queue,
                                                       self.index.is_committed)
+        self._watching: Counter[bytes | str] = Counter()  # WatchBlocks streams by session id and by owner
         self.recovered = self.index.recover() if self.pool.reattached else 0
         self.metrics = Metrics()
         self.jobs = Jobs(config, self.pool, self.index, self.metrics, fatal, threads)
@@ -173,9 +175,27 @@ class Daemon:
             raise invalid(f"{len(keys) // key_size} keys and {len(descriptions)} descriptions")
         self.events.describe(namespace_hash(session.namespace_name), unpack_keys(keys, key_size), descriptions)
 
-    def watch_blocks(self, session: Session) -> AsyncIterator[tuple[bool, list[Event]]]:
-        """The session's namespace's block events until the session ends (events.py)."""
-        return self.events.watch(namespace_hash(session.namespace_name), EVENT_BATCH, lambda: session.closed)
+    async def watch_blocks(self, session: Session) -> AsyncIterator[tuple[bool, list[Event]]]:
+        """The session's namespace's block events until the session ends (events.py): at most
+        --max-watches-per-session streams of a session, --max-watches-per-uid of its owner."""
+        watching, config = self._watching, self.config
+        if watching[session.session_id] >= config.max_watches_per_session:
+            raise KVError("RESOURCE_EXHAUSTED", f"this session watches {watching[session.session_id]} streams "
+                          f"(--max-watches-per-session {config.max_watches_per_session})")
+        if watching[session.owner] >= config.max_watches_per_uid:
+            raise KVError("RESOURCE_EXHAUSTED", f"{session.owner} watches {watching[session.owner]} streams "
+                          f"(--max-watches-per-uid {config.max_watches_per_uid})")
+        watching[session.session_id] += 1
+        watching[session.owner] += 1
+        try:
+            async for batch in self.events.watch(namespace_hash(session.namespace_name), EVENT_BATCH,
+                                                 lambda: session.closed):
+                yield batch
+        finally:
+            for who in (session.session_id, session.owner):
+                watching[who] -= 1
+                if not watching[who]:
+                    del watching[who]
 
     # -- the daemon ------------------------------------------------------------------------------
 

@@ -153,6 +153,8 @@ class Servicer(pb_grpc.KVStoreServicer):
 
     async def Lookup(self, request: pb.LookupRequest, context: Any) -> pb.LookupResponse:
         check_keys(request.keys, request.key_size)  # kept packed: the lookup slices only what it walks
+        if (n := len(request.keys) // request.key_size) > self.config.max_lookup_keys:
+            raise invalid(f"a lookup of {n} keys, more than --max-lookup-keys {self.config.max_lookup_keys}")
         if request.group_spans and (why := check_spans(request.group_spans, len(request.keys) // request.key_size)):
             raise invalid(why)
         session: Session | None = None

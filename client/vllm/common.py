@@ -39,9 +39,10 @@ class ConnectorSettings:
     # Blocks vLLM serves from its own cache that the pool lacks (a pool emptied by a new daemon pod,
     # stores dropped while it was away) are offered to it: at most this many a step (0: never).
     offer_blocks_per_step: int = 256
-    # A hit that saves vLLM fewer tokens than this is recomputed, not loaded: a load costs its request
-    # a step, more than computing a few tokens in the step it is scheduled anyway (e.g. the last block
-    # of a prompt whose other blocks vLLM holds). None: one block; 0: every hit loads.
+    # A hit that saves vLLM fewer tokens than this is recomputed, not loaded (nor looked up where the
+    # pool could not save as many): a load, and a lookup's reply, cost the request a step, more than
+    # computing a few tokens in the step it is scheduled anyway (e.g. the last block of a prompt whose
+    # other blocks vLLM holds). None: one block; 0: every hit loads.
     min_load_tokens: int | None = None
     # The model's identity in the namespace; empty: a fingerprint of its files (kvstore_client/identity.py).
     # Set it to name the weights yourself (e.g. "llama-3.1-8b@2026-11-27"), or where vLLM streams them

@@ -95,6 +95,16 @@ def test_group_spans_that_do_not_fit_the_keys(setup) -> None:
     assert stub.Lookup(pb.LookupRequest(namespace="bad-input", keys=keys, key_size=32, group_spans=[0, 1, 2])).hits == 0
 
 
+def test_a_lookup_over_max_lookup_keys_is_refused_naming_the_flag(daemon_factory) -> None:
+    daemon = daemon_factory("--max-lookup-keys", "64").start()
+    stub = daemon.client().stub
+    keys = b"".join(os.urandom(32) for _ in range(66))
+    expect(grpc.StatusCode.INVALID_ARGUMENT, "a lookup of 66 keys, more than --max-lookup-keys 64", stub.Lookup,
+           pb.LookupRequest(namespace="many", keys=keys, key_size=32, group_spans=[0, 4]))
+    assert stub.Lookup(pb.LookupRequest(namespace="many", keys=keys[:64 * 32], key_size=32,
+                                        group_spans=[0, 4])).hits == 0
+
+
 def test_duplicate_keys_and_count_mismatch(setup) -> None:
     _, engine, keys, stub = setup
     k = key_of("dup", 0)

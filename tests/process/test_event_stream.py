@@ -43,3 +43,47 @@ def test_engines_of_a_namespace_watch_the_blocks_one_of_them_stored(daemon) -> N
     thread.join(timeout=10)
     assert not thread.is_alive()
     a.close()
+
+
+def test_watch_streams_are_bounded_per_session_and_per_uid(daemon_factory) -> None:
+    import grpc
+    import pytest
+
+    from kvstore_client.protocol import kvstore_pb2 as pb
+
+    daemon = daemon_factory("--max-watches-per-session", "2", "--max-watches-per-uid", "3").start()
+    a = Engine(daemon.socket, "watch-ns", 4, 4096)
+    b = Engine(daemon.socket, "watch-ns", 4, 4096)
+    stub = daemon.client().stub
+
+    def watch(engine: Engine) -> grpc.Call:
+        call = stub.WatchBlocks(pb.WatchBlocksRequest(session_id=engine.session.session_id))
+        next(call)  # (the reset: open)
+        return call
+
+    def refused(engine: Engine, words: str) -> None:
+        with pytest.raises(grpc.RpcError) as info:
+            watch(engine)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and words in info.value.details()
+
+    streams = [watch(a), watch(a)]
+    refused(a, "(--max-watches-per-session 2)")
+    streams.append(watch(b))
+    refused(b, "(--max-watches-per-uid 3)")
+    streams.pop(0).cancel()  # one closes: its place is free
+    assert wait_for(lambda: _opens(watch, b, streams), timeout=10)
+    assert b.session.lookup([key_of("w", 0)])[0] == 0  # the daemon serves on
+    for call in streams:
+        call.cancel()
+    a.close()
+    b.close()
+
+
+def _opens(watch, engine: Engine, streams: list) -> bool:
+    import grpc
+
+    try:
+        streams.append(watch(engine))
+    except grpc.RpcError:
+        return False
+    return True

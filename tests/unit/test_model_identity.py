@@ -3,6 +3,8 @@ updated in place never meets its old blocks; the same weights at another path sh
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import struct
 from pathlib import Path
@@ -12,7 +14,7 @@ from support.vllm.tiny_model import build_tiny_model, retrain
 
 pytest.importorskip("vllm", reason="the connector package imports vllm (see .ci/run)")
 
-from kvstore_client.identity import ModelNotFound, fingerprint, weights_identity  # noqa: E402
+from kvstore_client.identity import ModelNotFound, file_digest, fingerprint, weights_identity  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +23,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def model(built: Path, tmp_path: Path) -> Path:
+def model(built: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("KVSTORE_DIGEST_CACHE", str(tmp_path / "digests.json"))
     return Path(shutil.copytree(built, tmp_path / "model"))
 
 
@@ -48,6 +51,46 @@ def test_a_fine_tune_of_one_tensor_changes_the_identity(model: Path) -> None:
     before = fingerprint(model)
     retrain(model, seed=1, only="model.layers.1.self_attn.v_proj.weight")
     assert fingerprint(model) != before
+
+
+def test_any_byte_changed_in_a_weight_file_changes_the_identity(model: Path) -> None:
+    """The last rows of the embedding changed in place (a fine-tune of reserved special tokens): bytes no
+    sample of a tensor's start and middle reads."""
+    weights = model / "model.safetensors"
+    head = header(model)
+    start, end = json.loads(head)["model.embed_tokens.weight"]["data_offsets"]
+    before = fingerprint(model)
+    with open(weights, "r+b") as f:
+        at = 8 + len(head) + end - 64
+        f.seek(at)
+        row = f.read(64)
+        f.seek(at)
+        f.write(bytes(b ^ 0x5A for b in row))
+    assert fingerprint(model) != before
+
+
+def test_weight_digests_are_read_once_and_a_rewrite_is_seen(model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = fingerprint(model)
+
+    def unread(*args: object) -> None:
+        raise AssertionError("read again")
+
+    digest = hashlib.file_digest
+    monkeypatch.setattr(hashlib, "file_digest", unread)
+    assert fingerprint(model) == before  # from the cache
+    retrain(model, seed=1)  # the same size, written in place: a new ctime
+    monkeypatch.setattr(hashlib, "file_digest", digest)
+    assert fingerprint(model) != before
+
+
+def test_a_hub_blob_is_digested_by_its_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = b"weights" * 1000
+    name = hashlib.sha256(data).hexdigest()
+    (tmp_path / "blobs").mkdir()
+    (tmp_path / "blobs" / name).write_bytes(data)
+    (tmp_path / "model.safetensors").symlink_to(tmp_path / "blobs" / name)
+    monkeypatch.setattr(hashlib, "file_digest", None)  # never read
+    assert file_digest(tmp_path / "model.safetensors", {}) == name
 
 
 def test_a_changed_tokenizer_or_config_changes_the_identity(model: Path) -> None:
