@@ -16,6 +16,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kvstore_client.identity import fingerprint
@@ -31,7 +32,7 @@ def read_all(files: list[Path]) -> None:
                 pass
 
 
-def timed(fn) -> float:  # type: ignore[no-untyped-def]
+def timed(fn: Callable[[], object]) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
