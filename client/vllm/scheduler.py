@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore_client.client import KVStoreClient, Session
 from kvstore_client.vllm import compat, pacing
+from kvstore_client.vllm.adapters import Adapters, KeyedRequest, mix
 from kvstore_client.vllm.common import (
     ConnectorSettings,
     KVStoreConnectorMetadata,
@@ -93,12 +94,14 @@ class Scheduler:
                             and (kv_cache_config is None or len(kv_cache_config.kv_cache_groups) == 1))
         # vLLM 0.23 gives no block state: the block tables are kept from the scheduler output.
         self.tables = None if compat.LAYOUTS else compat.BlockTables()
+        self.adapters = Adapters()
+        self._keyed: dict[str, KeyedRequest] = {}  # LoRA requests as the planner sees them
         InProcess.schedulers += 1
 
     # -- vLLM's calls ----------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.tables is not None and compat.uncacheable(request):
+        if request.lora_request is not None and (request := self._planned(request)) is None:
             return 0, False
         decision = self.plan.match(request, num_computed_tokens)
         if type(decision) is tuple:
@@ -117,11 +120,23 @@ class Scheduler:
         return self.plan.answer(decision, request, num_computed_tokens)
 
     def on_new_request(self, request: Request) -> None:
-        if self.tables is None or not compat.uncacheable(request):
+        if request.lora_request is None or (request := self._planned(request)) is not None:
             self.plan.on_new_request(request)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self.plan.allocated(request, blocks.get_block_ids(), num_external_tokens)
+        planned: Any = self._keyed.get(request.request_id, request) if request.lora_request is not None else request
+        self.plan.allocated(planned, blocks.get_block_ids(), num_external_tokens)
+
+    def _planned(self, request: Request) -> Any:
+        """A LoRA request as the planner sees it (adapters.py); None where it is not cached."""
+        if self.tables is not None and compat.uncacheable(request):
+            return None
+        keyed = self._keyed.get(request.request_id)
+        if keyed is None or keyed.request is not request:
+            if (made := self.adapters.keyed(request)) is None:
+                return None
+            keyed = self._keyed[request.request_id] = made
+        return keyed
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVStoreConnectorMetadata:
         plan = self.plan
@@ -151,6 +166,8 @@ class Scheduler:
 
     def request_finished(self, request: Request) -> bool:
         """True: vLLM keeps the blocks until the worker reports the request's stores done."""
+        if self._keyed:
+            self._keyed.pop(request.request_id, None)
         return self.plan.finished(request.request_id)
 
     # -- the planner's Outside -------------------------------------------------------------------
@@ -158,6 +175,8 @@ class Scheduler:
     def hash_tail(self, request: Request, start: int, end: int) -> bytes:
         """The hash vLLM's block hasher would give tokens [start, end) of a request after its full blocks
         (parent hash, token ids, the same extra keys: LoRA, multimodal inputs, cache_salt)."""
+        if isinstance(request, KeyedRequest):
+            return mix(request.fingerprint, self.hash_tail(request.request, start, end))
         generate_block_hash_extra_keys, hash_block_tokens, get_mm_features_in_window = _vllm_hashing()
         mm_index = 0
         if request.mm_features:
@@ -183,8 +202,9 @@ class Scheduler:
             self.session.release_lease(lease_id)
 
     def describe(self, request: Request, keys: list[bytes]) -> None:
-        """Describe these full blocks' keys to the daemon for routers' events, on the background thread."""
-        if keys:
+        """Describe these full blocks' keys to the daemon for routers' events, on the background thread
+        (not a LoRA request's: its keys are not vLLM's hashes, which routers compute)."""
+        if keys and not isinstance(request, KeyedRequest):
             self.session.run_in_background(self._send_descriptions, request, keys)
 
     def ask_pool(self, rec: Req, keys: Sequence[bytes]) -> None:
