@@ -218,3 +218,23 @@ def test_a_bad_secret_refuses_the_start(daemon_factory, tmp_path: Path, problem:
                          text=True, timeout=60)
     assert out.returncode == 2 and expect in out.stderr, out.stderr
     assert not Path(daemon.socket).exists()
+
+
+def test_a_value_of_the_wrong_size_never_crosses_the_wire_whole(daemon_factory, server: RedisServer,
+                                                                tmp_path: Path) -> None:
+    """A writer without the secret replaces every value with 32 MiB: a fetching node reads at most one
+    byte more than a value's size of each (GETRANGE), serves none of them, and says so."""
+    url, secret = f"redis://{server.address}", str(secret_file(tmp_path / "secret"))
+    node_a = daemon_factory("--remote", url, "--remote-secret-file", secret).start()
+    node_b = daemon_factory("--remote", url, "--remote-secret-file", secret).start()
+    store = redis.Redis(host="127.0.0.1", port=server.port)
+    keys = store_blocks(node_a.socket, NS, 8)
+    wait_uploaded(node_a, 8)
+    for rkey in store_keys(store):
+        store.set(rkey, os.urandom(32) * (1 << 20))
+    sent = store.info("stats")["total_net_output_bytes"]
+    assert load_on(node_b, keys) == (0, 0)
+    sent = store.info("stats")["total_net_output_bytes"] - sent
+    assert sent < 8 * (BLOCK_BYTES + 4096) + (1 << 20), f"{sent} bytes read from the store"
+    assert node_b.client().stats().remote.corrupt >= 1
+    store.close()

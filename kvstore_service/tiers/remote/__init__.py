@@ -265,11 +265,12 @@ class RemoteTier:
             if payload_bytes:  # batches of at most fetch_batch_bytes: the caller copies one as the next comes
                 size = max(1, min(size, self.fetch_batch_bytes // payload_bytes))
             chunks = [rkeys[i:i + size] for i in range(0, len(rkeys), size)]
-            reading = asyncio.ensure_future(self._get(chunks[0]))
+            value_bytes = self.keyring.value_bytes(payload_bytes) if payload_bytes else None
+            reading = asyncio.ensure_future(self._get(chunks[0], value_bytes))
             for n, chunk in enumerate(chunks):
                 values, ahead = await reading, None
                 if n + 1 < len(chunks):
-                    ahead = reading = asyncio.ensure_future(self._get(chunks[n + 1]))
+                    ahead = reading = asyncio.ensure_future(self._get(chunks[n + 1], value_bytes))
                 good = await self._verify(tenant, chunk, values, payload_bytes, place, n * size)
                 found += len(good)
                 self._counts["bytes_down"] += sum(payload.nbytes for payload, _ in good)
@@ -287,8 +288,8 @@ class RemoteTier:
             self._counts["hits"] += found
             self._counts["misses"] += len(keys) - found
 
-    async def _get(self, keys: list[bytes]) -> list[bytes | BaseException | None]:
-        return await self._call(self.store.get_many(keys), len(keys))
+    async def _get(self, keys: list[bytes], value_bytes: int | None) -> list[bytes | BaseException | None]:
+        return await self._call(self.store.get_many(keys, value_bytes), len(keys))
 
     async def _verify(self, tenant: str, keys: list[bytes], values: list[bytes | BaseException | None],
                       payload_bytes: int | None, place: Place | None, first: int) -> list[tuple[memoryview, int]]:

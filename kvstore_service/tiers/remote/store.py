@@ -28,7 +28,9 @@ class RemoteStore(Protocol):
 
     async def put_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> list[BaseException | None]: ...
 
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | BaseException | None]: ...
+    async def get_many(self, keys: Sequence[bytes], max_bytes: int | None = None) -> list[bytes | BaseException | None]:
+        """The values (None: absent); with `max_bytes`, at most max_bytes + 1 bytes of each."""
+        ...
 
     async def delete(self, keys: Sequence[bytes]) -> None: ...
 
@@ -140,8 +142,13 @@ class RedisStore:
         out = await self._run([k for k, _ in items], [("SET", (k, Pieces(v))) for k, v in items])
         return [r if isinstance(r, BaseException) else None for r in out]
 
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | BaseException | None]:
-        out = await self._run(keys, [("GET", (k,)) for k in keys])
+    async def get_many(self, keys: Sequence[bytes], max_bytes: int | None = None) -> list[bytes | BaseException | None]:
+        """The values (None: absent); with `max_bytes`, at most max_bytes + 1 bytes of each (GETRANGE: a
+        value of another size never crosses the wire whole, and one longer shows it)."""
+        if max_bytes is None:
+            out = await self._run(keys, [("GET", (k,)) for k in keys])
+        else:
+            out = [r or None for r in await self._run(keys, [("GETRANGE", (k, 0, max_bytes)) for k in keys])]
         return [r if r is None or isinstance(r, (bytes, BaseException)) else TypeError(type(r)) for r in out]
 
     async def delete(self, keys: Sequence[bytes]) -> None:
