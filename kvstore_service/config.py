@@ -160,6 +160,11 @@ class Config(BaseSettings):
         False, description="Also encrypt values (AES-256-GCM, a key per tenant) with --remote-secret-file: for a "
         "store others can read.")
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus /metrics port; 0: off.")
+    metrics_max_connections: int = Field(
+        16, ge=1, description="Connections the /metrics and /healthz server serves at once (a thread each); "
+        "more are closed at once.")
+    metrics_request_timeout_s: float = Field(
+        5.0, gt=0, description="A /metrics or /healthz connection silent this long is closed.")
     metrics_host: str = Field(
         "127.0.0.1", description="Address /metrics and /healthz listen on (no authentication: loopback by default; "
         "the Helm chart gives the pod IP so that Prometheus can scrape).")

@@ -79,12 +79,15 @@ class HttpServer:
     """/healthz and /metrics (any other path) on `host`:`port`, in threads of their own. Started before
     the pool is set up, so /healthz answers 503 meanwhile; /metrics answers 503 until `Metrics.publish`."""
 
-    def __init__(self, port: int, grpc_socket: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, port: int, grpc_socket: str, host: str = "127.0.0.1", max_connections: int = 16,
+                 timeout_s: float = 5.0) -> None:
         self.registry: CollectorRegistry | None = None
         self._channel = grpc.insecure_channel(f"unix://{grpc_socket}")
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        server = _ThreadingWSGIServer6 if ":" in host else ThreadingWSGIServer  # (an IPv6 pod IP)
-        self._httpd = make_server(host, port, self._app, server, handler_class=_QuietHandler)
+        server = _BoundedServer6 if ":" in host else _BoundedServer  # (an IPv6 pod IP)
+        handler = type("Handler", (_QuietHandler,), {"timeout": timeout_s})  # a request's socket deadline
+        self._httpd = make_server(host, port, self._app, server, handler_class=handler)
+        self._httpd.slots = threading.BoundedSemaphore(max_connections)
         threading.Thread(target=self._httpd.serve_forever, name="kvstore-http", daemon=True).start()
 
     def health(self) -> str:
@@ -113,7 +116,30 @@ class HttpServer:
         self._channel.close()
 
 
-class _ThreadingWSGIServer6(ThreadingWSGIServer):
+class _BoundedServer(ThreadingWSGIServer):
+    """A thread per connection, at most `slots` at once: one more is closed at once (probes and scrapes
+    retry); each is read with the handler's timeout, so a silent connection frees its slot."""
+
+    slots: threading.BoundedSemaphore
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+class _BoundedServer6(_BoundedServer):
     address_family = socket.AF_INET6
 
 

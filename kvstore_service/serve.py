@@ -114,7 +114,8 @@ async def serve(config: Config, ready: asyncio.Event | None = None) -> None:
         server.listen(config.tcp, _tcp_credentials(config))
     await server.start()
     # /healthz from now on
-    http = HttpServer(config.metrics_port, config.socket, config.metrics_host) if config.metrics_port else None
+    http = HttpServer(config.metrics_port, config.socket, config.metrics_host, config.metrics_max_connections,
+                      config.metrics_request_timeout_s) if config.metrics_port else None
     gid = _secure_socket(config.socket, config)
     await creds.start(int(config.socket_mode, 8), gid)
     loop = asyncio.get_running_loop()

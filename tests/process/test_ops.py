@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from support.blocks import key_of
+from support.daemon import wait_for
 from support.engine import Engine, kvstore, store_blocks
 from support.ports import free_port
 
@@ -208,6 +209,52 @@ def test_healthz_answers_what_the_grpc_health_service_answers(tmp_path) -> None:
     finally:
         http.close()
         server.stop(0)
+
+
+def test_the_metrics_server_bounds_its_connections_and_closes_silent_ones(daemon_factory) -> None:
+    """Connections that send half a request (or nothing) hold at most --metrics-max-connections threads,
+    each closed after --metrics-request-timeout-s; the others are closed at once; then /healthz answers."""
+    import socket
+
+    port = free_port()
+    daemon = daemon_factory("--metrics-port", str(port), "--metrics-max-connections", "4",
+                            "--metrics-request-timeout-s", "1").start()
+    assert _get(f"http://127.0.0.1:{port}/healthz") == (200, "SERVING")
+    time.sleep(0.2)
+
+    def threads() -> int:
+        status = Path(f"/proc/{daemon.pid}/status").read_text()
+        return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+
+    before = threads()
+    silent = []
+    for i in range(40):
+        s = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if i % 2:
+            s.sendall(b"GET /metr")
+        silent.append(s)
+    time.sleep(0.5)
+    assert threads() <= before + 4
+    closed = 0
+    for s in silent:
+        s.settimeout(0.01)
+        try:
+            closed += s.recv(1) == b""
+        except TimeoutError:
+            pass
+    assert closed >= len(silent) - 4  # closed at once, but the served ones
+    t = time.monotonic()
+
+    def healthy() -> bool:
+        try:
+            return _get(f"http://127.0.0.1:{port}/healthz") == (200, "SERVING")
+        except OSError:
+            return False
+
+    assert wait_for(healthy, timeout=10) and time.monotonic() - t < 5  # the silent ones timed out
+    for s in silent:
+        s.close()
+    assert daemon.alive()
 
 
 def test_sigterm_is_graceful(daemon) -> None:
