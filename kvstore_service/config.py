@@ -191,6 +191,9 @@ class Config(BaseSettings):
     max_memory_per_uid: ByteSize = Field(
         ByteSize(1 << 40), description="Most engine memory one caller's sessions (a peer uid's, or a TLS client "
         "name's) address together, registrations in progress included.")
+    max_lease_blocks_per_uid: int = Field(
+        1 << 20, ge=1, description="Blocks the leases of one peer uid name in all (each costs the daemon a "
+        "reference: ~8 MiB at the default).")
     max_leases_per_uid: int = Field(
         8192, ge=1, description="Most leases one caller's sessions (a peer uid's, or a TLS client name's) hold "
         "together.")

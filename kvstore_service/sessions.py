@@ -150,6 +150,7 @@ class Sessions:
         # Per tenant, the blocks its leases pin (a block leased twice counted once) and their bytes.
         self._leased: dict[str, dict[Block, int]] = {}
         self._leased_bytes: Counter[str] = Counter()
+        self._lease_blocks: Counter[str] = Counter()  # blocks named by each owner's leases (their memory)
         # --max-lease-share: with tenants only (a lone tenant starves no one).
         self.max_leased_bytes = int(pool.capacity * config.max_lease_share) if config.tenants else pool.capacity
         # By name; others are made on first use, once (concurrent registrations wait for the same one).
@@ -396,8 +397,13 @@ class Sessions:
             hits = len(found)
         if not (lease and found and session is not None):
             return hits, b""
+        found = list(dict.fromkeys(found))  # a block named twice is leased once
         leased = self._leased.setdefault(session.tenant, {})
         added = sum(1 for b in found if b not in leased) * found[0].namespace.block_bytes
+        if self._lease_blocks[session.owner] + len(found) > self.config.max_lease_blocks_per_uid:
+            raise KVError("RESOURCE_EXHAUSTED", f"{session.owner}'s leases name {self._lease_blocks[session.owner]} "
+                          f"blocks; {len(found)} more would pass --max-lease-blocks-per-uid "
+                          f"{self.config.max_lease_blocks_per_uid}; release some")
         if self._leased_bytes[session.tenant] + added > self.max_leased_bytes:
             raise KVError("RESOURCE_EXHAUSTED", f"the tenant's leases pin {self._leased_bytes[session.tenant]} "
                           f"bytes of the pool; {added} more would pass --max-lease-share "
@@ -407,6 +413,7 @@ class Sessions:
         for block in found:
             leased[block] = leased.get(block, 0) + 1
         self._leased_bytes[session.tenant] += added
+        self._lease_blocks[session.owner] += len(found)
         self.leases_by_owner[session.owner] += 1
         ttl = ttl_ms / 1000 if ttl_ms else self.config.lease_ttl_s
         session.leases[lease_id] = Lease(lease_id, found, time.monotonic() + ttl)
@@ -435,6 +442,7 @@ class Sessions:
         del session.leases[lease.lease_id]
         self.index.unpin(lease.blocks)
         _take(self.leases_by_owner, session.owner, 1)
+        _take(self._lease_blocks, session.owner, len(lease.blocks))
         leased = self._leased[session.tenant]
         for block in lease.blocks:
             if leased[block] > 1:

@@ -237,3 +237,38 @@ def test_one_tenants_leases_leave_the_pool_to_the_other_tenants_stores(daemon_fa
     assert int(out.stdout) == 256
     assert engine.session.lookup(keys[:504])[0] == 504  # a's leased blocks stayed
     engine.close()
+
+
+def test_a_lease_naming_a_block_twice_counts_it_once(daemon_factory) -> None:
+    """A leased lookup that names a block twice pinned it twice and counted its bytes twice against
+    --max-lease-share but gave them back once: after some rounds every lease of the tenant was refused,
+    with none held."""
+    tenants = json.dumps({"a": {"uids": [os.getuid()]}})
+    daemon = daemon_factory("--tenants", tenants).start()
+    engine = Engine(daemon.socket, "a-model", 4, 1 << 20)
+    key = key_of("twice", 0)
+    engine.fill([key], [0])
+    job = engine.session.store([key], [0])
+    assert engine.session.wait([job])[job].ok
+    for _ in range(64):  # 64 MiB pool, a share of 32 MiB: the leak refused the 32nd
+        hits, lease = engine.session.lookup([key, key], lease=True)
+        assert hits == 2
+        engine.session.release_lease(lease, wait=True)
+    assert daemon.client().stats().leases == 0
+    engine.close()
+
+
+def test_the_blocks_a_callers_leases_name_are_bounded(daemon_factory) -> None:
+    daemon = daemon_factory("--max-lease-blocks-per-uid", "10").start()
+    engine = Engine(daemon.socket, "lease-refs", 8, 64 * 1024)
+    keys = [key_of("refs", i) for i in range(4)]
+    engine.fill(keys, list(range(4)))
+    job = engine.session.store(keys, list(range(4)))
+    assert engine.session.wait([job])[job].ok
+    leases = [engine.session.lookup(keys, lease=True)[1] for _ in range(2)]  # 8 blocks named
+    with pytest.raises(ResourceExhausted, match=r"--max-lease-blocks-per-uid 10"):
+        engine.session.lookup(keys, lease=True)
+    assert engine.session.lookup(keys[:2], lease=True)[0] == 2  # 10: at the bound
+    engine.session.release_lease(leases[0], wait=True)
+    assert engine.session.lookup(keys, lease=True)[0] == 4
+    engine.close()
