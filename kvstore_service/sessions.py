@@ -397,6 +397,10 @@ class Sessions:
             hits = len(found)
         if not (lease and found and session is not None):
             return hits, b""
+        return hits, self._lease(session, found, ttl_ms)
+
+    def _lease(self, session: Session, found: list[Block], ttl_ms: int) -> bytes:
+        """Pin these blocks for the session until released or expired: its lease's id."""
         found = list(dict.fromkeys(found))  # a block named twice is leased once
         leased = self._leased.setdefault(session.tenant, {})
         added = sum(1 for b in found if b not in leased) * found[0].namespace.block_bytes
@@ -417,7 +421,7 @@ class Sessions:
         self.leases_by_owner[session.owner] += 1
         ttl = ttl_ms / 1000 if ttl_ms else self.config.lease_ttl_s
         session.leases[lease_id] = Lease(lease_id, found, time.monotonic() + ttl)
-        return hits, lease_id
+        return lease_id
 
     def _check_lease(self, session: Session | None, ttl_ms: int) -> None:
         if ttl_ms / 1000 > self.config.max_lease_ttl_s:
