@@ -31,7 +31,11 @@ os.setuid(uid)
 def connect(first=b""):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.connect(os.path.basename(path))
-    s.send(first)
+    try:
+        if first:
+            s.send(first)
+    except OSError:  # turned away at accept: the daemon's answer still waits to be read
+        pass
     return s, time.monotonic()
 
 def reply(s, timeout):
