@@ -27,6 +27,19 @@ def create(name: str, size: int) -> int:
     return fd
 
 
+def sealed(fd: int, what: str) -> bool:
+    """Whether a memfd is sealed against shrinking; ValueError if `fd` is not a memfd (a file, the
+    daemon's pool among them, or a /dev/shm file, which others can open by name)."""
+    try:
+        is_memfd = os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS) if is_memfd else 0
+    except OSError:
+        is_memfd = False
+    if not is_memfd:
+        raise ValueError(f"{what} is not a memfd (shared memory made by memfd_create is required)")
+    return bool(seals & fcntl.F_SEAL_SHRINK)
+
+
 def check_sealed(fd: int, size: int, what: str) -> None:
     """Daemon side: refuse memory that could shrink under a mapping, or is too small."""
     try:

@@ -314,35 +314,32 @@ def _register_with(daemon: Daemon, stub, namespace: str, kv_fd: int, block: int 
 
 
 def test_refused_registration_leaves_no_namespace_behind(daemon, stub) -> None:
-    """A Register that fails (here: its KV memory is not sealed) still creates its namespace with its
-    block size: core.register calls index.namespace() before it maps the completion channel and
-    the memory. The right engine is then refused with "layout mismatch", and every refused
-    registration with a new name leaves a namespace in the index (and in stats) for good."""
-    unsealed = _memfd(4096, seals=0)
+    """A Register that fails (here: its KV memory is smaller than it says) creates no namespace: were it
+    created before the memory is mapped, the right engine would then be refused with "layout mismatch",
+    and every refused registration with a new name would leave a namespace in the index for good."""
+    small = _memfd(256)
     try:
-        assert _register_with(daemon, stub, "poisoned", unsealed, block=512) == grpc.StatusCode.INVALID_ARGUMENT
+        assert _register_with(daemon, stub, "poisoned", small, block=512) == grpc.StatusCode.INVALID_ARGUMENT
     finally:
-        os.close(unsealed)
+        os.close(small)
     assert "poisoned" not in {ns.namespace for ns in daemon.client().stats().namespaces}
     engine = ShmEngine.contiguous(daemon.socket, "poisoned", 4, 4096)  # raises FailedPrecondition today
     engine.close()
 
 
-@pytest.mark.parametrize("kind", ["pool", "shm-file", "unsealed"])
-def test_memory_its_owner_could_shrink_is_refused(daemon, stub, kind: str) -> None:
-    """KV memory the daemon maps must be a memfd sealed against shrinking: a file (the daemon's own
-    pool included) or an unsealed memfd could be truncated under the mapping, and the next copy
-    would kill the daemon with SIGBUS."""
+@pytest.mark.parametrize("kind", ["pool", "shm-file"])
+def test_memory_that_is_no_memfd_is_refused(daemon, stub, kind: str) -> None:
+    """KV memory must be a memfd: a file (the daemon's own pool included) could be opened by others by
+    name. (A memfd not sealed against shrinking is read as a file, never mapped: a mapping would
+    fault, SIGBUS, once it shrank; tests/process/test_unsealed_memory.py.)"""
     if kind == "pool":
         fd = os.open(daemon.pool_path, os.O_RDWR)
-    elif kind == "shm-file":
+    else:
         path = f"/dev/shm/kvstore-fuzz-{os.getpid()}-file"
         with open(path, "wb") as f:
             f.truncate(4096)
         fd = os.open(path, os.O_RDWR)
         os.unlink(path)
-    else:
-        fd = _memfd(4096, seals=0)
     try:
         assert _register_with(daemon, stub, f"shrinkable-{kind}", fd) == grpc.StatusCode.INVALID_ARGUMENT
     finally:

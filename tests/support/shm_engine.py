@@ -20,13 +20,17 @@ class ShmEngine:
     memfd is named `kvstore-kv-<pid>-<random>`, so the daemon's /proc maps tell whose it holds."""
 
     def __init__(self, socket: str, namespace: str, num_blocks: int, regions: Regions,
-                 completion_slots: int = 1024, timeout: float = 10.0) -> None:
+                 completion_slots: int = 1024, timeout: float = 10.0, sealed: bool = True) -> None:
         self.num_blocks = num_blocks
         self.regions = list(regions)
         self.block_bytes = sum(r[2] for r in self.regions)
         self.size = max(o + (num_blocks - 1) * s + b for o, s, b in self.regions)
         self.name = f"kvstore-kv-{os.getpid()}-{secrets.token_hex(4)}"
-        self.fd = memfd.create(self.name, self.size)
+        if sealed:
+            self.fd = memfd.create(self.name, self.size)
+        else:  # (as SGLang's shared host pool: the daemon reads it as a file)
+            self.fd = os.memfd_create(self.name, os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, self.size)
         self.mm = mmap.mmap(self.fd, self.size)
         self.spec = MemorySpec.cpu(self.fd, self.size, num_blocks, self.regions)
         self.client = KVStoreClient(socket, timeout=timeout)

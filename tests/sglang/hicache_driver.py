@@ -1,0 +1,165 @@
+"""Drives SGLang's own HiCache controller on CPU with kvstore as its storage backend; run by SGLang's
+venv python (tests/sglang/conftest.py), printing one JSON line.
+
+    hicache_driver.py store|fetch --socket S --layout layer_first|page_first [--shm] [--prompts N]
+                      [--salt X] [--uid U] [--seed K]
+
+SGLang's pools (`MHATokenToKVPool` on "cpu", `MHATokenToKVPoolHost`), its `HiCacheController` and its
+backend factory (storage backend "dynamic", loading kvstore_client.sglang by module path), in a gloo
+world of one. `store` fills host pages with bytes that follow from each page's key and has SGLang's
+backup thread write them (`write_storage` -> `batch_set_v1`); `fetch`, in another process, has SGLang's
+prefetch threads find and read them (`prefetch` -> `batch_exists` -> `batch_get_v1`) into fresh host
+slots, and compares every byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+PAGE = 4
+LAYERS = 3
+HEADS = 2
+HEAD_DIM = 16
+DEVICE_TOKENS = 512
+PROMPT_TOKENS = 64  # 16 pages
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["store", "fetch"])
+    p.add_argument("--socket", required=True)
+    p.add_argument("--layout", default="layer_first")
+    p.add_argument("--shm", action="store_true", help='the host pool in SGLang\'s "allocator": "shm" memfd')
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--salt", default="")
+    p.add_argument("--uid", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=5.0)
+    args = p.parse_args()
+    if args.uid >= 0:
+        os.setgroups([])
+        os.setgid(args.uid)
+        os.setuid(args.uid)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + os.getpid() % 20000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from sglang.test.test_utils import published_topology
+
+    extra = {"backend_name": "kvstore", "module_path": "kvstore_client.sglang", "class_name": "KVStoreHiCacheStorage",
+             "interface_v1": 1, "socket": args.socket, "model_identity": "tiny-test-model", "timeout_s": args.timeout,
+             "tenant_salt": args.salt}
+    if args.shm:
+        extra["allocator"] = "shm"
+    kwargs = {"hicache_storage_backend": "dynamic", "hicache_storage_backend_extra_config": json.dumps(extra)}
+    with published_topology(**kwargs):
+        controller, host = build(args.layout, extra)
+        try:
+            result = store(controller, host, args) if args.mode == "store" else fetch(controller, host, args)
+        finally:
+            controller.storage_backend.close()
+    print(json.dumps(result), flush=True)
+    os._exit(0)  # (SGLang's storage threads are not daemons)
+
+
+def build(layout: str, extra: dict):
+    from sglang.srt.managers.cache_controller import HiCacheController
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.common import get_allocator_type
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    device = MHATokenToKVPool(DEVICE_TOKENS, PAGE, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False,
+                              start_layer=0, end_layer=LAYERS)
+    host = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 4.0, 0, PAGE, layout,
+                                pin_memory=False, device_capacity_tokens=device.size, start_layer=0,
+                                end_layer=LAYERS, write_back_staging=device.hicache_write_back_staging,
+                                allocator_type=get_allocator_type())
+    allocator = TokenToKVPoolAllocator(DEVICE_TOKENS, torch.bfloat16, "cpu", device, need_sort=False)
+    controller = HiCacheController(allocator, host, PAGE, dist.group.WORLD, threading.Event(),
+                                   write_policy="write_through", io_backend="direct", storage_backend="dynamic",
+                                   model_name="tiny-test-model", prefetch_threshold=PAGE,
+                                   storage_backend_extra_config=dict(extra))
+    return controller, host
+
+
+def prompt(seed: int, i: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed * 1000 + i)
+    return torch.randint(0, 30000, (PROMPT_TOKENS,), generator=g).tolist()
+
+
+def page_content(key: str, host) -> torch.Tensor:
+    """The bytes a page holds: they follow from its key alone."""
+    dummy = host.get_dummy_flat_data_page()
+    g = torch.Generator().manual_seed(int(key[:15], 16))
+    return torch.randn(dummy.numel(), generator=g).to(dummy.dtype)
+
+
+def hashes(tokens: list[int]) -> list[str]:
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    return get_storage_hash_str(tokens, None, page_size=PAGE)
+
+
+def store(controller, host, args) -> dict:
+    ids = []
+    for i in range(args.prompts):
+        tokens = prompt(args.seed, i)
+        keys = hashes(tokens)
+        indices = host.alloc(len(tokens))
+        for n, key in enumerate(keys):
+            host.set_from_flat_data_page(int(indices[n * PAGE]), page_content(key, host))
+        ids.append(controller.write_storage(indices, tokens, hash_value=keys))
+    done = 0
+    for _ in ids:
+        op = controller.ack_backup_queue.get(timeout=60)
+        done += op.completed_tokens
+    return {"stored_tokens": done, "asked_tokens": args.prompts * PROMPT_TOKENS}
+
+
+def fetch(controller, host, args) -> dict:
+    hit_tokens, wrong_pages, started = 0, 0, time.monotonic()
+    for i in range(args.prompts):
+        tokens = prompt(args.seed, i)
+        operation = controller.prefetch(f"req-{i}", tokens)
+        hit = controller.prefetch_hit_queue.get(timeout=60)
+        assert hit is operation
+        if hit.storage_hit_count:
+            # As SGLang's scheduler does: host slots for the hit, then the io thread reads into them.
+            hit.host_indices = host.alloc(hit.storage_hit_count)
+            host.kv_buffer.zero_()
+            controller.prefetch_buffer.put(hit)
+            landed = _acked_tokens(controller, hit)
+            keys = hit.hash_value[: landed // PAGE]
+            for n, key in enumerate(keys):
+                page = host.get_data_page(int(hit.host_indices[n * PAGE]), flat=True)
+                wrong_pages += not torch.equal(page.view(torch.uint8), page_content(key, host).view(torch.uint8))
+            hit_tokens += landed
+            host.free(hit.host_indices)
+    return {"hit_tokens": hit_tokens, "asked_tokens": args.prompts * PROMPT_TOKENS, "wrong_pages": wrong_pages,
+            "seconds": round(time.monotonic() - started, 3)}
+
+
+def _acked_tokens(controller, operation) -> int:
+    """Tokens the prefetch landed, by SGLang's acks (the last says completed_req)."""
+    landed = 0
+    while True:
+        try:
+            ack = controller.ack_prefetch_queue.get(timeout=60)
+        except queue.Empty:
+            sys.exit("no prefetch ack in 60 s")
+        if ack.completed_tokens is not None:
+            landed = ack.completed_tokens
+        if ack.completed_req:
+            return landed
+
+
+if __name__ == "__main__":
+    main()
