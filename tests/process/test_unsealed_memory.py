@@ -10,12 +10,12 @@ from support.blocks import key_of
 from support.shm_engine import ShmEngine
 
 BLOCK = 64 * 1024
+REGIONS = [(0, BLOCK // 2, BLOCK // 2), (8 * BLOCK, BLOCK // 2, BLOCK // 2)]  # (two runs a block, far apart)
 
 
 def test_blocks_move_byte_exact_through_an_unsealed_memfd(daemon) -> None:
-    engine = ShmEngine(daemon.socket, "unsealed", 16, [(0, BLOCK // 2, BLOCK // 2), (8 * BLOCK, BLOCK // 2, BLOCK // 2)],
-                       sealed=False)
-    sealed = ShmEngine(daemon.socket, "unsealed", 16, [(0, BLOCK // 2, BLOCK // 2), (8 * BLOCK, BLOCK // 2, BLOCK // 2)])
+    engine = ShmEngine(daemon.socket, "unsealed", 16, REGIONS, sealed=False)
+    sealed = ShmEngine(daemon.socket, "unsealed", 16, REGIONS)
     try:
         keys = [key_of("unsealed", i) for i in range(8)]
         assert engine.store(keys, list(range(8))).ok

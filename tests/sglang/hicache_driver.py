@@ -2,14 +2,15 @@
 venv python (tests/sglang/conftest.py), printing one JSON line.
 
     hicache_driver.py store|fetch --socket S --layout layer_first|page_first [--shm] [--prompts N]
-                      [--salt X] [--uid U] [--seed K]
+                      [--salt X] [--seed K] [--follow]
 
 SGLang's pools (`MHATokenToKVPool` on "cpu", `MHATokenToKVPoolHost`), its `HiCacheController` and its
 backend factory (storage backend "dynamic", loading kvstore_client.sglang by module path), in a gloo
 world of one. `store` fills host pages with bytes that follow from each page's key and has SGLang's
 backup thread write them (`write_storage` -> `batch_set_v1`); `fetch`, in another process, has SGLang's
 prefetch threads find and read them (`prefetch` -> `batch_exists` -> `batch_get_v1`) into fresh host
-slots, and compares every byte.
+slots, and compares every byte; `--follow` fetches again on each line read from stdin (the daemon may
+be gone or back meanwhile: SGLang's threads must live on).
 """
 
 from __future__ import annotations
@@ -41,14 +42,10 @@ def main() -> None:
     p.add_argument("--shm", action="store_true", help='the host pool in SGLang\'s "allocator": "shm" memfd')
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--salt", default="")
-    p.add_argument("--uid", type=int, default=-1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=5.0)
+    p.add_argument("--follow", action="store_true", help="fetch: again on each line read from stdin, until EOF")
     args = p.parse_args()
-    if args.uid >= 0:
-        os.setgroups([])
-        os.setgid(args.uid)
-        os.setuid(args.uid)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(20000 + os.getpid() % 20000))
     dist.init_process_group("gloo", rank=0, world_size=1)
     from sglang.test.test_utils import published_topology
@@ -62,10 +59,14 @@ def main() -> None:
     with published_topology(**kwargs):
         controller, host = build(args.layout, extra)
         try:
-            result = store(controller, host, args) if args.mode == "store" else fetch(controller, host, args)
+            if args.mode == "store":
+                print(json.dumps(store(controller, host, args)), flush=True)
+            else:
+                print(json.dumps(fetch(controller, host, args)), flush=True)
+                while args.follow and sys.stdin.readline():
+                    print(json.dumps(fetch(controller, host, args)), flush=True)
         finally:
             controller.storage_backend.close()
-    print(json.dumps(result), flush=True)
     os._exit(0)  # (SGLang's storage threads are not daemons)
 
 

@@ -9,6 +9,7 @@
 - the vLLM connector's planner (kvstore_client.vllm.plan) has no I/O: it imports neither vLLM nor
   the client's I/O (sessions, sockets, threads, time), only the protocol's pure helpers and itself;
 - every sleep and wait of the vLLM connector is in pacing.py;
+- an engine (vllm, sglang) is imported only by its adapter (kvstore_client.vllm, kvstore_client.sglang);
 - threads.py makes every thread the daemon hands work to: no other module of kvstore_service starts a
   thread or a pool (ThreadPoolExecutor, threading.Thread, asyncio.to_thread, run_in_executor, ...);
   the exceptions are named here with their reason.
@@ -207,6 +208,26 @@ def test_the_planner_imports_no_io() -> None:
              for target, _, line in imports(module, path)
              if target not in PLANNER_MAY_IMPORT and not target.startswith(PLANNER)]
     assert wrong == [], "the planner imports I/O (or vLLM):\n" + "\n".join(wrong)
+
+
+def test_engine_adapters_stay_apart() -> None:
+    """Each engine's adapter imports its engine; nothing else of the client imports an engine or an
+    adapter of another (the SGLang backend runs where vLLM is not installed, and the other way)."""
+    adapters = {"vllm": "kvstore_client.vllm", "sglang": "kvstore_client.sglang"}
+    # kvstore_client.layouts describes vLLM's KV cache tensors (the vLLM adapter's, and device.py's for them).
+    homes = {"kvstore_client.layouts": "vllm"}
+    wrong = []
+    for module, path in modules("kvstore_client").items():
+        home = homes.get(module) or next((engine for engine, adapter in adapters.items()
+                                          if module == adapter or module.startswith(adapter + ".")), None)
+        for target, _, line in imports(module, path):
+            for engine, adapter in adapters.items():
+                if engine != home and (target.split(".")[0] == engine or target == adapter
+                                       or target.startswith(adapter + ".")):
+                    wrong.append(f"{path.relative_to(REPO)}:{line}: {target}")
+    sglang = modules("kvstore_client")["kvstore_client.sglang"]
+    assert any(t.startswith("sglang.") for t, _, _ in imports("kvstore_client.sglang", sglang))  # (the rule sees)
+    assert wrong == [], "an engine imported outside its adapter:\n" + "\n".join(wrong)
 
 
 def test_only_pacing_sleeps_or_waits_in_the_vllm_connector() -> None:
