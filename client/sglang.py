@@ -28,7 +28,12 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    PoolTransfer,
+    PoolTransferResult,
+)
 
 from kvstore_client.client import KVStoreClient, MemorySpec, Session
 from kvstore_client.errors import KVStoreError
@@ -235,6 +240,22 @@ class KVStoreHiCacheStorage(HiCacheStorage):
             return [self._run(self.direct, False, [page_key(k) for k in keys], _pages(starts, host))] * len(keys)
         dtype = host.get_dummy_flat_data_page().dtype
         return self._load(keys, lambda i, slot: host.set_from_flat_data_page(starts[i], slot.view(dtype)))
+
+    # -- SGLang's hybrid pools (v2): the KV pool is served, others (Mamba, SWA, ...) not yet ---------
+
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: Any = None) -> PoolTransferResult:
+        """The usable prefix: the KV pages held, unless another pool must hold pages too (none is
+        served yet: a hybrid request misses)."""
+        if pool_transfers:
+            return PoolTransferResult(0, {t.name: 0 for t in pool_transfers})
+        return PoolTransferResult(self.batch_exists(keys, extra_info), {})
+
+    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: Any = None) -> dict[str, list[bool]]:
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
+
+    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: Any = None) -> dict[str, list[bool]]:
+        return {t.name: [False] * len(t.keys or []) for t in transfers}
 
     # -- SGLang's copying calls (without interface_v1) -----------------------------------------------
 

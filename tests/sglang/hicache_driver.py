@@ -40,6 +40,7 @@ def main() -> None:
     p.add_argument("--socket", required=True)
     p.add_argument("--layout", default="layer_first")
     p.add_argument("--shm", action="store_true", help='the host pool in SGLang\'s "allocator": "shm" memfd')
+    p.add_argument("--v0", action="store_true", help="without interface_v1: SGLang's copying batch_set/batch_get")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--salt", default="")
     p.add_argument("--seed", type=int, default=0)
@@ -51,8 +52,8 @@ def main() -> None:
     from sglang.test.test_utils import published_topology
 
     extra = {"backend_name": "kvstore", "module_path": "kvstore_client.sglang", "class_name": "KVStoreHiCacheStorage",
-             "interface_v1": 1, "socket": args.socket, "model_identity": "tiny-test-model", "timeout_s": args.timeout,
-             "tenant_salt": args.salt}
+             "interface_v1": 0 if args.v0 else 1, "socket": args.socket, "model_identity": "tiny-test-model",
+             "timeout_s": args.timeout, "tenant_salt": args.salt}
     if args.shm:
         extra["allocator"] = "shm"
     kwargs = {"hicache_storage_backend": "dynamic", "hicache_storage_backend_extra_config": json.dumps(extra)}
@@ -144,8 +145,18 @@ def fetch(controller, host, args) -> dict:
                 wrong_pages += not torch.equal(page.view(torch.uint8), page_content(key, host).view(torch.uint8))
             hit_tokens += landed
             host.free(hit.host_indices)
+    seconds = time.monotonic() - started
+    # The hybrid calls, as SGLang's hybrid controller makes them: a Mamba pool's pages too (not served).
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    keys = hashes(prompt(args.seed, 0))
+    backend = controller.storage_backend
+    mamba = PoolTransfer(PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    hybrid = backend.batch_exists_v2(keys, [mamba])
     return {"hit_tokens": hit_tokens, "asked_tokens": args.prompts * PROMPT_TOKENS, "wrong_pages": wrong_pages,
-            "seconds": round(time.monotonic() - started, 3)}
+            "seconds": round(seconds, 3), "v2_hit_pages": backend.batch_exists_v2(keys).kv_hit_pages,
+            "hybrid_hit_pages": [hybrid.kv_hit_pages, hybrid.extra_pool_hit_pages],
+            "hybrid_got": backend.batch_get_v2([mamba])}
 
 
 def _acked_tokens(controller, operation) -> int:

@@ -22,6 +22,10 @@ def test_pages_come_back_byte_exact_zero_copy_or_staged(sglang, daemon, layout: 
     assert sglang.run("store", daemon.socket, "--layout", layout, "--seed", "1")["stored_tokens"] == ALL
     got = sglang.run("fetch", daemon.socket, "--layout", layout, "--seed", "1", "--shm")
     assert (got["hit_tokens"], got["wrong_pages"]) == (ALL, 0), got
+    # SGLang's hybrid calls: the KV pool is served; with a Mamba pool's pages asked too (not served yet),
+    # no prefix is usable, and nothing is read for it.
+    assert got["v2_hit_pages"] == 16  # (of the first prompt: 64 tokens, pages of 4)
+    assert got["hybrid_hit_pages"] == [0, {"mamba": 0}] and got["hybrid_got"] == {"mamba": [False]}, got
     # Another layout orders a page's bytes otherwise: its own namespace, no hit.
     other = "page_first" if layout == "layer_first" else "layer_first"
     assert sglang.run("fetch", daemon.socket, "--layout", other, "--shm")["hit_tokens"] == 0
@@ -55,9 +59,11 @@ def test_a_daemon_gone_is_a_miss_and_sglang_serves_on(sglang, daemon) -> None:
 
 def test_a_tenant_salt_keeps_pages_apart(sglang, daemon) -> None:
     """(SGLang's page keys carry no salt: the backend puts the extra config's tenant_salt into the
-    namespace. Tenants by uid are the daemon's, the same for every engine: tests/process/test_tenants.py.)"""
-    assert sglang.run("store", daemon.socket, "--salt", "team-1")["stored_tokens"] == ALL
+    namespace. Tenants by uid are the daemon's, the same for every engine: tests/process/test_tenants.py.)
+    Stored by SGLang's copying calls (no interface_v1), read zero-copy: the same bytes."""
+    assert sglang.run("store", daemon.socket, "--salt", "team-1", "--v0")["stored_tokens"] == ALL
     assert sglang.run("fetch", daemon.socket, "--salt", "team-2")["hit_tokens"] == 0
-    assert sglang.run("fetch", daemon.socket)["hit_tokens"] == 0
+    got = sglang.run("fetch", daemon.socket, "--v0")
+    assert got["hit_tokens"] == 0 and got["v2_hit_pages"] == 0, got
     got = sglang.run("fetch", daemon.socket, "--salt", "team-1", "--shm")
     assert (got["hit_tokens"], got["wrong_pages"]) == (ALL, 0), got
