@@ -8,8 +8,8 @@ SGLang keeps pages in its host pool (CPU memory) and asks this backend to keep t
 to say which it holds (`batch_exists`) and to fill host slots with them (`batch_get_v1`). No page
 crosses a socket:
 - zero-copy, with `"allocator": "shm"`: the host pool is a memfd, handed to the daemon once; the daemon
-  moves pages between it and the node's pool by offset (it reads SGLang's memfd, which SGLang makes
-  unsealed, as a file: docs/sglang.md);
+  maps it and its copy engine moves pages between it and the node's pool by offset (SGLang's memfd is
+  not sealed against shrinking: the daemon guards that mapping, docs/sglang.md);
 - otherwise through a staging area of sealed shared memory registered with the daemon: each page is
   copied once between SGLang's host pool and a staging slot here, and by the daemon from there.
 

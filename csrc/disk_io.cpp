@@ -1,7 +1,6 @@
-// kvstore_service._native, file part: record reads and writes between the pool's memory and the
+// kvstore_service._native, disk tier part: record reads and writes between the pool's memory and the
 // segment files of kvstore_service/tiers/disk/, with preadv/pwritev (O_DIRECT when the files were opened so)
-// on a few worker threads, the GIL released. One call moves a whole batch of records. (And file_copy, at
-// the end: blocks between the pool and engine memory the daemon reads as a file, not a mapping.)
+// on a few worker threads, the GIL released. One call moves a whole batch of records.
 //
 // A record is [4 KiB header block][payload padded to 4 KiB]. The header (RecordHeader below, at the
 // start of its block, the rest of the block zero) is THE definition of the record layout (described in
@@ -641,64 +640,9 @@ PyObject* py_disk_parse_header(PyObject*, PyObject* args, PyObject* kwargs) {
                        static_cast<Py_ssize_t>(h.key_len));
 }
 
-// file_copy(fd, pool_base, pool_offsets, file_offsets, sizes, to_file) -> None: runs between the pool's
-// memory and an engine's KV memory that the daemon may not map (a memfd not sealed against shrinking:
-// SGLang's shared host pool). pread/pwrite never fault where the file ended: a run past its end is an
-// OSError (the engine shrank its memory), not a SIGBUS. GIL released; bounds in the pool are the caller's.
-PyObject* py_file_copy(PyObject*, PyObject* args, PyObject* kwargs) {
-  static const char* kwlist[] = {"fd", "pool_base", "pool_offsets", "file_offsets", "sizes", "to_file", nullptr};
-  int fd, to_file;
-  PyObject *base_obj, *pool_offsets_obj, *file_offsets_obj, *sizes_obj;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "iOOOOp:file_copy", const_cast<char**>(kwlist), &fd, &base_obj,
-                                   &pool_offsets_obj, &file_offsets_obj, &sizes_obj, &to_file)) {
-    return nullptr;
-  }
-  uint64_t base;
-  std::vector<uint64_t> pool_offsets, file_offsets, sizes;
-  if (!parse_u64(base_obj, "pool_base", &base) || !parse_u64_array(pool_offsets_obj, "pool_offsets", &pool_offsets) ||
-      !parse_u64_array(file_offsets_obj, "file_offsets", &file_offsets) ||
-      !parse_u64_array(sizes_obj, "sizes", &sizes)) {
-    return nullptr;
-  }
-  if (pool_offsets.size() != sizes.size() || file_offsets.size() != sizes.size()) {
-    PyErr_SetString(PyExc_ValueError, "pool_offsets, file_offsets and sizes must have the same length");
-    return nullptr;
-  }
-  int error = 0;  // errno of the failed run; -1: the file ended inside a run
-  Py_BEGIN_ALLOW_THREADS
-  for (size_t i = 0; i < sizes.size() && error == 0; ++i) {
-    char* memory = reinterpret_cast<char*>(base + pool_offsets[i]);
-    for (uint64_t done = 0; done < sizes[i];) {
-      const off_t at = static_cast<off_t>(file_offsets[i] + done);
-      const ssize_t n = to_file ? pwrite(fd, memory + done, sizes[i] - done, at)
-                                : pread(fd, memory + done, sizes[i] - done, at);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) {
-        error = n < 0 ? errno : -1;
-        break;
-      }
-      done += static_cast<uint64_t>(n);
-    }
-  }
-  Py_END_ALLOW_THREADS
-  if (error == -1) {
-    PyErr_SetString(PyExc_OSError, "the engine's memory file ended inside a block (was it shrunk?)");
-    return nullptr;
-  }
-  if (error != 0) {
-    errno = error;
-    return PyErr_SetFromErrno(PyExc_OSError);
-  }
-  Py_RETURN_NONE;
-}
-
 #define KV_KW(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_VARARGS | METH_KEYWORDS
 
 PyMethodDef kDiskMethods[] = {
-    {"file_copy", KV_KW(py_file_copy),
-     "file_copy(fd, pool_base, pool_offsets, file_offsets, sizes, to_file) -> None\n\n"
-     "Copy run i (sizes[i] bytes) between pool_base+pool_offsets[i] and the file `fd` at file_offsets[i] with\n"
-     "pread/pwrite (to_file: pool -> file), GIL released. OSError where the file ends inside a run."},
     {"disk_write", KV_KW(py_disk_write),
      "disk_write(fds, file_offsets, segments, base, offsets, length, crcs, scope, keys, key_size, threads=1,\n"
      "           mode=0, mem_align=4096) -> bytes\n\n"

@@ -219,12 +219,19 @@ def coalesce_runs(src_offsets: U64Array, dst_offsets: U64Array,
     return list(_native.coalesce_runs(_as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes)))
 
 
-def file_copy(fd: int, pool_base: int, pool_offsets: U64Array, file_offsets: U64Array, sizes: U64Array,
-              to_file: bool) -> None:
-    """Copy ``sizes[i]`` bytes between ``pool_base + pool_offsets[i]`` and the file ``fd`` at
-    ``file_offsets[i]`` (to_file: pool -> file) by pread/pwrite: engine memory read as a file, never
-    mapped. OSError where the file ends inside a run (its owner shrank it)."""
-    _native.file_copy(fd, pool_base, _as_u64(pool_offsets), _as_u64(file_offsets), _as_u64(sizes), to_file)
+def guard_memory(base: int, size: int) -> int:
+    """Guard a mapping of memory its owner can shrink (csrc/guard.cpp): a copy that faults there (SIGBUS)
+    goes on over anonymous memory instead of ending the daemon, and guard_faulted says so. Returns its id."""
+    return int(_native.guard_memory(base, size))
+
+
+def guard_faulted(guard: int) -> bool:
+    """Whether the guarded mapping faulted (its owner shrank the memory): copies through it are void."""
+    return bool(_native.guard_faulted(guard))
+
+
+def unguard_memory(guard: int) -> None:
+    _native.unguard_memory(guard)
 
 
 # Disk tier records (csrc/disk_io.cpp defines the record header; kvstore_service/tiers/disk/format.py the files;

@@ -3,8 +3,9 @@
 The engine's KV memory and its completion channel are anonymous memory files (memfd_create),
 sealed against shrinking and growing, and handed to the daemon as file descriptors over the
 `<socket>.cred` handshake (SCM_RIGHTS). Sealing is what makes mapping client memory safe: a file
-the client could truncate would make the daemon fault (SIGBUS) on its next copy. And nothing is
-left in /dev/shm when an engine dies: the memory goes with the last descriptor.
+the client could truncate would make the daemon fault (SIGBUS) on its next copy. (KV memory that
+others made without seals, SGLang's shared host pool, the daemon maps guarded: csrc/guard.cpp.) And
+nothing is left in /dev/shm when an engine dies: the memory goes with the last descriptor.
 """
 
 from __future__ import annotations

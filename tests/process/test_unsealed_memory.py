@@ -1,11 +1,13 @@
 """KV memory in a memfd its owner can still shrink (SGLang's shared host pool is made so): the daemon
-reads and writes it as a file, never maps it (kvstore_service/backends/cpu.py). Blocks move byte-exact;
-an owner that shrinks it fails its own stores, and the daemon, other engines and their blocks live on."""
+maps it guarded (kvstore_service/backends/cpu.py, csrc/guard.cpp). Blocks move byte-exact; an owner that
+shrinks it under a copy fails its own jobs from then on, and the daemon, other engines and their blocks
+live on."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 from support.blocks import key_of
 from support.shm_engine import ShmEngine
 
@@ -29,7 +31,8 @@ def test_blocks_move_byte_exact_through_an_unsealed_memfd(daemon) -> None:
         sealed.close()
 
 
-def test_an_owner_that_shrinks_its_memory_fails_its_stores_and_nothing_else(daemon) -> None:
+@pytest.mark.parametrize("first", ["store", "load"])
+def test_an_owner_that_shrinks_its_memory_fails_its_jobs_and_nothing_else(daemon, first: str) -> None:
     other = ShmEngine.contiguous(daemon.socket, "others", 8, BLOCK)
     engine = ShmEngine.contiguous(daemon.socket, "shrinks", 16, BLOCK, sealed=False)
     try:
@@ -39,13 +42,16 @@ def test_an_owner_that_shrinks_its_memory_fails_its_stores_and_nothing_else(daem
         assert engine.store(keys[:4], [0, 1, 2, 3]).ok
         engine.mm.close()
         os.ftruncate(engine.fd, 2 * BLOCK)  # blocks 2.. are gone from under the daemon
-        # A store reads past the end: it fails, and keeps nothing.
-        assert not engine.session.wait([engine.session.store(keys[4:], [8, 9, 10, 11])], 10).popitem()[1].ok
-        assert daemon.client().lookup("shrinks", keys) == 4
-        # A load writes where the memory said it was (pwrite grows the file back, never past its size).
-        assert engine.session.wait([engine.session.load(keys[:4], [12, 13, 14, 15])], 10).popitem()[1].ok
-        assert os.fstat(engine.fd).st_size == engine.size
+        # A copy past the end: the daemon's mapping faults there (SIGBUS), the guard maps zeros over it,
+        # and the job fails (a store keeps nothing).
+        job = (engine.session.store(keys[4:], [8, 9, 10, 11]) if first == "store"
+               else engine.session.load(keys[:4], [8, 9, 10, 11]))
+        assert not engine.session.wait([job], 10).popitem()[1].ok
         assert daemon.alive()
+        assert daemon.client().lookup("shrinks", keys) == 4
+        # Every job of that memory fails from then on, inside the new end too: the daemon no longer sees it.
+        assert not engine.session.wait([engine.session.load(keys[:2], [0, 1])], 10).popitem()[1].ok
+        assert os.fstat(engine.fd).st_size == 2 * BLOCK
         assert other.load(theirs, [4, 5, 6, 7]).ok
         assert other.corrupt_blocks(theirs, [4, 5, 6, 7]) == 0
     finally:

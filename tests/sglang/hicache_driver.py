@@ -22,15 +22,24 @@ import queue
 import sys
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-PAGE = 4
-LAYERS = 3
-HEADS = 2
-HEAD_DIM = 16
-DEVICE_TOKENS = 512
+
+@dataclass(frozen=True)
+class Geometry:
+    """A model's KV as one rank holds it, and SGLang's pools for it."""
+
+    page: int = 4
+    layers: int = 3
+    heads: int = 2
+    head_dim: int = 16
+    device_tokens: int = 512
+
+
+TINY = Geometry()
 PROMPT_TOKENS = 64  # 16 pages
 
 
@@ -71,23 +80,26 @@ def main() -> None:
     os._exit(0)  # (SGLang's storage threads are not daemons)
 
 
-def build(layout: str, extra: dict):
+def build(layout: str, extra: dict, allocator: str = "", storage: str = "dynamic", geometry: Geometry = TINY):
+    """SGLang's device pool, host pool (in a memfd with allocator "shm") and HiCache controller, whose
+    storage backend SGLang's factory makes ("dynamic": by the extra config's module path)."""
     from sglang.srt.managers.cache_controller import HiCacheController
     from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.common import get_allocator_type
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-    device = MHATokenToKVPool(DEVICE_TOKENS, PAGE, torch.bfloat16, HEADS, HEAD_DIM, LAYERS, "cpu", False,
-                              start_layer=0, end_layer=LAYERS)
-    host = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 4.0, 0, PAGE, layout,
+    g = geometry
+    device = MHATokenToKVPool(g.device_tokens, g.page, torch.bfloat16, g.heads, g.head_dim, g.layers, "cpu", False,
+                              start_layer=0, end_layer=g.layers)
+    host = MHATokenToKVPoolHost(device.get_device_pool_infos()[0].buffer_info, 4.0, 0, g.page, layout,
                                 pin_memory=False, device_capacity_tokens=device.size, start_layer=0,
-                                end_layer=LAYERS, write_back_staging=device.hicache_write_back_staging,
-                                allocator_type=get_allocator_type())
-    allocator = TokenToKVPoolAllocator(DEVICE_TOKENS, torch.bfloat16, "cpu", device, need_sort=False)
-    controller = HiCacheController(allocator, host, PAGE, dist.group.WORLD, threading.Event(),
-                                   write_policy="write_through", io_backend="direct", storage_backend="dynamic",
-                                   model_name="tiny-test-model", prefetch_threshold=PAGE,
+                                end_layer=g.layers, write_back_staging=device.hicache_write_back_staging,
+                                allocator_type=allocator or get_allocator_type())
+    allocator_ = TokenToKVPoolAllocator(g.device_tokens, torch.bfloat16, "cpu", device, need_sort=False)
+    controller = HiCacheController(allocator_, host, g.page, dist.group.WORLD, threading.Event(),
+                                   write_policy="write_through", io_backend="direct", storage_backend=storage,
+                                   model_name="tiny-test-model", prefetch_threshold=g.page,
                                    storage_backend_extra_config=dict(extra))
     return controller, host
 
@@ -107,7 +119,7 @@ def page_content(key: str, host) -> torch.Tensor:
 def hashes(tokens: list[int]) -> list[str]:
     from sglang.srt.mem_cache.utils import get_storage_hash_str
 
-    return get_storage_hash_str(tokens, None, page_size=PAGE)
+    return get_storage_hash_str(tokens, None, page_size=TINY.page)
 
 
 def store(controller, host, args) -> dict:
@@ -117,7 +129,7 @@ def store(controller, host, args) -> dict:
         keys = hashes(tokens)
         indices = host.alloc(len(tokens))
         for n, key in enumerate(keys):
-            host.set_from_flat_data_page(int(indices[n * PAGE]), page_content(key, host))
+            host.set_from_flat_data_page(int(indices[n * TINY.page]), page_content(key, host))
         ids.append(controller.write_storage(indices, tokens, hash_value=keys))
     done = 0
     for _ in ids:
@@ -139,9 +151,9 @@ def fetch(controller, host, args) -> dict:
             host.kv_buffer.zero_()
             controller.prefetch_buffer.put(hit)
             landed = _acked_tokens(controller, hit)
-            keys = hit.hash_value[: landed // PAGE]
+            keys = hit.hash_value[: landed // TINY.page]
             for n, key in enumerate(keys):
-                page = host.get_data_page(int(hit.host_indices[n * PAGE]), flat=True)
+                page = host.get_data_page(int(hit.host_indices[n * TINY.page]), flat=True)
                 wrong_pages += not torch.equal(page.view(torch.uint8), page_content(key, host).view(torch.uint8))
             hit_tokens += landed
             host.free(hit.host_indices)
