@@ -88,7 +88,7 @@ def model_identity(config: HiCacheStorageConfig, settings: Settings, format_tag:
         return weights_identity(path, None)
     except (ModelNotFound, OSError, ValueError) as e:
         raise ValueError(f"kvstore: cannot tell the model's identity from {path!r} ({e}); set model_identity "
-                         "in the extra config") from None
+                         "in the extra config to name the weights") from None
 
 
 def namespace_for(config: HiCacheStorageConfig, settings: Settings, host_pool: Any) -> str:
@@ -187,7 +187,11 @@ class KVStoreHiCacheStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         self.mem_pool_host = mem_pool_host
-        self.namespace = namespace_for(self.config, self.settings, mem_pool_host)
+        try:
+            self.namespace = namespace_for(self.config, self.settings, mem_pool_host)
+        except ValueError as e:  # (SGLang serves on without the node's pool: every page misses)
+            log.error("%s: kvstore is off for this engine", e)
+            return
         memory = shared_host_pool(mem_pool_host)
         if memory is not None:
             self.direct = self.client.session(self.namespace, memory, engine_id=self.engine_id, wait=False)
@@ -310,7 +314,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """Keep pages through the staging area: those the pool lacks are copied into store slots
         (`fill(i, slot)` writes page i), then stored by the daemon, a staging area at a time. Which
         pages are kept."""
-        if self.mem_pool_host is None or not keys:
+        if not self.namespace or not keys:
             return [False] * len(keys)
         staging = self.staging()
         pool_keys = [page_key(k) for k in keys]
@@ -331,7 +335,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         """Fill pages through the staging area's load slots, a staging area at a time (`take(i, slot)`
         reads page i out of its slot). Which pages landed: a leading run."""
         got = [False] * len(keys)
-        if self.mem_pool_host is None or not keys:
+        if not self.namespace or not keys:
             return got
         staging = self.staging()
         with staging.loading:

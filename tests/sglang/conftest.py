@@ -18,16 +18,17 @@ class Driver:
     def __init__(self, python: str, home: Path) -> None:
         self.python = python
         self.home = home
+        self.last_stderr = ""  # what the last run() said on stderr (SGLang's log and ours)
 
-    def start(self, mode: str, socket: str, *args: str) -> subprocess.Popen:
+    def start(self, mode: str, socket: str, *args: str, stderr: int | None = None) -> subprocess.Popen:
         env = dict(os.environ, HOME=str(self.home), TORCH_EXTENSIONS_DIR=str(self.home / "torch_extensions"))
         return subprocess.Popen([self.python, str(DRIVER), mode, "--socket", socket, *args], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, text=True, env=env)
+                                stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
 
     def run(self, mode: str, socket: str, *args: str) -> dict:
-        proc = self.start(mode, socket, *args)
-        out, _ = proc.communicate(timeout=180)
-        assert proc.returncode == 0, f"the driver exited with {proc.returncode}"
+        proc = self.start(mode, socket, *args, stderr=subprocess.PIPE)
+        out, self.last_stderr = proc.communicate(timeout=180)
+        assert proc.returncode == 0, f"the driver exited with {proc.returncode}:\n{self.last_stderr[-3000:]}"
         return json.loads(out.strip().splitlines()[-1])
 
 

@@ -50,6 +50,7 @@ def main() -> None:
     p.add_argument("--layout", default="layer_first")
     p.add_argument("--shm", action="store_true", help='the host pool in SGLang\'s "allocator": "shm" memfd')
     p.add_argument("--v0", action="store_true", help="without interface_v1: SGLang's copying batch_set/batch_get")
+    p.add_argument("--model", default="", help="SGLang's model path: its files are the identity (else one is named)")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--salt", default="")
     p.add_argument("--seed", type=int, default=0)
@@ -61,13 +62,13 @@ def main() -> None:
     from sglang.test.test_utils import published_topology
 
     extra = {"backend_name": "kvstore", "module_path": "kvstore_client.sglang", "class_name": "KVStoreHiCacheStorage",
-             "interface_v1": 0 if args.v0 else 1, "socket": args.socket, "model_identity": "tiny-test-model",
-             "timeout_s": args.timeout, "tenant_salt": args.salt}
+             "interface_v1": 0 if args.v0 else 1, "socket": args.socket, "timeout_s": args.timeout,
+             "tenant_salt": args.salt, "model_identity": "" if args.model else "tiny-test-model"}
     if args.shm:
         extra["allocator"] = "shm"
     kwargs = {"hicache_storage_backend": "dynamic", "hicache_storage_backend_extra_config": json.dumps(extra)}
     with published_topology(**kwargs):
-        controller, host = build(args.layout, extra)
+        controller, host = build(args.layout, extra, model=args.model or "tiny-test-model")
         try:
             if args.mode == "store":
                 print(json.dumps(store(controller, host, args)), flush=True)
@@ -80,7 +81,8 @@ def main() -> None:
     os._exit(0)  # (SGLang's storage threads are not daemons)
 
 
-def build(layout: str, extra: dict, allocator: str = "", storage: str = "dynamic", geometry: Geometry = TINY):
+def build(layout: str, extra: dict, allocator: str = "", storage: str = "dynamic", geometry: Geometry = TINY,
+          model: str = "tiny-test-model"):
     """SGLang's device pool, host pool (in a memfd with allocator "shm") and HiCache controller, whose
     storage backend SGLang's factory makes ("dynamic": by the extra config's module path)."""
     from sglang.srt.managers.cache_controller import HiCacheController
@@ -99,7 +101,7 @@ def build(layout: str, extra: dict, allocator: str = "", storage: str = "dynamic
     allocator_ = TokenToKVPoolAllocator(g.device_tokens, torch.bfloat16, "cpu", device, need_sort=False)
     controller = HiCacheController(allocator_, host, g.page, dist.group.WORLD, threading.Event(),
                                    write_policy="write_through", io_backend="direct", storage_backend=storage,
-                                   model_name="tiny-test-model", prefetch_threshold=g.page,
+                                   model_name=model, prefetch_threshold=g.page,
                                    storage_backend_extra_config=dict(extra))
     return controller, host
 

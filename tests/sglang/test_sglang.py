@@ -67,3 +67,19 @@ def test_a_tenant_salt_keeps_pages_apart(sglang, daemon) -> None:
     assert got["hit_tokens"] == 0 and got["v2_hit_pages"] == 0, got
     got = sglang.run("fetch", daemon.socket, "--salt", "team-1", "--shm")
     assert (got["hit_tokens"], got["wrong_pages"]) == (ALL, 0), got
+
+
+def test_a_model_updated_in_place_never_meets_its_old_pages(sglang, daemon, tmp_path) -> None:
+    """Without model_identity the namespace names the model's files (kvstore_client/identity.py, as for
+    vLLM); a model whose identity cannot be told leaves SGLang serving without the pool, saying why."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(b"weights, version 1")
+    assert sglang.run("store", daemon.socket, "--model", str(model))["stored_tokens"] == ALL
+    assert sglang.run("fetch", daemon.socket, "--model", str(model))["hit_tokens"] == ALL
+    (model / "model.safetensors").write_bytes(b"weights, version 2")
+    assert sglang.run("fetch", daemon.socket, "--model", str(model))["hit_tokens"] == 0
+    gone = sglang.run("fetch", daemon.socket, "--model", str(tmp_path / "nowhere"), "--shm")
+    assert gone["hit_tokens"] == 0 and gone["v2_hit_pages"] == 0, gone
+    assert "cannot tell the model's identity" in sglang.last_stderr and "kvstore is off" in sglang.last_stderr
