@@ -95,7 +95,7 @@ def namespace_for(config: HiCacheStorageConfig, settings: Settings, host_pool: A
     """Pages are shared exactly when the engine, model, page format and rank's shard match, and the tenant
     salt: never with a vLLM engine (another first part), another layout or another rank's heads."""
     tag = getattr(host_pool, "storage_format_tag", None)
-    page = host_pool.get_dummy_flat_data_page()
+    page = first_page(host_pool)
     parts = ["engine=sglang", model_identity(config, settings, tag),
              f"pool={type(host_pool).__name__}", f"layout={host_pool.layout}",
              f"dtype={str(page.dtype).removeprefix('torch.')}", f"page={host_pool.page_size}x{page.numel()}"]
@@ -113,6 +113,12 @@ def namespace_for(config: HiCacheStorageConfig, settings: Settings, host_pool: A
     if settings.tenant_salt:
         parts.append(f"salt={settings.tenant_salt}")
     return ";".join(parts)
+
+
+def first_page(host_pool: Any) -> torch.Tensor:
+    """A flat page of the host pool, as a view: its size and dtype are every page's. (Not SGLang's
+    get_dummy_flat_data_page, which allocates pinned memory: a GPU's on every call, none on CPU.)"""
+    return host_pool.get_data_page(0, flat=True)
 
 
 def page_regions(host_pool: Any, base: int) -> list[tuple[int, int, int]]:
@@ -204,7 +210,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def staging(self) -> Staging:
         with self._making:
             if self._staging is None:
-                page = self.mem_pool_host.get_dummy_flat_data_page()
+                page = first_page(self.mem_pool_host)
                 page_bytes = page.numel() * page.element_size()
                 slots = max(1, min(256, self.settings.staging_bytes // page_bytes))
                 self._staging = Staging(self.client, self.namespace, self.engine_id + "-staging", page_bytes, slots)
@@ -242,7 +248,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
         starts = _page_starts(host_indices, host.page_size, len(keys))
         if self.direct is not None:
             return [self._run(self.direct, False, [page_key(k) for k in keys], _pages(starts, host))] * len(keys)
-        dtype = host.get_dummy_flat_data_page().dtype
+        dtype = first_page(host).dtype
         return self._load(keys, lambda i, slot: host.set_from_flat_data_page(starts[i], slot.view(dtype)))
 
     # -- SGLang's hybrid pools (v2): the KV pool is served, others (Mamba, SWA, ...) not yet ---------
@@ -275,7 +281,7 @@ class KVStoreHiCacheStorage(HiCacheStorage):
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         """Each page into its target (a flat page tensor), or a new tensor of the host pool's dtype."""
-        dtype = self.mem_pool_host.get_dummy_flat_data_page().dtype
+        dtype = first_page(self.mem_pool_host).dtype
         out: list[torch.Tensor | None] = [None] * len(keys)
 
         def take(i: int, slot: torch.Tensor) -> None:
