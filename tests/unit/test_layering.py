@@ -282,3 +282,35 @@ def test_only_threads_py_makes_threads_in_the_daemon() -> None:
                 wrong.append(f"{path.relative_to(REPO)}:{line}: {name}")
     assert wrong == [], "threads made outside threads.py (take them from Threads):\n" + "\n".join(wrong)
     assert excepted == OWN_THREADS.keys(), f"exceptions no longer needed: {sorted(OWN_THREADS.keys() - excepted)}"
+
+
+def test_the_architecture_map_names_every_module_of_the_daemon() -> None:
+    """docs/architecture.md's table of rooms: each module of kvstore_service (a subpackage as `name/`)."""
+    table = [line for line in (REPO / "docs" / "architecture.md").read_text().splitlines() if line.startswith("| `")]
+    named = {name for line in table for name in line.split(" | ")[0].strip("| ").replace("`", "").split(", ")}
+    rooms = {path.name if path.is_file() else path.name + "/" for path in (REPO / "kvstore_service").iterdir()
+             if (path.suffix == ".py" and path.name != "__init__.py") or (path / "__init__.py").is_file()}
+    assert len(rooms) > 20
+    assert sorted(rooms - named) == [], "modules docs/architecture.md does not name"
+
+
+def test_every_lock_of_the_daemon_is_named_in_the_architecture() -> None:
+    """What runs off the event loop takes the locks architecture.md names, and no others: a threading
+    lock made anywhere in kvstore_service is in its table."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    locks = []
+    for module, path in modules("kvstore_service").items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            value = getattr(node, "value", None)
+            made = [ast.unparse(v) for v in (value.elts if isinstance(value, ast.Tuple) else [value])
+                    if isinstance(v, ast.Call) and ast.unparse(v.func).endswith(("threading.Lock", "threading.RLock"))]
+            annotated = isinstance(node, ast.AnnAssign) and ast.unparse(node.annotation) in ("threading.Lock",
+                                                                                             "threading.RLock")
+            if made or annotated:
+                for target in targets:
+                    for name in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                        locks.append((module, ast.unparse(name).removeprefix("self.")))
+    assert len(locks) >= 5, locks
+    assert sorted(f"{m}: {name}" for m, name in locks if f"`{name}`" not in doc) == []
