@@ -82,6 +82,9 @@ bool add_acl_features(PyObject* features);
 // without them (kvstore_service/native.py needs them and fails to import then).
 bool add_disk_io(PyObject* module) __attribute__((weak));
 
+// populate (populate.cpp): a fresh pool's pages faulted in on several threads.
+bool add_populate(PyObject* module);
+
 // guard_memory / guard_faulted / unguard_memory (guard.cpp): mappings of shrinkable memory, SIGBUS-safe.
 bool add_guard(PyObject* module);
 

@@ -72,6 +72,11 @@ class Config(BaseSettings):
         ByteSize(64 << 20), description="Pool unit handed to one block size at a time (largest block allowed)."
     )
     copy_threads: int = Field(2, ge=1, le=64, description="Threads that copy blocks.")
+    populate_threads: int = Field(
+        0, ge=0, le=1024,
+        description="Threads that fault a new pool's pages in at start, before the daemon serves (page faults "
+        "run at one core's speed per thread); 0: one per core the daemon may run on.",
+    )
     devices: list[str] = Field(
         default_factory=list,
         description="Device backends (cuda, npu) to set up at start: the runtime loaded and the pool pinned "

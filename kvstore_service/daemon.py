@@ -18,6 +18,7 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import os
 import secrets
 import time
 from array import array
@@ -72,7 +73,8 @@ class Daemon:
         self.boot_id = secrets.token_bytes(16)
         self.started = time.monotonic()
         self.threads = threads
-        self.pool = Pool(config.pool_path, int(config.pool_size), int(config.segment_size), fresh=config.fresh)
+        self.pool = Pool(config.pool_path, int(config.pool_size), int(config.segment_size), fresh=config.fresh,
+                         populate_threads=config.populate_threads or len(os.sched_getaffinity(0)))
         self.index = BlockIndex(self.pool)
         self.events = self.index.events = BlockEvents(int(config.max_event_bytes),
                                                       int(config.max_event_description_bytes), config.max_event_queue,

@@ -219,6 +219,12 @@ def coalesce_runs(src_offsets: U64Array, dst_offsets: U64Array,
     return list(_native.coalesce_runs(_as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes)))
 
 
+def populate(base: int, size: int, threads: int) -> int:
+    """Fault the pages of [base, base + size) in for writing on `threads` threads (csrc/populate.cpp): 0,
+    or the errno of the first failure (EINVAL on kernels before 5.14)."""
+    return int(_native.populate(base, size, threads))
+
+
 def guard_memory(base: int, size: int) -> int:
     """Guard a mapping of memory its owner can shrink (csrc/guard.cpp): a copy that faults there (SIGBUS)
     goes on over anonymous memory instead of ending the daemon, and guard_faulted says so. Returns its id."""

@@ -146,7 +146,7 @@ class PoolFileError(ValueError):
 class Pool:
     """Owns the mapped pool file and hands out slots of a given payload size."""
 
-    def __init__(self, path: str, size: int, segment_size: int, fresh: bool = False) -> None:
+    def __init__(self, path: str, size: int, segment_size: int, fresh: bool = False, populate_threads: int = 1) -> None:
         if segment_size < 1 << 20:
             raise ValueError("segment size must be at least 1 MiB")
         self.path = path
@@ -164,6 +164,7 @@ class Pool:
         self.partial: dict[int, set[int]] = {}  # payload size -> segments with a free slot
         self.reattached = False
         self._generation = 0
+        self.populate_threads = populate_threads
         self._mmap = self._open(fresh)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
 
@@ -200,11 +201,11 @@ class Pool:
         finally:
             os.close(fd)
         if not self.reattached:
-            # Fault every page in now, once: a first touch during a store costs more than the copy.
-            try:
-                mm.madvise(MADV_POPULATE_WRITE)
-            except OSError:  # kernels before 5.14
-                ctypes.memset(ctypes.addressof(ctypes.c_char.from_buffer(mm)), 0, self.size)
+            # Fault every page in now, once, on a thread per core: a first touch during a store costs
+            # more than the copy.
+            base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+            if native.populate(base, self.size, self.populate_threads):  # (kernels before 5.14)
+                ctypes.memset(base, 0, self.size)
             mm[: POOL_HEADER.size] = expected
         if self.reattached:
             self._load_segment_table(mm)

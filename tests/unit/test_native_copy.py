@@ -514,3 +514,27 @@ def test_check_job_names_what_is_wrong_with_a_jobs_keys_and_ids() -> None:
     for num_blocks in (-1, 1 << 64):  # (not taken modulo 2**64: -1 would let every id through)
         with pytest.raises(OverflowError, match="num_blocks"):
             check([b"a"], [5], num_blocks, True)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_populate_faults_every_page_in_on_its_threads(threads: int) -> None:
+    """A fresh pool's pages are faulted in before the daemon serves (csrc/populate.cpp); a range not a
+    multiple of its 64 MiB steps is covered to its last page."""
+    import os
+
+    size = (64 << 20) * 2 + 5 * mmap.PAGESIZE
+    fd = os.memfd_create("kvstore-test-populate")
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        resident = (ctypes.c_ubyte * (size // mmap.PAGESIZE))()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        assert libc.mincore(base, size, resident) == 0 and sum(b & 1 for b in resident) == 0
+        assert native.populate(base, size, threads) == 0
+        assert libc.mincore(base, size, resident) == 0 and all(b & 1 for b in resident)
+        with pytest.raises(ValueError, match="page-aligned"):
+            native.populate(base + 1, 4096, 1)
+    finally:
+        os.close(fd)

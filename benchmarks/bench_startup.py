@@ -1,0 +1,92 @@
+"""A new pool's start-up against the memory's speed: the daemon faults every page of a fresh pool in before
+it serves (csrc/populate.cpp, `--populate-threads`). Interleaved rounds of:
+
+- bare: MADV_POPULATE_WRITE over a fresh memfd of the same size on one thread, and on N threads (the limit);
+- the pool set up in this process (`Pool(..., fresh=True)`: file, populate, header);
+- the daemon process from its start until health says SERVING (Python's start and imports included).
+
+    python benchmarks/bench_startup.py [--gib 4] [--rounds 3] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import mmap
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+from kvstore_service import native
+from kvstore_service.harness import DaemonProcess
+from kvstore_service.pool import Pool
+
+
+def bare(size: int, threads: int) -> float:
+    fd = os.memfd_create("kvstore-bench-populate")
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+        anchor = ctypes.c_char.from_buffer(mm)
+        started = time.perf_counter()
+        assert native.populate(ctypes.addressof(anchor), size, threads) == 0
+        seconds = time.perf_counter() - started
+        del anchor
+        mm.close()
+        return seconds
+    finally:
+        os.close(fd)
+
+
+def pool(size: int, threads: int, folder: str) -> float:
+    path = os.path.join(folder, "pool")
+    started = time.perf_counter()
+    p = Pool(path, size, 64 << 20, fresh=True, populate_threads=threads)
+    seconds = time.perf_counter() - started
+    p.close()
+    os.unlink(path)
+    return seconds
+
+
+def daemon(size: int, threads: int, folder: str) -> float:
+    d = DaemonProcess(folder, str(size), "64MiB", "--fresh", "--populate-threads", str(threads))
+    started = time.perf_counter()
+    d.start(timeout=600)
+    seconds = time.perf_counter() - started
+    d.cleanup()
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gib", type=float, default=4.0)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    args = p.parse_args()
+    size = int(args.gib * (1 << 30)) // (64 << 20) * (64 << 20)
+    n = args.threads
+    runs: dict[str, Callable[[str], float]] = {
+        "bare populate, 1 thread": lambda tmp: bare(size, 1),
+        f"bare populate, {n} threads": lambda tmp: bare(size, n),
+        f"pool set up, {n} threads": lambda tmp: pool(size, n, tmp),
+        "pool set up, 1 thread": lambda tmp: pool(size, 1, tmp),
+        f"daemon start to SERVING, {n} threads": lambda tmp: daemon(size, n, tmp),
+    }
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(args.rounds):
+        names = list(runs)[r % len(runs):] + list(runs)[: r % len(runs)]
+        for name in names:
+            with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
+                times[name].append(runs[name](tmp))
+    limit = statistics.median(times[f"bare populate, {n} threads"])
+    print(f"{size / 2**30:.1f} GiB, {args.rounds} interleaved rounds, {n} threads on {os.cpu_count()} cores")
+    for name, seconds in times.items():
+        s = statistics.median(seconds)
+        print(f"{name:40s} {s:6.2f} s  {size / s / 1e9:5.2f} GB/s  x the bare {n}-thread populate: {s / limit:4.2f}"
+              f"  (runs {', '.join(f'{x:.2f}' for x in seconds)})")
+
+
+if __name__ == "__main__":
+    main()
