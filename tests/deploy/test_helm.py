@@ -888,3 +888,16 @@ def test_vllm_example_uses_the_daemon_socket(chart):
     assert spec["hostPID"] is pod_spec(chart_docs)["hostPID"] is True
     daemon_gid = pod_spec(chart_docs)["securityContext"]["runAsGroup"]
     assert daemon_gid in spec["securityContext"]["supplementalGroups"]
+
+
+def test_grafana_dashboard(chart):
+    """Off by default; on, a ConfigMap with the dashboard for Grafana's sidecar (its label is a value)."""
+    docs, _ = render(chart, {"metrics": {"serviceMonitor": {"enabled": True}}})
+    assert "ConfigMap" not in kinds(docs)
+    docs, _ = render(chart, {"metrics": {"serviceMonitor": {"enabled": True},
+                                         "dashboard": {"enabled": True, "label": "grafana_dashboard"}}})
+    config_map = only(docs, "ConfigMap")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads(config_map["data"]["kvstore.json"])
+    assert shipped == json.loads((CHART / "dashboards" / "kvstore.json").read_text())
+    assert shipped["uid"] == "kvstore-node-pool" and len(shipped["panels"]) >= 10

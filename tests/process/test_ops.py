@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -336,3 +337,25 @@ def test_devices_are_set_up_at_start_or_the_start_is_refused(daemon_factory) -> 
     assert not os.path.exists(refused.socket) and not os.path.exists(refused.socket + ".cred")
     unknown = kvstore("serve", *refused.args, "--devices", "tpu")
     assert unknown.returncode != 0 and "unknown device backend(s) ['tpu']" in unknown.stdout + unknown.stderr
+
+
+def test_every_query_of_the_dashboard_reads_a_metric_the_daemon_exports(daemon_factory, server, tmp_path) -> None:
+    """helm/kvstore/dashboards/kvstore.json (the chart's Grafana dashboard): each metric its queries name
+    is one a live daemon with both tiers exports, after it stored, loaded and refused something."""
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "helm/kvstore/dashboards/kvstore.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    named = {m for e in exprs for m in re.findall(r"\bkvstore_[a-z0-9_]+", e)}
+    assert len(exprs) >= 20 and len(named) >= 25
+    secret = tmp_path / "secret"
+    secret.write_bytes(os.urandom(48))
+    secret.chmod(0o600)
+    port = free_port()
+    daemon = daemon_factory("--metrics-port", str(port), "--disk-path", str(tmp_path / "disk"), "--disk-size", "32MiB",
+                            "--disk-segment-size", "4MiB", "--remote", f"redis://{server.address}",
+                            "--remote-secret-file", str(secret)).start()
+    store_blocks(daemon.socket, "dashboard-ns", 4)
+    with pytest.raises(InvalidArgument):
+        daemon.client().lookup("dashboard-ns", [b"short"])
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    exported = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    assert sorted(named - exported) == [], "the dashboard names metrics the daemon does not export"
