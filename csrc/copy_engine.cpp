@@ -1109,7 +1109,7 @@ PyMODINIT_FUNC PyInit__native(void) {
       PyModule_AddIntConstant(m, "SLOT_MAGIC", static_cast<long>(kvstore::kSlotMagic)) < 0 ||
       PyModule_AddIntConstant(m, "SLOT_MAX_KEY", static_cast<long>(kvstore::kSlotMaxKey)) < 0 ||
       !kvstore::add_block_type(m) || !kvstore::add_guard(m) || !kvstore::add_populate(m) ||
-      (kvstore::add_disk_io != nullptr && !kvstore::add_disk_io(m))) {
+      !kvstore::add_disk_io(m)) {
     Py_DECREF(m);
     return nullptr;
   }

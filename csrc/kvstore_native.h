@@ -77,10 +77,8 @@ PyObject* py_acl_host_register(PyObject* self, PyObject* args, PyObject* kwargs)
 PyObject* py_acl_host_unregister(PyObject* self, PyObject* args, PyObject* kwargs);
 bool add_acl_features(PyObject* features);
 
-// Disk tier I/O (disk_io.cpp): adds the disk_* functions and DISK_* constants to the module. Weak: an
-// engine built without disk_io.cpp (tests/test_npu_backend.py compiles a hand-picked list) still loads,
-// without them (kvstore_service/native.py needs them and fails to import then).
-bool add_disk_io(PyObject* module) __attribute__((weak));
+// Disk tier I/O (disk_io.cpp): adds the disk_* functions and DISK_* constants to the module.
+bool add_disk_io(PyObject* module);
 
 // populate (populate.cpp): a fresh pool's pages faulted in on several threads.
 bool add_populate(PyObject* module);
