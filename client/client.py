@@ -54,6 +54,15 @@ WAIT_SLICE_S = 0.05
 # just before its expiry is not interrupted (a chunk copies in milliseconds).
 COPY_MARGIN_S = 0.5
 TURNED_AWAY_S = 30.0  # the daemon's <socket>.jobs turned this client away: gRPC for this long
+# A session's retries: a daemon away is back within seconds; a refusal (a limit, a setting, another PID
+# namespace) rarely changes by itself, and each retry of a device engine exports its KV memory again.
+RETRY_MAX_S = 5.0
+REFUSED_RETRY_MAX_S = 300.0
+
+
+def next_retry_s(last: float, refused: bool) -> float:
+    """The wait before a session's next registration attempt, after one of `last` seconds."""
+    return min(last * 2, REFUSED_RETRY_MAX_S if refused else RETRY_MAX_S)
 
 
 def target_for(socket: str | None) -> str:
@@ -403,6 +412,7 @@ class Session:
     def _attach_loop(self) -> None:
         backoff = 0.2
         while not self._closed.is_set():
+            refused = False
             try:
                 if not self.session_id:
                     self._register()
@@ -425,18 +435,20 @@ class Session:
                 if isinstance(e, Unavailable):
                     log.debug("kvstore: re-register failed: %s", e)
                 else:
+                    refused = True
                     self._refused(e)
             if self._closed.is_set():
                 return
             self._disconnected()
             self._closed.wait(backoff)
-            backoff = min(backoff * 2, 5.0)
+            backoff = next_retry_s(backoff, refused)
 
     def _refused(self, e: KVStoreError) -> None:
         """The daemon refused the registration: said once per reason, not at every retry."""
         if str(e) != self._refusal:
             self._refusal = str(e)
-            log.error("kvstore: the daemon refuses this session (retrying in the background): %s", e)
+            log.error("kvstore: the daemon refuses this session (retrying in the background, backing off to every "
+                      "%.0f s): %s", REFUSED_RETRY_MAX_S, e)
 
     def _disconnected(self) -> None:
         """The daemon ended the session (once its copies did) or its process is gone: every job is

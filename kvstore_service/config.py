@@ -92,8 +92,12 @@ class Config(BaseSettings):
     max_sessions_per_uid: int = Field(64, ge=1, description="Most sessions one peer uid holds at once.")
     max_namespace_bytes: int = Field(1024, ge=1, description="Longest namespace name, in bytes (UTF-8).")
     max_session_memory: ByteSize = Field(
-        ByteSize(256 << 30), description="Most engine memory one session's layout may address (the daemon maps "
+        ByteSize(256 << 30), description="Most host memory one CPU session's layout may address (the daemon maps "
         "and prefaults it).")
+    max_device_memory: ByteSize = Field(
+        ByteSize(1 << 40), description="Most device memory the sessions on one device (GPU, NPU) may address "
+        "together: device KV caches map no host memory, so the host limits do not count them (an 8-GPU node of "
+        "288 GB parts fits, each part several times over).")
     max_layout_regions: int = Field(
         4096, ge=1, description="Most regions in a registered KV layout (layers x K/V x groups of the largest "
         "models fit).")
@@ -195,7 +199,7 @@ class Config(BaseSettings):
     max_engine_id_bytes: int = Field(
         256, ge=1, description="Longest engine_id a Register may give, in bytes (UTF-8); it is logged.")
     max_memory_per_uid: ByteSize = Field(
-        ByteSize(1 << 40), description="Most engine memory one caller's sessions (a peer uid's, or a TLS client "
+        ByteSize(1 << 40), description="Most host memory one caller's CPU sessions (a peer uid's, or a TLS client "
         "name's) address together, registrations in progress included.")
     max_lease_blocks_per_uid: int = Field(
         1 << 20, ge=1, description="Blocks the leases of one peer uid name in all (each costs the daemon a "

@@ -195,9 +195,10 @@ class Sessions:
                                   namespace=self.index.find_namespace(name))
             else:
                 memory = self._check_memory(request, request.layout)
+                host = memory if request.backend == "cpu" else 0
                 self._registering += 1
                 self._registering_by_owner[owner] += 1
-                self._registering_memory[owner] += memory
+                self._registering_memory[owner] += host
                 counted = True
                 session = await self._register_engine(request, request.layout, peer, fds, memory)
         finally:
@@ -205,15 +206,16 @@ class Sessions:
             if counted:  # (the session, if any, counts from the same step on)
                 self._registering -= 1
                 _take(self._registering_by_owner, owner, 1)
-                _take(self._registering_memory, owner, memory)
+                _take(self._registering_memory, owner, host)
         self.by_id[session.session_id] = session
         log.info("session %s registered: engine %r (pid %s, uid %s) namespace %r", session.session_id.hex()[:8],
                  request.engine_id, peer.pid if peer else "?", peer.uid if peer else "?", request.namespace)
         return session
 
     def _check_memory(self, request: Registration, layout: Layout) -> int:
-        """The bytes an engine registration's layout addresses (what the daemon will map), checked
-        against the limits per session and per owner (its sessions and registrations in progress)."""
+        """The bytes an engine registration's layout addresses (what the daemon will map). Host memory
+        (cpu) is checked against the limits per session and per owner (its sessions and registrations in
+        progress); device memory maps no host memory, and has its limit per device (_check_device)."""
         memories = len(request.memory_sizes)
         if not memories or len(request.handles) != memories:
             raise invalid("an engine registration needs at least one KV memory")
@@ -221,11 +223,14 @@ class Sessions:
             raise invalid(f"layout: {layout.shards} TP shards, more than --max-shards {self.config.max_shards}")
         layout.check(list(request.memory_sizes))
         memory = sum(layout.extents(memories))
+        if request.backend != "cpu":
+            return memory
         if memory > self.config.max_session_memory:
             raise KVError("RESOURCE_EXHAUSTED", f"the layout addresses {memory} bytes, more than "
                           f"--max-session-memory {int(self.config.max_session_memory)}")
         owner = request.owner
-        mapped = sum(x.memory_bytes for x in self.by_id.values() if isinstance(x, EngineSession) and x.owner == owner)
+        mapped = sum(x.memory_bytes for x in self.by_id.values()
+                     if isinstance(x, EngineSession) and x.owner == owner and x.backend.name == "cpu")
         mapped += self._registering_memory[owner]
         if mapped + memory > self.config.max_memory_per_uid:
             raise KVError("RESOURCE_EXHAUSTED", f"{owner}'s sessions address {mapped} bytes already, with this "
@@ -263,6 +268,8 @@ class Sessions:
                 # Only what the layout addresses is mapped (and prefaulted), whatever the memory's size.
                 fd = fds[1 + i] if request.backend == "cpu" else None
                 mappings.append(await self.off_loop(backend.map, request.handles[i], extents[i], request.device, fd))
+            if request.backend != "cpu":
+                self._check_device(backend, mappings[0].device, memory)
             # Only a registration that got this far creates the namespace (another one may have
             # created it meanwhile, with other blocks).
             self._check_block_size(name, layout)
@@ -278,6 +285,16 @@ class Sessions:
                              namespace_name=name, owner=request.owner, peer=peer, namespace=namespace,
                              layout=layout, backend=backend, mappings=mappings, channel=channel,
                              memory_bytes=memory)
+
+    def _check_device(self, backend: Backend, device: int, memory: int) -> None:
+        """A device registration's memory, with the sessions' already on that device (the daemon's
+        numbering: engines each see theirs as device 0), against --max-device-memory."""
+        held = sum(x.memory_bytes for x in self.by_id.values() if isinstance(x, EngineSession)
+                   and x.backend is backend and x.mappings[0].device == device)
+        if held + memory > self.config.max_device_memory:
+            raise KVError("RESOURCE_EXHAUSTED", f"{backend.name} device {device}'s sessions address {held} bytes "
+                          f"already, with this layout's {memory} more than --max-device-memory "
+                          f"{int(self.config.max_device_memory)}")
 
     def _check_block_size(self, name: str, layout: Layout) -> None:
         existing = self.index.find_namespace(name)

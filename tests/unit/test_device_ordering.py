@@ -23,6 +23,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from test_core import BLOCK, NUM_BLOCKS, SLOTS, Core, FakeBackend, block_bytes, fill, keys_of, run
 
 from kvstore_client.client import Session
@@ -32,6 +33,7 @@ from kvstore_client.protocol.completion import CompletionChannel
 from kvstore_service import native
 from kvstore_service.backends import Mapping, TransferPlan
 from kvstore_service.daemon import Daemon
+from kvstore_service.errors import KVError
 from kvstore_service.layout import Layout, Region
 from kvstore_service.server import Servicer
 from kvstore_service.sessions import EngineSession, Registration
@@ -293,3 +295,20 @@ def test_each_device_has_its_own_copy_threads(tmp_path: Path) -> None:
         assert [d for d, _ in backend.copied] == [1, 0, 0]
 
     with_backend(tmp_path, body, copy_threads=2)
+
+
+def test_device_memory_has_its_own_limit_per_device_and_the_host_limits_leave_it_out(tmp_path: Path) -> None:
+    """Device KV caches map no host memory: --max-memory-per-uid and --max-session-memory (here below one
+    engine's 2 MiB) do not refuse them; --max-device-memory counts the sessions on each device apart."""
+    async def body(core: Core, backend: RecordingBackend) -> None:
+        first, second = await engine(core, device=0), await engine(core, device=0)
+        with pytest.raises(KVError, match=r"fakegpu device 0's sessions address 4194304 bytes already, with this "
+                           r"layout's 2097152 more than --max-device-memory 4194304") as refused:
+            await engine(core, device=0)
+        assert refused.value.code == "RESOURCE_EXHAUSTED"
+        assert len(backend.unmapped) == 1  # (the refused registration's mapping was given back)
+        other = await engine(core, device=1)
+        assert {s.mappings[0].device for s in (first, second, other)} == {0, 1}
+
+    with_backend(tmp_path, body, max_memory_per_uid=1 << 20, max_session_memory=1 << 20,
+                 max_device_memory=4 << 20)
