@@ -8,9 +8,9 @@ check, size rounding, the bounds decision) are tested in tests/device/test_npu_b
 
 * map: the handle (kvstore_client.device format) carries `_share_npu_()`'s fields and a device
   identity (the ACL runtime has no UUID: npu-smi's VDie / PCIe id of the physical chip; empty =
-  match by index). The engine's KV cache must start 2 MiB aligned (Ascend IPC exports page-aligned
-  memory only); the engine checks that before exporting. torch_npu handles the importer PID
-  whitelist on CANN >= 8.3.
+  match by index). torch_npu exports the base allocation (or the expandable segment's handles) and the
+  handle carries the storage's offset in it, so the KV cache needs no alignment of its own. torch_npu
+  handles the importer PID whitelist on CANN >= 8.3.
 * Bounds: where libascendcl has aclrtMemGetAddressRange, the mapped range must lie inside the
   allocation it reports, rounded up to the 2 MiB page; an error from the query refuses the mapping.
   Where the query is missing or answers "not supported", the daemon trusts the handle's
