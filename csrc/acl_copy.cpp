@@ -261,6 +261,8 @@ aclError enqueue_batched(const Runtime& rt, const std::vector<Run>& runs, Direct
   return ACL_SUCCESS;
 }
 
+constexpr uint64_t kCopyAlign = 64;
+
 std::string enqueue_copies(const Runtime& rt, const std::vector<Run>& runs, Direction dir, int device,
                            aclrtStream stream, bool allow_batch) {
   size_t next = 0;
@@ -278,6 +280,11 @@ std::string enqueue_copies(const Runtime& rt, const std::vector<Run>& runs, Dire
   }
   const aclrtMemcpyKind kind = memcpy_kind(dir);
   for (size_t i = next; i < runs.size(); ++i) {
+    // CANN 8.0 documents aclrtMemcpyAsync for 64-byte-aligned addresses: say so, not the runtime's code.
+    if ((runs[i].dst | runs[i].src) % kCopyAlign != 0) {
+      return "aclrtMemcpyAsync needs " + std::to_string(kCopyAlign) + "-byte-aligned addresses (CANN 8.0): run " +
+             std::to_string(i) + " copies " + std::to_string(runs[i].src) + " -> " + std::to_string(runs[i].dst);
+    }
     aclError rc = rt.memcpy_async(reinterpret_cast<void*>(runs[i].dst), runs[i].size,
                                   reinterpret_cast<const void*>(runs[i].src), runs[i].size, kind, stream);
     if (rc != ACL_SUCCESS) return "aclrtMemcpyAsync failed at run " + std::to_string(i) + ": " + describe(rt, rc);

@@ -278,6 +278,11 @@ if "h2d" in sys.argv[3] and not err:  # a load's checksum sample, taken while th
     out["sums_ok"] = sums == nat.checksum_blocks(addr(src), offs[:3], bs) and len(sums) == 24
     out["sums_sync"] = get("sync")
 out["features_after"] = {k: v for k, v in nat.features().items() if k.startswith("acl")}
+try:  # run by run, one run 8 bytes off a 64-byte boundary
+    nat.acl_copy_blocks(addr(src), addr(dst), array("Q", [0, 8 + bs]), array("Q", [0, 8 + bs]),
+                        array("Q", [64, 64]), "h2d", 0, None, False)
+except RuntimeError as e:
+    out["unaligned"] = str(e)
 pool = mmap.mmap(-1, 3 * 4096)
 try:
     out["register"] = nat.acl_host_register(addr(pool), 2 * 4096 + 5, 1) - addr(pool)
@@ -336,6 +341,11 @@ def test_fake_acl_batch_used_and_features_do_not_init(fake_acl: dict[str, Path])
     assert out["errors"] == {} and out["bytes_ok"]
     # With a checksum sample: the same copy (one more wait for the stream) and the sample's CRC32C.
     assert out["sums_ok"] and out["sums_sync"] == out["h2d"]["sync"] + 1
+
+
+def test_fake_acl_unaligned_run_by_run_copies_are_refused_saying_why(fake_acl: dict[str, Path]) -> None:
+    out = run_scenario(fake_acl, "full", "h2d")
+    assert "aclrtMemcpyAsync needs 64-byte-aligned addresses (CANN 8.0): run 1" in out["unaligned"]
 
 
 @pytest.mark.parametrize("rc", sorted(ACL_NOT_SUPPORTED))
