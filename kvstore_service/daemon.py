@@ -303,8 +303,10 @@ class Daemon:
         self.metrics.errors.labels(code).inc()
 
     async def housekeeping(self) -> None:
-        """Once a second: expired leases and never-attached sessions dropped, empty namespaces forgotten."""
+        """Once a second: expired leases, stale block descriptions and never-attached sessions dropped,
+        empty namespaces forgotten."""
         self.sessions.expire_leases()
+        self.events.expire()
         await self.sessions.reap_unattached()
         self.index.forget_empty({s.namespace for s in self.sessions.by_id.values() if s.namespace})
         # The index holds an object per block (millions in a large pool). A full collection

@@ -4,9 +4,13 @@ into BlockStored and BlockRemoved).
 
 A block is announced once it is committed (loadable) and described: an engine that stores a block also
 sends what an event needs (token ids, parent hash, extra keys: `describe`, opaque bytes here), which the
-daemon keeps while the block lives, within --max-event-bytes. A subscriber (an engine's scheduler) gets a
-reset and the namespace's announced blocks first, then the changes; one that falls more than
---max-event-queue events behind is reset again (its queue never grows past that).
+daemon keeps while the block lives, within --max-event-bytes (each entry counted with its key and
+ENTRY_BYTES of bookkeeping). A description whose block is not committed within PENDING_S (a store that
+never came) is dropped, and under the budget the oldest such go first, whichever namespace they are in: a
+tenant describing blocks it never stores cannot keep another's announced. A namespace with nothing
+described and no subscriber is forgotten. A subscriber (an engine's scheduler) gets a reset and the
+namespace's announced blocks first, then the changes; one that falls more than --max-event-queue events
+behind is reset again (its queue never grows past that).
 
 The index calls `committed` and `removed` (on the event loop, as every index change); nothing here writes
 block state.
@@ -15,14 +19,19 @@ block state.
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from kvstore_service.stats import EventStats
 
-# Pending descriptions (of blocks not committed yet) kept at most this long a list per namespace.
+# Pending descriptions (of blocks not committed yet) kept at most this long a list per namespace, and
+# this long: a store is committed within the connector's preemption wait (30 s) or never.
 MAX_PENDING = 1 << 16
+PENDING_S = 60.0
+# What an entry costs beside its description: its key, an ordered dict's node and slot, a tuple.
+ENTRY_BYTES = 160
 CLOSED_CHECK_S = 1.0  # a watch notices its session ended within this
 
 
@@ -60,6 +69,15 @@ class _Namespace:
     pending: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)  # described, not committed yet
     subscribers: set[Subscriber] = field(default_factory=set)
 
+    @property
+    def idle(self) -> bool:
+        return not (self.announced or self.pending or self.subscribers)
+
+
+def cost(key: bytes, meta: bytes) -> int:
+    """What an entry counts against --max-event-bytes."""
+    return len(key) + len(meta) + ENTRY_BYTES
+
 
 class BlockEvents:
     def __init__(self, max_bytes: int, max_description_bytes: int, max_queue: int,
@@ -73,6 +91,9 @@ class BlockEvents:
         self.max_queue = max_queue
         self.stats = EventStats()
         self._namespaces: dict[bytes, _Namespace] = {}
+        # Every pending description in the order it came: (when, namespace hash, key). An entry whose
+        # description was committed or dropped meanwhile is skipped when it comes up.
+        self._pending_order: deque[tuple[float, bytes, bytes]] = deque()
 
     def _ns(self, ns_hash: bytes) -> _Namespace:
         ns = self._namespaces.get(ns_hash)
@@ -85,21 +106,52 @@ class BlockEvents:
     def describe(self, ns_hash: bytes, keys: Iterable[bytes], descriptions: Iterable[bytes]) -> None:
         """An engine's descriptions of blocks it stores (or holds): announced once committed."""
         ns = self._ns(ns_hash)
+        now = time.monotonic()
         for key, meta in zip(keys, descriptions, strict=True):
             if key in ns.announced or key in ns.pending or not meta:
                 continue
-            while self.stats.bytes + len(meta) > self.max_bytes and ns.pending:  # a store that never came
-                self.stats.bytes -= len(ns.pending.popitem(last=False)[1])
-            if len(meta) > self.max_description_bytes or self.stats.bytes + len(meta) > self.max_bytes:
+            if len(meta) > self.max_description_bytes:
                 self.stats.dropped += 1
                 continue
-            self.stats.bytes += len(meta)
+            while self.stats.bytes + cost(key, meta) > self.max_bytes and self._drop_oldest_pending():
+                pass  # (stores that never came, in any namespace, before anything announced)
+            if self.stats.bytes + cost(key, meta) > self.max_bytes:
+                self.stats.dropped += 1
+                continue
+            self.stats.bytes += cost(key, meta)
             if self.is_committed(ns_hash, key):
                 self._announce(ns, key, meta)
             else:
                 ns.pending[key] = meta
+                self._pending_order.append((now, ns_hash, key))
                 if len(ns.pending) > MAX_PENDING:  # described, never stored: the oldest go
-                    self.stats.bytes -= len(ns.pending.popitem(last=False)[1])
+                    old, old_meta = ns.pending.popitem(last=False)
+                    self.stats.bytes -= cost(old, old_meta)
+        self._forget_if_idle(ns_hash, ns)
+
+    def expire(self, now: float | None = None) -> None:
+        """Housekeeping: descriptions waiting longer than PENDING_S for their block's commit go, and
+        the namespaces left with nothing are forgotten."""
+        deadline = (time.monotonic() if now is None else now) - PENDING_S
+        while self._pending_order and self._pending_order[0][0] <= deadline:
+            self._drop_oldest_pending()
+        for ns_hash, ns in list(self._namespaces.items()):
+            self._forget_if_idle(ns_hash, ns)
+
+    def _drop_oldest_pending(self) -> bool:
+        """Drops the oldest pending description still waiting, anywhere; False if there is none."""
+        while self._pending_order:
+            _, ns_hash, key = self._pending_order.popleft()
+            ns = self._namespaces.get(ns_hash)
+            meta = ns.pending.pop(key, None) if ns is not None else None
+            if meta is not None:
+                self.stats.bytes -= cost(key, meta)
+                return True
+        return False
+
+    def _forget_if_idle(self, ns_hash: bytes, ns: _Namespace) -> None:
+        if ns.idle and self._namespaces.get(ns_hash) is ns:
+            del self._namespaces[ns_hash]
 
     # -- from the index -----------------------------------------------------------------------------
 
@@ -120,10 +172,11 @@ class BlockEvents:
             meta = ns.announced.pop(key, None)
             if meta is None:
                 continue
-            self.stats.bytes -= len(meta)
+            self.stats.bytes -= cost(key, meta)
             event = Event(True, key)
             for sub in ns.subscribers:
                 sub.push(event, self.stats)
+        self._forget_if_idle(ns_hash, ns)
 
     def _announce(self, ns: _Namespace, key: bytes, meta: bytes) -> None:
         ns.announced[key] = meta
@@ -162,3 +215,4 @@ class BlockEvents:
                 yield False, events
         finally:
             ns.subscribers.discard(sub)
+            self._forget_if_idle(ns_hash, ns)

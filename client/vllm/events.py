@@ -108,7 +108,11 @@ class Announcer:
                 continue
             if key in self.announced:
                 continue
-            parent, tokens, extra, lora_id, lora_name = msgspec.msgpack.decode(meta)
+            try:
+                parent, tokens, extra, lora_id, lora_name = msgspec.msgpack.decode(meta)
+            except (msgspec.DecodeError, ValueError, TypeError):  # (another engine's bad description: not ours)
+                log.debug("kvstore: a block description that does not decode was skipped")
+                continue
             block_hash, group = self._split(key)
             spec = self.groups[group].kv_cache_spec if self.groups is not None and group is not None else None
             self.announced.add(key)

@@ -5,10 +5,11 @@ the changes, and one that falls behind is reset, never queued without bound."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
-from kvstore_service.events import BlockEvents
+from kvstore_service.events import PENDING_S, BlockEvents, cost
 from kvstore_service.index import BlockIndex
 from kvstore_service.pool import Pool
 
@@ -109,17 +110,52 @@ def test_a_new_watcher_gets_the_announced_blocks_in_commit_order(index) -> None:
 
 def test_a_watcher_that_falls_behind_is_reset_and_descriptions_are_bounded(index) -> None:
     async def scenario() -> None:
-        events = index.events = BlockEvents(max_bytes=10, max_description_bytes=4, max_queue=3,
-                                               is_committed=index.is_committed)
+        keys = keys_of(8)
+        entry = cost(keys[0], b"ab")  # (a description's bytes, its key's and ENTRY_BYTES)
+        events = index.events = BlockEvents(max_bytes=5 * entry, max_description_bytes=4, max_queue=3,
+                                            is_committed=index.is_committed)
         ns = index.namespace("ns", 64 * 1024)
         stream = events.watch(ns.ns_hash, batch=100, closed=lambda: False)
         assert await take(stream, 1) == [(True, [])]
-        keys = keys_of(8)
         events.describe(ns.ns_hash, keys[:1], [b"12345"])  # over --max-event-description-bytes: dropped
-        events.describe(ns.ns_hash, keys[1:], [b"ab"] * 7)  # 5 fit in 10 bytes: the 2 oldest not stored yet go
-        assert (events.stats.dropped, events.stats.bytes) == (1, 10)
+        events.describe(ns.ns_hash, keys[1:], [b"ab"] * 7)  # 5 fit: the 2 oldest not stored yet go
+        assert (events.stats.dropped, events.stats.bytes) == (1, 5 * entry)
         store(index, ns, keys)  # 5 announced while the watcher reads nothing: over its queue of 3
         (reset, got), = await take(stream, 1)
         assert reset and [e.key for e in got] == keys[3:] and events.stats.resyncs == 1
+
+    asyncio.run(scenario())
+
+
+def test_descriptions_of_blocks_never_stored_expire_and_leave_nothing_behind(index) -> None:
+    events = index.events = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100,
+                                        is_committed=index.is_committed)
+    ns = index.namespace("ns", 64 * 1024)
+    keys = keys_of(4)
+    events.describe(ns.ns_hash, keys, [b"meta"] * 4)  # the stores never come (the session went, say)
+    assert events.stats.bytes == 4 * cost(keys[0], b"meta")
+    events.expire(time.monotonic() + PENDING_S / 2)
+    assert events.stats.bytes == 4 * cost(keys[0], b"meta")  # (not yet)
+    events.expire(time.monotonic() + PENDING_S + 1)
+    assert events.stats.bytes == 0 and events._namespaces == {}  # the namespace's event state too
+    store(index, ns, keys)  # committed later: nothing to announce, nothing kept
+    assert events.stats.bytes == 0
+
+
+def test_one_tenants_descriptions_of_blocks_never_stored_cannot_keep_anothers_out(index) -> None:
+    """At the budget, the oldest description still waiting for its block goes first, in any namespace:
+    another tenant's stored blocks are still announced."""
+    async def scenario() -> None:
+        noisy, quiet = index.namespace("team-a\x00ns", 64 * 1024), index.namespace("team-b\x00ns", 64 * 1024)
+        keys, theirs = keys_of(8, tag=1), keys_of(2, tag=2)
+        events = index.events = BlockEvents(max_bytes=8 * cost(keys[0], b"meta"), max_description_bytes=64,
+                                            max_queue=100, is_committed=index.is_committed)
+        events.describe(noisy.ns_hash, keys, [b"meta"] * 8)  # the budget full of stores that never come
+        stream = events.watch(quiet.ns_hash, batch=100, closed=lambda: False)
+        assert await take(stream, 1) == [(True, [])]
+        events.describe(quiet.ns_hash, theirs, [b"meta"] * 2)
+        store(index, quiet, theirs)
+        (reset, got), = await take(stream, 1)
+        assert not reset and [e.key for e in got] == theirs and events.stats.dropped == 0
 
     asyncio.run(scenario())

@@ -137,3 +137,29 @@ def test_kv_events_off_announce_nothing(model, daemon, tmp_path) -> None:
         assert not any(medium == "CPU" for medium, _ in sub.stored)
     finally:
         sub.close()
+
+
+def test_a_description_that_does_not_decode_is_skipped_and_the_others_announced(daemon) -> None:
+    """Another engine of the namespace described a block with bytes that are not its msgpack: the
+    announcer skips that block, and every other block of the namespace is still announced."""
+    import msgspec
+    from support.blocks import key_of
+    from support.shm_engine import ShmEngine
+
+    from kvstore_client.vllm.events import Announcer
+
+    engine = ShmEngine.contiguous(daemon.socket, "described", 4, 4096)
+    announcer = Announcer(engine.client.session("described"), block_size=16, groups=None)
+    try:
+        keys = [key_of("described", i) for i in range(3)]
+        good = msgspec.msgpack.encode((None, list(range(16)), None, None, None))
+        engine.session.describe_blocks(keys, [good, b"\xc1 not msgpack", good])
+        assert engine.store(keys, [0, 1, 2]).ok
+        stored: list = []
+        wait_for(lambda: stored.extend(announcer.take()) or len(stored) >= 2, timeout=10)
+        from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
+
+        assert [e.block_hashes for e in stored] == [[maybe_convert_block_hash(BlockHash(keys[i]))] for i in (0, 2)]
+    finally:
+        announcer.close()
+        engine.close()
