@@ -25,6 +25,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -332,6 +333,7 @@ struct DeviceState {
   bool kernel_tried = false;
   cu::CUfunction copy_kernel = nullptr;
   std::string kernel_error;
+  std::string kernel_said;  // the last refusal written to stderr (each said once)
   cu::CUresult kernel_code = cu::kSuccess;
 };
 
@@ -419,8 +421,9 @@ void release_lane(DeviceState* dev, Lane& lane) {
 }
 
 // The copy kernel on this device (its context current), loaded on first use; null when it cannot run
-// here (*err says why: the module was refused, or the device cannot use the pool's host addresses).
-cu::CUfunction copy_kernel_of(const Driver& d, DeviceState* dev, std::string* err, cu::CUresult* code) {
+// here: the copies then go to the copy engines, and stderr says why once per device and answer (the
+// module was refused, the device cannot use the pool's host addresses; out of memory is tried again).
+cu::CUfunction copy_kernel_of(const Driver& d, DeviceState* dev) {
   std::lock_guard<std::mutex> lock(dev->kernel_mu);
   if (!dev->kernel_tried) {
     dev->kernel_tried = true;
@@ -444,10 +447,11 @@ cu::CUfunction copy_kernel_of(const Driver& d, DeviceState* dev, std::string* er
       d.module_unload(module);
     }
   }
-  if (dev->copy_kernel == nullptr) {
-    *code = dev->kernel_code;
-    *err = "KVSTORE_CUDA_COPY_KERNEL is set, but " + dev->kernel_error +
-           (dev->kernel_tried ? " (unset it to copy with the copy engines)" : " (tried again at the next copy)");
+  if (dev->copy_kernel == nullptr && dev->kernel_error != dev->kernel_said) {
+    dev->kernel_said = dev->kernel_error;
+    std::fprintf(stderr, "kvstore: KVSTORE_CUDA_COPY_KERNEL is set, but on GPU %d %s: copying with the copy "
+                 "engines%s\n", static_cast<int>(dev->device), dev->kernel_error.c_str(),
+                 dev->kernel_tried ? "" : " (the kernel is tried again)");
   }
   return dev->copy_kernel;
 }
@@ -591,8 +595,8 @@ std::string cuda_copy(const std::vector<Run>& runs, int device, uint64_t user_st
       return "";
     }
     std::string err;
-    cu::CUfunction kernel = nullptr;  // the copy kernel's, on one stream of our own
-    if (d.copy_kernel && user_stream == 0 && (kernel = copy_kernel_of(d, dev, &err, code)) == nullptr) return err;
+    // The copy kernel's, on one stream of our own; null: the copy engines.
+    cu::CUfunction kernel = d.copy_kernel && user_stream == 0 ? copy_kernel_of(d, dev) : nullptr;
     auto parts = split_runs(runs, user_stream != 0 || kernel != nullptr ? 1 : d.copy_streams);
     std::vector<Lane> lanes(parts.size());
     size_t acquired = 0;

@@ -835,6 +835,7 @@ def run_scenario(lib_dir: Path, tmp_path: Path, **env: str) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr
     out: dict[str, Any] = json.loads(proc.stdout)
     out["by_step"] = {s["step"]: s for s in out["steps"]}
+    out["stderr"] = proc.stderr
     return out
 
 
@@ -967,30 +968,37 @@ def test_the_copy_kernel_is_off_unless_asked_for(value: str | None, on: bool) ->
 @pytest.mark.parametrize("env,why", [({"FAKE_NO_HOST_POINTERS": "1"}, "cannot use the pool's host addresses"),
                                      ({"FAKE_MODULE_RC": "218"}, "the driver refused the copy kernel"),
                                      ({"FAKE_FUNCTION_RC": "500"}, "the driver refused the copy kernel")])
-def test_a_copy_kernel_that_cannot_run_here_fails_the_copies_saying_why(fake_libcuda: Path, tmp_path: Path,
-                                                                        env: dict[str, str], why: str) -> None:
+def test_a_copy_kernel_that_cannot_run_here_leaves_the_copies_to_the_copy_engines(fake_libcuda: Path, tmp_path: Path,
+                                                                                 env: dict[str, str], why: str) -> None:
+    """Every copy is made, by the copy engines; the daemon's log says why once per GPU."""
     out = run_scenario(fake_libcuda, tmp_path, KVSTORE_CUDA_COPY_KERNEL="1", **env)
     steps = out["by_step"]
+    assert all(s["error"] is None for s in out["steps"]), out["steps"]
     for name in ("store a", "load b"):
-        assert "KVSTORE_CUDA_COPY_KERNEL is set, but" in steps[name]["error"] and why in steps[name]["error"]
-        assert "unset it to copy with the copy engines" in steps[name]["error"]
-    assert steps["load b"]["calls"] == []  # asked once, on GPU 1: the answer is kept
+        calls = [c[0] for c in words(steps[name]["calls"])]
+        assert "launch" not in calls and "copy" in calls, calls
+    said = [line for line in out["stderr"].splitlines() if "KVSTORE_CUDA_COPY_KERNEL is set, but" in line]
+    assert said and all(why in line and "copying with the copy engines" in line for line in said)
+    assert len(said) == len(set(said))  # (once per GPU)
+    asked = {"attribute", "module", "function"}
+    assert not asked & {c[0] for c in words(steps["load b"]["calls"])}  # asked once per GPU: the answer is kept
     if "FAKE_FUNCTION_RC" in env:  # the module loaded, its function refused: the module is unloaded
-        assert [c[0] for c in words(steps["store a"]["calls"])] == ["attribute", "module", "function", "unload"]
+        assert [c[0] for c in words(steps["store a"]["calls"])][:4] == ["attribute", "module", "function", "unload"]
 
 
 def test_a_copy_kernel_that_ran_out_of_memory_is_loaded_again_at_the_next_copy(fake_libcuda: Path,
                                                                               tmp_path: Path) -> None:
-    """Out of memory in the driver's JIT may pass (the engine frees memory): only that copy fails,
-    saying so, and the next one loads the module again and copies with it."""
+    """Out of memory in the driver's JIT may pass (the engine frees memory): that copy goes to the copy
+    engines, and the next one loads the module again and copies with it."""
     out = run_scenario(fake_libcuda, tmp_path, KVSTORE_CUDA_COPY_KERNEL="1", FAKE_MODULE_OOM_TIMES="1")
     steps = out["by_step"]
-    error = steps["store a"]["error"]
-    assert "the driver refused the copy kernel" in error and "(2)" in error and "tried again at the next copy" in error
+    assert steps["store a"]["error"] is None
+    first = [c[0] for c in words(steps["store a"]["calls"])]
+    assert "launch" not in first and "copy" in first
+    assert "the driver refused the copy kernel" in out["stderr"] and "the kernel is tried again" in out["stderr"]
     calls = [c[0] for c in words(steps["store wide"]["calls"])]  # the next copy
     assert steps["store wide"]["error"] is None and calls[:3] == ["attribute", "module", "function"]
     assert "launch" in calls
-    assert out["loaded"] == [False] * 5 + [True, False, True]
 
 
 # On a GPU (a child process: the driver reads KVSTORE_CUDA_COPY_KERNEL once per process): host -> GPU ->
