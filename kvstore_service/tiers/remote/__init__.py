@@ -307,11 +307,17 @@ class RemoteTier:
             good = await Threads.run(self._threads, self._open_leading, tenant, keys, present, payload_bytes, places)
         else:
             good = self._open_leading(tenant, keys, present, payload_bytes, places)
-        if len(good) < len(present):  # present[len(good)] is corrupt
-            self._counts["corrupt"] += 1
-            log.warning("remote store: a value under %r failed verification (corrupt, or not wrapped with this "
-                        "daemon's secret) and was deleted", keys[len(good)][:24])
-            await self._call(self._delete([keys[len(good)]]), 1)
+        if len(good) < len(present):  # present[len(good)] is corrupt; of the rest, those that do not open too
+            rest = range(len(good) + 1, len(values))
+            if sum(len(v) for v in values[rest.start:] if isinstance(v, bytes)) >= _VERIFY_IN_THREAD_BYTES:
+                others = await Threads.run(self._threads, self._unopened, tenant, keys, values, rest, payload_bytes)
+            else:
+                others = self._unopened(tenant, keys, values, rest, payload_bytes)
+            bad = [len(good), *others]
+            self._counts["corrupt"] += len(bad)
+            log.warning("remote store: %d values (the first under %r) failed verification (corrupt, or not "
+                        "wrapped with this daemon's secret) and were deleted", len(bad), keys[len(good)][:24])
+            await self._call(self._delete([keys[i] for i in bad]), len(bad))
         return good
 
     def _open_leading(self, tenant: str, keys: Sequence[bytes], values: Sequence[bytes], payload_bytes: int | None,
@@ -324,6 +330,12 @@ class RemoteTier:
                 break
             good.append(opened)
         return good
+
+    def _unopened(self, tenant: str, keys: Sequence[bytes], values: Sequence[bytes | BaseException | None],
+                  indexes: range, payload_bytes: int | None) -> list[int]:
+        """Of these values, the indexes of those read that do not open (corrupt: to delete)."""
+        read = [(i, v) for i in indexes if isinstance(v := values[i], bytes)]
+        return [i for i, v in read if self.keyring.unwrap(tenant, keys[i], v, payload_bytes, None) is None]
 
     async def _delete(self, keys: list[bytes]) -> list[BaseException | None]:
         await self.store.delete(keys)
