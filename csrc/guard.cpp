@@ -31,6 +31,7 @@ struct Guard {
 
 Guard g_guards[kMaxGuards];
 std::mutex g_table;  // guard/unguard (the handler only reads)
+uintptr_t g_page = 4096;  // set before the handler is installed (sysconf is not async-signal-safe)
 struct sigaction g_previous;
 bool g_installed = false;
 
@@ -40,7 +41,7 @@ void on_sigbus(int sig, siginfo_t* info, void* context) {
     const uintptr_t base = g.base.load(std::memory_order_acquire);
     const uintptr_t size = g.size.load(std::memory_order_acquire);
     if (base == 0 || at < base || at - base >= size) continue;
-    const uintptr_t page = at & ~static_cast<uintptr_t>(sysconf(_SC_PAGESIZE) - 1);
+    const uintptr_t page = at & ~(g_page - 1);
     void* over = mmap(reinterpret_cast<void*>(page), base + size - page, PROT_READ | PROT_WRITE,
                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
     if (over == MAP_FAILED) break;  // cannot repair: fall through to the previous handler
@@ -70,6 +71,7 @@ PyObject* py_guard_memory(PyObject*, PyObject* args) {
   }
   std::lock_guard<std::mutex> lock(g_table);
   if (!g_installed) {
+    g_page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
     struct sigaction action = {};
     action.sa_sigaction = on_sigbus;
     action.sa_flags = SA_SIGINFO | SA_NODEFER;
