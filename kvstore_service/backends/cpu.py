@@ -73,7 +73,12 @@ class CpuBackend(Backend):
         anchor = ctypes.c_char.from_buffer(mm)
         base = ctypes.addressof(anchor)
         # Not sealed: the engine could pull pages from under a copy (SIGBUS); the guard catches that.
-        guard = None if sealed else native.guard_memory(base, size)
+        try:
+            guard = None if sealed else native.guard_memory(base, size)
+        except ValueError:
+            del anchor
+            mm.close()
+            raise
         stop = threading.Event()
         populating = threading.Thread(target=_populate, args=(base, size, stop), name="kvstore-populate",
                                       daemon=True)
