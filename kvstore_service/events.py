@@ -198,10 +198,15 @@ class BlockEvents:
                 if sub.reset:
                     sub.reset = False
                     sub.queue.clear()
-                    snapshot = [Event(False, k, m) for k, m in ns.announced.items()]
-                    for i in range(0, max(len(snapshot), 1), batch):
-                        self.stats.sent += len(snapshot[i:i + batch])
-                        yield i == 0, snapshot[i:i + batch]
+                    # The snapshot's keys now, each batch's events made as it goes (a namespace of
+                    # millions of blocks is not copied whole per reset); a block removed meanwhile is
+                    # left out, and its removal follows in the queue.
+                    keys = list(ns.announced)
+                    for i in range(0, max(len(keys), 1), batch):
+                        events = [Event(False, k, m) for k in keys[i:i + batch]
+                                  if (m := ns.announced.get(k)) is not None]
+                        self.stats.sent += len(events)
+                        yield i == 0, events
                     continue
                 if not sub.queue:
                     sub.wake.clear()

@@ -105,6 +105,16 @@ def test_a_new_watcher_gets_the_announced_blocks_in_commit_order(index) -> None:
         assert [reset for reset, _ in batches] == [True, False, False]
         assert [e.key for _, got in batches for e in got] == keys[3:] + keys[:3]
 
+        # A reset's snapshot is made a batch at a time: a block removed while it streams is left out,
+        # and its removal follows.
+        late = events.watch(ns.ns_hash, batch=2, closed=lambda: False)
+        (reset, first), = await take(late, 1)
+        assert reset and [e.key for e in first] == keys[3:]
+        events.removed(ns.ns_hash, keys[1:2])
+        rest = await take(late, 3)
+        assert [(e.key, e.removed) for _, got in rest for e in got] == [
+            (keys[0], False), (keys[2], False), (keys[1], True)]
+
     asyncio.run(scenario())
 
 
