@@ -98,7 +98,8 @@ def namespace_for(config: HiCacheStorageConfig, settings: Settings, host_pool: A
     page = first_page(host_pool)
     parts = ["engine=sglang", model_identity(config, settings, tag),
              f"pool={type(host_pool).__name__}", f"layout={host_pool.layout}",
-             f"dtype={str(page.dtype).removeprefix('torch.')}", f"page={host_pool.page_size}x{page.numel()}"]
+             f"dtype={str(page.dtype).removeprefix('torch.')}", f"block={host_pool.page_size}",  # (tokens: stats)
+             f"page_elements={page.numel()}"]
     parts += [f"{name}={getattr(host_pool, name)}" for name in
               ("layer_num", "start_layer", "head_num", "head_dim", "kv_lora_rank", "qk_rope_head_dim")
               if getattr(host_pool, name, None) is not None]

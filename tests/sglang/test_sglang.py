@@ -67,6 +67,7 @@ def test_a_tenant_salt_keeps_pages_apart(sglang, daemon) -> None:
     assert got["hit_tokens"] == 0 and got["v2_hit_pages"] == 0, got
     got = sglang.run("fetch", daemon.socket, "--salt", "team-1", "--shm")
     assert (got["hit_tokens"], got["wrong_pages"]) == (ALL, 0), got
+    assert daemon.client().stats().loaded_tokens == ALL  # (the namespace names its page's tokens: block=4)
 
 
 def test_a_model_updated_in_place_never_meets_its_old_pages(sglang, daemon, tmp_path) -> None:
