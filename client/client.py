@@ -39,7 +39,7 @@ from kvstore_client.protocol import PROTOCOL_VERSION, default_socket, pack_block
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import POLL_S, Completion, CompletionChannel
-from kvstore_client.protocol.submits import LOAD, MAX_REQUEST_BYTES, STORE, SUFFIX, TURNED_AWAY, frame
+from kvstore_client.protocol.jobs_framing import LOAD, MAX_REQUEST_BYTES, STORE, SUFFIX, TURNED_AWAY, frame
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +187,7 @@ class MemorySpec:
 
 
 class JobsSocket:
-    """The daemon's <socket>.jobs (kvstore_client.protocol.submits) for one session's submit thread:
+    """The daemon's <socket>.jobs (kvstore_client.protocol.jobs_framing) for one session's submit thread:
     connected at the first job, and again once the session re-registered (a restarted daemon). Not
     usable over TCP, or where it cannot be reached (an older daemon: gRPC then, retried a second later)."""
 

@@ -9,7 +9,7 @@
     Threads               every thread the daemon hands work to (threads.py); jobs and tiers use them
 
 The verbs (register, attach, end, lookup, submit, poll, stats, clear, ...) are what the gRPC front
-end (server.py) calls; the process around it all, sockets and signals, is serve.py.
+end (servicer.py) calls; the process around it all, sockets and signals, is serve.py.
 """
 
 from __future__ import annotations

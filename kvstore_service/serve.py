@@ -1,11 +1,11 @@
 """`kvstore serve`: the process around the daemon: its sockets, signals and exit, and the gRPC server
 put in front of it.
 
-    serve.py   this: sockets (unix, TCP, <socket>.cred, <socket>.jobs), health, signals, housekeeping's clock,
-               exit codes
-    server.py  gRPC: requests decoded, one verb of the daemon called, replies encoded
-    submits.py <socket>.jobs: stores and loads framed on a plain unix socket, answered as server.py does
-    daemon.py  the daemon's verbs over its parts (pool, index, sessions, jobs, tiers)
+    serve.py        this: sockets (unix, TCP, <socket>.cred, <socket>.jobs), health, signals, housekeeping's
+                    clock, exit codes
+    servicer.py     gRPC: requests decoded, one verb of the daemon called, replies encoded
+    jobs_socket.py  <socket>.jobs: stores and loads framed on a plain unix socket, answered as servicer.py does
+    daemon.py       the daemon's verbs over its parts (pool, index, sessions, jobs, tiers)
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ import sys
 
 import grpc
 
-from kvstore_client.protocol.submits import SUFFIX
+from kvstore_client.protocol.jobs_framing import SUFFIX
 from kvstore_service import __version__
 from kvstore_service.config import Config
 from kvstore_service.daemon import Daemon
+from kvstore_service.jobs_socket import SubmitSocket
 from kvstore_service.metrics import HttpServer
 from kvstore_service.native import StickyDeviceError
 from kvstore_service.peercred import PeerCredServer
 from kvstore_service.pool import PoolFullError
-from kvstore_service.server import GrpcServer
-from kvstore_service.submits import SubmitSocket
+from kvstore_service.servicer import GrpcServer
 from kvstore_service.tenants import Tenancy
 
 log = logging.getLogger(__name__)

@@ -136,7 +136,7 @@ class KVStoreServicer:
     def Store(self, request, context):
         """Engine -> pool and pool -> engine copies. Return at once; the copy runs as a job. The same
         requests also travel framed on the plain unix socket <socket>.jobs (kvstore_client/protocol/
-        submits.py: a tenth of a gRPC call's cost), answered with the same checks.
+        jobs_socket.py: a tenth of a gRPC call's cost), answered with the same checks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -18,7 +18,7 @@ from kvstore_client.protocol import PROTOCOL_VERSION, memfd
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import CompletionChannel
-from kvstore_client.protocol.submits import LOAD, STORE, SUFFIX, TURNED_AWAY, frame
+from kvstore_client.protocol.jobs_framing import LOAD, STORE, SUFFIX, TURNED_AWAY, frame
 from kvstore_client.shm import block_cache
 
 KB64 = 64 * 1024
@@ -317,7 +317,7 @@ def test_layout_with_too_many_regions_is_refused_before_it_is_built(setup) -> No
     assert stub.Stats(pb.StatsRequest(), timeout=10).engines == 1  # only the fixture's engine
 
 
-# -- <socket>.jobs: the same requests framed on a plain unix socket (kvstore_service/submits.py) ---------------
+# -- <socket>.jobs: the same requests framed on a plain unix socket (kvstore_service/jobs_socket.py) ---------------
 
 
 def jobs_socket(daemon) -> socket.socket:

@@ -16,7 +16,7 @@ from support.daemon import wait_for
 from support.engine import Engine, content_tensor
 
 from kvstore_client import KVStoreClient
-from kvstore_client.protocol.submits import SUFFIX
+from kvstore_client.protocol.jobs_framing import SUFFIX
 
 ENGINE = [sys.executable, "-m", "support.engine"]  # run with env=child_env()
 KB64 = 64 * 1024

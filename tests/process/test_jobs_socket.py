@@ -1,5 +1,5 @@
 """`<socket>.jobs` under hostile clients: a uid that holds silent connections, half-sent frames or
-announces huge ones cannot keep honest engines' stores and loads out (kvstore_service/submits.py
+announces huge ones cannot keep honest engines' stores and loads out (kvstore_service/jobs_socket.py
 says the rules); a client turned away sends by gRPC."""
 
 from __future__ import annotations

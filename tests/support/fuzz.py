@@ -43,7 +43,7 @@ from kvstore_client.protocol import OLDEST_PROTOCOL_VERSION, PROTOCOL_VERSION, m
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol import kvstore_pb2_grpc as pb_grpc
 from kvstore_client.protocol.completion import HEADER, MAGIC, VERSION, channel_bytes
-from kvstore_client.protocol.submits import LOAD, STORE, SUFFIX, TURNED_AWAY, frame
+from kvstore_client.protocol.jobs_framing import LOAD, STORE, SUFFIX, TURNED_AWAY, frame
 from support.blocks import content_of, key_of
 from support.shm_engine import ShmEngine
 

@@ -35,7 +35,7 @@ from kvstore_service.backends import Mapping, TransferPlan
 from kvstore_service.daemon import Daemon
 from kvstore_service.errors import KVError
 from kvstore_service.layout import Layout, Region
-from kvstore_service.server import Servicer
+from kvstore_service.servicer import Servicer
 from kvstore_service.sessions import EngineSession, Registration
 
 

@@ -1,7 +1,7 @@
 """The house's import rules, read from the source with ast (nothing is imported or run):
 
 - no import cycle inside kvstore_service, not even one imported for types only;
-- server.py translates: of the daemon it imports the Daemon facade and the types and errors it
+- servicer.py translates: of the daemon it imports the Daemon facade and the types and errors it
   decodes into and encodes from, no part (index, sessions' registry, jobs, tiers, pool, ...);
 - the daemon imports only kvstore_client.protocol of the client package; the command line and the
   harness that drive a daemon as a client does (`kvstore stats`, `kvstore bench`) are named here;
@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = {"kvstore_service": REPO / "kvstore_service", "kvstore_client": REPO / "client"}
 
-# What server.py may take from the daemon's package, by module: the facade, and what a request is
+# What servicer.py may take from the daemon's package, by module: the facade, and what a request is
 # decoded into (a registration, its layout, who calls) or a reply is encoded from.
 SERVER_MAY_IMPORT = {
     "kvstore_service": {"__version__"},
@@ -143,9 +143,9 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_rules_see_the_imports_they_judge() -> None:
     edges = graph()
-    assert {"kvstore_service.daemon", "kvstore_service.server", "kvstore_service.jobs",
+    assert {"kvstore_service.daemon", "kvstore_service.servicer", "kvstore_service.jobs",
             "kvstore_service.sessions"} <= edges.keys()
-    assert "kvstore_service.daemon" in edges["kvstore_service.server"]
+    assert "kvstore_service.daemon" in edges["kvstore_service.servicer"]
     assert "kvstore_service.sessions" in edges["kvstore_service.jobs"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -158,15 +158,15 @@ def test_no_import_cycle_in_the_daemon() -> None:
 
 
 def test_the_server_imports_the_daemon_facade_and_the_types_it_translates_only() -> None:
-    path = ROOTS["kvstore_service"] / "server.py"
+    path = ROOTS["kvstore_service"] / "servicer.py"
     wrong = []
-    for target, name, line in imports("kvstore_service.server", path):
+    for target, name, line in imports("kvstore_service.servicer", path):
         if target.split(".")[0] != "kvstore_service":
             continue
         allowed = SERVER_MAY_IMPORT.get(target, set())
         if name is None or name not in allowed:
-            wrong.append(f"server.py:{line}: {target}{'.' + name if name else ''}")
-    assert wrong == [], "server.py reaches into the daemon's parts:\n" + "\n".join(wrong)
+            wrong.append(f"servicer.py:{line}: {target}{'.' + name if name else ''}")
+    assert wrong == [], "servicer.py reaches into the daemon's parts:\n" + "\n".join(wrong)
 
 
 def test_the_daemon_imports_only_the_protocol_of_the_client() -> None:

@@ -36,11 +36,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvstore_client.protocol import kvstore_pb2 as pb
-from kvstore_client.protocol.submits import LOAD, STORE, TURNED_AWAY, frame
+from kvstore_client.protocol.jobs_framing import LOAD, STORE, TURNED_AWAY, frame
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
 from kvstore_service.peercred import peer_cred
-from kvstore_service.server import Servicer, check_keys
+from kvstore_service.servicer import Servicer, check_keys
 from kvstore_service.sessions import Session
 
 log = logging.getLogger(__name__)

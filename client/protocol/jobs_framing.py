@@ -1,5 +1,5 @@
 """The framing of `<socket>.jobs`, the daemon's plain unix socket for store and load requests
-(kvstore_service/submits.py says why it exists and what it answers).
+(kvstore_service/jobs_socket.py says why it exists and what it answers).
 
 A frame is a 4-byte little-endian length, then the body: a request's body is STORE or LOAD and a
 TransferRequest, a reply's is 0 and a TransferResponse, or a gRPC status code and the refusal's

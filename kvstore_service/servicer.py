@@ -183,7 +183,7 @@ class Servicer(pb_grpc.KVStoreServicer):
         return self.submit(request, context, is_store=False)
 
     def submit(self, request: pb.TransferRequest, context: Any, is_store: bool) -> pb.TransferResponse:
-        """Store and Load, here and on <socket>.jobs (submits.py)."""
+        """Store and Load, here and on <socket>.jobs (jobs_socket.py)."""
         check_keys(request.keys, request.key_size)
         session = self._session(request.session_id, context)
         job_id = self.daemon.submit(session, request.job_id, request.keys, request.key_size, block_ids_of(request),
