@@ -41,14 +41,15 @@ def sealed(fd: int, what: str) -> bool:
     return bool(seals & fcntl.F_SEAL_SHRINK)
 
 
-def check_sealed(fd: int, size: int, what: str) -> None:
-    """Daemon side: refuse memory that could shrink under a mapping, or is too small."""
-    try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        raise ValueError(f"{what} is not a memfd (sealed shared memory is required)") from None
-    if not seals & fcntl.F_SEAL_SHRINK:
-        raise ValueError(f"{what} is not sealed against shrinking (F_SEAL_SHRINK)")
+def check_size(fd: int, size: int, what: str) -> None:
+    """Daemon side: refuse memory smaller than what will be mapped of it."""
     actual = os.fstat(fd).st_size
     if actual < size:
         raise ValueError(f"{what} has {actual} bytes, {size} are needed")
+
+
+def check_sealed(fd: int, size: int, what: str) -> None:
+    """Daemon side: refuse memory that could shrink under a mapping, or is too small."""
+    if not sealed(fd, what):
+        raise ValueError(f"{what} is not sealed against shrinking (F_SEAL_SHRINK)")
+    check_size(fd, size, what)

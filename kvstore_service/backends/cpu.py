@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import mmap
-import os
 import threading
 from dataclasses import dataclass
 
@@ -67,8 +66,7 @@ class CpuBackend(Backend):
         if fd is None:
             raise ValueError("cpu KV memory travels as a memfd over the <socket>.cred handshake; none came")
         sealed = memfd.sealed(fd, "the KV memory")
-        if os.fstat(fd).st_size < size:
-            raise ValueError(f"the KV memory has {os.fstat(fd).st_size} bytes, {size} are needed")
+        memfd.check_size(fd, size, "the KV memory")
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         anchor = ctypes.c_char.from_buffer(mm)
         base = ctypes.addressof(anchor)
