@@ -39,7 +39,6 @@ POOL_HEADER = struct.Struct("<8sIIQQQQ")  # magic, version, pad, size, segment_s
 POOL_HEADER_BYTES = 4096
 DATA_ALIGN = 2 << 20  # segments start 2 MiB aligned: hugepage and NPU host-register friendly
 PAYLOAD_ALIGN = 256
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 class SlotState(IntEnum):
     """A valid slot header's state (a slot whose copy runs, or whose block is not sealed yet, has no

@@ -13,11 +13,6 @@ from dataclasses import dataclass
 from kvstore_client.protocol import memfd
 from kvstore_service import native
 from kvstore_service.backends.base import Backend, ChecksumSample, Mapping, ProgressWord, TransferPlan
-from kvstore_service.pool import MADV_POPULATE_WRITE
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
 
 POPULATE_CHUNK = 64 << 20  # the session can end between two chunks (~10-20 ms each)
 # A load up to this size is copied whole by one thread with plain stores, so its bytes are still in
@@ -32,12 +27,12 @@ PLAIN_LOAD_BYTES = 64 << 20
 def _populate(addr: int, size: int, stop: threading.Event) -> None:
     """Map every page the layout addresses into our page table now, a chunk at a time until told to
     stop. Otherwise the first copies of each page fault (one per 4 KiB written, one per 64 KiB
-    read), which halves the first stores' and loads' speed. ctypes releases the GIL: the daemon
+    read), which halves the first stores' and loads' speed. native.populate releases the GIL: the daemon
     serves meanwhile. Kernels before 5.14 lack the advice (EINVAL): pages then fault in on use."""
     for start in range(0, size, POPULATE_CHUNK):
         if stop.is_set():
             return
-        _libc.madvise(addr + start, min(POPULATE_CHUNK, size - start), MADV_POPULATE_WRITE)
+        native.populate(addr + start, min(POPULATE_CHUNK, size - start), 1)
 
 
 @dataclass
