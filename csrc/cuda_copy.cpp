@@ -334,7 +334,6 @@ struct DeviceState {
   cu::CUfunction copy_kernel = nullptr;
   std::string kernel_error;
   std::string kernel_said;  // the last refusal written to stderr (each said once)
-  cu::CUresult kernel_code = cu::kSuccess;
 };
 
 // Devices are set up once and kept for the life of the process (the primary context is retained
@@ -431,18 +430,15 @@ cu::CUfunction copy_kernel_of(const Driver& d, DeviceState* dev) {
     cu::CUmodule module = nullptr;
     cu::CUresult rc = d.device_get_attribute(&host_pointers, cu::kAttrCanUseHostPointerForRegisteredMem, dev->device);
     if (rc != cu::kSuccess) {
-      dev->kernel_code = rc;
       dev->kernel_error = "cuDeviceGetAttribute failed: " + describe(d, rc);
     } else if (host_pointers != 1) {
       dev->kernel_error = "this GPU cannot use the pool's host addresses in a kernel";
     } else if ((rc = d.module_load_data(&module, kCopyKernelPtx)) != cu::kSuccess) {
-      dev->kernel_code = rc;
       dev->kernel_error = "the driver refused the copy kernel: " + describe(d, rc);
       // Out of memory (the JIT's, or the module's) may pass: the next copy tries again.
       dev->kernel_tried = rc != cu::kErrorOutOfMemory;
     } else if ((rc = d.module_get_function(&dev->copy_kernel, module, "kvstore_copy_runs")) != cu::kSuccess) {
       dev->copy_kernel = nullptr;
-      dev->kernel_code = rc;
       dev->kernel_error = "the driver refused the copy kernel: " + describe(d, rc);
       d.module_unload(module);
     }

@@ -163,8 +163,7 @@ class Pool:
         self.partial: dict[int, set[int]] = {}  # payload size -> segments with a free slot
         self.reattached = False
         self._generation = 0
-        self.populate_threads = populate_threads
-        self._mmap = self._open(fresh)
+        self._mmap = self._open(fresh, populate_threads)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
 
     # -- file ------------------------------------------------------------------------------------
@@ -182,7 +181,7 @@ class Pool:
             raise PoolFullError(f"{folder} has {free.f_bavail * free.f_frsize} bytes free, the pool needs "
                                 f"{self.size}: lower --pool-size or grow the shared-memory mount")
 
-    def _open(self, fresh: bool) -> mmap.mmap:
+    def _open(self, fresh: bool, populate_threads: int) -> mmap.mmap:
         fd = _open_private(self.path)
         try:
             existing = os.fstat(fd).st_size
@@ -203,7 +202,7 @@ class Pool:
             # Fault every page in now, once, on a thread per core: a first touch during a store costs
             # more than the copy.
             base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-            if native.populate(base, self.size, self.populate_threads):  # (kernels before 5.14)
+            if native.populate(base, self.size, populate_threads):  # (kernels before 5.14)
                 ctypes.memset(base, 0, self.size)
             mm[: POOL_HEADER.size] = expected
         if self.reattached:

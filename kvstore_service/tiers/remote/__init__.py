@@ -303,22 +303,24 @@ class RemoteTier:
         places = place(first, len(present)) if place is not None and present else None
         if places is not None:
             present = present[:len(places)]
-        if sum(map(len, present)) >= _VERIFY_IN_THREAD_BYTES:
-            good = await Threads.run(self._threads, self._open_leading, tenant, keys, present, payload_bytes, places)
-        else:
-            good = self._open_leading(tenant, keys, present, payload_bytes, places)
+        good = await self._verifying(sum(map(len, present)), self._open_leading, tenant, keys, present,
+                                     payload_bytes, places)
         if len(good) < len(present):  # present[len(good)] is corrupt; of the rest, those that do not open too
             rest = range(len(good) + 1, len(values))
-            if sum(len(v) for v in values[rest.start:] if isinstance(v, bytes)) >= _VERIFY_IN_THREAD_BYTES:
-                others = await Threads.run(self._threads, self._unopened, tenant, keys, values, rest, payload_bytes)
-            else:
-                others = self._unopened(tenant, keys, values, rest, payload_bytes)
+            others = await self._verifying(sum(len(v) for v in values[rest.start:] if isinstance(v, bytes)),
+                                           self._unopened, tenant, keys, values, rest, payload_bytes)
             bad = [len(good), *others]
             self._counts["corrupt"] += len(bad)
             log.warning("remote store: %d values (the first under %r) failed verification (corrupt, or not "
                         "wrapped with this daemon's secret) and were deleted", len(bad), keys[len(good)][:24])
             await self._call(self._delete([keys[i] for i in bad]), len(bad))
         return good
+
+    async def _verifying(self, nbytes: int, verify: Callable[..., T], *args: Any) -> T:
+        """verify(*args), on the remote threads where it checks enough bytes to hold the loop up."""
+        if nbytes >= _VERIFY_IN_THREAD_BYTES:
+            return await Threads.run(self._threads, verify, *args)
+        return verify(*args)
 
     def _open_leading(self, tenant: str, keys: Sequence[bytes], values: Sequence[bytes], payload_bytes: int | None,
                       places: Sequence[memoryview] | None) -> list[tuple[memoryview, int]]:
