@@ -97,10 +97,10 @@ class CpuBackend(Backend):
         """The chunk in one native call: its checksum sample, its copy and, for a whole load, each
         region's arrival posted in the completion channel, all without the GIL (a progress callback
         other than the channel's own word goes through copy(), region by region)."""
-        _check_intact(mapping)
         progress = plan.progress
         if progress is not None and not isinstance(progress, ProgressWord):
-            return super().transfer(mapping, pool_base, plan, to_engine, blocks, check)
+            return super().transfer(mapping, pool_base, plan, to_engine, blocks, check)  # (copy() checks)
+        _check_intact(mapping)
         whole = progress is not None and to_engine
         corrupt = native.transfer(pool_base, plan.pool_offsets, plan.engine_addresses, plan.sizes, to_engine, blocks,
                                streaming=not whole,
