@@ -6,7 +6,10 @@
    engine B watches the namespace's stream: blocks announced per second from A's first store to B's last
    event, against A's stores alone (no description, no watcher) in the same round. Then an engine attaches
    afresh: the reset's replay of every block, per second.
-2. Connector: per engine step, `take_events` with nothing new (most steps) and with 16 blocks announced
+2. Fan-out, in process: a change of 64 described blocks sent to N caught-up streams of a namespace as
+   WatchBlocks sends it (the message made, then serialized per stream as gRPC does): the batch encoded
+   once for all streams (servicer.block_events) against once per stream (as before 2026-12-07).
+3. Connector: per engine step, `take_events` with nothing new (most steps) and with 16 blocks announced
    (decoded into vLLM's BlockStored), and the scheduler's cost to queue a 16-block description (the
    encoding runs on the session's background thread, off the step). Medians of 2000 steps.
 
@@ -118,6 +121,44 @@ def connector_steps(steps: int = 2000) -> dict[str, float]:
             "translate_note": "decoding runs on the announcer's thread, not in the step"}
 
 
+def fanout(streams: int, shared: bool, changes: int = 40, per: int = 64) -> float:
+    """ms of the event loop to send one change of `per` blocks to `streams` caught-up streams."""
+    import asyncio
+    import os
+
+    from kvstore_service.events import Batch, BlockEvents
+    from kvstore_service.index import BlockIndex
+    from kvstore_service.pool import Pool
+    from kvstore_service.servicer import block_events
+
+    async def run(pool: Pool) -> float:
+        index = BlockIndex(pool)
+        events = index.events = BlockEvents(max_bytes=256 << 20, max_description_bytes=512, max_queue=1 << 16,
+                                            is_committed=index.is_committed)
+        ns = index.namespace("ns", 1024)
+        watches = [events.watch(ns.ns_hash, 1000, lambda: False) for _ in range(streams)]
+        for watch in watches:
+            await anext(watch)  # the reset
+        spent = 0.0
+        for _ in range(changes):
+            keys = [os.urandom(32) for _ in range(per)]
+            events.describe(ns.ns_hash, keys, [os.urandom(120) for _ in keys])
+            index.complete_store(index.prepare_store(ns, keys).blocks, ok=True)
+            t = time.perf_counter()
+            for watch in watches:
+                batch = await anext(watch)
+                block_events(batch if shared else Batch(batch.reset, batch.events)).SerializeToString()
+            spent += time.perf_counter() - t
+        return spent / changes * 1e3
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pool = Pool(f"{tmp}/pool", 256 << 20, 4 << 20, fresh=True)
+        try:
+            return asyncio.run(run(pool))
+        finally:
+            pool.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=10000)
@@ -133,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
                 report["rounds"].append(daemon_round(daemon.socket, args.blocks, n))
         finally:
             daemon.stop()
+    report["fanout"] = [{"streams": n, "per_stream_ms": fanout(n, False), "shared_ms": fanout(n, True)}
+                        for n in (1, 16, 64) for _ in range(3)]
     report["connector"] = connector_steps()
     rounds = report["rounds"]
     print(f"{'round':>5} {'announced/s':>12} {'stores alone/s':>15} {'ratio':>6} {'replay/s':>10}")
@@ -141,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['replay_per_s']:>10.0f}")
     print(f"median announced/s {statistics.median(r['announced_per_s'] for r in rounds):.0f}, "
           f"ratio {statistics.median(r['ratio'] for r in rounds):.2f} of the stores alone")
+    for f in report["fanout"]:
+        print(f"fan-out to {f['streams']:>2} streams: a 64-block change {f['per_stream_ms']:.2f} ms encoded per "
+              f"stream, {f['shared_ms']:.2f} ms shared ({f['per_stream_ms'] / f['shared_ms']:.1f}x)")
     c = report["connector"]
     print(f"connector per step: take_events {c['take_empty_us']:.2f} us with nothing new, "
           f"{c['take_16_us']:.2f} us with 16 blocks (target p50 <= 50 us)")

@@ -30,7 +30,7 @@ from kvstore_service import __version__
 from kvstore_service.backends import Backend
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
-from kvstore_service.events import BlockEvents, Event
+from kvstore_service.events import Batch, BlockEvents
 from kvstore_service.index import BlockIndex, PackedKeys, namespace_hash, unpack_keys
 from kvstore_service.jobs import JobResult, Jobs
 from kvstore_service.metrics import Metrics
@@ -177,7 +177,7 @@ class Daemon:
             raise invalid(f"{len(keys) // key_size} keys and {len(descriptions)} descriptions")
         self.events.describe(namespace_hash(session.namespace_name), unpack_keys(keys, key_size), descriptions)
 
-    async def watch_blocks(self, session: Session) -> AsyncIterator[tuple[bool, list[Event]]]:
+    async def watch_blocks(self, session: Session) -> AsyncIterator[Batch]:
         """The session's namespace's block events until the session ends (events.py): at most
         --max-watches-per-session streams of a session, --max-watches-per-uid of its owner."""
         watching, config = self._watching, self.config

@@ -10,7 +10,9 @@ never came) is dropped, and under the budget the oldest such go first, whichever
 tenant describing blocks it never stores cannot keep another's announced. A namespace with nothing
 described and no subscriber is forgotten. A subscriber (an engine's scheduler) gets a reset and the
 namespace's announced blocks first, then the changes; one that falls more than --max-event-queue events
-behind is reset again (its queue never grows past that).
+behind is reset again (its queue never grows past that). Streams that are caught up get the same changes
+in the same order: the batch one sends is the same object for the others of its namespace that send those
+events next (`Batch`), so the transport encodes a change once, not once per stream.
 
 The index calls `committed` and `removed` (on the event loop, as every index change); nothing here writes
 block state.
@@ -23,6 +25,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvstore_service.stats import EventStats
 
@@ -40,6 +43,18 @@ class Event:
     removed: bool  # False: stored (committed and described)
     key: bytes
     description: bytes = b""  # STORED: the engine's description of the block
+
+
+@dataclass(slots=True, eq=False)
+class Batch:
+    """Events a stream sends at once: after a `reset`, the namespace's announced blocks, else changes."""
+
+    reset: bool
+    events: list[Event]
+    encoded: Any = None  # the transport's message, made by the first stream that sends the batch
+
+    def same(self, events: list[Event]) -> bool:
+        return len(events) == len(self.events) and all(a is b for a, b in zip(events, self.events, strict=True))
 
 
 @dataclass(eq=False)
@@ -68,6 +83,12 @@ class _Namespace:
     announced: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)  # key -> description, in commit order
     pending: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)  # described, not committed yet
     subscribers: set[Subscriber] = field(default_factory=set)
+    sent: Batch | None = None  # the changes a stream sent last, for the others to send as they are
+
+    def changes(self, events: list[Event]) -> Batch:
+        if self.sent is None or not self.sent.same(events):
+            self.sent = Batch(False, events)
+        return self.sent
 
     @property
     def idle(self) -> bool:
@@ -186,9 +207,8 @@ class BlockEvents:
 
     # -- to engines --------------------------------------------------------------------------------
 
-    async def watch(self, ns_hash: bytes, batch: int,
-                    closed: Callable[[], bool]) -> AsyncIterator[tuple[bool, list[Event]]]:
-        """(reset, events) batches for one subscriber until `closed()` (checked at least every
+    async def watch(self, ns_hash: bytes, batch: int, closed: Callable[[], bool]) -> AsyncIterator[Batch]:
+        """Batches for one subscriber until `closed()` (checked at least every
         CLOSED_CHECK_S): after a reset, every block announced so far (in commit order), then the changes."""
         ns = self._ns(ns_hash)
         sub = Subscriber(self.max_queue)
@@ -206,7 +226,7 @@ class BlockEvents:
                         events = [Event(False, k, m) for k in keys[i:i + batch]
                                   if (m := ns.announced.get(k)) is not None]
                         self.stats.sent += len(events)
-                        yield i == 0, events
+                        yield Batch(i == 0, events)
                     continue
                 if not sub.queue:
                     sub.wake.clear()
@@ -217,7 +237,7 @@ class BlockEvents:
                     continue
                 events, sub.queue = sub.queue[:batch], sub.queue[batch:]
                 self.stats.sent += len(events)
-                yield False, events
+                yield ns.changes(events)
         finally:
             ns.subscribers.discard(sub)
             self._forget_if_idle(ns_hash, ns)

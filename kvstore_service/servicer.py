@@ -21,6 +21,7 @@ from kvstore_service import __version__
 from kvstore_service.config import Config
 from kvstore_service.daemon import Daemon
 from kvstore_service.errors import KVError, invalid
+from kvstore_service.events import Batch
 from kvstore_service.layout import Layout, Region
 from kvstore_service.peercred import Handshake, PeerCredServer, close_fds
 from kvstore_service.sessions import Registration, Session
@@ -207,9 +208,8 @@ class Servicer(pb_grpc.KVStoreServicer):
         return pb.DescribeBlocksResponse()
 
     async def WatchBlocks(self, request: pb.WatchBlocksRequest, context: Any) -> AsyncIterator[pb.BlockEvents]:
-        async for reset, events in self.daemon.watch_blocks(self._session(request.session_id, context)):
-            yield pb.BlockEvents(reset=reset, events=[pb.BlockEvent(removed=e.removed, key=e.key,
-                                                                    description=e.description) for e in events])
+        async for batch in self.daemon.watch_blocks(self._session(request.session_id, context)):
+            yield block_events(batch)
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         # Anyone may ask for the daemon-wide figures; the namespaces shown depend on who asks.
@@ -221,6 +221,14 @@ class Servicer(pb_grpc.KVStoreServicer):
     async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
         caller = self._caller(request.peer_token, context)
         return pb.ClearResponse(cleared_blocks=await self.daemon.clear(caller, request.tenant, request.namespace))
+
+
+def block_events(batch: Batch) -> pb.BlockEvents:
+    """A batch of block events as the message, made once for every stream that sends it (events.Batch)."""
+    if batch.encoded is None:
+        batch.encoded = pb.BlockEvents(reset=batch.reset, events=[
+            pb.BlockEvent(removed=e.removed, key=e.key, description=e.description) for e in batch.events])
+    return batch.encoded  # type: ignore[no-any-return]
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):

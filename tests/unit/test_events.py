@@ -33,6 +33,11 @@ def store(index: BlockIndex, ns, keys: list[bytes]) -> list:
 
 
 async def take(stream, count: int) -> list[tuple[bool, list]]:
+    """(reset, events) of a stream's next `count` batches."""
+    return [(b.reset, b.events) for b in await batches(stream, count)]
+
+
+async def batches(stream, count: int) -> list:
     return [await asyncio.wait_for(anext(stream), 5) for _ in range(count)]
 
 
@@ -114,6 +119,29 @@ def test_a_new_watcher_gets_the_announced_blocks_in_commit_order(index) -> None:
         rest = await take(late, 3)
         assert [(e.key, e.removed) for _, got in rest for e in got] == [
             (keys[0], False), (keys[2], False), (keys[1], True)]
+
+    asyncio.run(scenario())
+
+
+def test_streams_that_send_the_same_changes_share_one_batch(index) -> None:
+    """Caught-up streams of a namespace get a change in the same batch object, which the transport
+    encodes once (servicer.WatchBlocks); a stream that is behind gets its own."""
+    async def scenario() -> None:
+        events = index.events = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100,
+                                            is_committed=index.is_committed)
+        ns = index.namespace("ns", 64 * 1024)
+        keys = keys_of(3)
+        streams = [events.watch(ns.ns_hash, batch=10, closed=lambda: False) for _ in range(3)]
+        for stream in streams:
+            assert await take(stream, 1) == [(True, [])]
+        events.describe(ns.ns_hash, keys, [b"d"] * 3)
+        store(index, ns, keys[:2])
+        (a,), (b,) = await batches(streams[0], 1), await batches(streams[1], 1)
+        assert a is b and [e.key for e in a.events] == keys[:2]
+        store(index, ns, keys[2:])
+        (c,), (a2,) = await batches(streams[2], 1), await batches(streams[0], 1)
+        assert c is not a and [e.key for e in c.events] == keys  # the third read both changes at once
+        assert [e.key for e in a2.events] == keys[2:]
 
     asyncio.run(scenario())
 
