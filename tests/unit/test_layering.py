@@ -30,6 +30,7 @@ SERVER_MAY_IMPORT = {
     "kvstore_service": {"__version__"},
     "kvstore_service.daemon": {"Daemon"},
     "kvstore_service.errors": {"KVError", "invalid"},
+    "kvstore_service.events": {"Batch"},
     "kvstore_service.config": {"Config"},
     "kvstore_service.layout": {"Layout", "Region"},
     "kvstore_service.sessions": {"Registration", "Session"},
