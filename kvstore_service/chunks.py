@@ -103,9 +103,9 @@ def load_check(blocks: list[Block], block_bytes: int, verify: float) -> Checksum
         array("Q", [unknown if (c := blocks[k].checksum) is None else c for k in checked]))
 
 
-def copy_whole(session: EngineSession, job_id: int, plan: TransferPlan) -> None:
-    """A load copied whole: by one thread in layout order (runs are region-major, one per block),
-    reporting the regions' arrival in the engine's completion channel (the CPU engine writes the
+def track_progress(session: EngineSession, job_id: int, plan: TransferPlan) -> None:
+    """Set a whole load's plan (copied by one thread in layout order: runs are region-major, one per
+    block) to report the regions' arrival in the engine's completion channel (the CPU engine writes the
     channel's progress word itself, see ProgressWord)."""
     channel = session.channel
     plan.regions = len(session.layout.regions)

@@ -43,7 +43,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from kvstore_service import native
-from kvstore_service.chunks import CHUNK_BLOCKS, Chunk, chunks, copy_whole, load_check, plan_chunk
+from kvstore_service.chunks import CHUNK_BLOCKS, Chunk, chunks, load_check, plan_chunk, track_progress
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
 from kvstore_service.index import Block, BlockIndex, PackedKeys
@@ -207,35 +207,35 @@ class Jobs:
         if job_id >= MAX_JOB_ID:
             raise invalid(f"job id {job_id} is too large (max {MAX_JOB_ID - 1})")
         slot = job_id % session.channel.slots
-        mine = self._jobs_of(session)
-        if slot in mine.running and not mine.running[slot].posted:
+        session_jobs = self._jobs_of(session)
+        if slot in session_jobs.running and not session_jobs.running[slot].posted:
             raise KVError("RESOURCE_EXHAUSTED",
-                          f"job {job_id}: completion slot busy ({len(mine.running)} jobs in flight, "
+                          f"job {job_id}: completion slot busy ({len(session_jobs.running)} jobs in flight, "
                           f"{session.channel.slots} slots); wait for completions")
-        if len(mine.running) >= self.config.max_inflight_jobs:
-            raise KVError("RESOURCE_EXHAUSTED", f"{len(mine.running)} jobs in flight (--max-inflight-jobs "
+        if len(session_jobs.running) >= self.config.max_inflight_jobs:
+            raise KVError("RESOURCE_EXHAUSTED", f"{len(session_jobs.running)} jobs in flight (--max-inflight-jobs "
                           f"{self.config.max_inflight_jobs}); wait for completions")
 
         job = Job(job_id, is_store, session, packed, block_ids, [False] * len(packed), partial_tail,
                   expires_ns=expires_ns)
         job.order = self._order_pending(job, order_seq)  # now, at arrival: the records the job must follow
-        mine.running[slot] = job
+        session_jobs.running[slot] = job
         task = asyncio.get_running_loop().create_task(self._run(job))
-        mine.tasks.add(task)
-        task.add_done_callback(mine.tasks.discard)
+        session_jobs.tasks.add(task)
+        task.add_done_callback(session_jobs.tasks.discard)
         return job
 
     async def poll(self, session: EngineSession, wait_ms: int) -> list[JobResult]:
         """Results of the jobs finished since the last poll (the newest RESULTS_KEPT)."""
-        mine = self._jobs_of(session)
-        if not mine.results and wait_ms > 0:
-            mine.results_ready.clear()
+        session_jobs = self._jobs_of(session)
+        if not session_jobs.results and wait_ms > 0:
+            session_jobs.results_ready.clear()
             try:
-                await asyncio.wait_for(mine.results_ready.wait(), wait_ms / 1000)
+                await asyncio.wait_for(session_jobs.results_ready.wait(), wait_ms / 1000)
             except TimeoutError:
                 pass
-        results = list(mine.results)
-        mine.results.clear()
+        results = list(session_jobs.results)
+        session_jobs.results.clear()
         return results
 
     def unpolled(self, session: EngineSession) -> list[JobResult]:
@@ -244,20 +244,20 @@ class Jobs:
 
     async def settle(self, session: EngineSession) -> None:
         """A session ends: wait for its jobs' copies (they use its mapping) and completions."""
-        mine = self._of.get(session)
-        if mine is not None and mine.tasks:
-            await asyncio.gather(*mine.tasks, return_exceptions=True)
+        session_jobs = self._of.get(session)
+        if session_jobs is not None and session_jobs.tasks:
+            await asyncio.gather(*session_jobs.tasks, return_exceptions=True)
 
     @property
     def in_flight(self) -> int:
         """Jobs submitted and not finished, of every session."""
-        return sum(len(mine.running) for mine in self._of.values())
+        return sum(len(session_jobs.running) for session_jobs in self._of.values())
 
     def _jobs_of(self, session: EngineSession) -> EngineJobs:
-        mine = self._of.get(session)
-        if mine is None:
-            mine = self._of[session] = EngineJobs()
-        return mine
+        session_jobs = self._of.get(session)
+        if session_jobs is None:
+            session_jobs = self._of[session] = EngineJobs()
+        return session_jobs
 
     # -- ordering against the engine -------------------------------------------------------------
 
@@ -414,7 +414,7 @@ class Jobs:
                 with self._landing:
                     job.copying += 1
                 if whole:
-                    copy_whole(job.session, job.job_id, chunk.plan)
+                    track_progress(job.session, job.job_id, chunk.plan)
                 self._copies[lane] += 1
                 if k < lead and self._copies[lane] <= self.config.copy_threads:
                     held.append(chunk)
@@ -562,16 +562,16 @@ class Jobs:
             self.failed_load_blocks += len(failed)
         self.metrics.observe_job(job.is_store, time.monotonic() - job.submitted, job.copy_seconds,
                                  job.copied_bytes)
-        mine = self._jobs_of(session)
+        session_jobs = self._jobs_of(session)
         slot = job.job_id % session.channel.slots
-        if mine.running.get(slot) is job:  # (a job posted by its copy thread may have a successor there)
-            del mine.running[slot]
+        if session_jobs.running.get(slot) is job:  # (a job posted by its copy thread may have a successor there)
+            del session_jobs.running[slot]
         with self._landing:  # (decided under the lock: a copy thread may be posting it right now)
             if not job.posted:
                 job.posted = True
                 session.channel.post(job.job_id, len(job.ok) - len(failed), len(failed))
-        mine.results.append(JobResult(job.job_id, job.is_store, len(job.ok), failed, job.error))
-        mine.results_ready.set()
+        session_jobs.results.append(JobResult(job.job_id, job.is_store, len(job.ok), failed, job.error))
+        session_jobs.results_ready.set()
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s", _timeline(job))
 
@@ -580,11 +580,11 @@ class Jobs:
         every job's completion is posted (the cancelled ones failed). False if copies still run after
         `timeout_s`: then no engine may be told, as they may still write into its memory."""
         self._draining = True
-        for mine in self._of.values():
-            for job in mine.running.values():
+        for session_jobs in self._of.values():
+            for job in session_jobs.running.values():
                 for _, copying in job.chunks:
                     copying.cancel()  # (only one not started yet is cancelled)
-        tasks = [task for mine in self._of.values() for task in mine.tasks]
+        tasks = [task for session_jobs in self._of.values() for task in session_jobs.tasks]
         if not tasks:
             return True
         _, running = await asyncio.wait(tasks, timeout=timeout_s)
