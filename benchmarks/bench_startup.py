@@ -3,9 +3,11 @@ it serves (csrc/populate.cpp, `--populate-threads`). Interleaved rounds of:
 
 - bare: MADV_POPULATE_WRITE over a fresh memfd of the same size on one thread, and on N threads (the limit);
 - the pool set up in this process (`Pool(..., fresh=True)`: file, populate, header);
-- the daemon process from its start until health says SERVING (Python's start and imports included).
+- the daemon process from its start until health says SERVING (Python's start and imports included);
+- with `--huge DIR` (a hugetlbfs mount, or a tmpfs mounted with huge=always): the pool set up, and the
+  daemon started, on 2 MiB pages there.
 
-    python benchmarks/bench_startup.py [--gib 4] [--rounds 3] [--threads N]
+    python benchmarks/bench_startup.py [--gib 4] [--rounds 3] [--threads N] [--huge DIR]
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ def pool(size: int, threads: int, folder: str) -> float:
     return seconds
 
 
-def daemon(size: int, threads: int, folder: str) -> float:
-    d = DaemonProcess(folder, str(size), "64MiB", "--fresh", "--populate-threads", str(threads))
+def daemon(size: int, threads: int, folder: str, pool_dir: str | None = None) -> float:
+    d = DaemonProcess(folder, str(size), "64MiB", "--fresh", "--populate-threads", str(threads),
+                      pool_path=os.path.join(pool_dir, "pool") if pool_dir else None)
     started = time.perf_counter()
     d.start(timeout=600)
     seconds = time.perf_counter() - started
@@ -64,6 +67,7 @@ def main() -> None:
     p.add_argument("--gib", type=float, default=4.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--huge", help="a folder on huge pages (hugetlbfs, or tmpfs with huge=always)")
     args = p.parse_args()
     size = int(args.gib * (1 << 30)) // (64 << 20) * (64 << 20)
     n = args.threads
@@ -74,6 +78,9 @@ def main() -> None:
         "pool set up, 1 thread": lambda tmp: pool(size, 1, tmp),
         f"daemon start to SERVING, {n} threads": lambda tmp: daemon(size, n, tmp),
     }
+    if args.huge:
+        runs[f"pool set up on huge pages, {n} threads"] = lambda tmp: pool(size, n, args.huge)
+        runs[f"daemon start on huge pages, {n} threads"] = lambda tmp: daemon(size, n, tmp, args.huge)
     times: dict[str, list[float]] = {name: [] for name in runs}
     for r in range(args.rounds):
         names = list(runs)[r % len(runs):] + list(runs)[: r % len(runs)]

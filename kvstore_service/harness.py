@@ -22,11 +22,12 @@ _WITH_FILE_LIMIT = ("import os, resource, sys; n = int(sys.argv[1]); "
 
 class DaemonProcess:
     def __init__(self, workdir: str | Path, pool_size: str = "64MiB", segment_size: str = "4MiB", *extra: str,
-                 max_open_files: int | None = None, env: dict[str, str] | None = None) -> None:
+                 max_open_files: int | None = None, env: dict[str, str] | None = None,
+                 pool_path: str | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.socket = str(self.workdir / "kvstore.sock")
-        self.pool_path = f"/dev/shm/kvstore-run-{secrets.token_hex(4)}"
+        self.pool_path = pool_path or f"/dev/shm/kvstore-run-{secrets.token_hex(4)}"
         self.log = self.workdir / "daemon.log"
         self.max_open_files = max_open_files  # the daemon's RLIMIT_NOFILE; None: inherited
         self.env = None if env is None else {**os.environ, **env}  # added to ours; None: ours

@@ -173,6 +173,8 @@ class Pool:
         folder = os.path.dirname(self.path) or "."
         os.makedirs(folder, exist_ok=True)
         free = os.statvfs(folder)
+        if not free.f_blocks:  # no size given (hugetlbfs without size=): mmap reserves the pages, or fails
+            return
         try:
             existing = os.stat(self.path, follow_symlinks=False).st_size
         except FileNotFoundError:
@@ -195,7 +197,11 @@ class Pool:
                     log.warning("pool file %s has another geometry; starting empty", self.path)
                 os.ftruncate(fd, 0)  # drop old pages
                 os.ftruncate(fd, self.size)
-            mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as e:  # hugetlbfs reserves the pages here
+                raise PoolFullError(f"{self.path}: cannot map {self.size} bytes ({e.strerror}); on hugetlbfs, "
+                                    "reserve more huge pages (vm.nr_hugepages) or lower --pool-size") from None
         finally:
             os.close(fd)
         if not self.reattached:

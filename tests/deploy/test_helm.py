@@ -219,6 +219,17 @@ def test_pool_on_node_shm(chart):
     assert container["resources"]["limits"]["memory"] == "9216Mi"
 
 
+def test_pool_on_huge_pages(chart):
+    docs, _ = render(chart, {"pool": {"volume": "hugePages", "size": "8GiB"}})
+    spec = pod_spec(docs)
+    container = daemon(docs)
+    assert volumes(spec)["pool"]["emptyDir"] == {"medium": "HugePages-2Mi"}
+    for kind in ("requests", "limits"):  # the pool's pages are huge pages, not memory; 2 MiB pages whole
+        assert container["resources"][kind]["hugepages-2Mi"] == "8448Mi"  # 8 GiB + 256 MiB headroom
+        assert container["resources"][kind]["memory"] == "1024Mi"  # memoryOverhead
+    assert env(container)["KVSTORE_POOL_PATH"] == "/var/lib/kvstore/pool/kvstore-pool"
+
+
 def test_nvidia(chart):
     docs, notes = render(chart, {"accelerator": "nvidia", "runtimeClassName": "nvidia"})
     spec = pod_spec(docs)

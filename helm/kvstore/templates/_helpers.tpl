@@ -50,14 +50,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%.0fMi" (ceil (divf (float64 .) 1048576)) -}}
 {{- end -}}
 
-{{/* Memory request and limit of the daemon: pool + memoryOverhead. */}}
+{{/* Memory request and limit of the daemon: pool + memoryOverhead (on huge pages, memoryOverhead: the pool's
+pages are hugepages-2Mi). */}}
 {{- define "kvstore.memory" -}}
 {{- $pool := include "kvstore.bytes" .Values.pool.size | float64 -}}
 {{- if lt $pool 1.0 -}}
 {{- fail (printf "pool.size must be greater than zero (got %q)" (include "kvstore.sizeString" .Values.pool.size)) -}}
 {{- end -}}
 {{- $overhead := include "kvstore.bytes" .Values.memoryOverhead | float64 -}}
-{{- include "kvstore.mebibytes" (addf $pool $overhead) -}}
+{{- include "kvstore.mebibytes" (ternary 0.0 $pool (eq .Values.pool.volume "hugePages") | addf $overhead) -}}
 {{- end -}}
 
 {{/* sizeLimit of the memory-backed pool volume: pool + headroom. */}}
@@ -65,6 +66,13 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $pool := include "kvstore.bytes" .Values.pool.size | float64 -}}
 {{- $headroom := include "kvstore.bytes" .Values.pool.headroom | float64 -}}
 {{- include "kvstore.mebibytes" (addf $pool $headroom) -}}
+{{- end -}}
+
+{{/* hugepages-2Mi of the pool on huge pages: pool + headroom, in whole 2 MiB pages. */}}
+{{- define "kvstore.hugePages" -}}
+{{- $pool := include "kvstore.bytes" .Values.pool.size | float64 -}}
+{{- $headroom := include "kvstore.bytes" .Values.pool.headroom | float64 -}}
+{{- printf "%.0fMi" (mulf 2 (ceil (divf (addf $pool $headroom) 2097152))) -}}
 {{- end -}}
 
 {{/* A daemon setting as an environment variable value. */}}
