@@ -228,7 +228,7 @@ def block_events(batch: Batch) -> pb.BlockEvents:
     if batch.encoded is None:
         batch.encoded = pb.BlockEvents(reset=batch.reset, events=[
             pb.BlockEvent(removed=e.removed, key=e.key, description=e.description) for e in batch.events])
-    return batch.encoded  # type: ignore[no-any-return]
+    return batch.encoded
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
