@@ -6,13 +6,13 @@
 #
 # Steps, each with its own time limit, in this order (a step that fails does not stop the others):
 #   install   this checkout (./client and .) against the machine's torch, no build isolation
+#   tests     the GPU tests (pytest): device backends, fake-driver tests, CUDA engines, native copies
 #   kill      an engine SIGKILLed while its store waits for its (10 s) step; another engine stores and
 #             loads meanwhile: its jobs keep completing, the dead session ends, GPU memory returns
 #   busy      engine B's load latency (p50/p99) with engine A idle, then running 50 ms steps that store
 #   pidns     daemon and two engines in three PID namespaces (unshare --pid), both engines PID 1: CUDA
 #             IPC does not open across them, so each registration is refused naming hostPID
 #   fatal     a sticky CUDA error (700) in the daemon's context: the daemon must exit 75
-#   tests     the GPU tests (pytest): device backends, fake-driver tests, CUDA engines, native copies
 #   bench     kvstore bench --backend cuda, once
 # Logs: $OUT/{env,kill,busy,pidns,fatal,tests,bench,summary}.log (8 files; default OUT=./gpu-logs).
 # Every check ends its log with "RESULT PASS|FAIL|SKIP ..."; summary.log has them all, with timings.
@@ -64,15 +64,15 @@ summary "install: $((SECONDS - T0))s"
   unshare --pid --fork --mount-proc true 2>&1 && echo "unshare --pid: permitted"
 } >> "$OUT/env.log" 2>&1
 
-step kill 75 python3 benchmarks/gpu_device_checks.py kill
-step busy 75 python3 benchmarks/gpu_device_checks.py busy
-step pidns 90 python3 benchmarks/gpu_device_checks.py pidns
-step fatal 60 python3 benchmarks/gpu_device_checks.py fatal
-
 start=$SECONDS
 timeout -k 10 150 python3 -m pytest -q -p no:cacheprovider tests/device/test_device_backends.py tests/device/test_cuda_engines.py \
   tests/unit/test_native_copy.py tests/unit/test_device_ordering.py tests/device/test_cuda_backend.py > "$OUT/tests.log" 2>&1
 summary "tests: rc=$? $((SECONDS - start))s $(tail -1 "$OUT/tests.log")"
+
+step kill 75 python3 benchmarks/gpu_device_checks.py kill
+step busy 75 python3 benchmarks/gpu_device_checks.py busy
+step pidns 90 python3 benchmarks/gpu_device_checks.py pidns
+step fatal 60 python3 benchmarks/gpu_device_checks.py fatal
 
 if [ $((SECONDS - T0)) -lt 330 ]; then
   start=$SECONDS
