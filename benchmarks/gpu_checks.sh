@@ -12,9 +12,10 @@
 #   busy      engine B's load latency (p50/p99) with engine A idle, then running 50 ms steps that store
 #   pidns     daemon and two engines in three PID namespaces (unshare --pid), both engines PID 1: CUDA
 #             IPC does not open across them, so each registration is refused naming hostPID
+#   ipcpid    bare torch CUDA IPC across PID namespaces with equal and with different PIDs: which open
 #   fatal     a sticky CUDA error (700) in the daemon's context: the daemon must exit 75
 #   bench     kvstore bench --backend cuda, once
-# Logs: $OUT/{env,kill,busy,pidns,fatal,tests,bench,summary}.log (8 files; default OUT=./gpu-logs).
+# Logs: $OUT/{env,tests,kill,busy,pidns,ipcpid,fatal,bench,summary}.log (9 files; default OUT=./gpu-logs).
 # Every check ends its log with "RESULT PASS|FAIL|SKIP ..."; summary.log has them all, with timings.
 # Without a GPU the checks say "RESULT SKIP no CUDA GPU" and the script still runs through (a dry run on a
 # machine where kvstore is installed already: SKIP_INSTALL=1 OUT=/tmp/x bash benchmarks/gpu_checks.sh).
@@ -72,6 +73,7 @@ summary "tests: rc=$? $((SECONDS - start))s $(tail -1 "$OUT/tests.log")"
 step kill 75 python3 benchmarks/gpu_device_checks.py kill
 step busy 75 python3 benchmarks/gpu_device_checks.py busy
 step pidns 90 python3 benchmarks/gpu_device_checks.py pidns
+step ipcpid 90 python3 benchmarks/gpu_device_checks.py ipcpid
 step fatal 60 python3 benchmarks/gpu_device_checks.py fatal
 
 if [ $((SECONDS - T0)) -lt 330 ]; then

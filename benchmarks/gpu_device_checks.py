@@ -8,6 +8,8 @@ last line `RESULT PASS|FAIL|SKIP <why>`. Run with tests/ on PYTHONPATH, from the
     python benchmarks/gpu_device_checks.py pidns    daemon and two engines in three PID namespaces, both
                                                    engines PID 1: each registration refused naming hostPID
     python benchmarks/gpu_device_checks.py fatal    a sticky CUDA error in the daemon: it exits 75
+    python benchmarks/gpu_device_checks.py ipcpid   bare torch CUDA IPC across PID namespaces, equal and
+                                                   different PIDs (gpu_checks_ipc.py)
 
 Engines are tests/support/cuda_engine.py's (vLLM 0.32's CUDA layout; writes land late, behind a slow
 kernel on a side stream, with no host sync, so wrong ordering shows as wrong bytes).
@@ -26,6 +28,7 @@ if _HERE not in sys.path:
 from gpu_checks_common import result  # noqa: E402
 from gpu_checks_daemon import check_fatal, check_pidns, pid_engine  # noqa: E402
 from gpu_checks_engines import check_busy, check_kill, stepper, victim  # noqa: E402
+from gpu_checks_ipc import check_ipc_pid_namespaces  # noqa: E402
 
 
 def main() -> int:
@@ -43,7 +46,8 @@ def main() -> int:
 
     if not torch.cuda.is_available():
         return result(None, f"no CUDA GPU visible to torch {torch.__version__}")
-    return {"kill": check_kill, "busy": check_busy, "pidns": check_pidns, "fatal": check_fatal}[mode]()
+    return {"kill": check_kill, "busy": check_busy, "pidns": check_pidns, "fatal": check_fatal,
+            "ipcpid": check_ipc_pid_namespaces}[mode]()
 
 
 if __name__ == "__main__":
