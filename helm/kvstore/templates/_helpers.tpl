@@ -61,18 +61,19 @@ pages are hugepages-2Mi). */}}
 {{- include "kvstore.mebibytes" (ternary 0.0 $pool (eq .Values.pool.volume "hugePages") | addf $overhead) -}}
 {{- end -}}
 
-{{/* sizeLimit of the memory-backed pool volume: pool + headroom. */}}
-{{- define "kvstore.poolVolumeSize" -}}
-{{- $pool := include "kvstore.bytes" .Values.pool.size | float64 -}}
-{{- $headroom := include "kvstore.bytes" .Values.pool.headroom | float64 -}}
-{{- include "kvstore.mebibytes" (addf $pool $headroom) -}}
+{{/* The pool's volume in bytes: pool + headroom. */}}
+{{- define "kvstore.poolVolumeBytes" -}}
+{{- addf (include "kvstore.bytes" .Values.pool.size | float64) (include "kvstore.bytes" .Values.pool.headroom | float64) -}}
 {{- end -}}
 
-{{/* hugepages-2Mi of the pool on huge pages: pool + headroom, in whole 2 MiB pages. */}}
+{{/* sizeLimit of the memory-backed pool volume. */}}
+{{- define "kvstore.poolVolumeSize" -}}
+{{- include "kvstore.mebibytes" (include "kvstore.poolVolumeBytes" . | float64) -}}
+{{- end -}}
+
+{{/* hugepages-2Mi of the pool on huge pages: its volume in whole 2 MiB pages. */}}
 {{- define "kvstore.hugePages" -}}
-{{- $pool := include "kvstore.bytes" .Values.pool.size | float64 -}}
-{{- $headroom := include "kvstore.bytes" .Values.pool.headroom | float64 -}}
-{{- printf "%.0fMi" (mulf 2 (ceil (divf (addf $pool $headroom) 2097152))) -}}
+{{- printf "%.0fMi" (mulf 2 (ceil (divf (include "kvstore.poolVolumeBytes" . | float64) 2097152))) -}}
 {{- end -}}
 
 {{/* A daemon setting as an environment variable value. */}}

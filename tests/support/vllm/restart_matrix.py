@@ -73,9 +73,9 @@ class Matrix:
         self.block = BLOCKS.get(name, 32)
         self.remote, self.concurrency = remote, concurrency
         self.prompts = make_prompts(self.block, SIZES.get(name, (4, 6)))
-        tiers = ["--disk-path", str(workdir / "disk"), "--disk-size", "256MiB", "--disk-segment-size", "8MiB"]
-        self.tiers = tiers + (["--remote", remote] if remote else [])
-        self.daemon = DaemonProcess(workdir / "node-a", "256MiB", "8MiB", *self.tiers)
+        tiers = ["--disk-path", str(workdir / "disk"), "--disk-size", "256MiB", "--disk-segment-size", "8MiB",
+                 *(["--remote", remote] if remote else [])]
+        self.daemon = DaemonProcess(workdir / "node-a", "256MiB", "8MiB", *tiers)
         # The server without the connector: each prompt computed whole (cold); the prompts in the fill's
         # order (replay); each again from its own prefix cache (warm).
         self.cold: list[dict[str, Any]] = []
