@@ -132,6 +132,10 @@ class Config(BaseSettings):
     max_event_description_bytes: ByteSize = Field(
         ByteSize(8 << 10), description="Largest description of one block an engine may send; larger ones are "
         "dropped, counted.")
+    event_journal: str = Field(
+        "", description="File keeping the block descriptions across daemon restarts, so that recovered blocks are "
+        "announced at once (a restarted daemon reads it back); '': beside the pool file (<pool-path>.events); "
+        "'off': not kept. Needs a file system that takes plain writes (not hugetlbfs).")
     max_event_queue: int = Field(
         65536, ge=1, description="Most block events queued for one engine's stream; one that falls further "
         "behind is reset (sent the namespace's blocks again).")

@@ -15,6 +15,7 @@ end (servicer.py) calls; the process around it all, sockets and signals, is serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -30,6 +31,7 @@ from kvstore_service import __version__
 from kvstore_service.backends import Backend
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
+from kvstore_service.event_journal import JOURNAL_SLACK, Journal
 from kvstore_service.events import Batch, BlockEvents
 from kvstore_service.index import BlockIndex, PackedKeys, namespace_hash, unpack_keys
 from kvstore_service.jobs import JobResult, Jobs
@@ -42,6 +44,7 @@ from kvstore_service.stats import DiskStats, NamespaceStats, RemoteStats, Stats
 from kvstore_service.tenants import Caller, scoped, split
 from kvstore_service.threads import Threads
 from kvstore_service.tiers import Tiers
+from kvstore_service.tiers.base import Scope
 from kvstore_service.tiers.disk import DiskTier
 from kvstore_service.tiers.remote import RemoteTier
 
@@ -78,7 +81,7 @@ class Daemon:
         self.index = BlockIndex(self.pool)
         self.events = self.index.events = BlockEvents(int(config.max_event_bytes),
                                                       int(config.max_event_description_bytes), config.max_event_queue,
-                                                      self.index.is_committed)
+                                                      self.index.is_committed, journal_of(config))
         self._watching: Counter[bytes | str] = Counter()  # WatchBlocks streams by session id and by owner
         self.recovered = self.index.recover() if self.pool.reattached else 0
         self.metrics = Metrics()
@@ -276,6 +279,10 @@ class Daemon:
             self._open_tiers(disk)
         except ValueError as e:
             raise ValueError(f"--remote: {e}") from None
+        if disk is not None:
+            self.events.disk_holds = lambda ns_hash, keys: disk.holds(Scope(ns_hash, "", 0), keys)
+        if restored := self.events.restore():  # (after the disk's: its blocks are announced at once)
+            log.info("%d block descriptions read back for routers' events", restored)
 
     def _open_tiers(self, disk: DiskTier | None) -> None:
         config = self.config
@@ -306,7 +313,10 @@ class Daemon:
         """Once a second: expired leases, stale block descriptions and never-attached sessions dropped,
         empty namespaces forgotten."""
         self.sessions.expire_leases()
-        self.events.expire()
+        if self.tiers is not None:
+            self.events.disk_changed(self.tiers.disk_changes())
+        if not self.index.unverified_blocks:  # (descriptions read back wait for their blocks' verification)
+            self.events.expire()
         await self.sessions.reap_unattached()
         self.index.forget_empty({s.namespace for s in self.sessions.by_id.values() if s.namespace})
         # The index holds an object per block (millions in a large pool). A full collection
@@ -332,6 +342,19 @@ class Daemon:
             await self.tiers.close(drain_s=REMOTE_DRAIN_S)
         self.threads.close()
         self.pool.close()
+        if self.events.journal is not None:
+            self.events.journal.close()
+
+
+def journal_of(config: Config) -> Journal | None:
+    """Where the block descriptions are kept across restarts (--event-journal); a fresh pool starts without."""
+    if config.event_journal == "off":
+        return None
+    path = config.event_journal or f"{config.pool_path}.events"
+    if config.fresh:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return Journal(path, 2 * int(config.max_event_bytes) + 2 * JOURNAL_SLACK)
 
 
 def open_disk(config: Config, threads: Threads) -> DiskTier:

@@ -1,11 +1,16 @@
-"""What routers learn of the pool: per namespace, the blocks committed and removed, in order, for every
-engine of the namespace to announce as its own CPU tier (vLLM's KV events; the connector turns these
-into BlockStored and BlockRemoved).
+"""What routers learn of the node's blocks: per namespace, the blocks committed to the pool and removed,
+and those the disk tier holds and drops, in order, for every engine of the namespace to announce as its
+own CPU and STORAGE tiers (vLLM's KV events; the connector turns these into BlockStored and BlockRemoved
+of either medium).
 
 A block is announced once it is committed (loadable) and described: an engine that stores a block also
 sends what an event needs (token ids, parent hash, extra keys: `describe`, opaque bytes here), which the
-daemon keeps while the block lives, within --max-event-bytes (each entry counted with its key and
-ENTRY_BYTES of bookkeeping). A description whose block is not committed within PENDING_S (a store that
+daemon keeps while the block lives in the pool or on disk, within --max-event-bytes (each entry counted
+with its key and ENTRY_BYTES of bookkeeping, once per medium). A block on disk is announced as such once
+described and written there (`disk_changed`, told each housekeeping tick), so a block the pool evicts
+stays announced on disk. The descriptions are also kept in a journal beside the pool (event_journal.py):
+a restarted daemon reads it back (`restore`), and announces each block as soon as it is verified in the
+pool or found on disk. A description whose block is not committed within PENDING_S (a store that
 never came) is dropped, and under the budget the oldest such go first, whichever namespace they are in: a
 tenant describing blocks it never stores cannot keep another's announced. A namespace with nothing
 described and no subscriber is forgotten. A subscriber (an engine's scheduler) gets a reset and the
@@ -14,8 +19,8 @@ behind is reset again (its queue never grows past that). Streams that are caught
 in the same order: the batch one sends is the same object for the others of its namespace that send those
 events next (`Batch`), so the transport encodes a change once, not once per stream.
 
-The index calls `committed` and `removed` (on the event loop, as every index change); nothing here writes
-block state.
+The index calls `committed` and `removed` (on the event loop, as every index change), the daemon
+`disk_changed`; nothing here writes block state.
 """
 
 from __future__ import annotations
@@ -23,10 +28,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvstore_service.event_journal import Entry, Journal
 from kvstore_service.stats import EventStats
 
 # Pending descriptions (of blocks not committed yet) kept at most this long a list per namespace, and
@@ -43,6 +49,7 @@ class Event:
     removed: bool  # False: stored (committed and described)
     key: bytes
     description: bytes = b""  # STORED: the engine's description of the block
+    disk: bool = False  # the disk tier's copy, else the pool's
 
 
 @dataclass(slots=True, eq=False)
@@ -82,6 +89,7 @@ class Subscriber:
 class _Namespace:
     announced: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)  # key -> description, in commit order
     pending: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)  # described, not committed yet
+    on_disk: OrderedDict[bytes, bytes] = field(default_factory=OrderedDict)  # key -> description, announced on disk
     subscribers: set[Subscriber] = field(default_factory=set)
     sent: Batch | None = None  # the changes a stream sent last, for the others to send as they are
 
@@ -92,7 +100,10 @@ class _Namespace:
 
     @property
     def idle(self) -> bool:
-        return not (self.announced or self.pending or self.subscribers)
+        return not (self.announced or self.pending or self.on_disk or self.subscribers)
+
+    def description(self, key: bytes) -> bytes | None:
+        return self.announced.get(key) or self.pending.get(key) or self.on_disk.get(key)
 
 
 def cost(key: bytes, meta: bytes) -> int:
@@ -102,7 +113,7 @@ def cost(key: bytes, meta: bytes) -> int:
 
 class BlockEvents:
     def __init__(self, max_bytes: int, max_description_bytes: int, max_queue: int,
-                 is_committed: Callable[[bytes, bytes], bool]) -> None:
+                 is_committed: Callable[[bytes, bytes], bool], journal: Journal | None = None) -> None:
         self.max_bytes = max_bytes
         # The index's answer (namespace hash, key): is the block committed? A block described after its
         # commit is announced at once. (The index is asked rather than mirrored: a set of every committed
@@ -110,6 +121,9 @@ class BlockEvents:
         self.is_committed = is_committed
         self.max_description_bytes = max_description_bytes
         self.max_queue = max_queue
+        # Which of these keys (namespace hash, keys) the disk tier holds, once there is one (the daemon sets it).
+        self.disk_holds: Callable[[bytes, Sequence[bytes]], Collection[bytes]] | None = None
+        self.journal = journal
         self.stats = EventStats()
         self._namespaces: dict[bytes, _Namespace] = {}
         # Every pending description in the order it came: (when, namespace hash, key). An entry whose
@@ -128,18 +142,14 @@ class BlockEvents:
         """An engine's descriptions of blocks it stores (or holds): announced once committed."""
         ns = self._ns(ns_hash)
         now = time.monotonic()
+        kept: dict[bytes, bytes] = {}
         for key, meta in zip(keys, descriptions, strict=True):
             if key in ns.announced or key in ns.pending or not meta:
                 continue
-            if len(meta) > self.max_description_bytes:
+            if len(meta) > self.max_description_bytes or not self._make_room(key, meta):
                 self.stats.dropped += 1
                 continue
-            while self.stats.bytes + cost(key, meta) > self.max_bytes and self._drop_oldest_pending():
-                pass  # (stores that never came, in any namespace, before anything announced)
-            if self.stats.bytes + cost(key, meta) > self.max_bytes:
-                self.stats.dropped += 1
-                continue
-            self.stats.bytes += cost(key, meta)
+            kept[key] = meta
             if self.is_committed(ns_hash, key):
                 self._announce(ns, key, meta)
             else:
@@ -148,7 +158,22 @@ class BlockEvents:
                 if len(ns.pending) > MAX_PENDING:  # described, never stored: the oldest go
                     old, old_meta = ns.pending.popitem(last=False)
                     self.stats.bytes -= cost(old, old_meta)
+        if kept and self.disk_holds is not None:
+            for key in self.disk_holds(ns_hash, list(kept)):
+                self._announce_on_disk(ns, key, kept[key])
+        if kept and self.journal is not None:
+            self.journal.append((ns_hash, key, meta) for key, meta in kept.items())
         self._forget_if_idle(ns_hash, ns)
+
+    def _make_room(self, key: bytes, meta: bytes) -> bool:
+        """Counts an entry against --max-event-bytes, first dropping pending descriptions (stores that never
+        came, in any namespace) where it would not fit; False (nothing counted) if it still does not."""
+        while self.stats.bytes + cost(key, meta) > self.max_bytes and self._drop_oldest_pending():
+            pass
+        if self.stats.bytes + cost(key, meta) > self.max_bytes:
+            return False
+        self.stats.bytes += cost(key, meta)
+        return True
 
     def expire(self, now: float | None = None) -> None:
         """Housekeeping: descriptions waiting longer than PENDING_S for their block's commit go, and
@@ -158,6 +183,31 @@ class BlockEvents:
             self._drop_oldest_pending()
         for ns_hash, ns in list(self._namespaces.items()):
             self._forget_if_idle(ns_hash, ns)
+        if self.journal is not None and self.journal.due(self.stats.bytes):
+            self.journal.rewrite(self.entries())
+
+    def entries(self) -> Iterable[Entry]:
+        """Every description held, once per block."""
+        for ns_hash, ns in self._namespaces.items():
+            for held in (ns.announced, ns.pending):
+                yield from ((ns_hash, key, meta) for key, meta in held.items())
+            yield from ((ns_hash, key, meta) for key, meta in ns.on_disk.items() if key not in ns.announced
+                        and key not in ns.pending)
+
+    def restore(self) -> int:
+        """At start: the descriptions the previous daemon kept, described again (a block recovered in the
+        pool is announced once verified, one on disk at once); the journal then rewritten with what is
+        held and kept from here. Returns how many were read."""
+        if self.journal is None:
+            return 0
+        journal, self.journal = self.journal, None  # (not appended to while read)
+        read = 0
+        for ns_hash, key, meta in journal.read(self.max_description_bytes):
+            self.describe(ns_hash, (key,), (meta,))
+            read += 1
+        self.journal = journal
+        journal.rewrite(self.entries())
+        return read
 
     def _drop_oldest_pending(self) -> bool:
         """Drops the oldest pending description still waiting, anywhere; False if there is none."""
@@ -205,6 +255,49 @@ class BlockEvents:
         for sub in ns.subscribers:
             sub.push(event, self.stats)
 
+    # -- from the disk tier -----------------------------------------------------------------------
+
+    def disk_changed(self, changes: Sequence[tuple[bytes, bytes, bool]]) -> None:
+        """Blocks the disk tier wrote (True) or dropped (False) since it was last asked: (namespace hash,
+        key, written), in order; a key b"" stands for every block of its namespace (a namespace b"": of every
+        one). A written block is announced on disk if described."""
+        for ns_hash, key, written in changes:
+            if written:
+                ns = self._namespaces.get(ns_hash)
+                if ns is not None and (meta := ns.description(key)) is not None:
+                    self._announce_on_disk(ns, key, meta)
+            elif key:
+                self._drop_on_disk(ns_hash, (key,))
+            else:  # every block of the namespace (b"": of every namespace): a clear, a disk that failed
+                for each in [ns_hash] if ns_hash else list(self._namespaces):
+                    if (ns := self._namespaces.get(each)) is not None:
+                        self._drop_on_disk(each, list(ns.on_disk))
+
+    def _drop_on_disk(self, ns_hash: bytes, keys: Iterable[bytes]) -> None:
+        ns = self._namespaces.get(ns_hash)
+        if ns is None or not ns.on_disk:
+            return
+        for key in keys:
+            meta = ns.on_disk.pop(key, None)
+            if meta is None:
+                continue
+            self.stats.bytes -= cost(key, meta)
+            event = Event(True, key, disk=True)
+            for sub in ns.subscribers:
+                sub.push(event, self.stats)
+        self._forget_if_idle(ns_hash, ns)
+
+    def _announce_on_disk(self, ns: _Namespace, key: bytes, meta: bytes) -> None:
+        if key in ns.on_disk:
+            return
+        if not self._make_room(key, meta):
+            self.stats.dropped += 1
+            return
+        ns.on_disk[key] = meta
+        event = Event(False, key, meta, disk=True)
+        for sub in ns.subscribers:
+            sub.push(event, self.stats)
+
     # -- to engines --------------------------------------------------------------------------------
 
     async def watch(self, ns_hash: bytes, batch: int, closed: Callable[[], bool]) -> AsyncIterator[Batch]:
@@ -221,10 +314,13 @@ class BlockEvents:
                     # The snapshot's keys now, each batch's events made as it goes (a namespace of
                     # millions of blocks is not copied whole per reset); a block removed meanwhile is
                     # left out, and its removal follows in the queue.
-                    keys = list(ns.announced)
-                    for i in range(0, max(len(keys), 1), batch):
-                        events = [Event(False, k, m) for k in keys[i:i + batch]
+                    pooled, on_disk = list(ns.announced), list(ns.on_disk)  # (the pool's, then the disk's)
+                    n = len(pooled)
+                    for i in range(0, max(n + len(on_disk), 1), batch):
+                        events = [Event(False, k, m) for k in pooled[i:i + batch]
                                   if (m := ns.announced.get(k)) is not None]
+                        events += [Event(False, k, m, disk=True) for k in on_disk[max(i - n, 0):max(i + batch - n, 0)]
+                                   if (m := ns.on_disk.get(k)) is not None]
                         self.stats.sent += len(events)
                         yield Batch(i == 0, events)
                     continue

@@ -227,7 +227,8 @@ def block_events(batch: Batch) -> pb.BlockEvents:
     """A batch of block events as the message, made once for every stream that sends it (events.Batch)."""
     if batch.encoded is None:
         batch.encoded = pb.BlockEvents(reset=batch.reset, events=[
-            pb.BlockEvent(removed=e.removed, key=e.key, description=e.description) for e in batch.events])
+            pb.BlockEvent(removed=e.removed, key=e.key, description=e.description,
+                          medium=pb.MEDIUM_DISK if e.disk else pb.MEDIUM_POOL) for e in batch.events])
     return batch.encoded
 
 

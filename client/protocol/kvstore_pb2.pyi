@@ -11,8 +11,15 @@ class ProtocolVersion(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PROTOCOL_VERSION_UNSPECIFIED: _ClassVar[ProtocolVersion]
     PROTOCOL_VERSION_CURRENT: _ClassVar[ProtocolVersion]
+
+class Medium(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEDIUM_POOL: _ClassVar[Medium]
+    MEDIUM_DISK: _ClassVar[Medium]
 PROTOCOL_VERSION_UNSPECIFIED: ProtocolVersion
 PROTOCOL_VERSION_CURRENT: ProtocolVersion
+MEDIUM_POOL: Medium
+MEDIUM_DISK: Medium
 
 class Region(_message.Message):
     __slots__ = ("offset", "block_stride", "block_bytes", "memory")
@@ -279,14 +286,16 @@ class BlockEvents(_message.Message):
     def __init__(self, reset: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[BlockEvent, _Mapping]]] = ...) -> None: ...
 
 class BlockEvent(_message.Message):
-    __slots__ = ("removed", "key", "description")
+    __slots__ = ("removed", "key", "description", "medium")
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
     removed: bool
     key: bytes
     description: bytes
-    def __init__(self, removed: _Optional[bool] = ..., key: _Optional[bytes] = ..., description: _Optional[bytes] = ...) -> None: ...
+    medium: Medium
+    def __init__(self, removed: _Optional[bool] = ..., key: _Optional[bytes] = ..., description: _Optional[bytes] = ..., medium: _Optional[_Union[Medium, str]] = ...) -> None: ...
 
 class EventStats(_message.Message):
     __slots__ = ("sent", "resyncs", "dropped", "bytes")

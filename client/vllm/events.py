@@ -1,6 +1,6 @@
-"""vLLM KV events for the node's pool: every engine of a namespace announces the pool's blocks as its own
-CPU tier, so that cache-aware routers (llm-d's precise prefix-cache scorer, Dynamo's KV router) route a
-prompt whose prefix another engine on the node stored to this one too.
+"""vLLM KV events for the node's tiers: every engine of a namespace announces the pool's blocks as its own
+CPU tier and the disk tier's as its STORAGE tier, so that cache-aware routers (llm-d's precise prefix-cache
+scorer, Dynamo's KV router) route a prompt whose prefix another engine on the node stored to this one too.
 
 The engine that stores a block describes it to the daemon (`describe`: parent hash, token ids, extra keys,
 LoRA: what vLLM's own BlockStored carries), off the engine's step, on the session's background thread. The
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MEDIUM = "CPU"  # vLLM's medium for a CPU tier (Dynamo reads it as host memory, llm-d weighs it 0.8)
+MEDIUM_DISK = "STORAGE"  # the disk tier's (llm-d weighs storage 0.4)
 OWNERSHIP = "kvstore"
 RETRY_S = 1.0  # a stream that ended (daemon away, session re-registering) is watched again after this
 
@@ -66,7 +67,7 @@ class Announcer:
         self.block_size = block_size
         self.groups = groups  # several KV cache groups: their specs (a key ends with its group's tag)
         self.events: deque[KVCacheEvent] = deque()
-        self.announced: set[bytes] = set()  # keys announced as stored, not removed since
+        self.announced: set[tuple[bytes, bool]] = set()  # (key, on disk) announced as stored, not removed since
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="kvstore-events", daemon=True)
         self._thread.start()
@@ -93,20 +94,21 @@ class Announcer:
                 log.debug("kvstore: the block event stream ended (%s); watching again", e)
             self._closed.wait(RETRY_S)
 
-    def _translate(self, reset: bool, events: Sequence[tuple[bool, bytes, bytes]]) -> None:
+    def _translate(self, reset: bool, events: Sequence[tuple[bool, bytes, bytes, bool]]) -> None:
         from vllm.distributed.kv_events import BlockStored
         from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
         if reset:  # the daemon starts over (a new daemon, or this engine fell behind): forget what it said
-            self._removed(list(self.announced))
+            for held in list(self.announced):
+                self._removed(*held)
             self.announced.clear()
-        for removed, key, meta in events:
+        for removed, key, meta, on_disk in events:
             if removed:
-                if key in self.announced:
-                    self.announced.discard(key)
-                    self._removed([key])
+                if (key, on_disk) in self.announced:
+                    self.announced.discard((key, on_disk))
+                    self._removed(key, on_disk)
                 continue
-            if key in self.announced:
+            if (key, on_disk) in self.announced:
                 continue
             try:
                 parent, tokens, extra, lora_id, lora_name = msgspec.msgpack.decode(meta)
@@ -115,25 +117,25 @@ class Announcer:
                 continue
             block_hash, group = self._split(key)
             spec = self.groups[group].kv_cache_spec if self.groups is not None and group is not None else None
-            self.announced.add(key)
+            self.announced.add((key, on_disk))
             self.events.append(BlockStored(
                 block_hashes=[maybe_convert_block_hash(BlockHash(block_hash))],
                 parent_block_hash=maybe_convert_block_hash(BlockHash(parent)) if parent is not None else None,
-                token_ids=tokens, block_size=self.block_size, lora_id=lora_id, medium=MEDIUM, lora_name=lora_name,
+                token_ids=tokens, block_size=self.block_size, lora_id=lora_id, lora_name=lora_name,
+                medium=MEDIUM_DISK if on_disk else MEDIUM,
                 extra_keys=[extra], group_idx=group,
                 kv_cache_spec_kind=type(spec).__name__ if spec is not None else None,
                 kv_cache_spec_sliding_window=getattr(spec, "sliding_window", None),
                 **compat.event_fields(BlockStored, OWNERSHIP)))
 
-    def _removed(self, keys: list[bytes]) -> None:
+    def _removed(self, key: bytes, on_disk: bool) -> None:
         from vllm.distributed.kv_events import BlockRemoved
         from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
-        for key in keys:
-            block_hash, group = self._split(key)
-            self.events.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(BlockHash(block_hash))],
-                                            medium=MEDIUM, group_idx=group,
-                                            **compat.event_fields(BlockRemoved, OWNERSHIP)))
+        block_hash, group = self._split(key)
+        self.events.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(BlockHash(block_hash))],
+                                        medium=MEDIUM_DISK if on_disk else MEDIUM, group_idx=group,
+                                        **compat.event_fields(BlockRemoved, OWNERSHIP)))
 
     def _split(self, key: bytes) -> tuple[bytes, int | None]:
         """(vLLM's block hash, group) of a key (common.group_key with several groups)."""

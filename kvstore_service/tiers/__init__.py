@@ -63,6 +63,10 @@ class Tiers:
         # finds it in the pool instead of fetching it again.
         self._promoting: dict[bytes, asyncio.Lock] = {}
 
+    def disk_changes(self) -> list[tuple[bytes, bytes, bool]]:
+        """The blocks the disk tier wrote and dropped since last asked, for the routers' events (base.py)."""
+        return self.disk.take_changes() if self.disk is not None else []
+
     # -- down: sealed blocks -----------------------------------------------------------------------
 
     def sealed(self, blocks: list[Block], checksums: list[int]) -> None:

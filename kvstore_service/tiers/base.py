@@ -6,6 +6,7 @@ verified batches.
     async for checksums in tier.fetch_verified(memory, scope, keys, place): ...     # leading run, verified
     held = tier.holds(scope, keys)                                                   # loop; a hint, or None
     forgotten = tier.forget(scopes)                                                  # loop; a Clear
+    changes = tier.take_changes()                                                    # loop; for routers
     tier.stats()                                                                     # loop
     await tier.aclose(drain_s)                                                       # the end
 
@@ -79,6 +80,12 @@ class Tier(Protocol):
 
     def forget(self, scopes: Sequence[bytes] | None) -> Forgotten:
         """Drop these namespaces' blocks (None: every namespace's): fetches miss them from now on."""
+        ...
+
+    def take_changes(self) -> list[tuple[bytes, bytes, bool]]:
+        """The blocks the tier wrote (True) and dropped (False) since the last call, in order, for routers'
+        events: (scope, key, written); a key b"" stands for every block of the scope, a scope b"" for every
+        scope. A tier shared by nodes (the remote store) is not this node's to announce: []."""
         ...
 
     def stats(self) -> DiskStats | RemoteStats: ...

@@ -228,6 +228,9 @@ def test_pool_on_huge_pages(chart):
         assert container["resources"][kind]["hugepages-2Mi"] == "8448Mi"  # 8 GiB + 256 MiB headroom
         assert container["resources"][kind]["memory"] == "1024Mi"  # memoryOverhead
     assert env(container)["KVSTORE_POOL_PATH"] == "/var/lib/kvstore/pool/kvstore-pool"
+    # hugetlbfs takes no plain writes: the descriptions' journal lives in /tmp, sized for it
+    assert env(container)["KVSTORE_EVENT_JOURNAL"] == "/tmp/kvstore-pool.events"
+    assert volumes(spec)["tmp"]["emptyDir"] == {"sizeLimit": "256Mi"}
 
 
 def test_nvidia(chart):

@@ -1,6 +1,7 @@
-"""Routers' events of the pool, in process: the index tells BlockEvents what it commits and removes; a
-block is announced once committed and described, a watcher gets a reset and the announced blocks, then
-the changes, and one that falls behind is reset, never queued without bound."""
+"""Routers' events of the pool and the disk, in process: the index tells BlockEvents what it commits and
+removes, the disk tier what it writes and drops; a block is announced once committed (or written to disk)
+and described, a watcher gets a reset and the announced blocks, then the changes, and one that falls
+behind is reset, never queued without bound. The descriptions outlive the daemon in a journal."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import time
 
 import pytest
 
+from kvstore_service import event_journal
+from kvstore_service.event_journal import HEADER, Journal
 from kvstore_service.events import PENDING_S, BlockEvents, cost
 from kvstore_service.index import BlockIndex
 from kvstore_service.pool import Pool
@@ -197,3 +200,103 @@ def test_one_tenants_descriptions_of_blocks_never_stored_cannot_keep_anothers_ou
         assert not reset and [e.key for e in got] == theirs and events.stats.dropped == 0
 
     asyncio.run(scenario())
+
+
+def seen(got: list) -> list[tuple[bool, bytes, bool]]:
+    return [(e.removed, e.key, e.disk) for e in got]
+
+
+def test_a_block_on_disk_is_announced_as_such_and_stays_announced_when_the_pool_drops_it(index) -> None:
+    """The disk tier's blocks are a medium of their own (vLLM's STORAGE): announced once described and
+    written there, kept while the pool evicts or clears its copy, removed when the disk drops them (a key
+    at a time, or every block of a namespace at a clear)."""
+    async def scenario() -> None:
+        events = index.events = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100,
+                                            is_committed=index.is_committed)
+        on_disk: set[bytes] = set()
+        events.disk_holds = lambda ns_hash, keys: on_disk & set(keys)
+        ns = index.namespace("ns", 64 * 1024)
+        keys = keys_of(4)
+        stream = events.watch(ns.ns_hash, batch=10, closed=lambda: False)
+        assert await take(stream, 1) == [(True, [])]
+        events.describe(ns.ns_hash, keys[:3], [b"d0", b"d1", b"d2"])
+        store(index, ns, keys[:3])
+        (_, got), = await take(stream, 1)
+        assert seen(got) == [(False, k, False) for k in keys[:3]]
+
+        on_disk.update(keys[:2])
+        events.disk_changed([(ns.ns_hash, k, True) for k in keys[:2]] + [(ns.ns_hash, keys[3], True)])
+        (_, got), = await take(stream, 1)  # (keys[3]: written but never described, so not announced)
+        assert seen(got) == [(False, keys[0], True), (False, keys[1], True)] and got[0].description == b"d0"
+        index.clear(ns)  # the pool's copies go; the disk's stay announced, with their descriptions
+        (_, got), = await take(stream, 1)
+        assert sorted(seen(got)) == [(True, k, False) for k in sorted(keys[:3])]
+        late = events.watch(ns.ns_hash, batch=10, closed=lambda: False)
+        (reset, got), = await take(late, 1)
+        assert reset and seen(got) == [(False, keys[0], True), (False, keys[1], True)]
+
+        on_disk.add(keys[3])  # on disk already when described: announced there at once
+        events.describe(ns.ns_hash, keys[3:], [b"d3"])
+        (_, got), = await take(stream, 1)
+        assert seen(got) == [(False, keys[3], True)]
+        events.disk_changed([(ns.ns_hash, keys[0], False)])  # reclaimed
+        events.disk_changed([(ns.ns_hash, b"", False)])  # the namespace cleared on disk
+        (_, got), = await take(stream, 1)
+        assert seen(got) == [(True, keys[0], True), (True, keys[1], True), (True, keys[3], True)]
+        assert events.stats.bytes == cost(keys[3], b"d3")  # (keys[3]'s pool description waits for its store)
+
+    asyncio.run(scenario())
+
+
+def test_a_restarted_daemon_announces_its_recovered_blocks_from_the_journal(index, tmp_path) -> None:
+    """The descriptions are journaled beside the pool: the next daemon reads them back and announces a block
+    on disk at once and one recovered in the pool once it is verified (committed), with no engine storing
+    again. A record cut by a kill ends the read; the journal is rewritten with what is held."""
+    async def scenario() -> None:
+        path = str(tmp_path / "pool.events")
+        ns = index.namespace("ns", 64 * 1024)
+        keys = keys_of(4)
+        before = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100,
+                             is_committed=index.is_committed, journal=Journal(path, MB))
+        assert before.restore() == 0
+        before.describe(ns.ns_hash, keys[:3], [b"d0", b"d1", b"d2"])
+        before.describe(ns.ns_hash, keys[3:], [b"d3"])
+        with open(path, "ab") as f:  # killed mid-write
+            f.write(event_journal.encode([(ns.ns_hash, keys_of(1, 9)[0], b"cut")])[:-1])
+
+        verified: set[bytes] = set()
+        after = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100,
+                            is_committed=lambda ns_hash, key: key in verified, journal=Journal(path, MB))
+        after.disk_holds = lambda ns_hash, held: {keys[2]} & set(held)
+        assert after.restore() == 4
+        stream = after.watch(ns.ns_hash, batch=10, closed=lambda: False)
+        (reset, got), = await take(stream, 1)
+        assert reset and seen(got) == [(False, keys[2], True)] and got[0].description == b"d2"
+        verified.update(keys[:2])
+        after.committed(ns.ns_hash, keys[:2])  # (what the index tells it as it verifies recovered blocks)
+        (_, got), = await take(stream, 1)
+        assert seen(got) == [(False, keys[0], False), (False, keys[1], False)]
+        assert sorted(k for _, k, _ in Journal(path, MB).read(64)) == sorted(keys)  # (the cut record gone)
+
+    asyncio.run(scenario())
+
+
+def test_the_journal_is_rewritten_when_it_outgrows_what_is_held_and_ignores_what_is_not_its_own(
+        index, tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(event_journal, "JOURNAL_SLACK", 0)
+    path = tmp_path / "pool.events"
+    path.write_bytes(b"not a journal")
+    events = index.events = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100,
+                                        is_committed=index.is_committed, journal=Journal(str(path), MB))
+    assert events.restore() == 0 and path.read_bytes() == HEADER  # (another file: not read, replaced)
+    ns = index.namespace("ns", 64 * 1024)
+    keys = keys_of(8)
+    events.describe(ns.ns_hash, keys, [b"meta"] * 8)
+    store(index, ns, keys)
+    index.clear(ns)
+    assert path.stat().st_size > len(HEADER) and events.stats.bytes == 0
+    events.expire()  # (housekeeping) the file held only blocks gone
+    assert path.read_bytes() == HEADER
+
+    too_big = Journal(str(path), len(HEADER) - 1)
+    assert list(too_big.read(64)) == []

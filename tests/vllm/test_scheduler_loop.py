@@ -219,23 +219,30 @@ def test_a_load_that_fails_is_recomputed(make_loop, daemon) -> None:
     assert loop.wrong_tokens("B", 64) == []  # by the forward: the memory was wiped
 
 
-def test_stored_blocks_are_announced_as_kv_events_of_the_cpu_tier(make_loop) -> None:
+def test_stored_blocks_are_announced_as_kv_events_of_the_cpu_and_storage_tiers(daemon_factory, tmp_path) -> None:
+    """Each block once per medium it is held in: CPU (the pool), STORAGE (the disk tier, once written behind)."""
     from vllm.distributed.kv_events import BlockStored
-
-    loop, tokens = make_loop(kv_events=True), prompt(64, seed=6)
-    request = loop.add("A", tokens)
-    loop.run()
-
-    def announced() -> set:
-        return {h for e in loop.events if isinstance(e, BlockStored) and e.medium == "CPU" for h in e.block_hashes}
-
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-    wanted = {maybe_convert_block_hash(h) for h in request.block_hashes[:4]}
-    loop.run(lambda: announced() >= wanted)
-    assert announced() == wanted
-    stored = [e for e in loop.events if isinstance(e, BlockStored) and e.medium == "CPU"]
-    assert [e.token_ids for e in stored] == [tokens[i * BLOCK:(i + 1) * BLOCK] for i in range(4)]
+    daemon = daemon_factory("--disk-path", str(tmp_path / "disk"), "--disk-size", "32MiB",
+                            "--disk-segment-size", "4MiB").start()
+    loop, tokens = Loop(daemon.socket, tmp_path / "loop", kv_events=True), prompt(64, seed=6)
+    try:
+        request = loop.add("A", tokens)
+        loop.run()
+
+        def announced(medium: str) -> list[BlockStored]:
+            return [e for e in loop.events if isinstance(e, BlockStored) and e.medium == medium]
+
+        wanted = [maybe_convert_block_hash(h) for h in request.block_hashes[:4]]
+        # (STORAGE comes after the disk's write behind, told each second: ~1 ms a step here)
+        loop.run(lambda: len(announced("CPU")) >= 4 and len(announced("STORAGE")) >= 4, max_steps=20_000)
+        for medium in ("CPU", "STORAGE"):
+            assert sorted(h for e in announced(medium) for h in e.block_hashes) == sorted(wanted)
+            assert sorted(e.token_ids for e in announced(medium)) == sorted(
+                tokens[i * BLOCK:(i + 1) * BLOCK] for i in range(4))
+    finally:
+        loop.close()
 
 
 def test_update_state_after_alloc_a_step_late(make_loop) -> None:

@@ -103,6 +103,7 @@ class DiskTier(Segments):
         self._index, self._segments, self._active = {}, {}, None
         self._active_fd, self._active_entries, self._unsynced, self._next_seq = -1, [], [], 1
         self._queued: dict[bytes, int] = {}  # scope + key -> bytes reserved by admit
+        self._changes = []
         self.catalog = Catalog()
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._healthy, self._error = True, ""
@@ -200,6 +201,7 @@ class DiskTier(Segments):
                 dropped = {scope: keys for scope in scopes if (keys := self._index.pop(scope, None))}
             if dropped:
                 self.catalog.record_clear(None if scopes is None else list(dropped), at)
+                self._changes.extend([(b"", b"", False)] if scopes is None else [(s, b"", False) for s in dropped])
             return dropped
 
     def names(self) -> dict[bytes, str]:
@@ -375,6 +377,7 @@ class DiskTier(Segments):
                     corrupt += 1
                     if index.get(keys[i]) == value:
                         del index[keys[i]]
+                        self._changes.append((scope, keys[i], False))
                 else:
                     failed = failed or rc
             done = sum(v is not None for v in out)
@@ -433,6 +436,13 @@ class DiskTier(Segments):
         with self._lock:
             index = self._index.get(scope.ns_hash) if self._healthy and not self._closed else None
             return index.keys() & keys if index else set()
+
+    def take_changes(self) -> list[tuple[bytes, bytes, bool]]:
+        """The blocks written (True) and dropped (False) since the last call, in order: (scope, key, written);
+        a key b"" stands for every block of the scope, a scope b"" for every scope."""
+        with self._lock:
+            changes, self._changes = self._changes, []
+        return changes
 
     def forget(self, scopes: Sequence[bytes] | None) -> Forgotten:
         """`clear`, and `save_catalog` on the tier's threads (the task to await before answering)."""

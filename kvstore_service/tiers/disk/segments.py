@@ -68,6 +68,7 @@ class Segments:
     threads: int
     _mode: int
     _direct: int  # os.O_DIRECT once probed
+    _changes: list[tuple[bytes, bytes, bool]]  # (scope, key, written) for the routers' events: DiskTier.take_changes
     _mem_align: int
     _lock: threading.Lock  # the index, segments' keys and readers, catalog, counters, queue: never during I/O
     _write_lock: threading.Lock  # one write (or close) at a time: the active segment, rotation, files
@@ -264,6 +265,7 @@ class Segments:
                 key = keys[chosen[k]]
                 index[key] = pack_location(seg.seq, at[k], length, sums[k])
                 seg_keys.append(key)
+                self._changes.append((scope, key, True))
         failed = next((rc for rc in results if rc != 0), 0)
         if failed:
             raise OSError(-failed, os.strerror(-failed), os.path.join(self.path, segment_file(seg.seq)))
@@ -376,6 +378,7 @@ class Segments:
                     value = index.get(key)  # type: ignore[union-attr]
                     if value is not None and value >> SEQ_SHIFT == victim.seq:
                         del index[key]  # type: ignore[union-attr]
+                        self._changes.append((scope, key, False))
                 if index is not None and not index:
                     del self._index[scope]
             self._counts["reclaimed_segments"] += 1
@@ -419,6 +422,7 @@ class Segments:
             if not self._healthy or self._closed:
                 return
             self._healthy = False
+            self._changes.append((b"", b"", False))  # (every block: lookups find none from now on)
             self._error = (f"{what} failed: {exc.strerror or exc} [{code}]{where}; the disk tier is disabled "
                                  "until the daemon restarts (the pool keeps serving)")
         log.error("disk tier %s: %s", self.path, self._error)

@@ -392,6 +392,9 @@ class RemoteTier:
         """Not known without asking the store (a round trip): only a fetch tells."""
         return None
 
+    def take_changes(self) -> list[tuple[bytes, bytes, bool]]:
+        return []  # (shared by nodes: not this node's blocks to announce)
+
     def forget(self, scopes: Sequence[bytes] | None) -> Forgotten:
         """Nothing: the store's keys cannot be listed by namespace, and its values age out under the
         server's eviction; a Clear does not reach it."""
