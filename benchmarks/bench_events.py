@@ -5,7 +5,8 @@
 1. Daemon: a real daemon; engine A describes and stores `--blocks` blocks of 16 KiB in jobs of 64, while
    engine B watches the namespace's stream: blocks announced per second from A's first store to B's last
    event, against A's stores alone (no description, no watcher) in the same round. Then an engine attaches
-   afresh: the reset's replay of every block, per second.
+   afresh: the reset's replay of every block, per second. Rounds alternate between a daemon that journals
+   the descriptions (the default, event_journal.py) and one that does not (--event-journal off).
 2. Fan-out, in process: a change of 64 described blocks sent to N caught-up streams of a namespace as
    WatchBlocks sends it (the message made, then serialized per stream as gRPC does): the batch encoded
    once for all streams (servicer.block_events) against once per stream (as before 2026-12-07).
@@ -111,7 +112,7 @@ def connector_steps(steps: int = 2000) -> dict[str, float]:
         t = time.perf_counter_ns()
         announcer.take()
         empty.append(time.perf_counter_ns() - t)
-        announcer._translate(False, [(False, f"{i:08d}".encode().ljust(32, b"k") + bytes([j]), description)
+        announcer._translate(False, [(False, f"{i:08d}".encode().ljust(32, b"k") + bytes([j]), description, False)
                                      for j in range(16)])
         t = time.perf_counter_ns()
         announcer.take()
@@ -167,23 +168,28 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     report: dict[str, Any] = {"rounds": []}
     with tempfile.TemporaryDirectory() as tmp:
-        daemon = DaemonProcess(tmp, "1GiB")
-        daemon.start()
+        daemons = {"journal": DaemonProcess(f"{tmp}/j", "1GiB"), "no journal": DaemonProcess(f"{tmp}/n", "1GiB")}
         try:
+            daemons["journal"].start()
+            daemons["no journal"].start("--event-journal", "off")
             for n in range(args.rounds):
-                report["rounds"].append(daemon_round(daemon.socket, args.blocks, n))
+                for name, daemon in daemons.items():
+                    report["rounds"].append({"daemon": name, **daemon_round(daemon.socket, args.blocks, n)})
         finally:
-            daemon.stop()
+            for daemon in daemons.values():
+                daemon.stop()
     report["fanout"] = [{"streams": n, "per_stream_ms": fanout(n, False), "shared_ms": fanout(n, True)}
                         for n in (1, 16, 64) for _ in range(3)]
     report["connector"] = connector_steps()
     rounds = report["rounds"]
-    print(f"{'round':>5} {'announced/s':>12} {'stores alone/s':>15} {'ratio':>6} {'replay/s':>10}")
-    for n, r in enumerate(rounds):
-        print(f"{n:>5} {r['announced_per_s']:>12.0f} {r['stores_alone_blocks_per_s']:>15.0f} {r['ratio']:>6.2f} "
-              f"{r['replay_per_s']:>10.0f}")
-    print(f"median announced/s {statistics.median(r['announced_per_s'] for r in rounds):.0f}, "
-          f"ratio {statistics.median(r['ratio'] for r in rounds):.2f} of the stores alone")
+    print(f"{'daemon':>10} {'announced/s':>12} {'stores alone/s':>15} {'ratio':>6} {'replay/s':>10}")
+    for r in rounds:
+        print(f"{r['daemon']:>10} {r['announced_per_s']:>12.0f} {r['stores_alone_blocks_per_s']:>15.0f} "
+              f"{r['ratio']:>6.2f} {r['replay_per_s']:>10.0f}")
+    for name in ("journal", "no journal"):
+        mine = [r for r in rounds if r["daemon"] == name]
+        print(f"{name}: median announced/s {statistics.median(r['announced_per_s'] for r in mine):.0f}, "
+              f"ratio {statistics.median(r['ratio'] for r in mine):.2f} of the stores alone")
     for f in report["fanout"]:
         print(f"fan-out to {f['streams']:>2} streams: a 64-block change {f['per_stream_ms']:.2f} ms encoded per "
               f"stream, {f['shared_ms']:.2f} ms shared ({f['per_stream_ms'] / f['shared_ms']:.1f}x)")

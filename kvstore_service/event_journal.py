@@ -12,6 +12,7 @@ never fsynced: a daemon killed mid-write leaves a cut record, where `read` stops
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -86,6 +87,8 @@ class Journal:
                 os.replace(tmp, self.path)
             except BaseException:
                 os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
                 raise
         except OSError as e:
             self._off("rewriting", e)
@@ -111,7 +114,8 @@ class Journal:
             self._off("writing", e)
 
     def _off(self, what: str, e: OSError) -> None:
-        log.error("block descriptions %s: %s failed (%s); no longer kept for a restart", self.path, what, e)
+        log.error("block descriptions %s: %s failed (%s); no longer kept for a restart (--event-journal names "
+                  "another file, 'off' none)", self.path, what, e)
         self.close()
 
 

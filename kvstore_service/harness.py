@@ -92,10 +92,11 @@ class DaemonProcess:
 
     def cleanup(self) -> None:
         self.stop()
-        try:
-            os.unlink(self.pool_path)
-        except OSError:
-            pass
+        for path in (self.pool_path, f"{self.pool_path}.events"):  # (the pool, and its descriptions' journal)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
     def log_tail(self, lines: int = 40) -> str:
         try:
