@@ -112,7 +112,8 @@ def soak(a: argparse.Namespace) -> dict:
         shm_after = sorted(glob.glob("/dev/shm/kvstore-*"))
         result["shm_files_before"] = len(shm_before)
         result["shm_files_after"] = len(shm_after)
-        result["shm_files_new"] = sorted(set(shm_after) - set(shm_before) - {daemon.pool_path, f"{daemon.pool_path}.events"})
+        ours = {daemon.pool_path, f"{daemon.pool_path}.events"}  # (the pool and its descriptions' journal)
+        result["shm_files_new"] = sorted(set(shm_after) - set(shm_before) - ours)
 
         if a.kill_daemon:
             # The workers run until every kill is done and they worked a while on the last daemon.

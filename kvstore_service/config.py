@@ -77,6 +77,11 @@ class Config(BaseSettings):
         description="Threads that fault a new pool's pages in at start, before the daemon serves (page faults "
         "run at one core's speed per thread); 0: one per core the daemon may run on.",
     )
+    pool_numa: str = Field(
+        "interleave", description="How a new pool's pages are placed on NUMA nodes: 'interleave' spreads them over "
+        "every node the daemon may allocate on (when there are several: engines of every device share the "
+        "blocks), 'first-touch' leaves them where the populating threads run, or a list of nodes to spread "
+        "them over (e.g. '0,1' or '0-3').")
     devices: list[str] = Field(
         default_factory=list,
         description="Device backends (cuda, npu) to set up at start: the runtime loaded and the pool pinned "
@@ -260,6 +265,27 @@ class Config(BaseSettings):
             raise ValueError(f"unknown device backend(s) {unknown}: expected cuda or npu")
         return value
 
+    @field_validator("pool_numa")
+    @classmethod
+    def _numa_policy(cls, value: str) -> str:
+        if value not in ("interleave", "first-touch"):
+            parse_nodes(value)
+        return value
+
+    def numa_nodes(self) -> list[int] | None:
+        """The NUMA nodes to spread a new pool over (--pool-numa), or None."""
+        if self.pool_numa == "first-touch":
+            return None
+        if self.pool_numa != "interleave":
+            return parse_nodes(self.pool_numa)
+        try:  # the nodes this process may allocate on (its cpuset's mems)
+            with open("/proc/self/status") as f:
+                allowed = next((line.split(":", 1)[1] for line in f if line.startswith("Mems_allowed_list:")), "0")
+        except OSError:
+            return None
+        nodes = [n for n in parse_nodes(allowed.strip()) if n < 64]
+        return nodes if len(nodes) > 1 else None
+
     @field_validator("pool_size", "segment_size")
     @classmethod
     def _positive(cls, value: ByteSize) -> ByteSize:
@@ -341,3 +367,18 @@ class _Sources:
         value = error.get("input")
         given = f" (given: {value!r})" if isinstance(value, str | int | float) and not isinstance(value, bool) else ""
         return f"{where}: {message}{given}"
+
+
+def parse_nodes(text: str) -> list[int]:
+    """NUMA nodes written as the kernel lists them: '0', '0,2', '0-3,8-11'."""
+    nodes: list[int] = []
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            nodes += range(int(first), int(last or first) + 1)
+    except ValueError:
+        raise ValueError(f"expected NUMA nodes like '0,1' or '0-3', 'interleave' or 'first-touch' (got {text!r})") \
+            from None
+    if not nodes or min(nodes) < 0 or max(nodes) > 63:
+        raise ValueError(f"NUMA nodes must be 0..63 (got {text!r})")
+    return nodes

@@ -77,7 +77,8 @@ class Daemon:
         self.started = time.monotonic()
         self.threads = threads
         self.pool = Pool(config.pool_path, int(config.pool_size), int(config.segment_size), fresh=config.fresh,
-                         populate_threads=config.populate_threads or len(os.sched_getaffinity(0)))
+                         populate_threads=config.populate_threads or len(os.sched_getaffinity(0)),
+                         numa_nodes=config.numa_nodes())
         self.index = BlockIndex(self.pool)
         self.events = self.index.events = BlockEvents(int(config.max_event_bytes),
                                                       int(config.max_event_description_bytes), config.max_event_queue,

@@ -225,6 +225,12 @@ def populate(base: int, size: int, threads: int) -> int:
     return int(_native.populate(base, size, threads))
 
 
+def interleave(base: int, size: int, nodes: list[int]) -> int:
+    """Spread the pages of [base, base + size) faulted in from now on over these NUMA nodes (0..63;
+    csrc/populate.cpp): 0, or the errno."""
+    return int(_native.interleave(base, size, sum(1 << n for n in set(nodes))))
+
+
 def guard_memory(base: int, size: int) -> int:
     """Guard a mapping of memory its owner can shrink (csrc/guard.cpp): a copy that faults there (SIGBUS)
     goes on over anonymous memory instead of ending the daemon, and guard_faulted says so. Returns its id."""
