@@ -6,7 +6,9 @@ IP). Per-namespace series name each namespace's tenant and model (never the name
 --no-metrics-namespaces there are none, only daemon-wide figures.
 
 Counters the core already keeps are read at scrape time (a snapshot taken on the event loop, which
-owns them); only job latencies and gRPC errors are recorded as they happen.
+owns them); only job latencies and gRPC errors are recorded as they happen. The figures read at scrape
+time are the fields of the typed stats (stats.py) that declare a metric, plus the few below that no
+single field holds.
 
 `GET /healthz` answers what the gRPC health service on the daemon's socket answers, by asking it:
 200 "SERVING", else 503 with the status (NOT_SERVING while the pool is set up and while the daemon
@@ -17,10 +19,11 @@ interpreter for it (Kubernetes httpGet).
 from __future__ import annotations
 
 import asyncio
+import operator
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, TypeVar
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
@@ -30,7 +33,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
-from kvstore_service.stats import DiskStats, NamespaceStats, RemoteStats, Stats
+from kvstore_service.stats import DiskStats, EventStats, MetricSpec, NamespaceStats, RemoteStats, Stats, metrics_of
 
 # Per-namespace series: the tenant, the model and a short hash of the namespace, never the namespace
 # itself (it may carry a tenant's salt), whoever scrapes /metrics.
@@ -159,109 +162,63 @@ class _StatsCollector(Collector):
             return self.stats()
 
         s = asyncio.run_coroutine_threadsafe(take(), self.loop).result(timeout=5)
-        yield GaugeMetricFamily("kvstore_pool_capacity_bytes", "Pool capacity.", value=s.capacity_bytes)
-        yield GaugeMetricFamily("kvstore_pool_used_bytes", "Pool bytes holding blocks.", value=s.used_bytes)
-        yield GaugeMetricFamily("kvstore_engines", "Engines connected.", value=s.engines)
-        yield GaugeMetricFamily("kvstore_leases", "Lookup leases held.", value=s.leases)
-        yield GaugeMetricFamily("kvstore_jobs_in_flight", "Copy jobs not finished.", value=s.jobs_in_flight)
-        yield GaugeMetricFamily("kvstore_unsealed_blocks", "Stored blocks waiting for their checksum.",
-                                value=s.unsealed_blocks)
-        yield GaugeMetricFamily("kvstore_hit_ratio", "Lookup hits / blocks looked up, since start: asked, not "
-                                "served (hits include blocks engines held themselves; served: kvstore_loaded_*).",
-                                value=s.hit_rate)
-        yield CounterMetricFamily("kvstore_failed_blocks", "Blocks whose job failed.", value=s.failed_blocks)
-        yield CounterMetricFamily("kvstore_failed_load_blocks", "Blocks whose load failed (engines recompute them).",
-                                  value=s.failed_load_blocks)
-        yield CounterMetricFamily("kvstore_store_failures_pool_full", "Stores refused because no slot could be freed.",
-                                  value=s.store_failures_pool_full)
-        yield CounterMetricFamily("kvstore_lease_expiries", "Leases that expired before release.",
-                                  value=s.lease_expiries)
-        yield CounterMetricFamily("kvstore_corrupt_blocks", "Blocks dropped after a checksum mismatch (at a load, "
-                                  "or when verifying recovered blocks after a restart).", value=s.corrupt_blocks)
-        yield GaugeMetricFamily("kvstore_unverified_blocks", "Blocks recovered from the pool after a restart, not "
-                                "yet checked against their checksums (lookups miss them until then).",
-                                value=s.unverified_blocks)
-        per_ns: list[tuple[GaugeMetricFamily | CounterMetricFamily, Callable[[NamespaceStats], int]]] = [
-            (GaugeMetricFamily("kvstore_blocks", "Blocks in the pool.", labels=NAMESPACE_LABELS),
-             lambda ns: ns.blocks),
-            (GaugeMetricFamily("kvstore_namespace_used_bytes", "Pool bytes per namespace.", labels=NAMESPACE_LABELS),
-             lambda ns: ns.used_bytes),
-            (CounterMetricFamily("kvstore_lookup_hits", "Looked-up blocks found (asked, not served: see "
-                                 "kvstore_loaded_blocks).", labels=NAMESPACE_LABELS),
-             lambda ns: ns.hits),
-            (CounterMetricFamily("kvstore_lookup_misses", "Looked-up blocks missing.", labels=NAMESPACE_LABELS),
-             lambda ns: ns.misses),
-            (CounterMetricFamily("kvstore_stored_blocks", "Blocks stored.", labels=NAMESPACE_LABELS),
-             lambda ns: ns.stored_blocks),
-            (CounterMetricFamily("kvstore_loaded_blocks", "Served: block loads into engines (TP: one per shard's "
-                                 "part).", labels=NAMESPACE_LABELS),
-             lambda ns: ns.loaded_blocks),
-            (CounterMetricFamily("kvstore_namespace_loaded_bytes", "Served: bytes loaded into engines.",
-                                 labels=NAMESPACE_LABELS),
-             lambda ns: ns.loaded_bytes),
-            (CounterMetricFamily("kvstore_namespace_loaded_tokens", "Served: tokens loaded into engines (0 when the "
-                                 "namespace names no block size in tokens).", labels=NAMESPACE_LABELS),
-             lambda ns: ns.loaded_tokens),
-            (CounterMetricFamily("kvstore_evictions", "Blocks evicted (LRU).", labels=NAMESPACE_LABELS),
-             lambda ns: ns.evictions),
-        ]
+        yield from _families(_DAEMON, [((), s)])
+        yield from _families(_EVENTS, [((), s.events)])
         if self.per_namespace:
-            for ns in s.namespaces:
-                labels = [ns.tenant, model_of(ns.namespace), ns.short_id]
-                for family, value in per_ns:
-                    family.add_metric(labels, value(ns))
-            yield from (family for family, _ in per_ns)
-        yield CounterMetricFamily("kvstore_stored_bytes", "Bytes stored.", value=s.stored_bytes)
-        yield CounterMetricFamily("kvstore_loaded_bytes", "Served: bytes loaded into engines.", value=s.loaded_bytes)
-        yield CounterMetricFamily("kvstore_loaded_tokens", "Served: tokens loaded into engines, of the namespaces "
-                                  "that name their block size in tokens.", value=s.loaded_tokens)
-        yield CounterMetricFamily("kvstore_events_sent", "Block events streamed to engines (routers' KV events).",
-                                  value=s.events.sent)
-        yield CounterMetricFamily("kvstore_events_resyncs", "Engines' event streams reset after falling "
-                                  "--max-event-queue events behind.", value=s.events.resyncs)
-        yield CounterMetricFamily("kvstore_events_dropped", "Block descriptions not kept (over --max-event-bytes "
-                                  "or --max-event-description-bytes).", value=s.events.dropped)
-        yield GaugeMetricFamily("kvstore_event_bytes", "Bytes of block descriptions held.", value=s.events.bytes)
+            rows = [((ns.tenant, model_of(ns.namespace), ns.short_id), ns) for ns in s.namespaces]
+            yield from _families(_NAMESPACE, rows, NAMESPACE_LABELS)
         if s.remote.url:
-            yield from _remote_metrics(s.remote)
+            yield from _families(_REMOTE, [((), s.remote)])
+            # (a summary: two fields, count and sum, make one family)
+            yield SummaryMetricFamily("kvstore_remote_fetch_seconds", "Time of the lookups' fetches from the remote "
+                                      "store.", count_value=s.remote.fetch_seconds_count,
+                                      sum_value=s.remote.fetch_seconds_sum)
         if s.disk.capacity_bytes:
-            yield from _disk_metrics(s.disk)
+            yield from _families(_DISK, [((), s.disk)])
 
 
-def _disk_metrics(d: DiskStats) -> Iterator[Metric]:
-    yield GaugeMetricFamily("kvstore_disk_healthy", "0 once an I/O error, a full disk or a missing directory "
-                            "disabled the disk tier (the pool keeps serving).", value=float(d.healthy))
-    yield GaugeMetricFamily("kvstore_disk_blocks", "Blocks on disk.", value=d.blocks)
-    yield GaugeMetricFamily("kvstore_disk_used_bytes", "Disk space the segment files take.", value=d.bytes)
-    yield GaugeMetricFamily("kvstore_disk_capacity_bytes", "--disk-size, in whole segments.", value=d.capacity_bytes)
-    for name, doc, value in (
-            ("hits", "Looked-up blocks found on disk.", d.hits),
-            ("read_blocks", "Blocks read back into the pool and verified.", d.read_blocks),
-            ("read_bytes", "Bytes read back into the pool.", d.read_bytes),
-            ("written_blocks", "Blocks written to disk.", d.written),
-            ("write_bytes", "Bytes written to disk.", d.write_bytes),
-            ("write_dropped_blocks", "Blocks not written: queue full, no space, tier disabled, evicted before their "
-             "seal.", d.write_dropped),
-            ("corrupt_blocks", "Records that failed verification at a read (dropped).", d.corrupt),
-            ("errors", "Failed disk I/O calls.", d.errors)):
-        yield CounterMetricFamily(f"kvstore_disk_{name}", doc, value=value)
+_T = TypeVar("_T")
+# A metric and how to read its value from a stats object.
+_Row = tuple[MetricSpec, Callable[[_T], float]]
 
 
-def _remote_metrics(r: RemoteStats) -> Iterator[Metric]:
-    yield GaugeMetricFamily("kvstore_remote_breaker_open", "1 while the remote store is not asked (failing).",
-                            value=float(r.breaker != "closed"))
-    yield GaugeMetricFamily("kvstore_remote_queued_bytes", "Bytes waiting for their upload.", value=r.queued_bytes)
-    yield GaugeMetricFamily("kvstore_remote_queued_blocks", "Blocks waiting for their upload.", value=r.queued_blocks)
-    for name, doc, value in (
-            ("hits", "Blocks fetched from the remote store and verified.", r.hits),
-            ("misses", "Blocks asked of the remote store and not found (or failed).", r.misses),
-            ("uploaded_blocks", "Blocks uploaded.", r.uploaded),
-            ("bytes_up", "Bytes uploaded.", r.bytes_up),
-            ("bytes_down", "Bytes fetched.", r.bytes_down),
-            ("dropped_blocks", "Blocks not uploaded: queue full, store failing, or the daemon stopping.",
-             r.dropped_full + r.dropped_unhealthy + r.dropped_closed),
-            ("errors", "Keys whose call to the remote store failed (timeouts included).", r.errors),
-            ("corrupt_blocks", "Fetched values that failed verification (deleted).", r.corrupt)):
-        yield CounterMetricFamily(f"kvstore_remote_{name}", doc, value=value)
-    yield SummaryMetricFamily("kvstore_remote_fetch_seconds", "Time of the lookups' fetches from the remote store.",
-                              count_value=r.fetch_seconds_count, sum_value=r.fetch_seconds_sum)
+def _declared(cls: type[_T]) -> list[_Row[_T]]:
+    """The metrics the fields of `cls` declare (stats.py), each read from its field."""
+    return [(spec, operator.attrgetter(name)) for name, spec in metrics_of(cls)]
+
+
+def _families(table: list[_Row[_T]], rows: Sequence[tuple[Sequence[str], _T]],
+              labels: Sequence[str] = ()) -> Iterator[Metric]:
+    """A family per metric of `table`, with a sample per row (its label values, the object it reads)."""
+    for spec, value in table:
+        family: GaugeMetricFamily | CounterMetricFamily
+        if spec.kind == "gauge":
+            family = GaugeMetricFamily(spec.name, spec.doc, labels=labels)
+        else:
+            family = CounterMetricFamily(spec.name, spec.doc, labels=labels)
+        for label_values, obj in rows:
+            family.add_metric(label_values, value(obj))
+        yield family
+
+
+# What no single field holds (properties, a field's meaning, a sum) is declared here.
+_DAEMON: list[_Row[Stats]] = [
+    *_declared(Stats),
+    (MetricSpec("gauge", "kvstore_hit_ratio", "Lookup hits / blocks looked up, since start: asked, not served "
+                "(hits include blocks engines held themselves; served: kvstore_loaded_*)."), lambda s: s.hit_rate),
+    (MetricSpec("counter", "kvstore_stored_bytes", "Bytes stored."), lambda s: s.stored_bytes),
+]
+_EVENTS: list[_Row[EventStats]] = _declared(EventStats)
+_NAMESPACE: list[_Row[NamespaceStats]] = [
+    *_declared(NamespaceStats),
+    (MetricSpec("counter", "kvstore_namespace_loaded_tokens", "Served: tokens loaded into engines (0 when the "
+                "namespace names no block size in tokens)."), lambda ns: ns.loaded_tokens),
+]
+_REMOTE: list[_Row[RemoteStats]] = [
+    *_declared(RemoteStats),
+    (MetricSpec("gauge", "kvstore_remote_breaker_open", "1 while the remote store is not asked (failing)."),
+     lambda r: r.breaker != "closed"),
+    (MetricSpec("counter", "kvstore_remote_dropped_blocks", "Blocks not uploaded: queue full, store failing, or the "
+                "daemon stopping."), lambda r: r.dropped_full + r.dropped_unhealthy + r.dropped_closed),
+]
+_DISK: list[_Row[DiskStats]] = _declared(DiskStats)

@@ -8,6 +8,9 @@ loaded, a namespace's short id) are properties here, computed in one place for e
 What the sidecar served is what it LOADED into engines (loaded blocks, bytes, tokens). Lookup hits
 are only what was asked: the connector also looks up blocks its engine holds itself and never loads.
 
+Each field that /metrics exports declares its Prometheus metric where it is defined (`gauge` or
+`counter` in the field's metadata); metrics.py walks them.
+
 Of the client package this module imports only `kvstore_client.protocol` (the daemon loads it).
 """
 
@@ -17,15 +20,15 @@ import dataclasses
 import hashlib
 import operator
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple, TypeVar, cast
 
 from google.protobuf.message import Message
 
 from kvstore_client.protocol import kvstore_pb2 as pb
 
-__all__ = ["DiskStats", "NamespaceStats", "RemoteStats", "Stats", "block_tokens", "from_dict", "from_proto",
-           "namespace_id", "to_json_dict", "to_proto"]
+__all__ = ["DiskStats", "EventStats", "MetricSpec", "NamespaceStats", "RemoteStats", "Stats", "block_tokens",
+           "counter", "from_dict", "from_proto", "gauge", "metrics_of", "namespace_id", "to_json_dict", "to_proto"]
 
 
 def namespace_id(namespace: str) -> str:
@@ -46,20 +49,46 @@ def _ratio(part: int, whole: int) -> float:
     return part / whole if whole else 0.0
 
 
+class MetricSpec(NamedTuple):
+    """A Prometheus metric family: its name, kind and help text (a counter's samples end in _total)."""
+
+    kind: Literal["gauge", "counter"]
+    name: str
+    doc: str
+
+
+def gauge(name: str, doc: str) -> dict[str, MetricSpec]:
+    """A field's metadata: /metrics exports the field as the gauge `name`."""
+    return {"metric": MetricSpec("gauge", name, doc)}
+
+
+def counter(name: str, doc: str) -> dict[str, MetricSpec]:
+    """A field's metadata: /metrics exports the field as the counter `name`."""
+    return {"metric": MetricSpec("counter", name, doc)}
+
+
+def metrics_of(cls: type[Any]) -> list[tuple[str, MetricSpec]]:
+    """(field name, its metric) for each field of the dataclass `cls` that declares one, in field order."""
+    return [(f.name, f.metadata["metric"]) for f in dataclasses.fields(cls) if "metric" in f.metadata]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NamespaceStats:
     namespace: str
-    blocks: int
-    used_bytes: int
+    blocks: int = field(metadata=gauge("kvstore_blocks", "Blocks in the pool."))
+    used_bytes: int = field(metadata=gauge("kvstore_namespace_used_bytes", "Pool bytes per namespace."))
     block_bytes: int
-    hits: int
-    misses: int
-    stored_blocks: int
-    loaded_blocks: int
-    evictions: int
+    hits: int = field(metadata=counter("kvstore_lookup_hits", "Looked-up blocks found (asked, not served: see "
+                                       "kvstore_loaded_blocks)."))
+    misses: int = field(metadata=counter("kvstore_lookup_misses", "Looked-up blocks missing."))
+    stored_blocks: int = field(metadata=counter("kvstore_stored_blocks", "Blocks stored."))
+    loaded_blocks: int = field(metadata=counter("kvstore_loaded_blocks", "Served: block loads into engines (TP: one "
+                                                "per shard's part)."))
+    evictions: int = field(metadata=counter("kvstore_evictions", "Blocks evicted (LRU)."))
     engines: int
     tenant: str
-    loaded_bytes: int  # copied into engines (with TP shards, each load copies its shard's part)
+    # copied into engines (with TP shards, each load copies its shard's part)
+    loaded_bytes: int = field(metadata=counter("kvstore_namespace_loaded_bytes", "Served: bytes loaded into engines."))
 
     @property
     def hit_rate(self) -> float:
@@ -94,90 +123,120 @@ class RemoteStats:
     breaker: str = ""  # closed, open, half-open
     breaker_opens: int = 0
     fetches: int = 0  # fetch calls with keys
-    hits: int = 0  # blocks fetched and verified
-    misses: int = 0  # blocks asked for and not returned (absent, failed, corrupt, after the first miss, skipped)
+    hits: int = field(default=0, metadata=counter("kvstore_remote_hits", "Blocks fetched from the remote store and "
+                                                  "verified."))
+    # blocks asked for and not returned (absent, failed, corrupt, after the first miss, skipped)
+    misses: int = field(default=0, metadata=counter("kvstore_remote_misses", "Blocks asked of the remote store and not "
+                                                    "found (or failed)."))
     skipped: int = 0  # of the misses: not asked, the breaker was open
-    bytes_down: int = 0  # payload bytes returned by fetch
+    # payload bytes returned by fetch
+    bytes_down: int = field(default=0, metadata=counter("kvstore_remote_bytes_down", "Bytes fetched."))
     fetch_seconds_sum: float = 0.0  # fetch calls that asked the store: total and count
     fetch_seconds_count: int = 0
-    queued_blocks: int = 0  # write-behind queue, values in flight included
-    queued_bytes: int = 0
+    # write-behind queue, values in flight included
+    queued_blocks: int = field(default=0, metadata=gauge("kvstore_remote_queued_blocks", "Blocks waiting for their "
+                                                         "upload."))
+    queued_bytes: int = field(default=0, metadata=gauge("kvstore_remote_queued_bytes", "Bytes waiting for their "
+                                                        "upload."))
     queue_limit_bytes: int = 0
-    uploaded: int = 0  # blocks stored
-    bytes_up: int = 0  # value bytes stored (headers included)
+    uploaded: int = field(default=0, metadata=counter("kvstore_remote_uploaded_blocks", "Blocks uploaded."))
+    # value bytes stored (headers included)
+    bytes_up: int = field(default=0, metadata=counter("kvstore_remote_bytes_up", "Bytes uploaded."))
     upload_failed: int = 0  # blocks whose upload failed (error or timeout)
     dropped_full: int = 0  # offered blocks dropped: queue full
     dropped_unhealthy: int = 0  # offered or queued blocks dropped: breaker open
     dropped_closed: int = 0  # queued blocks dropped when the tier closed
-    errors: int = 0  # per key: store errors, timeouts included
+    # per key: store errors, timeouts included
+    errors: int = field(default=0, metadata=counter("kvstore_remote_errors", "Keys whose call to the remote store "
+                                                    "failed (timeouts included)."))
     timeouts: int = 0
-    corrupt: int = 0  # values that failed verification (deleted)
+    corrupt: int = field(default=0, metadata=counter("kvstore_remote_corrupt_blocks", "Fetched values that failed "
+                                                     "verification (deleted)."))
 
 
 @dataclass(slots=True, kw_only=True)
 class EventStats:
     """Routers' block events (events.py): counters since the daemon started."""
 
-    sent: int = 0  # events streamed to engines
-    resyncs: int = 0  # streams reset after falling --max-event-queue events behind
-    dropped: int = 0  # descriptions not kept (over --max-event-bytes or --max-event-description-bytes)
-    bytes: int = 0  # descriptions held
+    sent: int = field(default=0, metadata=counter("kvstore_events_sent", "Block events streamed to engines "
+                                                  "(routers' KV events)."))
+    resyncs: int = field(default=0, metadata=counter("kvstore_events_resyncs", "Engines' event streams reset after "
+                                                     "falling --max-event-queue events behind."))
+    dropped: int = field(default=0, metadata=counter("kvstore_events_dropped", "Block descriptions not kept (over "
+                                                     "--max-event-bytes or --max-event-description-bytes)."))
+    bytes: int = field(default=0, metadata=gauge("kvstore_event_bytes", "Bytes of block descriptions held."))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DiskStats:
     """The disk tier (tiers/disk/): counters since the daemon started; all zero when there is none."""
 
-    blocks: int = 0  # on disk
-    bytes: int = 0  # disk space the segment files take
-    capacity_bytes: int = 0  # --disk-size, in whole segments
+    blocks: int = field(default=0, metadata=gauge("kvstore_disk_blocks", "Blocks on disk."))
+    bytes: int = field(default=0, metadata=gauge("kvstore_disk_used_bytes", "Disk space the segment files take."))
+    capacity_bytes: int = field(default=0, metadata=gauge("kvstore_disk_capacity_bytes", "--disk-size, in whole "
+                                                          "segments."))
     segments: int = 0
-    hits: int = 0  # looked-up keys found on disk
+    hits: int = field(default=0, metadata=counter("kvstore_disk_hits", "Looked-up blocks found on disk."))
     misses: int = 0
-    read_blocks: int = 0  # read back into the pool and verified
-    read_bytes: int = 0
+    read_blocks: int = field(default=0, metadata=counter("kvstore_disk_read_blocks", "Blocks read back into the pool "
+                                                         "and verified."))
+    read_bytes: int = field(default=0, metadata=counter("kvstore_disk_read_bytes", "Bytes read back into the pool."))
     read_seconds: float = 0.0
-    written: int = 0  # blocks written
-    write_bytes: int = 0
+    written: int = field(default=0, metadata=counter("kvstore_disk_written_blocks", "Blocks written to disk."))
+    write_bytes: int = field(default=0, metadata=counter("kvstore_disk_write_bytes", "Bytes written to disk."))
     write_seconds: float = 0.0
-    write_dropped: int = 0  # not written: queue full, no space, tier disabled, evicted before their seal
+    write_dropped: int = field(default=0, metadata=counter("kvstore_disk_write_dropped_blocks", "Blocks not written: "
+                                                           "queue full, no space, tier disabled, evicted before "
+                                                           "their seal."))
     queued_bytes: int = 0  # waiting to be written
-    corrupt: int = 0  # records that failed verification at a read (dropped)
-    errors: int = 0  # failed I/O calls
+    corrupt: int = field(default=0, metadata=counter("kvstore_disk_corrupt_blocks", "Records that failed "
+                                                     "verification at a read (dropped)."))
+    errors: int = field(default=0, metadata=counter("kvstore_disk_errors", "Failed disk I/O calls."))
     reclaimed_segments: int = 0  # oldest segments dropped to make room
     direct_io: bool = False  # O_DIRECT in use
-    healthy: bool = False  # false: no disk tier, or disabled by an error (see error)
+    # false: no disk tier, or disabled by an error (see error)
+    healthy: bool = field(default=False, metadata=gauge("kvstore_disk_healthy", "0 once an I/O error, a full disk "
+                                                        "or a missing directory disabled the disk tier (the pool "
+                                                        "keeps serving)."))
     error: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Stats:
-    capacity_bytes: int
-    used_bytes: int
-    blocks: int
+    capacity_bytes: int = field(metadata=gauge("kvstore_pool_capacity_bytes", "Pool capacity."))
+    used_bytes: int = field(metadata=gauge("kvstore_pool_used_bytes", "Pool bytes holding blocks."))
+    blocks: int  # (blocks to evictions: on /metrics per namespace only)
     hits: int
     misses: int
     stored_blocks: int
     loaded_blocks: int
     evictions: int
-    engines: int
-    leases: int
-    jobs_in_flight: int
-    failed_blocks: int
-    store_failures_pool_full: int
-    lease_expiries: int
-    corrupt_blocks: int
+    engines: int = field(metadata=gauge("kvstore_engines", "Engines connected."))
+    leases: int = field(metadata=gauge("kvstore_leases", "Lookup leases held."))
+    jobs_in_flight: int = field(metadata=gauge("kvstore_jobs_in_flight", "Copy jobs not finished."))
+    failed_blocks: int = field(metadata=counter("kvstore_failed_blocks", "Blocks whose job failed."))
+    store_failures_pool_full: int = field(metadata=counter("kvstore_store_failures_pool_full", "Stores refused "
+                                                           "because no slot could be freed."))
+    lease_expiries: int = field(metadata=counter("kvstore_lease_expiries", "Leases that expired before release."))
+    corrupt_blocks: int = field(metadata=counter("kvstore_corrupt_blocks", "Blocks dropped after a checksum mismatch "
+                                                 "(at a load, or when verifying recovered blocks after a restart)."))
     uptime_s: int
     namespaces: list[NamespaceStats]
     daemon_version: str
-    unsealed_blocks: int
-    failed_load_blocks: int
-    unverified_blocks: int
+    unsealed_blocks: int = field(metadata=gauge("kvstore_unsealed_blocks", "Stored blocks waiting for their "
+                                                "checksum."))
+    failed_load_blocks: int = field(metadata=counter("kvstore_failed_load_blocks", "Blocks whose load failed "
+                                                     "(engines recompute them)."))
+    unverified_blocks: int = field(metadata=gauge("kvstore_unverified_blocks", "Blocks recovered from the pool after "
+                                                  "a restart, not yet checked against their checksums (lookups miss "
+                                                  "them until then)."))
     remote: RemoteStats
     disk: DiskStats
-    loaded_bytes: int
-    loaded_tokens: int  # of the namespaces whose block size in tokens is known
-    events: EventStats = dataclasses.field(default_factory=EventStats)
+    loaded_bytes: int = field(metadata=counter("kvstore_loaded_bytes", "Served: bytes loaded into engines."))
+    # of the namespaces whose block size in tokens is known
+    loaded_tokens: int = field(metadata=counter("kvstore_loaded_tokens", "Served: tokens loaded into engines, of the "
+                                                "namespaces that name their block size in tokens."))
+    events: EventStats = field(default_factory=EventStats)
 
     @property
     def hit_rate(self) -> float:
@@ -210,13 +269,13 @@ _T = TypeVar("_T")
 
 def _to_message(obj: Any) -> Message:
     values: dict[str, Any] = {}
-    for field in dataclasses.fields(obj):
-        value = getattr(obj, field.name)
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
         if isinstance(value, list):
             value = [_to_message(v) if dataclasses.is_dataclass(v) else v for v in value]
         elif dataclasses.is_dataclass(value):
             value = _to_message(value)
-        values[field.name] = value
+        values[f.name] = value
     return _MESSAGE_OF[type(obj)](**values)
 
 
@@ -224,15 +283,15 @@ def _build(cls: type[_T], source: Any, get: Callable[[Any, str], Any]) -> _T:
     """A `cls` from a message or a mapping (`get` reads one field); nested messages per the .proto."""
     values: dict[str, Any] = {}
     descriptors = _MESSAGE_OF[cls].DESCRIPTOR.fields_by_name
-    for field in dataclasses.fields(cast(Any, cls)):
-        value = get(source, field.name)
-        descriptor = descriptors[field.name]
+    for f in dataclasses.fields(cast(Any, cls)):
+        value = get(source, f.name)
+        descriptor = descriptors[f.name]
         if descriptor.message_type is not None:
             sub = _DATACLASS_OF[descriptor.message_type.full_name]
             value = [_build(sub, v, get) for v in value] if descriptor.is_repeated else _build(sub, value, get)
         elif descriptor.is_repeated:
             value = list(value)
-        values[field.name] = value
+        values[f.name] = value
     return cls(**values)
 
 
