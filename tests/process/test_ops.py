@@ -78,7 +78,8 @@ def test_serve_help_types_every_option() -> None:
     assert "--tenants YAML" in lines["--tenants"] and "--allowed-uids INTEGER" in lines["--allowed-uids"]
     texts = [flag for flag, line in lines.items() if f"{flag} TEXT" in line]
     assert set(texts) == {"--config", "--socket", "--socket-mode", "--socket-group", "--admin-tls-names", "--tcp",
-                          "--tls-cert", "--tls-key", "--tls-client-ca", "--pool-path", "--devices", "--disk-path",
+                          "--tls-cert", "--tls-key", "--tls-client-ca", "--pool-path", "--pool-numa", "--devices",
+                          "--disk-path", "--event-journal",
                           "--remote", "--remote-password-file", "--remote-tls-ca",
                           "--remote-secret-file", "--metrics-host"} - {"--config"}
 
