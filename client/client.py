@@ -9,7 +9,6 @@ reported failed.
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import os
@@ -306,8 +305,8 @@ class KVStoreClient:
         self.channel.close()
 
 
-# A call for the session's background thread: function, arguments, the future it fills (if any).
-_Call = tuple[Callable[..., Any], tuple[Any, ...], concurrent.futures.Future[Any] | None]
+# A call for the session's background thread: function and arguments.
+_Call = tuple[Callable[..., Any], tuple[Any, ...]]
 
 
 @dataclass
@@ -644,21 +643,11 @@ class Session:
             group_spans=group_spans))
         return reply.hits, reply.lease_id
 
-    def lookup_future(self, keys: Sequence[bytes], lease: bool = False,
-                      lease_ttl_ms: int = 0) -> concurrent.futures.Future[tuple[int, bytes]]:
-        """Non-blocking lookup, made on the session's background thread (starting a gRPC call on the
-        caller's thread costs ~1 ms): `.done()`, then `.result()` gives (hits, lease_id) or raises
-        KVStoreError (Unavailable once the session is closed; cancelled if it closes first)."""
-        future: concurrent.futures.Future[tuple[int, bytes]] = concurrent.futures.Future()
-        if not self._queue((self.lookup, (list(keys), lease, lease_ttl_ms), future)):
-            future.set_exception(Unavailable("UNAVAILABLE: the kvstore session is closed"))
-        return future
-
     def run_in_background(self, fn: Callable[..., object], *args: Any) -> bool:
         """Run fn(*args) on the session's background thread, after the calls queued before it (lookups,
         lease releases); the caller's cost is a queue put. fn reports its result itself; its errors are
         only logged. False if the session is closed: nothing queued (close() drops queued calls)."""
-        return self._queue((fn, args, None))
+        return self._queue((fn, args))
 
     def _queue(self, call: _Call) -> bool:
         if self._closing:
@@ -676,7 +665,7 @@ class Session:
                              pb.ReleaseLeaseRequest(session_id=self.session_id, lease_id=lease_id))
             return
         # Closed: nothing queued, the daemon drops a session's leases when the session ends.
-        self._queue((self._release_quietly, (lease_id,), None))
+        self._queue((self._release_quietly, (lease_id,)))
 
     def describe_blocks(self, keys: Sequence[bytes], descriptions: Sequence[bytes]) -> None:
         """Tell the daemon what routers need of blocks this engine stores (client/vllm/events.py); call it
@@ -717,27 +706,17 @@ class Session:
     def _background_loop(self) -> None:
         """Runs the queued calls in order until close(); what close() finds still queued is dropped."""
         while (item := self._calls.get()) is not None:
-            fn, args, future = item
             if self._closing:
-                if future is not None:
-                    future.cancel()
                 continue
-            if future is not None and not future.set_running_or_notify_cancel():
-                continue  # cancelled by its caller
+            fn, args = item
             try:
-                value = fn(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller through the future
-                if future is None:
-                    log.debug("kvstore: background call failed: %s", e)
-                else:
-                    future.set_exception(e)
-            else:
-                if future is not None:
-                    future.set_result(value)
+                fn(*args)
+            except BaseException as e:  # noqa: BLE001 - the thread serves the calls after this one
+                log.debug("kvstore: background call failed: %s", e)
         self._drop_queued()
 
     def _drop_queued(self) -> None:
-        """Take every queued call off without running it (their futures are cancelled)."""
+        """Take every queued call off without running it."""
         stop = False
         while True:
             try:
@@ -746,8 +725,6 @@ class Session:
                 break
             if item is None:
                 stop = True
-            elif item[2] is not None:
-                item[2].cancel()
         if stop:
             self._calls.put(None)  # not ours to take: the background thread's stop
 

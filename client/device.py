@@ -22,17 +22,14 @@ sleep mode, the cumem allocator, vllm-ascend's CaMem allocator): the connector s
 
 from __future__ import annotations
 
+import os
+import subprocess
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvstore_client.client import MemorySpec
-from kvstore_client.protocol.handle import (
-    KINDS,
-    cuda_device_uuid,
-    encode_handle,
-    handle_from_share,
-    npu_device_uuid,
-)
+from kvstore_client.protocol.handle import KINDS, encode_handle, handle_from_share, normalize_uuid
+from kvstore_client.protocol.npu_identity import npu_identity
 
 if TYPE_CHECKING:
     import torch
@@ -115,6 +112,32 @@ def export_kv_memory(memories: Sequence[torch.Tensor], num_blocks: int,
 
     return MemorySpec(device.type, export(), tuple(s.nbytes() for s in storages), num_blocks, tuple(regions),
                       device=index, reexport=export)
+
+
+def cuda_device_uuid(index: int) -> str:
+    """The UUID of CUDA device `index`, which the daemon finds among its own GPUs."""
+    import torch
+
+    return normalize_uuid(str(torch.cuda.get_device_properties(index).uuid))
+
+
+def npu_device_uuid(index: int) -> str:
+    """UNVERIFIED ON HARDWARE. The identity of NPU `index`, as the daemon reads its own NPUs'
+    (kvstore_client.protocol.npu_identity); "" when neither torch_npu nor npu-smi gives one."""
+    import torch
+
+    props = torch.npu.get_device_properties(index)  # type: ignore[attr-defined]
+    return npu_identity(props, index, os.environ, _npu_smi)
+
+
+def _npu_smi(*args: str) -> str:
+    """The output of `npu-smi info <args>`; "" where npu-smi is missing or fails (the engine then
+    refuses to export: export_kv_memory says why)."""
+    try:
+        return subprocess.run(["npu-smi", "info", *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def order_events(index: int) -> list[torch.cuda.Event]:

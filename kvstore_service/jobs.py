@@ -238,10 +238,6 @@ class Jobs:
         session_jobs.results.clear()
         return results
 
-    def unpolled(self, session: EngineSession) -> list[JobResult]:
-        """The results a poll would return now, left in place."""
-        return list(self._jobs_of(session).results)
-
     async def settle(self, session: EngineSession) -> None:
         """A session ends: wait for its jobs' copies (they use its mapping) and completions."""
         session_jobs = self._of.get(session)

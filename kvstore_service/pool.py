@@ -102,6 +102,14 @@ class Segment:
     def payload_offset(self, slot: int) -> int:
         return self.payload_base + slot * self.payload_stride
 
+    def lay_out(self, payload_size: int, segment_size: int) -> None:
+        """Carve the segment into slots of `payload_size`: their headers, then their payloads (also how
+        a reader of the pool file finds them)."""
+        self.payload_size = payload_size
+        self.payload_stride = _align(payload_size, PAYLOAD_ALIGN)
+        self.slots = slots_per_segment(segment_size, payload_size)
+        self.payload_base = self.offset + _align(self.slots * SLOT_HEADER_BYTES, PAYLOAD_ALIGN)
+
 
 class SlotRef(NamedTuple):  # a tuple: ~5x cheaper to create than a frozen dataclass
     segment: int
@@ -238,10 +246,7 @@ class Pool:
         return slots_per_segment(self.segment_size, payload_size)
 
     def _assign(self, seg: Segment, payload_size: int, mm: mmap.mmap | None = None) -> None:
-        seg.payload_size = payload_size
-        seg.payload_stride = _align(payload_size, PAYLOAD_ALIGN)
-        seg.slots = self.slots_per_segment(payload_size)
-        seg.payload_base = seg.offset + _align(seg.slots * SLOT_HEADER_BYTES, PAYLOAD_ALIGN)
+        seg.lay_out(payload_size, self.segment_size)
         if mm is None:  # a new assignment: old bytes here must never parse as slot headers
             ctypes.memset(self.base + seg.offset, 0, seg.payload_base - seg.offset)
         seg.free_slots = list(range(seg.slots - 1, -1, -1))
@@ -355,28 +360,3 @@ class Pool:
                 self._unassign(seg)
             elif not seg.free_slots:
                 self.partial[seg.payload_size].discard(seg.index)
-
-
-def sealed_blocks(path: str) -> Iterator[tuple[SlotHeader, int]]:
-    """Read a pool file from outside the daemon (tools, tests): each sealed block's header and
-    the file offset of its payload; those are the blocks a restarted daemon would recover (and then
-    serve if their payloads still match the headers' checksums)."""
-    with open(path, "rb") as f:
-        data = mmap.mmap(f.fileno(), 0, mmap.MAP_SHARED, mmap.PROT_READ)
-    try:
-        magic, _, _, _, segment_size, segments, data_offset = POOL_HEADER.unpack_from(data, 0)
-        if magic != POOL_MAGIC:
-            raise ValueError(f"{path} is not a kvstore pool")
-        for index in range(segments):
-            (payload_size,) = struct.unpack_from("<Q", data, POOL_HEADER_BYTES + 8 * index)
-            if not payload_size:
-                continue
-            seg = Segment(index, data_offset + index * segment_size, payload_size,
-                          slots_per_segment(segment_size, payload_size), _align(payload_size, PAYLOAD_ALIGN))
-            seg.payload_base = seg.offset + _align(seg.slots * SLOT_HEADER_BYTES, PAYLOAD_ALIGN)
-            for slot in range(seg.slots):
-                header = parse_slot_header(data, seg.header_offset(slot))
-                if header is not None and header.state == SlotState.SEALED:
-                    yield header, seg.payload_offset(slot)
-    finally:
-        data.close()

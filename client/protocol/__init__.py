@@ -2,8 +2,8 @@
 
 The daemon imports this subpackage and nothing else of `kvstore_client`: the generated gRPC code
 (`kvstore_pb2`, `kvstore_pb2_grpc`), the completion channel's layout (`completion`), sealed memfds
-(`memfd`), the device-handle codec (`handle`), and the constants and the block ids' encoding below,
-each defined once here.
+(`memfd`), the device-handle codec (`handle`), how an NPU's identity is read (`npu_identity`), and the
+constants and the block ids' encoding below, each defined once here.
 """
 
 from __future__ import annotations

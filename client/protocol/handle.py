@@ -25,6 +25,8 @@ about its fields. Anything malformed, truncated or oversized is a ValueError wit
 the problem.
 
 Devices are matched by UUID, not index: engine and daemon may see different CUDA_VISIBLE_DEVICES.
+Each side finds its devices' UUIDs itself (kvstore_client.device, kvstore_service.backends); an NPU's,
+which no runtime gives, is read from npu-smi by `npu_identity` (one reading for both sides).
 """
 
 from __future__ import annotations
@@ -33,8 +35,7 @@ import base64
 import binascii
 import json
 import re
-import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -291,111 +292,3 @@ def check_inside_allocation(ptr: int, size: int, alloc_base: int, alloc_size: in
     if ptr < alloc_base or ptr + size > alloc_base + alloc_size:
         raise ValueError(f"the engine's KV memory [0x{ptr:x}, +{size}) is not inside the shared allocation "
                          f"[0x{alloc_base:x}, +{alloc_size}): storage_bytes/storage_offset are wrong")
-
-
-def parse_npu_smi_board(output: str) -> str:
-    """A device identity from `npu-smi info -t board -i N -c 0`: the VDie ID, else the PCIe bus id, else ""."""
-    vdie = re.search(r"VDie ID\s*:\s*([0-9A-Fa-f ]+)", output)
-    if vdie:
-        raw = vdie.group(1).replace(" ", "").strip()
-        if raw and set(raw) != {"0"}:
-            return f"vdie-{raw.lower()}"
-    pci = re.search(r"PCIe Bus Info\s*:\s*([0-9A-Fa-f:.]+)", output)
-    if pci:
-        return f"pci-{pci.group(1).lower()}"
-    return ""
-
-
-def cuda_device_uuid(index: int) -> str:
-    import torch
-
-    return normalize_uuid(str(torch.cuda.get_device_properties(index).uuid))
-
-
-def local_cuda_uuids() -> list[str]:
-    import torch
-
-    return [cuda_device_uuid(i) for i in range(torch.cuda.device_count())]
-
-
-def physical_npu(logical: int, env: Mapping[str, str]) -> int:
-    """The physical device id (npu-smi's "Chip Logic ID") of the process's logical NPU `logical`.
-
-    The ACL runtime numbers only the devices ASCEND_RT_VISIBLE_DEVICES lets it see, in that list's
-    order; npu-smi ignores the variable. Unset or empty: logical == physical."""
-    if logical < 0:
-        raise ValueError(f"NPU index {logical} is negative")
-    raw = env.get("ASCEND_RT_VISIBLE_DEVICES", "").strip()
-    if not raw:
-        return logical
-    try:
-        ids = [int(part) for part in raw.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"ASCEND_RT_VISIBLE_DEVICES={raw!r} is not a comma-separated list of device ids") from None
-    if any(i < 0 for i in ids):
-        raise ValueError(f"ASCEND_RT_VISIBLE_DEVICES={raw!r} names a negative device id")
-    if logical >= len(ids):
-        raise ValueError(f"NPU {logical} is not visible: ASCEND_RT_VISIBLE_DEVICES={raw!r} lists {len(ids)}")
-    return ids[logical]
-
-
-def parse_npu_smi_map(output: str) -> dict[int, tuple[int, int]]:
-    """`npu-smi info -m` as {Chip Logic ID: (NPU ID, Chip ID)}; rows without a logic id (the Mcu) are skipped.
-
-    The table's rows are "<NPU ID> <Chip ID> <Chip Logic ID> <Chip Name>"; the logic id is the
-    physical device id the runtime uses when ASCEND_RT_VISIBLE_DEVICES is unset."""
-    table: dict[int, tuple[int, int]] = {}
-    for line in output.splitlines():
-        fields = line.replace("|", " ").split()
-        if len(fields) < 3 or not (fields[0].isdigit() and fields[1].isdigit() and fields[2].isdigit()):
-            continue
-        table.setdefault(int(fields[2]), (int(fields[0]), int(fields[1])))
-    return table
-
-
-def npu_smi_card_chip(physical: int, smi_map: Mapping[int, tuple[int, int]], a3: bool = False) -> tuple[int, int]:
-    """The `-i <card> -c <chip>` npu-smi takes for physical device `physical`.
-
-    From `npu-smi info -m` when it lists the device; otherwise by rule: on A3 (two chips per card)
-    the device id is card * 2 + chip, elsewhere card = device id and chip 0."""
-    if physical in smi_map:
-        return smi_map[physical]
-    if a3:
-        return physical // 2, physical % 2
-    return physical, 0
-
-
-def _npu_smi(*args: str) -> str:
-    try:
-        return subprocess.run(["npu-smi", "info", *args], capture_output=True, text=True, timeout=10,
-                              check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def npu_device_uuid(index: int) -> str:
-    """UNVERIFIED ON HARDWARE. The ACL runtime has no UUID: torch_npu's properties if they carry one,
-    else npu-smi's VDie / PCIe id (as LMCache does) of the *physical* device behind logical `index`
-    (mapped through ASCEND_RT_VISIBLE_DEVICES and `npu-smi info -m`), else "" (match by index)."""
-    import os
-
-    import torch
-
-    props = torch.npu.get_device_properties(index)  # type: ignore[attr-defined]
-    uuid = getattr(props, "uuid", None)
-    if isinstance(uuid, str) and UUID_RE.fullmatch(normalize_uuid(uuid)) and normalize_uuid(uuid):
-        return normalize_uuid(uuid)
-    try:
-        physical = physical_npu(index, os.environ)
-    except ValueError:
-        return ""  # an identity of the wrong device is worse than none
-    a3 = "910_93" in str(getattr(props, "name", ""))  # Atlas A3 (Ascend910_93xx): two chips per card
-    card, chip = npu_smi_card_chip(physical, parse_npu_smi_map(_npu_smi("-m")), a3)
-    out = _npu_smi("-t", "board", "-i", str(card), "-c", str(chip))
-    return parse_npu_smi_board(out) if out else ""
-
-
-def local_npu_uuids() -> list[str]:
-    import torch
-
-    return [npu_device_uuid(i) for i in range(torch.npu.device_count())]  # type: ignore[attr-defined]

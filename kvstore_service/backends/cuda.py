@@ -54,7 +54,7 @@ from typing import Any
 from kvstore_client.protocol.handle import (
     IPC_EVENT_HANDLE_BYTES,
     check_inside_allocation,
-    local_cuda_uuids,
+    normalize_uuid,
     resolve_handle,
 )
 from kvstore_service import native
@@ -84,6 +84,14 @@ def check_ipc_bounds(base: int, size: int, query: AddressRangeQuery) -> None:
                          f"cuMemGetAddressRange failed for address {base:#x} (CUDA error {rc}); "
                          "refusing the registration")
     check_inside_allocation(base, size, alloc_base, alloc_size)
+
+
+def local_cuda_uuids() -> list[str]:
+    """The UUID of each GPU the daemon sees, by its index here (an engine's indices may differ: its
+    handle names the GPU by UUID)."""
+    import torch
+
+    return [normalize_uuid(str(torch.cuda.get_device_properties(i).uuid)) for i in range(torch.cuda.device_count())]
 
 
 def require_cuda() -> ModuleType:

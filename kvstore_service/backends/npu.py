@@ -37,16 +37,13 @@ import ctypes
 import logging
 import os
 import re
+import subprocess
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from kvstore_client.protocol.handle import (
-    NPU_IPC_ALIGNMENT,
-    check_inside_allocation,
-    local_npu_uuids,
-    resolve_handle,
-)
+from kvstore_client.protocol.handle import NPU_IPC_ALIGNMENT, check_inside_allocation, resolve_handle
+from kvstore_client.protocol.npu_identity import npu_identity
 from kvstore_service import native
 from kvstore_service.backends.base import Backend, ChecksumSample, Mapping, TransferPlan
 from kvstore_service.native import StickyDeviceError
@@ -73,6 +70,28 @@ def require_npu() -> ModuleType:
     if not torch.npu.is_available():  # type: ignore[attr-defined]
         raise RuntimeError("no NPU (Ascend) device visible to torch_npu in the daemon")
     return torch
+
+
+def local_npu_uuids(torch: ModuleType) -> list[str]:
+    """The identity of each NPU the daemon sees, by its index here, read as engines read theirs
+    (kvstore_client.protocol.npu_identity): a handle's device_uuid is looked up in it."""
+    npu = torch.npu
+    uuids = [npu_identity(npu.get_device_properties(i), i, os.environ, _npu_smi) for i in range(npu.device_count())]
+    unknown = [i for i, uuid in enumerate(uuids) if not uuid]
+    if unknown:
+        log.warning("NPU(s) %s have no identity (no uuid from torch_npu, no answer from npu-smi): engines on them "
+                    "cannot register; give the daemon npu-smi", unknown)
+    return uuids
+
+
+def _npu_smi(*args: str) -> str:
+    """The output of `npu-smi info <args>`; "" where npu-smi is missing or fails."""
+    try:
+        return subprocess.run(["npu-smi", "info", *args], capture_output=True, text=True, timeout=10,
+                              check=True).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        log.debug("npu-smi info %s failed: %s", " ".join(args), e)
+        return ""
 
 
 def kernel_allows_host_register(release: str) -> bool:
@@ -139,7 +158,7 @@ class NpuBackend(Backend):
 
     def __init__(self) -> None:
         self.torch = require_npu()
-        self.uuids = local_npu_uuids()
+        self.uuids = local_npu_uuids(self.torch)
         self.pieces: list[tuple[int, int]] = []  # the pool's (address, size) pieces, to register once
         self.registered: list[int] = []  # addresses of the pieces registered
         self.registered_on: int | None = None  # device whose context registered the pool

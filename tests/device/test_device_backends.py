@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.blocks import key_of
-from support.daemon import wait_for
+from support.daemon import sealed_blocks, wait_for
 
 from kvstore_client.client import peer_handshake
 from kvstore_client.device import (
@@ -39,12 +39,11 @@ from kvstore_client.protocol.handle import (
     device_index_for_uuid,
     encode_handle,
     handle_from_share,
-    parse_npu_smi_board,
     resolve_handle,
 )
+from kvstore_client.protocol.npu_identity import parse_npu_smi_board
 from kvstore_service import native
 from kvstore_service.backends import make_backend
-from kvstore_service.pool import sealed_blocks
 
 UUID_A = "0b7e1c2a-5d3f-4e6a-9b8c-1d2e3f4a5b6c"
 UUID_B = "f00dcafe-0000-4111-8222-333344445555"

@@ -26,7 +26,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvstore_client.protocol.handle import (
+from kvstore_client.protocol.npu_identity import (
+    npu_identity,
     npu_smi_card_chip,
     parse_npu_smi_map,
     physical_npu,
@@ -173,6 +174,27 @@ def test_npu_smi_card_chip() -> None:
     assert npu_smi_card_chip(3, {}, a3=True) == (1, 1)
     assert npu_smi_card_chip(6, {}, a3=True) == (3, 0)
     assert npu_smi_card_chip(3, {}) == (3, 0)
+
+
+def test_npu_identity() -> None:
+    """What the engine and the daemon both call an NPU: torch_npu's uuid, else npu-smi's answer about
+    the physical chip behind the logical index, else nothing."""
+    asked: list[tuple[str, ...]] = []
+    board = "NPU ID : 1\nChip ID : 1\nPCIe Bus Info : 0000:C1:00.0\nVDie ID : 1A2B 00FF\n"
+
+    def npu_smi(*args: str) -> str:
+        asked.append(args)
+        return SMI_MAP_A3 if args == ("-m",) else board if args[:2] == ("-t", "board") else ""
+
+    a3 = SimpleNamespace(name="Ascend910_9382")
+    env = {"ASCEND_RT_VISIBLE_DEVICES": "3"}
+    assert npu_identity(a3, 0, env, npu_smi) == "vdie-1a2b00ff"
+    assert asked == [("-m",), ("-t", "board", "-i", "1", "-c", "1")]  # logical 0 is chip 1 of card 1
+    assert npu_identity(SimpleNamespace(uuid=" GPU-AB:CD "), 0, env, npu_smi) == "ab:cd"  # torch_npu's, first
+    assert len(asked) == 2
+    assert npu_identity(SimpleNamespace(uuid="a b", name="Ascend910B3"), 0, env, npu_smi) == "vdie-1a2b00ff"
+    assert npu_identity(a3, 1, env, npu_smi) == ""  # not visible: no guess
+    assert npu_identity(a3, 0, env, lambda *args: "") == ""  # no npu-smi
 
 
 # -- acl_copy.cpp against a fake CANN -----------------------------------------------------------------

@@ -1,12 +1,16 @@
-"""A session's background thread (lookups and lease releases off the caller's thread) and its
-futures; the vLLM connector's idle-step waits that build on them. Real daemon, in-process."""
+"""A session's background thread (lookups and lease releases off the caller's thread, queued with
+Session.run_in_background); the vLLM connector's idle-step waits that build on it. Real daemon,
+in-process."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import time
 import types
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 from support.blocks import key_of
@@ -14,7 +18,7 @@ from support.daemon import wait_for
 from support.engine import Engine
 
 from kvstore_client import KVStoreClient
-from kvstore_client.errors import KVStoreError, Unavailable
+from kvstore_client.errors import KVStoreError
 
 KB64 = 64 * 1024
 
@@ -32,7 +36,22 @@ def _blocking(session, gate: threading.Event, ran: list[str]):
     return lookup
 
 
-def test_lookup_future_done_result_and_callbacks(daemon) -> None:
+def _in_background(session, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+    """fn(*args) queued with run_in_background, what it returns or raises put in a future (which stays
+    pending where the session drops the call)."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def call() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to the test through the future
+            future.set_exception(e)
+
+    assert session.run_in_background(call)
+    return future
+
+
+def test_background_calls_run_on_the_sessions_thread_and_outlive_errors(daemon, caplog) -> None:
     engine = Engine(daemon.socket, "bg-future", 16, KB64)
     s = engine.session
     keys = [key_of("bgf", i) for i in range(4)]
@@ -40,57 +59,57 @@ def test_lookup_future_done_result_and_callbacks(daemon) -> None:
     job = s.store(keys, list(range(4)))
     assert s.wait([job])[job].ok
 
-    seen: list[tuple[str, object]] = []
-    future = s.lookup_future(keys + [key_of("bgf", 99)], lease=True)
-    future.add_done_callback(lambda f: seen.append((threading.current_thread().name, f.result()[0])))
-    hits, lease = future.result(timeout=10)
-    assert future.done() and not future.cancelled() and future.exception() is None
+    threads: list[str] = []
+
+    def lookup(*args: Any) -> tuple[int, bytes]:
+        threads.append(threading.current_thread().name)
+        return s.lookup(*args)
+
+    hits, lease = _in_background(s, lookup, keys + [key_of("bgf", 99)], True).result(timeout=10)
     assert (hits, bool(lease)) == (4, True)
-    wait_for(lambda: seen)
-    assert seen == [("kvstore-rpc", 4)]  # run on the background thread, once
-    future.add_done_callback(lambda f: seen.append((threading.current_thread().name, 0)))
-    assert seen[-1] == (threading.current_thread().name, 0)  # done already: at once, on the caller's thread
+    assert threads == ["kvstore-rpc"]  # run on the background thread, once
     s.release_lease(lease)
     wait_for(lambda: daemon.client().stats().leases == 0)
 
-    # A callback that raises does not stop the thread; errors reach result() as the call raised them.
-    failing = s.lookup_future([b"short", b"longer key"])  # keys of different lengths: ValueError
-    failing.add_done_callback(lambda f: 1 / 0)
-    with pytest.raises(ValueError):
-        failing.result(timeout=10)
-    assert isinstance(failing.exception(), ValueError)
-    assert s.lookup_future(keys).result(timeout=10)[0] == 4
+    # A call that raises is only logged, and the thread goes on with the next ones.
+    with caplog.at_level(logging.DEBUG, logger="kvstore_client.client"):
+        assert s.run_in_background(lambda: 1 / 0)
+        failing = _in_background(s, s.lookup, [b"short", b"longer key"])  # keys of different lengths: ValueError
+        with pytest.raises(ValueError):
+            failing.result(timeout=10)
+    assert "background call failed: division by zero" in caplog.text
+    assert _in_background(s, s.lookup, keys).result(timeout=10)[0] == 4
     engine.close()
 
 
-def test_result_waits_and_times_out(daemon) -> None:
+def test_a_call_queued_behind_a_busy_thread_runs_when_it_is_free(daemon) -> None:
     client = KVStoreClient(daemon.socket)
     s = client.session("bg-wait", None)
     gate, ran = threading.Event(), []
     _blocking(s, gate, ran)
-    future = s.lookup_future([key_of("w", 0)])
+    future = _in_background(s, s.lookup, [key_of("w", 0)])  # queued: the caller goes on at once
     with pytest.raises(TimeoutError):
         future.result(timeout=0.05)
     assert not future.done()
     threading.Timer(0.1, gate.set).start()
-    assert future.result(timeout=10) == (0, b"")  # woken by the thread, not by polling
+    assert future.result(timeout=10) == (0, b"")
     s.close()
     client.close()
 
 
-def test_calls_run_in_order_and_close_cancels_the_queued_ones(daemon) -> None:
+def test_calls_run_in_order_and_close_drops_the_queued_ones(daemon) -> None:
     client = KVStoreClient(daemon.socket)
     s = client.session("bg-order", None)
     gate, ran = threading.Event(), []
     lookup = _blocking(s, gate, ran)
-    first = s.lookup_future([key_of("o", 0)], lease=True)  # runs, and waits on the gate
+    first = _in_background(s, s.lookup, [key_of("o", 0)], True)  # runs, and waits on the gate
     wait_for(lambda: ran)
     s.lookup = lambda *a, **k: ran.append("lookup") or lookup(*a, **k)  # type: ignore[method-assign]
     release = s._release_quietly
     s._release_quietly = lambda lease: ran.append("release") or release(lease)  # type: ignore[method-assign]
-    second = s.lookup_future([key_of("o", 1)])
+    second = _in_background(s, s.lookup, [key_of("o", 1)])
     s.release_lease(b"\x00" * 16)  # after the lookups queued before it
-    third = s.lookup_future([key_of("o", 2)])
+    third = _in_background(s, s.lookup, [key_of("o", 2)])
     gate.set()
     assert third.result(timeout=10) == (0, b"")
     assert ran == ["slow", "lookup", "release", "lookup"] and first.done() and second.done()
@@ -98,30 +117,27 @@ def test_calls_run_in_order_and_close_cancels_the_queued_ones(daemon) -> None:
     ran.clear()
     gate.clear()
     s.lookup = types.MethodType(lambda self, *a, **k: ran.append("slow") or gate.wait(10) and (0, b""), s)
-    running = s.lookup_future([key_of("o", 3)])
+    running = _in_background(s, s.lookup, [key_of("o", 3)])
     wait_for(lambda: ran)
-    queued = s.lookup_future([key_of("o", 4)])
+    queued = _in_background(s, s.lookup, [key_of("o", 4)])
     s.release_lease(b"\x01" * 16)
-    s.close()  # cancels what is queued; the running call finishes
-    assert queued.cancelled() and queued.done()
-    with pytest.raises(concurrent.futures.CancelledError):
-        queued.result(timeout=1)
+    s.close()  # drops what is queued; the running call finishes
     gate.set()
     assert running.result(timeout=10) == (0, b"")
-    after = s.lookup_future([key_of("o", 5)])  # closed: fails at once, as a KVStoreError
-    with pytest.raises(Unavailable):
-        after.result(timeout=1)
+    s._background.join(timeout=10)  # the thread has ended: what was queued never ran
+    assert not s._background.is_alive() and not queued.done()
+    assert s.run_in_background(ran.append, "after") is False  # closed: nothing is queued
     s.release_lease(b"\x02" * 16)  # closed: nothing to do, no error
     assert ran == ["slow"]
     client.close()
 
 
-def test_rpc_errors_reach_result_as_kvstore_errors(daemon) -> None:
+def test_rpc_errors_reach_a_background_lookup_as_kvstore_errors(daemon) -> None:
     client = KVStoreClient(daemon.socket, timeout=2)
     s = client.session("bg-errors", None)
     daemon.stop()
     with pytest.raises(KVStoreError):
-        s.lookup_future([key_of("e", 0)]).result(timeout=20)
+        _in_background(s, s.lookup, [key_of("e", 0)]).result(timeout=20)
     s.close()
     client.close()
 

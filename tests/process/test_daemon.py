@@ -12,7 +12,7 @@ import pytest
 import torch
 from support import child_env
 from support.blocks import key_of
-from support.daemon import wait_for
+from support.daemon import sealed_blocks, wait_for
 from support.engine import Engine, content_tensor
 
 from kvstore_client import KVStoreClient
@@ -228,8 +228,6 @@ def test_client_reports_unreachable_daemon(tmp_path) -> None:
 
 
 def _sealed(daemon, count: int) -> list:
-    from kvstore_service.pool import sealed_blocks
-
     assert wait_for(lambda: len(list(sealed_blocks(daemon.pool_path))) >= count, timeout=10)
     return list(sealed_blocks(daemon.pool_path))
 

@@ -12,48 +12,21 @@ were there at the restart: nearly every altered block was served.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 from support.blocks import content_of, key_of
-from support.daemon import wait_for
+from support.daemon import pool_slots, wait_for
 from support.shm_engine import ShmEngine
 
-from kvstore_service.pool import (
-    PAYLOAD_ALIGN,
-    POOL_HEADER,
-    POOL_HEADER_BYTES,
-    SLOT_HEADER_BYTES,
-    parse_slot_header,
-    slots_per_segment,
-)
-
 KB = 1024
-
-
-def _payloads(path: str) -> Iterator[tuple[bytes | None, int, int]]:
-    """Every slot of every segment in use in a pool file: (its header's key, None without a valid
-    header; payload offset; payload size). Read here from the file's layout, whatever the headers say."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as data:
-        _, _, _, _, segment_size, segments, data_offset = POOL_HEADER.unpack_from(data, 0)
-        for index in range(segments):
-            payload_size = int.from_bytes(data[POOL_HEADER_BYTES + 8 * index:POOL_HEADER_BYTES + 8 * index + 8],
-                                          "little")
-            if not payload_size:
-                continue
-            start = data_offset + index * segment_size
-            slots = slots_per_segment(segment_size, payload_size)
-            stride = -(-payload_size // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
-            base = start + -(-slots * SLOT_HEADER_BYTES // PAYLOAD_ALIGN) * PAYLOAD_ALIGN
-            for slot in range(slots):
-                header = parse_slot_header(data, start + slot * SLOT_HEADER_BYTES)  # type: ignore[arg-type]
-                yield (None if header is None else header.key), base + slot * stride, payload_size
 
 
 def _flip_one_byte(path: str, keys: set[bytes] | None = None) -> int:
     """Flip one byte in the payload of every slot whose header names one of `keys` (None: of every
     slot in use, header or not). Returns how many payloads were altered."""
-    targets = [(offset, size) for key, offset, size in _payloads(path) if keys is None or key in keys]
+    targets = [(offset, size) for header, offset, size in pool_slots(path)
+               if keys is None or (header is not None and header.key in keys)]
     with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as data:
         for offset, size in targets:
             data[offset + size // 2] ^= 0x5A

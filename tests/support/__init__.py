@@ -3,7 +3,7 @@
     blocks      key_of, content_of: block keys, and block contents derived from their keys
     engine      a torch engine (block_cache memory, one session); also a script
     shm_engine  a torch-free engine: KV memory in a sealed memfd, any region layout
-    daemon      the daemon process, plus what tests read of it in /proc
+    daemon      the daemon process, plus what tests read of it in /proc and of its pool file
     ports       free loopback ports for the servers tests start (below the ephemeral range)
     workers     random store/load/lookup workers that verify every loaded byte; also a script
     fuzz        hypothesis strategies, oracles and the target for fuzzing every RPC

@@ -1,15 +1,26 @@
 """The daemon process for tests and benchmarks, plus what they read of it (and of other processes)
-in /proc and /dev/shm: mappings, open files, completion channels, memory use."""
+in /proc and /dev/shm: mappings, open files, completion channels, memory use, its pool file's slots."""
 
 from __future__ import annotations
 
 import glob
+import mmap
 import os
 import re
+import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from kvstore_service import harness
+from kvstore_service.pool import (
+    POOL_HEADER,
+    POOL_HEADER_BYTES,
+    POOL_MAGIC,
+    Segment,
+    SlotHeader,
+    SlotState,
+    parse_slot_header,
+)
 
 
 class DaemonProcess(harness.DaemonProcess):
@@ -64,6 +75,31 @@ def shm_files(pid: int) -> list[str]:
     token = re.compile(rf"(^|[^0-9a-f]){pid}($|[^0-9a-f])")
     return [p for p in glob.glob("/dev/shm/*") if token.search(os.path.basename(p))]
 
+
+
+def pool_slots(path: str) -> Iterator[tuple[SlotHeader | None, int, int]]:
+    """Every slot of every segment in use in a pool file, read from outside the daemon, whatever the
+    headers say: (its header, None without a valid one; its payload's offset in the file; payload size)."""
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as data:
+        magic, _, _, _, segment_size, segments, data_offset = POOL_HEADER.unpack_from(data, 0)
+        if magic != POOL_MAGIC:
+            raise ValueError(f"{path} is not a kvstore pool")
+        for index in range(segments):
+            (payload_size,) = struct.unpack_from("<Q", data, POOL_HEADER_BYTES + 8 * index)
+            if not payload_size:
+                continue
+            seg = Segment(index, data_offset + index * segment_size)
+            seg.lay_out(payload_size, segment_size)
+            for slot in range(seg.slots):
+                yield parse_slot_header(data, seg.header_offset(slot)), seg.payload_offset(slot), payload_size
+
+
+def sealed_blocks(path: str) -> Iterator[tuple[SlotHeader, int]]:
+    """Each sealed block's header and payload offset in a pool file: the blocks a restarted daemon
+    would recover (and then serve if their payloads still match the headers' checksums)."""
+    for header, offset, _ in pool_slots(path):
+        if header is not None and header.state == SlotState.SEALED:
+            yield header, offset
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 20.0, interval: float = 0.05) -> bool:

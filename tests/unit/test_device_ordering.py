@@ -117,8 +117,9 @@ async def outcome(session: EngineSession, job_id: int, timeout: float = 5.0) -> 
         await asyncio.sleep(0.002)
 
 
-def error_of(core: Core, session: EngineSession, job_id: int) -> str:
-    return next(r.error for r in core.jobs.unpolled(session) if r.job_id == job_id)
+async def error_of(core: Core, session: EngineSession, job_id: int) -> str:
+    """The error of a finished job, as the session's next poll reports it (that poll takes the results)."""
+    return next(r.error for r in await core.jobs.poll(session, 0) if r.job_id == job_id)
 
 
 def test_a_job_copies_once_the_records_before_it_are_done_and_not_a_later_one(tmp_path: Path) -> None:
@@ -236,8 +237,9 @@ def test_a_dead_engines_waiting_jobs_fail_and_its_session_ends(tmp_path: Path) -
         await asyncio.wait_for(core.sessions.end(dead), timeout=2)
         assert time.monotonic() - started < 0.5, "the session's end waited for the dead engine's step"
         assert [m.base for m in backend.unmapped] == [dead.mappings[0].base]
-        finished = {r.job_id: (r.blocks - len(r.failed), len(r.failed)) for r in core.jobs.unpolled(dead)}
-        assert finished == {1: (0, 4), 2: (0, 4)} and "session ended" in error_of(core, dead, 1)
+        results = await core.jobs.poll(dead, 0)
+        finished = {r.job_id: (r.blocks - len(r.failed), len(r.failed)) for r in results}
+        assert finished == {1: (0, 4), 2: (0, 4)} and "session ended" in next(r.error for r in results if r.job_id == 1)
         assert backend.copied == []  # nothing of the dead engine's was copied
         fill(alive, 0, 0x11)
         core.jobs.submit(alive, 1, keys_of(1, tag=2), [0], True)
@@ -256,7 +258,7 @@ def test_a_stalled_engine_fails_its_job_at_the_deadline(tmp_path: Path) -> None:
         core.jobs.submit(a, 1, keys_of(2), [0, 1], True)
         assert await outcome(a, 1, timeout=0.1) is None
         assert await outcome(a, 1, timeout=2) == (0, 2)
-        assert "not done within 0.2 s" in error_of(core, a, 1) and backend.copied == []
+        assert "not done within 0.2 s" in await error_of(core, a, 1) and backend.copied == []
         assert core.index.prepare_load(a.namespace, keys_of(2)) == [None, None]  # nothing was stored
 
     with_backend(tmp_path, body)
@@ -268,7 +270,7 @@ def test_a_failed_query_fails_the_job_and_a_sticky_one_is_fatal(tmp_path: Path) 
         backend.record(a.mappings[0], 1)
         backend.query_error = RuntimeError("cuEventQuery on the engine's event failed: CUDA_ERROR_X (400)")
         core.jobs.submit(a, 1, keys_of(1), [0], True)  # fails at arrival
-        assert await outcome(a, 1) == (0, 1) and "(400)" in error_of(core, a, 1)
+        assert await outcome(a, 1) == (0, 1) and "(400)" in await error_of(core, a, 1)
         backend.query_error = None
         core.jobs.submit(a, 2, keys_of(1), [0], True)
         await asyncio.sleep(0.01)

