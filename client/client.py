@@ -679,16 +679,17 @@ class Session:
         except KVStoreError as e:
             log.debug("kvstore: describing %d blocks failed: %s", len(keys), e)
 
-    def watch_blocks(self, stop: threading.Event) -> Iterator[tuple[bool, list[tuple[bool, bytes, bytes]]]]:
-        """The namespace's block events, (reset, [(removed, key, description)]) batches, until the stream
-        ends (the session or the daemon does) or `stop` is set (checked between batches; close() ends the
-        stream too)."""
+    def watch_blocks(self, stop: threading.Event) -> Iterator[tuple[bool, list[tuple[bool, bytes, bytes, bool]]]]:
+        """The namespace's block events, (reset, [(removed, key, description, on_disk)]) batches, until the
+        stream ends (the session or the daemon does) or `stop` is set (checked between batches; close() ends
+        the stream too). on_disk: the event is of the disk tier's copy, else of the pool's."""
         stream = self.client.stub.WatchBlocks(pb.WatchBlocksRequest(session_id=self.session_id))
         try:
             for batch in stream:
                 if stop.is_set() or self._closing:
                     return
-                yield batch.reset, [(e.removed, e.key, e.description) for e in batch.events]
+                yield batch.reset, [(e.removed, e.key, e.description, e.medium == pb.MEDIUM_DISK)
+                                    for e in batch.events]
         except grpc.RpcError as e:
             if not self._closing:  # (closing cancels the stream: the end)
                 raise from_rpc_error(e) from None

@@ -153,7 +153,8 @@ class PoolFileError(ValueError):
 class Pool:
     """Owns the mapped pool file and hands out slots of a given payload size."""
 
-    def __init__(self, path: str, size: int, segment_size: int, fresh: bool = False, populate_threads: int = 1) -> None:
+    def __init__(self, path: str, size: int, segment_size: int, fresh: bool = False, populate_threads: int = 1,
+                 numa_nodes: list[int] | None = None) -> None:
         if segment_size < 1 << 20:
             raise ValueError("segment size must be at least 1 MiB")
         self.path = path
@@ -171,7 +172,7 @@ class Pool:
         self.partial: dict[int, set[int]] = {}  # payload size -> segments with a free slot
         self.reattached = False
         self._generation = 0
-        self._mmap = self._open(fresh, populate_threads)
+        self._mmap = self._open(fresh, populate_threads, numa_nodes)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
 
     # -- file ------------------------------------------------------------------------------------
@@ -191,7 +192,7 @@ class Pool:
             raise PoolFullError(f"{folder} has {free.f_bavail * free.f_frsize} bytes free, the pool needs "
                                 f"{self.size}: lower --pool-size or grow the shared-memory mount")
 
-    def _open(self, fresh: bool, populate_threads: int) -> mmap.mmap:
+    def _open(self, fresh: bool, populate_threads: int, numa_nodes: list[int] | None) -> mmap.mmap:
         fd = _open_private(self.path)
         try:
             existing = os.fstat(fd).st_size
@@ -214,8 +215,14 @@ class Pool:
             os.close(fd)
         if not self.reattached:
             # Fault every page in now, once, on a thread per core: a first touch during a store costs
-            # more than the copy.
+            # more than the copy. Spread over the NUMA nodes first, where asked: every device's engines
+            # share the blocks, so no one node is theirs (the threads would place them at random).
             base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+            if numa_nodes and (rc := native.interleave(base, self.size, numa_nodes)):
+                log.warning("pool %s: not spread over NUMA nodes %s (%s); pages go where first touched",
+                            self.path, numa_nodes, os.strerror(rc))
+            log.info("setting up a new pool of %d bytes on %d threads%s: the daemon serves once its pages are in",
+                     self.size, populate_threads, f", interleaved over NUMA nodes {numa_nodes}" if numa_nodes else "")
             if native.populate(base, self.size, populate_threads):  # (kernels before 5.14)
                 ctypes.memset(base, 0, self.size)
             mm[: POOL_HEADER.size] = expected

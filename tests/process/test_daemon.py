@@ -358,3 +358,26 @@ def test_a_partly_refused_burst_of_jobs_on_the_jobs_socket_comes_out_as_the_daem
     assert outcomes == {True, False}
     assert _jobs_connections(daemon.socket + SUFFIX) == 1  # (not by gRPC)
     engine.close()
+
+
+def pool_policy(daemon) -> str:
+    """The NUMA policy of the daemon's pool mapping, as /proc/PID/numa_maps shows it ("default",
+    "interleave:0-1", ...)."""
+    with open(f"/proc/{daemon.pid}/numa_maps") as f:
+        return next(line.split()[1] for line in f if f"file={daemon.pool_path}" in line)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/numa_maps"), reason="a kernel without NUMA")
+def test_a_new_pool_is_spread_over_the_numa_nodes_asked(daemon_factory) -> None:
+    """--pool-numa: a node list is an interleave policy on the pool's pages, set before they are faulted in;
+    a node the machine lacks is a warning, not a refusal (pages go where first touched); 'interleave' (the
+    default) spreads over every node the daemon may use, when there are several."""
+    with open("/proc/self/status") as f:
+        allowed = next(line.split(":")[1].strip() for line in f if line.startswith("Mems_allowed_list"))
+    first = allowed.split(",")[0].split("-")[0]
+    asked = daemon_factory("--pool-numa", first).start()
+    assert pool_policy(asked) == f"interleave:{first}"
+    missing = daemon_factory("--pool-numa", "63").start()
+    assert pool_policy(missing) == "default" and "not spread over NUMA nodes [63]" in missing.log.read_text()
+    default = daemon_factory().start()
+    assert pool_policy(default) == ("default" if allowed == first else f"interleave:{allowed}")

@@ -4,11 +4,12 @@ the rules in process)."""
 
 from __future__ import annotations
 
+import mmap
 import signal
 import threading
 
 from support.blocks import key_of
-from support.daemon import wait_for
+from support.daemon import sealed_blocks, wait_for
 from support.engine import Engine
 
 
@@ -91,29 +92,46 @@ def _opens(watch, engine: Engine, streams: list) -> bool:
     return True
 
 
-def watched(socket: str, until) -> dict[tuple[bytes, bool], bytes]:
-    """What a new engine's stream announces, (key, on disk) -> description, once `until(it)` holds (10 s)."""
-    engine = Engine(socket, "tiers-ns", 16, 64 * 1024)
-    held: dict[tuple[bytes, bool], bytes] = {}
-    stop = threading.Event()
+class Watcher:
+    """A new engine's stream of the namespace: `held`, (key, on disk) -> description, as it announces them
+    (stored, removed, reset) until `close`."""
 
-    def watch() -> None:
-        for reset, events in engine.session.watch_blocks(stop):
+    def __init__(self, socket: str, namespace: str = "tiers-ns") -> None:
+        self.engine = Engine(socket, namespace, 16, 64 * 1024)
+        self.held: dict[tuple[bytes, bool], bytes] = {}
+        self.removed: list[tuple[bytes, bool]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        for reset, events in self.engine.session.watch_blocks(self._stop):
             if reset:
-                held.clear()
+                self.held.clear()
             for removed, key, description, on_disk in events:
                 if removed:
-                    held.pop((key, on_disk), None)
+                    self.held.pop((key, on_disk), None)
+                    self.removed.append((key, on_disk))
                 else:
-                    held[(key, on_disk)] = description
+                    self.held[(key, on_disk)] = description
 
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    wait_for(lambda: until(held), timeout=10)
-    stop.set()
-    engine.close()  # (ends the stream)
-    thread.join(5)
-    return dict(held)
+    def wait(self, until) -> dict[tuple[bytes, bool], bytes]:
+        wait_for(lambda: until(self.held), timeout=10)
+        return dict(self.held)
+
+    def close(self) -> None:
+        self._stop.set()
+        self.engine.close()  # (ends the stream)
+        self._thread.join(5)
+
+
+def watched(socket: str, until) -> dict[tuple[bytes, bool], bytes]:
+    """What a new engine's stream announces once `until(it)` holds (10 s)."""
+    watcher = Watcher(socket)
+    try:
+        return watcher.wait(until)
+    finally:
+        watcher.close()
 
 
 def test_disk_blocks_are_announced_and_a_killed_daemons_blocks_come_back_announced(daemon_factory, tmp_path) -> None:
@@ -137,3 +155,38 @@ def test_disk_blocks_are_announced_and_a_killed_daemons_blocks_come_back_announc
     assert watched(daemon.socket, lambda held: held == both) == both
     assert daemon.client().clear("tiers-ns") == 6  # the pool's and the disk's copies: both announced removed
     assert watched(daemon.socket, lambda held: not held) == {}
+
+
+def test_evicted_and_corrupt_blocks_are_announced_removed(daemon_factory) -> None:
+    """A block that fails its checksum at a load is dropped and announced removed at once; blocks the pool
+    evicts for another namespace's stores are announced removed, the engine's stream told each."""
+    daemon = daemon_factory("--verify-loads", "1", pool_size="8MiB", segment_size="4MiB").start()
+    a = Engine(daemon.socket, "tiers-ns", 16, 64 * 1024)
+    keys = [key_of("v", i) for i in range(8)]
+    a.session.describe_blocks(keys, [b"d%d" % i for i in range(8)])
+    a.fill(keys, list(range(8)))
+    job = a.session.store(keys, list(range(8)))
+    assert a.session.wait([job])[job].ok
+    watcher = Watcher(daemon.socket)
+    try:
+        assert len(watcher.wait(lambda held: len(held) == 8)) == 8
+        assert wait_for(lambda: len(list(sealed_blocks(daemon.pool_path))) == 8, timeout=10)
+        offset = next(off for header, off in sealed_blocks(daemon.pool_path) if header.key == keys[2])
+        with open(daemon.pool_path, "r+b") as f, mmap.mmap(f.fileno(), 0) as data:
+            data[offset + 100] ^= 0xFF
+        job = a.session.load(keys, list(range(8, 16)))
+        assert a.session.wait([job])[job].blocks_failed == 1
+        assert set(watcher.wait(lambda held: len(held) == 7)) == {(k, False) for k in keys if k != keys[2]}
+        assert watcher.removed == [(keys[2], False)]
+
+        other = Engine(daemon.socket, "other-ns", 64, 64 * 1024)
+        for round_ in range(3):  # 192 blocks: more than the pool's two segments hold
+            more = [key_of(f"o{round_}", i) for i in range(64)]
+            other.fill(more, list(range(64)))
+            job = other.session.store(more, list(range(64)))
+            assert other.session.wait([job])[job].ok
+        assert watcher.wait(lambda held: not held) == {}
+        assert sorted(watcher.removed) == sorted((k, False) for k in keys)
+        assert daemon.client().stats().evictions >= 7
+    finally:
+        watcher.close()
