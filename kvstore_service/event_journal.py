@@ -6,8 +6,9 @@ description). Removals are not written: `rewrite` replaces the file with the des
 it has grown past twice their bytes (and JOURNAL_SLACK), so it stays within about twice --max-event-bytes.
 It is written on the event loop with plain writes (a tmpfs file beside the pool: no flush to a disk), and
 never fsynced: a daemon killed mid-write leaves a cut record, where `read` stops. A file that is not ours
-(another header), or larger than `max_bytes`, is ignored, and a write that fails turns the journal off
-(logged once): announcements then wait for engines, as without it.
+(another header, another uid's or writable by others, as the pool file: in a world-writable /dev/shm it
+could carry forged descriptions), or larger than `max_bytes`, is ignored, and a write that fails turns the
+journal off (logged once): announcements then wait for engines, as without it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import struct
 from collections.abc import Iterable, Iterator
 
@@ -50,9 +52,13 @@ class Journal:
                         self.path, e)
             return
         with os.fdopen(fd, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > self.max_bytes:
-                log.warning("block descriptions %s: %d bytes, over %d: not read", self.path, size, self.max_bytes)
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                log.warning("block descriptions %s: not a private file of the daemon's uid; not read", self.path)
+                return
+            if st.st_size > self.max_bytes:
+                log.warning("block descriptions %s: %d bytes, over %d: not read", self.path, st.st_size,
+                            self.max_bytes)
                 return
             data = f.read()
         if not data.startswith(HEADER):
@@ -80,7 +86,9 @@ class Journal:
         """Replace the file with these entries (the descriptions held now); the journal is on from here."""
         tmp = f"{self.path}.tmp"
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with contextlib.suppress(FileNotFoundError):  # (one a kill left; created anew: never someone else's)
+                os.unlink(tmp)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
                 data = HEADER + encode(entries)
                 _write_all(fd, data)

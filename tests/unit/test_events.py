@@ -300,3 +300,8 @@ def test_the_journal_is_rewritten_when_it_outgrows_what_is_held_and_ignores_what
 
     too_big = Journal(str(path), len(HEADER) - 1)
     assert list(too_big.read(64)) == []
+    events.describe(ns.ns_hash, keys[:1], [b"meta"])
+    path.chmod(0o622)  # writable by others (a planted file in /dev/shm, say): forged descriptions are not read
+    assert list(Journal(str(path), MB).read(64)) == []
+    path.chmod(0o600)
+    assert list(Journal(str(path), MB).read(64)) == [(ns.ns_hash, keys[0], b"meta")]
