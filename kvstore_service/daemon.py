@@ -33,8 +33,9 @@ from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
 from kvstore_service.event_journal import JOURNAL_SLACK, Journal
 from kvstore_service.events import Batch, BlockEvents
-from kvstore_service.index import BlockIndex, PackedKeys, namespace_hash, unpack_keys
+from kvstore_service.index import BlockIndex, namespace_hash
 from kvstore_service.jobs import JobResult, Jobs
+from kvstore_service.keys import PackedKeys, unpack_keys
 from kvstore_service.metrics import Metrics
 from kvstore_service.native import StickyDeviceError
 from kvstore_service.peercred import PeerCred

@@ -46,7 +46,8 @@ from kvstore_service import native
 from kvstore_service.chunks import CHUNK_BLOCKS, Chunk, chunks, load_check, plan_chunk, track_progress
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
-from kvstore_service.index import Block, BlockIndex, PackedKeys
+from kvstore_service.index import Block, BlockIndex
+from kvstore_service.keys import PackedKeys
 from kvstore_service.metrics import Metrics
 from kvstore_service.pool import Pool
 from kvstore_service.seals import Seals

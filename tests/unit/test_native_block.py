@@ -12,7 +12,8 @@ from array import array
 import pytest
 
 from kvstore_service import native
-from kvstore_service.index import Block, BlockState, Namespace, PackedKeys
+from kvstore_service.index import Block, BlockState, Namespace
+from kvstore_service.keys import PackedKeys
 
 
 def make(keys: list[bytes], ns: Namespace | None = None, first_slot: int = 0) -> list[Block]:

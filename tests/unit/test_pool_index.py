@@ -11,7 +11,8 @@ from support.daemon import sealed_blocks
 
 from kvstore_client.protocol import MAX_KEY
 from kvstore_service import native
-from kvstore_service.index import KEYS_PER_UNPACK, Block, BlockIndex, BlockState, Namespace, unpack_keys
+from kvstore_service.index import Block, BlockIndex, BlockState, Namespace
+from kvstore_service.keys import KEYS_PER_UNPACK, unpack_keys
 from kvstore_service.pool import Pool, SlotState
 
 MB = 1 << 20
