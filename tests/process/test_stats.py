@@ -123,10 +123,10 @@ def test_derived_figures() -> None:
 def text_of(stats: Stats, wide: bool = False) -> str:
     from rich.console import Console
 
-    from kvstore_service.cli import _render_stats
+    from kvstore_service.stats_view import render_stats
 
     console = Console(width=1 << 14 if wide else 80, record=True, file=io.StringIO())
-    console.print(_render_stats(stats, console.width, wide))
+    console.print(render_stats(stats, console.width, wide))
     return console.export_text()
 
 
