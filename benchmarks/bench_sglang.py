@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from kvstore_service.bench import Memcpy
+from kvstore_service.bench_limits import Memcpy
 from kvstore_service.harness import DaemonProcess
 
 WORKER = Path(__file__).with_name("sglang_hits.py")

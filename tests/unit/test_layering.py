@@ -39,7 +39,8 @@ SERVER_MAY_IMPORT = {
     "kvstore_service.peercred": {"Handshake", "PeerCredServer", "close_fds"},
 }
 # Modules of the daemon's package that are clients of a daemon: they may import the whole client.
-CLIENT_SIDE = {"kvstore_service.cli", "kvstore_service.bench", "kvstore_service.harness"}
+CLIENT_SIDE = {"kvstore_service.cli", "kvstore_service.bench", "kvstore_service.bench_limits",
+               "kvstore_service.harness"}
 # What starts a thread (a call of one of these names, or a class deriving from one). run_in_executor
 # and asyncio.to_thread count: without an executor of threads.py's they run on one asyncio makes.
 THREAD_MAKERS = {"ThreadPoolExecutor", "ProcessPoolExecutor", "Thread", "Timer", "to_thread", "run_in_executor",
