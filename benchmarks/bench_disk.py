@@ -8,10 +8,11 @@ same payload bytes, --total of them each, in rounds of --round bytes (written, t
     4 KiB header (the tier's record size) from the engine's aligned buffers (the very buffers the
     staged tier moves its records through), no copy, no checksum, no Python: the limit;
   * raw-block: the same in block-sized requests (from other buffers), for reference;
-  * staged (the tier's default): DiskTier.write of the round's blocks from a real pool (/dev/shm, the
-    daemon's default 64 MiB segments), --batch bytes per call, then DiskTier.read of them into other
-    pool slots, verified (header and CRC32C), with --threads I/O threads, each record through an
-    aligned buffer (a copy);
+  * staged (the tier's default): the round's blocks written behind (`DiskTier.write_behind`, the tiers'
+    contract, as the daemon drives it: each call waited for until its blocks are released) from a real
+    pool (/dev/shm, the daemon's default 64 MiB segments), --batch bytes per call, then fetched
+    (`fetch_verified`) into other pool slots, verified (header and CRC32C), with --threads I/O threads,
+    each record through an aligned buffer (a copy);
   * direct: the same with io_mode="direct": payload pages straight from/into the pool (the slots here
     are all aligned for O_DIRECT).
 
@@ -30,18 +31,25 @@ Run: python benchmarks/bench_disk.py --dir /var/tmp
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ctypes
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from kvstore_service import native
 from kvstore_service.pool import Pool, slots_per_segment
 from kvstore_service.threads import Threads
+from kvstore_service.tiers.base import Scope
 from kvstore_service.tiers.disk import ALIGN, DiskTier
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.tier_contract import Released  # noqa: E402
 
 MB = 1 << 20
 POOL_SEGMENT = 64 * MB  # the daemon's default --segment-size
@@ -104,36 +112,54 @@ class Raw:
         shutil.rmtree(self.path)
 
 
+def slots(offsets: Sequence[int]) -> Callable[[int, int], Sequence[int]]:
+    """A fetch's `place`: these slots, in order."""
+    return lambda first, count: offsets[first:first + count]
+
+
 class Tier:
+    """The disk tier through the tiers' contract (tiers/base.py), on an event loop of its own."""
+
     def __init__(self, folder: str, blocks: Blocks, block: int, total: int, threads: int, batch: int,
                  io_mode: str) -> None:
         self.path = tempfile.mkdtemp(prefix=f"kvstore-bench-disk-{io_mode}-", dir=folder)
         os.rmdir(self.path)  # the tier creates it (0700)
         self.tier = DiskTier.open(self.path, 2 * total + (1 << 30), threads=threads, io_mode=io_mode,
-                                  executor=Threads(1).disk)
-        assert self.tier.healthy, self.tier.stats().error
+                                  queue_bytes=batch * block, executor=Threads(1).disk)
+        assert self.tier.stats().healthy, self.tier.stats().error
         self.blocks, self.block, self.batch = blocks, block, batch
+        self.loop = asyncio.new_event_loop()
 
     def round(self, r: int, count: int) -> tuple[float, float]:
-        scope, base, b, step = bytes(16), self.blocks.pool.base, self.blocks, self.batch
+        scope, pool, b, step = Scope(bytes(16), "", self.block), self.blocks.pool, self.blocks, self.batch
         keys = [(r << 32 | i).to_bytes(32, "little") for i in range(count)]
 
-        def write() -> None:
+        async def write() -> None:
             for i in range(0, count, step):
-                n = self.tier.write(scope, keys[i:i + step], base, b.src[i:i + step], self.block, b.crcs[i:i + step])
+                release = Released(len(keys[i:i + step]))
+                n = self.tier.write_behind(pool, scope, keys[i:i + step], b.src[i:i + step], b.crcs[i:i + step],
+                                           release)
                 assert n == len(keys[i:i + step]), self.tier.stats()
+                await release.wait()
 
-        def read() -> None:
+        async def read() -> None:
             for i in range(0, count, step):
-                got = self.tier.read(scope, keys[i:i + step], base, b.dst[i:i + step], self.block)
+                got: list[int] = []
+                async for crcs in self.tier.fetch_verified(pool, scope, keys[i:i + step], slots(b.dst[i:i + step])):
+                    got += crcs
                 assert got == b.crcs[i:i + step], self.tier.stats()
 
-        times = timed(write), timed(read)
+        written = self.tier.stats().written
+        run = self.loop.run_until_complete
+        times = timed(lambda: run(write())), timed(lambda: run(read()))
+        assert self.tier.stats().written == written + count, self.tier.stats()
+        base = pool.base
         assert ctypes.string_at(base + b.dst[-1], self.block) == ctypes.string_at(base + b.src[-1], self.block)
         return times
 
     def close(self) -> None:
-        self.tier.close()
+        self.loop.run_until_complete(self.tier.aclose(0))
+        self.loop.close()
         shutil.rmtree(self.path)
 
 
@@ -183,7 +209,7 @@ def main() -> None:
     ap.add_argument("--round", default="128MiB", help="bytes per round (contenders alternate between rounds)")
     ap.add_argument("--block-sizes", default="256KiB,2MiB")
     ap.add_argument("--threads", type=int, default=2, help="I/O threads (raw and tier)")
-    ap.add_argument("--batch", default="32MiB", help="bytes per DiskTier.write/read call")
+    ap.add_argument("--batch", default="32MiB", help="bytes per tier call (write_behind, fetch_verified)")
     ap.add_argument("--io-mode", default="staged,direct", help="tier contenders: staged, direct")
     ap.add_argument("--verbose", action="store_true", help="print every round's figures")
     args = ap.parse_args()

@@ -8,13 +8,14 @@ For values of 128 KiB, 1 MiB and 4 MiB, in one run, on a 3-master cluster and/or
 (started here, in a temp dir):
 
   * raw SET: redis-py pipelines of prebuilt values, batched as the tier batches uploads (32 MiB);
-  * tier up: `RemoteTier.offer` of the same payloads, `--offer-mib` per call with the loop let run
-    between calls, then `drain`, timed together: values authenticated (HMAC-SHA256 under a secret), and
-    encrypted (AES-256-GCM, `--remote-encrypt`), two tiers with their own keys;
+  * tier up: `RemoteTier.write_behind` (the tiers' contract, as the daemon drives it) of the same
+    payloads from slots in memory, `--offer-mib` per call with the loop let run between calls, until
+    every block is released (uploaded), timed together: values authenticated (HMAC-SHA256 under a
+    secret), and encrypted (AES-256-GCM, `--remote-encrypt`), two tiers with their own keys;
   * raw GET: pipelines of 16 keys (the tier's fetch batch), one batch after the other, every value kept
-    (as `fetch` returns them all);
-  * tier fetch: `RemoteTier.fetch` of the same number of blocks (pipelined GETs, MAC checked or
-    decrypted, CRC32C taken), for each of the two tiers.
+    (as a fetch keeps them all);
+  * tier fetch: `RemoteTier.fetch_verified` of the same number of blocks into slots (pipelined GETs, MAC
+    checked or decrypted, CRC32C taken as each is copied to its slot), for each of the two tiers.
 
 With `--daemon`, through running daemons instead (`kvstore serve --remote URL --remote-secret-file F`, plus
 `--remote-encrypt` with `--encrypt`; one CPU engine):
@@ -59,28 +60,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.ports import free_ports  # noqa: E402
 from support.redis import RedisCluster as ClusterProcs  # noqa: E402
 from support.redis import RedisServer, require_redis_server  # noqa: E402
+from support.tier_contract import Released, Slots, scope_of  # noqa: E402
 
 RATIOS = tuple((f"{what}, {mode}", raw, f"tier {what}, {mode}")
                for what, raw in (("up", "raw SET"), ("fetch", "raw GET")) for mode in MODES)
 
 
-async def tier_up(tier: RemoteTier, keys: list[bytes], values: list[bytes], stream: int) -> float:
-    """Offer `stream` bytes at a time (a store job's worth), letting the loop run between offers, as the
-    daemon does; then drain. `stream` 0: offer everything at once, then drain."""
+async def tier_up(tier: RemoteTier, keys: list[bytes], src: Slots, crcs: list[int], stream: int) -> float:
+    """Write `stream` bytes at a time behind (a store job's worth), letting the loop run between calls, as
+    the daemon does; until every block is released. `stream` 0: everything in one call."""
     t0 = time.perf_counter()
-    per = max(1, stream // len(values[0])) if stream else len(keys)
+    scope, released = scope_of("bench", "ns", src.size), Released(len(keys))
+    per = max(1, stream // src.size) if stream else len(keys)
     for i in range(0, len(keys), per):
-        assert tier.offer("bench", "ns", keys[i:i + per], values[i:i + per]) == len(keys[i:i + per])
+        taken = tier.write_behind(src, scope, keys[i:i + per], src.offsets[i:i + per], crcs[i:i + per], released)
+        assert taken == len(keys[i:i + per])
         await asyncio.sleep(0)
-    await tier.drain()
+    await released.wait()
     return time.perf_counter() - t0
 
 
-async def tier_fetch(tier: RemoteTier, keys: list[bytes], size: int) -> float:
+async def tier_fetch(tier: RemoteTier, keys: list[bytes], dst: Slots) -> float:
     t0 = time.perf_counter()
-    got = await tier.fetch("bench", "ns", keys, payload_bytes=size)
+    got = 0
+    async for crcs in tier.fetch_verified(dst, scope_of("bench", "ns", dst.size), keys,
+                                          lambda first, count: dst.offsets[first:first + count]):
+        got += len(crcs)
     elapsed = time.perf_counter() - t0
-    assert len(got) == len(keys), tier.stats()
+    assert got == len(keys), tier.stats()
     return elapsed
 
 
@@ -88,6 +95,8 @@ async def measure(url: str, client: Redis | RedisCluster, size: int, total: int,
                   stream: int) -> dict[str, float]:
     n = max(FETCH_BATCH, total // size)
     values = [os.urandom(size) for _ in range(n)]
+    src, dst = Slots.holding(values), Slots(n, size)  # the pool's slots: written behind from, fetched into
+    crcs = src.checksums()
     raw_keys = [b"raw:%d:%d" % (size, i) for i in range(n)]
     tier_keys = [b"%d:%d" % (size, i) for i in range(n)]
     tiers = {mode: RemoteTier(RedisStore(parse_url(url), None, 30.0), keyring=keyring,
@@ -98,17 +107,17 @@ async def measure(url: str, client: Redis | RedisCluster, size: int, total: int,
     for r in range(rounds + 1):  # interleaved: every contender once per round
         measured = {"raw SET": await raw_set(client, raw_keys, values)}
         for mode, tier in tiers.items():
-            measured[f"tier up, {mode}"] = await tier_up(tier, tier_keys, values, stream)
+            measured[f"tier up, {mode}"] = await tier_up(tier, tier_keys, src, crcs, stream)
         measured["raw GET"] = await raw_get(client, raw_keys, size)
         for mode, tier in tiers.items():
-            measured[f"tier fetch, {mode}"] = await tier_fetch(tier, tier_keys, size)
+            measured[f"tier fetch, {mode}"] = await tier_fetch(tier, tier_keys, dst)
         if r:  # the first round warms the servers' memory up
             for op, t in measured.items():
                 times.setdefault(op, []).append(t)
     for tier in tiers.values():
         s = tier.stats()
         assert s.upload_failed == s.errors == s.corrupt == s.dropped_full == 0, s
-        await tier.close()
+        await tier.aclose(0)
     await client.flushall()
     gbs = {op: n * size / statistics.median(t) / 1e9 for op, t in times.items()}
     for name, raw, tier_op in RATIOS:
@@ -171,7 +180,7 @@ def cli() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--kib", type=lambda v: [int(k) for k in v.split(",")], default=[s >> 10 for s in SIZES],
                     help="value sizes in KiB, comma-separated (default: 128,1024,4096)")
-    ap.add_argument("--offer-mib", type=int, default=8, help="MiB per offer call (0: all at once)")
+    ap.add_argument("--offer-mib", type=int, default=8, help="MiB per write_behind call (0: all at once)")
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     ap.add_argument("--daemon", action="store_true", help="through running daemons, not the tier module")
     ap.add_argument("--encrypt", action="store_true", help="with --daemon: --remote-encrypt (else authenticated only)")

@@ -249,16 +249,15 @@ class Daemon:
         return await self._clear(_clear_scope(caller, tenant, namespace), namespace)
 
     async def _clear(self, tenant: str | None, namespace: str) -> int:
-        disk = self.tiers.disk if self.tiers is not None else None
         scopes: list[bytes] | None = None  # every namespace's
         if namespace:
             assert tenant is not None
             scopes = [namespace_hash(scoped(tenant, namespace))]  # (on disk, maybe unknown to the pool)
         elif tenant is not None:
             names = {h: ns.name for h, ns in self.index.namespaces.items() if ns.name}
-            names.update(disk.names() if disk is not None else {})  # (after a restart, maybe only on disk)
+            names.update(self.tiers.names() if self.tiers is not None else {})  # (after a restart, maybe only on disk)
             scopes = [h for h, name in names.items() if split(name)[0] == tenant]
-        cleared, saved = self.tiers.clear_disk(scopes) if self.tiers is not None and disk is not None else (0, None)
+        cleared, saved = self.tiers.forget(scopes) if self.tiers is not None else (0, None)
         if scopes is None:
             cleared += self.index.clear()
         else:

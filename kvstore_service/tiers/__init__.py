@@ -1,19 +1,19 @@
 """The tiers under the pool: where sealed blocks go behind the engines' backs, and where a lookup's
 pool misses come from.
 
-    sealed blocks ──write (write-behind, bounded, drops counted)──> disk (tiers/disk/)
-                  ──offer (write-behind, bounded, drops counted)──> remote store (tiers/remote/)
+    sealed blocks ──write_behind (bounded, drops counted)──> disk (tiers/disk/)
+                  ──write_behind (bounded, drops counted)──> remote store (tiers/remote/)
     Lookup: pool misses <──promote: disk first, then the remote store (verified, copied into fresh slots)
 
 A block goes to disk once sealed (its CRC32C is known; it stays pinned while written), so evicting it
 from the pool later costs nothing: it is on disk already (one evicted before its seal never is: counted
-as a dropped write). A Clear drops blocks from the disk too, for good (`clear_disk`). A lookup that
-misses in the pool asks the tiers for the blocks its best hit needs (`promote`: the leading run of a plain
-lookup; per group, by vLLM's hit rule, for a grouped one), in order, and answers only after those it got
-are committed in the pool, so loads stay pool-only and a hit is always loadable. Every failure
-below is a miss; the engine recomputes. Promoted blocks are sealed like stored ones and never written
-down again. Both tiers are driven through one contract (base.py), and only this class meets the index,
-through its verbs.
+as a dropped write, `unwritten`). A Clear drops blocks from the tiers too (`forget`: the disk's for
+good; the remote store's age out there). A lookup that misses in the pool asks the tiers for the blocks
+its best hit needs (`promote`: the leading run of a plain lookup; per group, by vLLM's hit rule, for a
+grouped one), in order, and answers only after those it got are committed in the pool, so loads stay
+pool-only and a hit is always loadable. Every failure below is a miss; the engine recomputes. Promoted
+blocks are sealed like stored ones and never written down again. Both tiers are driven through one
+contract (base.py), their only face, and only this class meets the index, through its verbs.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
+from itertools import groupby
 
 from kvstore_client.protocol.groups import grouped_hit
 from kvstore_service.index import Block, BlockIndex, BlockState, Namespace
@@ -56,7 +57,7 @@ class Tiers:
         self.disk = disk
         self.remote = remote
         self.tiers: list[Tier] = [t for t in (disk, remote) if t is not None]  # the order a lookup asks them in
-        if disk is not None:
+        if self.tiers:
             index.on_evict = self._evicted
         self.promoted_blocks = 0
         # One promotion per namespace at a time: a second lookup of the same prefix waits, then
@@ -86,16 +87,25 @@ class Tiers:
         return lambda i: self.index.unpin((held[i],))
 
     def _evicted(self, blocks: list[Block]) -> None:
-        """A block evicted before its seal never reaches the disk (only sealed blocks are written: the
-        record needs the checksum): a dropped write, counted. Not kept from eviction until written
-        instead: the pool turns over within a seal's delay (up to a second) only when stores outrun the
-        seals, and pinning those blocks would then refuse the stores themselves."""
-        assert self.disk is not None
-        for block in blocks:
-            if block.checksum is None and block.state is BlockState.COMMITTED and not block.promoted:
-                self.disk.unwritten(block.namespace.ns_hash, block.key)
+        """A block evicted before its seal never reaches the tiers (only sealed blocks are written: the
+        record needs the checksum): a dropped write, told to each (`unwritten`). Not kept from eviction
+        until written instead: the pool turns over within a seal's delay (up to a second) only when stores
+        outrun the seals, and pinning those blocks would then refuse the stores themselves."""
+        unsealed = [b for b in blocks if b.checksum is None and b.state is BlockState.COMMITTED and not b.promoted]
+        for ns, run in groupby(unsealed, lambda b: b.namespace):
+            scope, keys = scope_of(ns), [b.key for b in run]
+            for tier in self.tiers:
+                tier.unwritten(scope, keys)
 
-    def clear_disk(self, scopes: list[bytes] | None) -> tuple[int, asyncio.Task[None] | None]:
+    def names(self) -> dict[bytes, str]:
+        """The names of the namespaces the tiers hold blocks of, where they know them: ns_hash -> name (after
+        a restart, a namespace may be known only there)."""
+        names: dict[bytes, str] = {}
+        for tier in self.tiers:
+            names.update(tier.names())
+        return names
+
+    def forget(self, scopes: list[bytes] | None) -> tuple[int, asyncio.Task[None] | None]:
         """Drop these namespaces' blocks (None: every namespace's) from the tiers (`forget`: the disk's, for
         good: a restart does not bring them back). Returns how many of them the pool does not hold (call it
         before the pool's clear, which counts the others), and the disk catalog's write to await before the

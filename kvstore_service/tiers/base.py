@@ -1,19 +1,24 @@
 """The contract both tiers under the pool implement (the disk: tiers/disk/, the remote store:
 tiers/remote/), in the shape of vLLM's offload handlers: blocks go down written behind, come up as
-verified batches.
+verified batches. It is each tier's whole face: besides building one (`DiskTier.open`,
+`RemoteTier.from_url`), nothing else of a tier is for its callers.
 
     accepted = tier.write_behind(memory, scope, keys, offsets, checksums, release)  # loop; never waits
     async for checksums in tier.fetch_verified(memory, scope, keys, place): ...     # leading run, verified
     held = tier.holds(scope, keys)                                                   # loop; a hint, or None
+    tier.unwritten(scope, keys)                                                      # loop; never written
     forgotten = tier.forget(scopes)                                                  # loop; a Clear
+    names = tier.names()                                                             # loop; for a Clear
     changes = tier.take_changes()                                                    # loop; for routers
     tier.stats()                                                                     # loop
     await tier.aclose(drain_s)                                                       # the end
 
 A tier sees no index state: a namespace is a `Scope`, blocks are keys and payload offsets in the pool's
 `Memory`. Every failure below is a miss (fetch) or a dropped write (write behind), counted in the
-tier's stats; none reaches the caller. Only `Tiers` (tiers/__init__.py) calls these, and only it meets
-the index.
+tier's stats; none reaches the caller (malformed arguments, a caller's bug, are ValueErrors). What was
+written behind is in once its `release` came; `aclose` waits for what is under way. In the daemon
+only `Tiers` (tiers/__init__.py) calls these, and only it meets the index; the tests drive a tier the
+same way (tests/support/tier_contract.py).
 """
 
 from __future__ import annotations
@@ -63,7 +68,8 @@ class Tier(Protocol):
                      checksums: Sequence[int], release: Callable[[int], None]) -> int:
         """Take these sealed blocks (their CRC32C `checksums`) to be written behind; never waits. The tier
         reads block i's slot until it calls `release(i)`: once per block, when written, dropped (counted)
-        or skipped, maybe before this returns. Returns how many it took."""
+        or skipped, maybe before this returns. Returns how many it took (the others: held or queued
+        already, or dropped)."""
         ...
 
     def fetch_verified(self, memory: Memory, scope: Scope, keys: Sequence[bytes],
@@ -78,8 +84,20 @@ class Tier(Protocol):
         or None where only a fetch can tell. A hint: a fetch of a key held may still miss (corrupt, failed)."""
         ...
 
+    def unwritten(self, scope: Scope, keys: Sequence[bytes]) -> None:
+        """Blocks that will never be written behind (evicted from the pool before their seal: no checksum
+        yet): dropped writes, counted where the tier counts such (the disk: those it does not hold already;
+        the remote store counts its drops by cause, and this is none of its)."""
+        ...
+
     def forget(self, scopes: Sequence[bytes] | None) -> Forgotten:
         """Drop these namespaces' blocks (None: every namespace's): fetches miss them from now on."""
+        ...
+
+    def names(self) -> Mapping[bytes, str]:
+        """The names ("tenant/namespace") of the namespaces the tier holds blocks of, by scope (ns_hash),
+        where it knows them: a Clear by tenant finds there the namespaces the pool does not know (after a
+        restart). A tier that cannot list its namespaces (the remote store): none."""
         ...
 
     def take_changes(self) -> list[tuple[bytes, bytes, bool]]:

@@ -1,7 +1,9 @@
 """The remote cold tier (kvstore_service.tiers.remote) against real redis-server processes on loopback: one
 server, and a 3-master cluster; corrupt and truncated values, a killed and a hung node, a slow store
-under write-behind, credentials. Servers come from support.redis (skipped only where redis-server is
-missing and not required; CI requires it)."""
+under write-behind, credentials. Driven through the tiers' contract (tiers/base.py), as the daemon
+drives it (support.tier_contract): blocks written behind from slots and waited for until released,
+fetched into slots. Servers come from support.redis (skipped only where redis-server is missing and
+not required; CI requires it)."""
 
 from __future__ import annotations
 
@@ -21,9 +23,12 @@ import uvloop
 from support.pki import make_pki
 from support.ports import free_ports
 from support.redis import RedisCluster, RedisServer, require_redis_server
+from support.tier_contract import Slots, fetch, fetch_payloads, write_behind, write_payloads
+from support.tier_contract import scope_of as tier_scope
 
 from kvstore_service import native
 from kvstore_service.threads import Threads
+from kvstore_service.tiers.base import Forgotten, Scope
 from kvstore_service.tiers.remote import RemoteTier
 from kvstore_service.tiers.remote.breaker import Breaker
 from kvstore_service.tiers.remote.codec import HEADER_BYTES, KEY_PREFIX, decode_value, encode_value, remote_key
@@ -42,6 +47,21 @@ def payload_of(i: int, size: int) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
+def scope_of(size: int, tenant: str = TENANT, ns: str = NS) -> Scope:
+    return tier_scope(tenant, ns, size)
+
+
+async def offer(tier: RemoteTier, keys: list[bytes], payloads: list[bytes], tenant: str = TENANT,
+                ns: str = NS) -> int:
+    """Written behind and waited for (support.tier_contract.write_payloads): how many the tier took."""
+    return await write_payloads(tier, tenant, ns, keys, payloads)
+
+
+async def fetched(tier: RemoteTier, keys: list[bytes], size: int, tenant: str = TENANT, ns: str = NS,
+                  room: int | None = None) -> list[bytes]:
+    """The payloads of the leading run fetched (support.tier_contract.fetch_payloads)."""
+    return await fetch_payloads(tier, tenant, ns, keys, size, room)
+
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
@@ -51,7 +71,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
     c.stop()
 
 
-
 def raw_client(target: RedisServer | RedisCluster) -> redis.Redis | redis.RedisCluster:
     if isinstance(target, RedisCluster):
         return redis.RedisCluster(host="127.0.0.1", port=target.nodes[0].port)
@@ -59,8 +78,7 @@ def raw_client(target: RedisServer | RedisCluster) -> redis.Redis | redis.RedisC
 
 
 async def store_and_drain(tier: RemoteTier, keys: list[bytes], payloads: list[bytes]) -> None:
-    assert tier.offer(TENANT, NS, keys, payloads) == len(keys)
-    await tier.drain()
+    assert await offer(tier, keys, payloads) == len(keys)
 
 
 # -- pure parts ----------------------------------------------------------------------------------
@@ -105,8 +123,8 @@ def test_value_format() -> None:
 
 
 def test_pool_seal_checksums_are_the_value_checksums() -> None:
-    """The daemon may pass the CRC32C its seal step computed (native.checksum_blocks over the pool) to
-    offer: it is the same function as the value's."""
+    """The CRC32C the pool's seal computes (native.checksum_blocks over the pool), which write_behind is
+    given, is the same function as the one fetch_verified yields for a value."""
     buf = bytearray(payload_of(3, 3 * 4096))
     anchor = ctypes.c_char.from_buffer(buf)
     sums = native.checksum_blocks(ctypes.addressof(anchor), [0, 4096, 8192], 4096)
@@ -171,28 +189,33 @@ def test_breaker_states() -> None:
 
 @pytest.mark.parametrize(("kind", "loop"), [("single", "asyncio"), ("cluster", "asyncio"), ("cluster", "uvloop")])
 def test_round_trip(kind: str, loop: str, request: pytest.FixtureRequest) -> None:
-    """Byte-exact, in order, over one server and over a cluster; on the daemon's loop (uvloop) too."""
+    """Byte-exact, in order, over one server and over a cluster; on the daemon's loop (uvloop) too. A
+    namespace's blocks are of one size: a chain of 195 in one, and one namespace each of other sizes
+    (from one byte to 3 MiB)."""
     target: RedisServer | RedisCluster = request.getfixturevalue("server" if kind == "single" else "cluster")
     url = f"redis://{target.address}" if isinstance(target, RedisServer) else target.url
     sizes = [1, 4096, 128 << 10, 1 << 20, 3 << 20] + [64 << 10] * 195
     keys = [key_of(i, kind + loop) for i in range(len(sizes))]
     payloads = [payload_of(i, size) for i, size in enumerate(sizes)]
+    runs = [slice(i, i + 1) for i in range(5)] + [slice(5, None)]  # a namespace each
 
     async def main() -> None:
         tier = RemoteTier.from_url(url, executor=REMOTE, timeout_s=5.0)
-        assert await tier.fetch(TENANT, NS, keys) == []  # nothing there yet: a miss, no error
-        await store_and_drain(tier, keys, payloads)
-        got = await tier.fetch(TENANT, NS, keys)
-        assert [bytes(g) for g in got] == payloads  # byte-exact, in order
-        assert await tier.fetch("other-tenant", NS, keys) == []
-        assert await tier.fetch(TENANT, "other-ns", keys) == []
+        for n, run in enumerate(runs):
+            ns, size = f"{NS}|{n}", sizes[run][0]
+            assert await fetched(tier, keys[run], size, ns=ns) == []  # nothing there yet: a miss, no error
+            assert await offer(tier, keys[run], payloads[run], ns=ns) == len(keys[run])
+            assert await fetched(tier, keys[run], size, ns=ns) == payloads[run]  # byte-exact, in order
+            assert await fetched(tier, keys[run], size, "other-tenant", ns) == []
+            assert await fetched(tier, keys[run], size, ns="other-ns") == []
         s = tier.stats()
         assert (s.uploaded, s.upload_failed, s.errors, s.corrupt) == (len(keys), 0, 0, 0)
         assert s.bytes_up == sum(sizes) + (HEADER_BYTES + 32) * len(sizes) and s.bytes_down == sum(sizes)
-        assert (s.hits, s.misses, s.fetches, s.fetch_seconds_count) == (len(keys), 3 * len(keys), 4, 4)
+        assert (s.hits, s.misses, s.fetches, s.fetch_seconds_count) == (len(keys), 3 * len(keys), 4 * len(runs),
+                                                                         4 * len(runs))
         assert s.fetch_seconds_sum > 0 and (s.queued_blocks, s.queued_bytes, s.breaker) == (0, 0, "closed")
         assert s.url == url
-        await tier.close()
+        await tier.aclose(0)
 
     (uvloop.run if loop == "uvloop" else asyncio.run)(main())
     if isinstance(target, RedisCluster):  # every node holds some of the blocks (no hashtag)
@@ -206,27 +229,33 @@ def test_prefix_stops_at_first_miss(server: RedisServer) -> None:
     async def main() -> None:
         tier = RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE, fetch_batch=8)
         await store_and_drain(tier, keys[:25] + keys[26:], payloads[:25] + payloads[26:])  # no block 25
-        got = await tier.fetch(TENANT, NS, keys)
-        assert [bytes(g) for g in got] == payloads[:25]
+        assert await fetched(tier, keys, 1000) == payloads[:25]
         s = tier.stats()
         assert (s.hits, s.misses) == (25, 15)
-        await tier.close()
+        # Where the pool has fewer slots than the store has blocks, the fetch ends with the slots.
+        assert await fetched(tier, keys, 1000, room=10) == payloads[:10]
+        s = tier.stats()
+        assert (s.hits, s.misses) == (25 + 10, 15 + 30)
+        await tier.aclose(0)
 
     asyncio.run(main())
 
 
-def test_offer_dedupes_and_close_drops(server: RedisServer) -> None:
+def test_write_behind_dedupes_and_close_drops(server: RedisServer) -> None:
     async def main() -> None:
         tier = RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE)
         payload = payload_of(0, 5000)
-        assert tier.offer(TENANT, NS, [key_of(0), key_of(0)], [payload, payload]) == 1  # one upload per key
-        await tier.drain()
-        assert [bytes(g) for g in await tier.fetch(TENANT, NS, [key_of(0)])] == [payload]
+        assert await offer(tier, [key_of(0), key_of(0)], [payload, payload]) == 1  # one upload per key
+        assert await fetched(tier, [key_of(0)], 5000) == [payload]
+        slots = Slots.holding([b"x" * 100] * 3)
         with pytest.raises(ValueError):
-            tier.offer(TENANT, NS, [key_of(1)], [])
-        tier.offer(TENANT, NS, [key_of(i) for i in range(1, 4)], [b"x" * 100] * 3)
-        await tier.close()  # no drain: what was queued is dropped, counted
-        assert tier.offer(TENANT, NS, [key_of(9)], [b"y"]) == 0
+            tier.write_behind(slots, scope_of(100), [key_of(1)], [], [], lambda i: None)
+        taken, released = write_behind(tier, slots, scope_of(100), [key_of(i) for i in range(1, 4)], slots.offsets,
+                                       slots.checksums())
+        assert taken == 3 and released.order == []
+        await tier.aclose(0)  # no drain: what was queued is dropped, counted, released
+        assert sorted(released.order) == [0, 1, 2]
+        assert await offer(tier, [key_of(9)], [b"y"]) == 0
         s = tier.stats()
         assert (s.uploaded, s.dropped_closed, s.queued_blocks, s.queued_bytes) == (1, 4, 0, 0)
 
@@ -242,29 +271,26 @@ def test_payloads_are_sent_from_the_callers_memory_and_released_once(server: Red
     async def main() -> None:
         tier = RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE,
                                    queue_bytes=4 * (size + HEADER_BYTES + 32))
-        memory = bytearray(b"".join(payload_of(i, size) for i in range(6)))
-        views = [memoryview(memory)[i * size:(i + 1) * size] for i in range(6)]
-        released: list[int] = []
+        memory = Slots.holding([payload_of(i, size) for i in range(6)])
+        at, crcs, scope = memory.offsets, memory.checksums(), scope_of(size)
         keys = [key_of(i, "zero-copy") for i in range(6)]
         # 0..3 queued; 4 and 5 do not fit: dropped and released at once
-        assert tier.offer(TENANT, NS, keys, views, release=released.append) == 4
-        assert sorted(released) == [4, 5]
-        assert tier.offer(TENANT, NS, keys[:1], views[:1], release=lambda i: released.append(10 + i)) == 0
-        assert released[-1] == 10  # a key already queued: released, not queued twice
-        await tier.drain()
-        assert sorted(released) == [0, 1, 2, 3, 4, 5, 10]
-        got = await tier.fetch(TENANT, NS, keys[:4], payload_bytes=size)
-        assert [bytes(g) for g in got] == [payload_of(i, size) for i in range(4)]
+        taken, released = write_behind(tier, memory, scope, keys, at, crcs)
+        assert taken == 4 and sorted(released.order) == [4, 5]
+        again, twice = write_behind(tier, memory, scope, keys[:1], at[:1], crcs[:1])
+        assert again == 0 and twice.order == [0]  # a key already queued: released, not queued twice
+        await released.wait()
+        assert sorted(released.order) == [0, 1, 2, 3, 4, 5]
+        assert await fetched(tier, keys[:4], size) == [payload_of(i, size) for i in range(4)]
 
-        tier.offer(TENANT, NS, [key_of(0, "late")], [views[0]])
-        views[0][:8] = b"changed!"  # memory changed before its upload was sent: stored (and sealed) as it is then
-        await tier.drain()
-        assert [bytes(g) for g in await tier.fetch(TENANT, NS, [key_of(0, "late")])] == [bytes(views[0])]
+        taken, late = write_behind(tier, memory, scope, [key_of(0, "late")], at[:1], crcs[:1])
+        memory.view(at[0], 8)[:] = b"changed!"  # changed before its upload was sent: stored (and sealed) as it is then
+        await late.wait()
+        assert await fetched(tier, [key_of(0, "late")], size) == [memory.get(at[0])]
 
-        closed: list[int] = []
-        tier.offer(TENANT, NS, [key_of(i, "closing") for i in range(3)], views[:3], release=closed.append)
-        await tier.close()
-        assert sorted(closed) == [0, 1, 2]
+        taken, closed = write_behind(tier, memory, scope, [key_of(i, "closing") for i in range(3)], at[:3], crcs[:3])
+        await tier.aclose(0)
+        assert sorted(closed.order) == [0, 1, 2]
         s = tier.stats()
         assert (s.dropped_full, s.dropped_closed, s.queued_bytes) == (2, 3, 0)
 
@@ -277,14 +303,43 @@ def test_values_as_stored(server: RedisServer) -> None:
 
     async def main() -> None:
         tier = RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE)
-        assert tier.offer(TENANT, NS, keys, payloads) == 4
-        await tier.drain()
-        assert [bytes(g) for g in await tier.fetch(TENANT, NS, keys, payload_bytes=64 << 10)] == payloads
+        assert await offer(tier, keys, payloads) == 4
+        assert await fetched(tier, keys, 64 << 10) == payloads
         raw = redis.asyncio.Redis(host="127.0.0.1", port=server.port)
         assert await raw.get(remote_key(TENANT, NS, keys[0])) == encode_value(remote_key(TENANT, NS, keys[0]),
                                                                               payloads[0], TENANT)
         await raw.aclose()
-        await tier.close()
+        await tier.aclose(0)
+
+    asyncio.run(main())
+
+
+def test_the_rest_of_the_contract_is_trivial(server: RedisServer) -> None:
+    """What the store cannot tell without a round trip or does not own: `holds` is None (only a fetch
+    tells), it names no namespace and announces no change, a Clear does not reach it, and a block never
+    written is none of its drops. A namespace known by hash only (no name to key by) is neither stored
+    nor fetched."""
+    keys = [key_of(i, "trivial") for i in range(3)]
+    payloads = [payload_of(i, 4096) for i in range(3)]
+
+    async def main() -> None:
+        tier = RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE)
+        await store_and_drain(tier, keys, payloads)
+        scope = scope_of(4096)
+        assert tier.holds(scope, keys) is None
+        assert tier.forget([scope.ns_hash]) == Forgotten({}, None) and tier.forget(None) == Forgotten({}, None)
+        assert await fetched(tier, keys, 4096) == payloads  # not forgotten
+        tier.unwritten(scope, keys)
+        assert (tier.names(), tier.take_changes()) == ({}, [])
+        nameless, memory = Scope(scope.ns_hash, "", 4096), Slots.holding(payloads)
+        taken, released = write_behind(tier, memory, nameless, [key_of(9, "trivial")], memory.offsets[:1],
+                                       memory.checksums()[:1])
+        assert taken == 0 and released.order == [0]
+        assert await fetch(tier, memory, nameless, keys, memory.offsets) == []
+        s = tier.stats()
+        assert (s.uploaded, s.hits, s.misses, s.fetches) == (3, 3, 0, 1)
+        assert s.dropped_full + s.dropped_unhealthy + s.dropped_closed + s.upload_failed == 0
+        await tier.aclose(0)
 
     asyncio.run(main())
 
@@ -301,32 +356,31 @@ def test_corrupt_and_truncated_values_are_deleted_misses(cluster: RedisCluster) 
         tier = RemoteTier.from_url(cluster.url, executor=REMOTE)
         await store_and_drain(tier, keys, payloads)
         raw.set(rkeys[1], b"garbage, not a kvstore value")
-        got = await tier.fetch(TENANT, NS, keys)
-        assert [bytes(g) for g in got] == payloads[:1]
+        assert await fetched(tier, keys, 32 << 10) == payloads[:1]
         assert raw.exists(rkeys[1]) == 0 and tier.stats().corrupt == 1
 
         value = raw.get(rkeys[3])
         assert isinstance(value, bytes)
         raw.set(rkeys[3], value[:-100])  # truncated
-        assert [bytes(g) for g in await tier.fetch(TENANT, NS, keys[2:])] == payloads[2:3]
+        assert await fetched(tier, keys[2:], 32 << 10) == payloads[2:3]
         assert raw.exists(rkeys[3]) == 0 and tier.stats().corrupt == 2
 
         flipped = bytearray(value)
         flipped[HEADER_BYTES + 1000] ^= 0x40  # one bit of the payload: only the MAC sees it
         raw.set(rkeys[5], bytes(flipped))
-        assert [bytes(g) for g in await tier.fetch(TENANT, NS, keys[4:])] == payloads[4:5]
+        assert await fetched(tier, keys[4:], 32 << 10) == payloads[4:5]
         assert raw.exists(rkeys[5]) == 0
 
         # A block of another size than the namespace's is not copied anywhere: corrupt too, and every
         # such value of the batch is deleted, not only the first.
-        assert await tier.fetch(TENANT, NS, keys[6:], payload_bytes=16 << 10) == []
+        assert await fetched(tier, keys[6:], 16 << 10) == []
         assert raw.exists(rkeys[6]) == 0 and raw.exists(rkeys[7]) == 0 and tier.stats().corrupt == 5
         # A valid value under another block's key (a mixed-up reply, a copied key) is caught too.
         raw.set(rkeys[7], raw.get(rkeys[0]))
-        assert await tier.fetch(TENANT, NS, keys[7:]) == [] and raw.exists(rkeys[7]) == 0
+        assert await fetched(tier, keys[7:], 32 << 10) == [] and raw.exists(rkeys[7]) == 0
         s = tier.stats()
         assert (s.corrupt, s.errors, s.breaker) == (6, 0, "closed")
-        await tier.close()
+        await tier.aclose(0)
 
     asyncio.run(main())
 
@@ -357,17 +411,17 @@ def test_killed_node_misses_opens_breaker_then_recovers(fresh_cluster: RedisClus
         victim.kill()
 
         t0 = time.monotonic()
-        got = await tier.fetch(TENANT, NS, keys)
+        got = await fetched(tier, keys, 16 << 10)
         assert time.monotonic() - t0 < 1.5  # bounded by the timeout
-        assert [bytes(g) for g in got] == payloads[:first]  # the prefix before the dead node's first key
+        assert got == payloads[:first]  # the prefix before the dead node's first key
         assert tier.stats().errors > 0
-        await tier.fetch(TENANT, NS, keys)
+        await fetched(tier, keys, 16 << 10)
         s = tier.stats()
         assert (s.breaker, s.breaker_opens) == ("open", 1)
 
         t0 = time.monotonic()  # open: nothing is asked, nothing is queued
-        assert await tier.fetch(TENANT, NS, keys) == []
-        assert tier.offer(TENANT, NS, [key_of(999, "kill")], [b"z" * 100]) == 0
+        assert await fetched(tier, keys, 16 << 10) == []
+        assert await offer(tier, [key_of(999, "kill")], [b"z" * 100]) == 0
         assert time.monotonic() - t0 < 0.1
         s = tier.stats()
         assert (s.skipped, s.dropped_unhealthy) == (len(keys), 1)
@@ -375,14 +429,13 @@ def test_killed_node_misses_opens_breaker_then_recovers(fresh_cluster: RedisClus
         victim.start()  # same port and directory: same nodes.conf, the same cluster member (now empty)
         await asyncio.to_thread(c.wait_ok)
         await asyncio.sleep(1.1)  # breaker_s: the next call probes
-        got = await tier.fetch(TENANT, NS, keys[:first])
-        assert [bytes(g) for g in got] == payloads[:first]
+        assert await fetched(tier, keys[:first], 16 << 10) == payloads[:first]
         assert tier.stats().breaker == "closed"
         await store_and_drain(tier, keys, payloads)  # uploads work again, the restarted node's keys too
-        assert [bytes(g) for g in await tier.fetch(TENANT, NS, keys)] == payloads
+        assert await fetched(tier, keys, 16 << 10) == payloads
         s = tier.stats()
         assert (s.breaker, s.breaker_opens, s.upload_failed) == ("closed", 1, 0)
-        await tier.close()
+        await tier.aclose(0)
 
     asyncio.run(main())
 
@@ -403,19 +456,19 @@ def test_hung_node_is_bounded_by_the_timeout(fresh_cluster: RedisCluster) -> Non
             # call after call (60 keys) would take 30 s. It waits for one timeout (0.5 s); the bound
             # leaves a loaded machine room.
             t0 = time.monotonic()
-            got = await asyncio.wait_for(tier.fetch(TENANT, NS, keys), 3.0)
+            got = await asyncio.wait_for(fetched(tier, keys, 8 << 10), 3.0)
             assert time.monotonic() - t0 >= 0.45
-            assert len(got) <= first
+            assert len(got) <= first and got == payloads[:len(got)]
             s = tier.stats()
             assert (s.breaker, s.timeouts > 0) == ("open", True)
             # The open breaker answers at once: no request goes to the node, none times out.
             t0 = time.monotonic()
-            assert await tier.fetch(TENANT, NS, keys) == []
+            assert await fetched(tier, keys, 8 << 10) == []
             assert time.monotonic() - t0 < 0.05
             assert tier.stats().timeouts == s.timeouts
         finally:
             victim.resume()
-        await tier.close()
+        await tier.aclose(0)
 
     asyncio.run(main())
 
@@ -425,12 +478,11 @@ def test_unreachable_store_is_a_miss() -> None:
 
     async def main() -> None:
         tier = RemoteTier.from_url(f"redis://127.0.0.1:{port}", executor=REMOTE, timeout_s=0.5, breaker_failures=2)
-        assert await tier.fetch(TENANT, NS, [key_of(0)]) == []
-        assert tier.offer(TENANT, NS, [key_of(1)], [b"x" * 10]) == 1
-        await tier.drain()
+        assert await fetched(tier, [key_of(0)], 10) == []
+        assert await offer(tier, [key_of(1)], [b"x" * 10]) == 1  # (waited for: released once it failed)
         s = tier.stats()
         assert (s.upload_failed, s.errors, s.breaker, s.queued_bytes) == (1, 2, "open", 0)
-        await tier.close()
+        await tier.aclose(0)
 
     asyncio.run(main())
 
@@ -442,15 +494,18 @@ def test_write_behind_under_a_slow_store_stays_bounded(server: RedisServer) -> N
     async def main() -> None:
         tier = RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE, queue_bytes=limit, timeout_s=0.3,
                                    breaker_s=0.5, breaker_failures=2, upload_batch_bytes=2 * block)
+        memory = Slots.holding([payload] * 4)
+        crcs = memory.checksums()
         sleeper = subprocess.Popen(["redis-cli", "-p", str(server.port), "DEBUG", "SLEEP", "1.5"],
                                    stdout=subprocess.DEVNULL)
         await asyncio.sleep(0.1)  # the server sleeps now: nothing it is sent is answered
         worst, peak, i = 0.0, 0, 0
+        writes = []
         deadline = time.monotonic() + 1.2
         while time.monotonic() < deadline:
             keys = [key_of(i + j, "slow") for j in range(4)]
             t0 = time.perf_counter()
-            tier.offer(TENANT, NS, keys, [payload] * 4)
+            writes.append(write_behind(tier, memory, scope_of(block), keys, memory.offsets, crcs)[1])
             worst = max(worst, time.perf_counter() - t0)
             peak = max(peak, tier.stats().queued_bytes)
             i += 4
@@ -460,13 +515,16 @@ def test_write_behind_under_a_slow_store_stays_bounded(server: RedisServer) -> N
         assert s.dropped_full > 0 and s.upload_failed > 0 and s.timeouts > 0
         assert s.dropped_full + s.dropped_unhealthy + s.upload_failed + s.uploaded + s.queued_blocks == i
         await asyncio.to_thread(sleeper.wait, 10)
-        await tier.drain()
+        for released in writes:  # every block let go of, once
+            await released.wait()
+            assert sorted(released.order) == [0, 1, 2, 3]
+        assert tier.stats().queued_blocks == 0
         await asyncio.sleep(0.6)  # past breaker_s: the next upload probes and closes it
         keys = [key_of(i, "after") for i in range(4)]
         await store_and_drain(tier, keys, [payload] * 4)
-        assert [bytes(g) for g in await tier.fetch(TENANT, NS, keys)] == [payload] * 4
+        assert await fetched(tier, keys, block) == [payload] * 4
         assert tier.stats().breaker == "closed"
-        await tier.close()
+        await tier.aclose(0)
 
     asyncio.run(main())
 
@@ -483,10 +541,9 @@ def test_credentials_from_url_env_and_file(tmp_path: Path, monkeypatch: pytest.M
     caplog.set_level(logging.DEBUG, logger="kvstore_service.tiers.remote")
 
     async def round_trip(tier: RemoteTier, i: int) -> list[bytes]:
-        tier.offer(TENANT, NS, [key_of(i, "auth")], [payload_of(i, 1000)])
-        await tier.drain()
-        got = [bytes(g) for g in await tier.fetch(TENANT, NS, [key_of(i, "auth")])]
-        await tier.close()
+        await offer(tier, [key_of(i, "auth")], [payload_of(i, 1000)])
+        got = await fetched(tier, [key_of(i, "auth")], 1000)
+        await tier.aclose(0)
         return got
 
     async def main() -> None:
@@ -523,15 +580,15 @@ def test_tls(tmp_path: Path) -> None:
     async def main() -> None:
         tier = RemoteTier.from_url(f"rediss://{s.address}", executor=REMOTE, tls_ca_file=str(pki["ca_path"]))
         await store_and_drain(tier, keys, payloads)
-        assert [bytes(g) for g in await tier.fetch(TENANT, NS, keys)] == payloads
-        await tier.close()
+        assert await fetched(tier, keys, 50_000) == payloads
+        await tier.aclose(0)
         untrusted = RemoteTier.from_url(f"rediss://{s.address}",
                                         executor=REMOTE)  # the system's CAs do not know this one
-        assert await untrusted.fetch(TENANT, NS, keys) == [] and untrusted.stats().errors == 3
-        await untrusted.close()
+        assert await fetched(untrusted, keys, 50_000) == [] and untrusted.stats().errors == 3
+        await untrusted.aclose(0)
         plain = RemoteTier.from_url(f"redis://{s.address}", executor=REMOTE, timeout_s=0.5)
-        assert await plain.fetch(TENANT, NS, keys) == []
-        await plain.close()
+        assert await fetched(plain, keys, 50_000) == []
+        await plain.aclose(0)
 
     try:
         asyncio.run(main())

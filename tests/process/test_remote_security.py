@@ -18,6 +18,7 @@ from support.blocks import content_of, key_of
 from support.daemon import wait_for
 from support.engine import Engine, lookup_and_load, store_blocks
 from support.redis import RedisServer
+from support.tier_contract import fetch_payloads, write_payloads
 
 from kvstore_service.config import Config, ConfigError
 from kvstore_service.threads import Threads
@@ -143,12 +144,11 @@ def test_without_encryption_the_payload_is_in_the_store(server: RedisServer, tmp
         ring = Keyring(os.urandom(32), encrypt)
         tier = RemoteTier(RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE).store, executor=REMOTE,
                           keyring=ring)
-        tier.offer("acme", NS, keys, payloads)
-        await tier.drain()
-        assert [bytes(p) for p in await tier.fetch("acme", NS, keys)] == payloads
+        assert await write_payloads(tier, "acme", NS, keys, payloads) == 2
+        assert await fetch_payloads(tier, "acme", NS, keys, BLOCK_BYTES) == payloads
         values = [await asyncio.to_thread(redis.Redis(port=server.port).get, k)
                   for k in ring.remote_keys("acme", NS, keys)]
-        await tier.close()
+        await tier.aclose(0)
         return any(contains_any_window(v or b"", payloads) for v in values)
 
     assert asyncio.run(main(encrypt=False))
@@ -165,23 +165,22 @@ def test_values_do_not_cross_tenants_or_secrets(server: RedisServer) -> None:
     async def main() -> None:
         store = RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE).store
         tier = RemoteTier(store, executor=REMOTE, keyring=Keyring(secret))
-        tier.offer("team-b", NS, [key], [payload])
-        await tier.drain()
-        assert [bytes(p) for p in await tier.fetch("team-b", NS, [key])] == [payload]
+        assert await write_payloads(tier, "team-b", NS, [key], [payload]) == 1
+        assert await fetch_payloads(tier, "team-b", NS, [key], 4096) == [payload]
         raw = redis.asyncio.Redis(port=server.port)
         b_key, a_key = (Keyring(secret).remote_keys(t, NS, [key])[0] for t in ("team-b", "team-a"))
         assert a_key != b_key
         await raw.set(a_key, await raw.get(b_key))  # team-b's value planted as team-a's block
-        assert await tier.fetch("team-a", NS, [key]) == [] and tier.stats().corrupt == 1
+        assert await fetch_payloads(tier, "team-a", NS, [key], 4096) == [] and tier.stats().corrupt == 1
         assert await raw.exists(a_key) == 0  # deleted
 
         rotated = RemoteTier(RemoteTier.from_url(f"redis://{server.address}", executor=REMOTE).store, executor=REMOTE,
                              keyring=Keyring(os.urandom(32)))
-        assert await rotated.fetch("team-b", NS, [key]) == []
+        assert await fetch_payloads(rotated, "team-b", NS, [key], 4096) == []
         assert (rotated.stats().misses, rotated.stats().corrupt) == (1, 0)
         await raw.aclose()
-        await rotated.close()
-        await tier.close()
+        await rotated.aclose(0)
+        await tier.aclose(0)
 
     asyncio.run(main())
 

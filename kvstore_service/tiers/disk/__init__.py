@@ -1,42 +1,44 @@
 """The disk tier: pool blocks kept in segment files on a local disk (NVMe), surviving restarts.
 
     tier = DiskTier.open("/var/lib/kvstore", 1 << 40, executor=threads.disk)  # blocking: checks, loads
-    chosen = tier.admit(scope, keys, length)                       # loop: which to write; reserves queue room
-    tier.write(scope, keys, pool.base, offsets, length, crcs)     # worker thread; the blocks stay pinned
-    n = tier.leading(scope, keys)                                  # loop: how many leading keys are on disk
-    got = tier.read(scope, keys[:n], pool.base, offsets, length)  # worker thread: into fresh slots, verified
-    dropped = tier.clear([scope])                                  # loop: a namespace's blocks gone (None: all)
-    tier.save_catalog()                                            # worker thread: ... for good (the catalog)
-    tier.close()                                                   # closes the active segment, writes its index
+    tier.write_behind(pool, scope, keys, offsets, checksums, release)   # loop: queued, written on `executor`
+    async for crcs in tier.fetch_verified(pool, scope, keys, place): ... # the leading run on disk, verified
+    held = tier.holds(scope, keys)                                       # loop: which keys are on disk
+    forgotten = tier.forget([scope.ns_hash])                             # loop: gone; await forgotten.saved
+    await tier.aclose(drain_s)                                           # writes finished, segments closed
 
-``scope`` is a namespace hash (16 bytes), keys are 1..64 bytes (all of one length in a call), ``base``
-is the address of the pool's memory (``Pool.base``) and ``offsets`` the blocks' payload offsets in it.
-The daemon drives it through the tiers' contract (tiers/base.py), at the end of this class. Its parts:
-the bytes (format.py; described in docs/formats.md), the directory's trust and lock (directory.py), the
-clears and names that outlive a restart (catalog.py), the segment files and the index of their records
-(segments.py). Clear, restart, durability and space: docs/tiers.md.
+That is the tiers' contract (tiers/base.py), the tier's only face: `Tiers` drives it (with `unwritten`,
+`names`, `take_changes` and `stats`), and so do the tests. ``scope`` is a `Scope` (its ``ns_hash``, 16
+bytes, keys the records; its ``name`` is kept in the catalog; its ``block_bytes`` is every block's
+length), keys are 1..64 bytes (all of one length in a call), and ``offsets`` the blocks' payload offsets
+in the pool's memory (``Pool.base``). Its parts: the bytes (format.py; described in docs/formats.md),
+the directory's trust and lock (directory.py), the clears and names that outlive a restart
+(catalog.py), the segment files and the index of their records (segments.py). Clear, restart,
+durability and space: docs/tiers.md.
 
 Failure model: the tier is a cache under the pool, so its faults never reach the caller. A directory
 that is unsafe (a symbolic link, another uid's, group/world writable) or in use by another process is
 refused at ``open`` (DiskDirectoryError, a ValueError). Any other OSError (no space: ENOSPC, an I/O
 error, a directory removed or not writable) disables the tier for good: one error log line,
-``stats().healthy`` False and ``stats().error`` saying what failed; ``write`` then drops (counted),
-``read`` and ``leading`` find nothing. A record that fails verification at a read is dropped from the
-index, counted (``corrupt``) and reported as absent (None); the tier stays healthy.
+``stats().healthy`` False and ``stats().error`` saying what failed; writes behind are then dropped
+(counted), fetches and ``holds`` find nothing. A record that fails verification at a fetch is dropped
+from the index, counted (``corrupt``) and ends the fetch there (a miss); the tier stays healthy.
+Malformed arguments (a scope not of 16 bytes, keys of several lengths, offsets or checksums not one
+per key) are a caller's bug: ValueError, before anything is taken.
 
-Write-behind: ``admit`` (on the event loop, never waits) picks the blocks worth writing (not on disk, not
-queued) while their bytes fit in ``queue_bytes`` and reserves that room; the rest are dropped (counted).
-``write`` releases the reservations of its keys when it returns (``cancel`` releases ones never written).
+Write-behind: ``write_behind`` (on the event loop, never waits) takes the blocks worth writing (not on
+disk, not queued) while their bytes fit in ``queue_bytes`` and reserves that room; the rest are dropped
+(counted) and released at once. The blocks taken are written on ``executor``, a batch a call, and
+released (and their room with them) when that write returns; ``aclose`` waits for the writes under way.
 
-Threading: ``leading``, ``admit``, ``cancel``, ``unwritten``, ``clear``, ``names`` and ``stats`` are for
-the event loop (in memory, brief); ``write``, ``read`` and ``save_catalog`` block on I/O and run on worker
-threads, any number at once (writes one at a time by the write lock, catalog writes by the catalog's;
-reads in parallel with each other and with writes). One lock guards the in-memory index, clears, names
-and counters and is never held during I/O. The I/O of a call is one native call (csrc/disk_io.cpp) that
-moves the whole batch (O_DIRECT where the file system has it) on ``threads`` threads with the GIL
-released; each record goes through an aligned buffer (a copy), or with ``io_mode='direct'`` straight
-between the pool and the file where the pool address meets O_DIRECT's memory alignment. ``close`` must
-not run concurrently with ``write``/``read``; after it they find nothing.
+Threading: the contract's calls run on the event loop (in memory, brief); the I/O they start (writes,
+reads, catalog saves) blocks and runs on ``executor``, any number at once (writes one at a time by
+the write lock, catalog writes by the catalog's; reads in parallel with each other and with writes).
+One lock guards the in-memory index, clears, names and counters and is never held during I/O. The
+I/O of a call is one native call (csrc/disk_io.cpp) that moves the whole batch (O_DIRECT where the
+file system has it) on ``threads`` threads with the GIL released; each record goes through an aligned
+buffer (a copy), or with ``io_mode='direct'`` straight between the pool and the file where the pool
+address meets O_DIRECT's memory alignment. After ``aclose`` the tier finds nothing.
 
 Memory: about 170 bytes per block on disk with 32-byte keys (1 TiB of 256 KiB blocks: ~0.7 GB).
 """
@@ -102,9 +104,9 @@ class DiskTier(Segments):
         self._lock, self._write_lock = threading.Lock(), threading.Lock()  # (see Segments)
         self._index, self._segments, self._active = {}, {}, None
         self._active_fd, self._active_entries, self._unsynced, self._next_seq = -1, [], [], 1
-        self._queued: dict[bytes, int] = {}  # scope + key -> bytes reserved by admit
+        self._queued: dict[bytes, int] = {}  # scope + key -> bytes reserved by _admit
         self._changes = []
-        self.catalog = Catalog()
+        self._catalog = Catalog()
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._healthy, self._error = True, ""
         self._dir_fd = self._lock_fd = -1
@@ -137,10 +139,92 @@ class DiskTier(Segments):
             tier._fail("opening it", e)
         return tier
 
-    # -- the event loop's calls -------------------------------------------------------------------
+    # -- the tiers' contract (tiers/base.py): on the event loop, the I/O on the tier's threads -----------
 
-    def leading(self, scope: bytes, keys: Sequence[bytes]) -> int:
-        """How many of the leading keys are on disk (in memory; brief)."""
+    def write_behind(self, memory: Memory, scope: Scope, keys: Sequence[bytes], offsets: Sequence[int],
+                     checksums: Sequence[int], release: Callable[[int], None]) -> int:
+        """Take the blocks not on disk nor queued while their bytes fit in the write queue (the others are
+        released at once; those that do not fit are dropped, counted) and write them on the tier's threads,
+        each released when its batch's write returns."""
+        check_batch(scope.ns_hash, keys, scope.block_bytes, offsets, checksums)
+        chosen = self._admit(scope.ns_hash, keys, scope.block_bytes)
+        for i in sorted(set(range(len(keys))) - set(chosen)):
+            release(i)
+        if chosen:
+            self._spawn(self._write_behind(memory, scope, [keys[i] for i in chosen], [offsets[i] for i in chosen],
+                                           [checksums[i] for i in chosen], lambda n: release(chosen[n])))
+        return len(chosen)
+
+    async def fetch_verified(self, memory: Memory, scope: Scope, keys: Sequence[bytes],
+                             place: Place) -> AsyncGenerator[list[int]]:
+        """The leading keys on disk (counted as hits, the rest as misses), read into their places and
+        verified in one batch; it ends before the first corrupt one (dropped, counted)."""
+        check_batch(scope.ns_hash, keys, scope.block_bytes)
+        n = self._leading(scope.ns_hash, keys)
+        offsets = place(0, n) if n else []  # (a store may have brought some meanwhile)
+        if not offsets:
+            return
+        sums: list[int | None] = [None] * len(offsets)
+        try:
+            sums = await Threads.run(self._io, self._read, scope.ns_hash, keys[:len(offsets)], memory.base, offsets,
+                                     scope.block_bytes)
+        except Exception:
+            log.exception("reading %d blocks from disk failed", len(offsets))
+        good = list(takewhile(lambda s: s is not None, sums))
+        if good:
+            yield good  # type: ignore[misc]
+
+    def holds(self, scope: Scope, keys: Sequence[bytes]) -> set[bytes]:
+        """Those of `keys` on disk, from the index in memory (brief; not counted as hits or misses)."""
+        with self._lock:
+            index = self._index.get(scope.ns_hash) if self._healthy and not self._closed else None
+            return index.keys() & keys if index else set()
+
+    def unwritten(self, scope: Scope, keys: Sequence[bytes]) -> None:
+        """Blocks that will never be written behind: dropped writes, counted, but for those on disk already."""
+        with self._lock:
+            index = self._index.get(scope.ns_hash, {})
+            self._counts["write_dropped"] += sum(key not in index for key in keys)
+
+    def forget(self, scopes: Sequence[bytes] | None) -> Forgotten:
+        """Drop the blocks of these namespaces (None: of every namespace) from the index: fetches and `holds`
+        miss them from now on. The catalog is saved on the tier's threads (`saved`, the task to await before
+        answering): the clear lasts across a restart from then on (see Clear in docs/tiers.md)."""
+        dropped = self._clear(scopes)
+        return Forgotten(dropped, self._spawn(self._save_catalog_behind()) if dropped else None)
+
+    def names(self) -> dict[bytes, str]:
+        """The names of the namespaces with blocks on disk, where their writes were told them (a `Scope`'s
+        name): scope -> name, from the catalog (so after a restart too)."""
+        with self._lock:
+            return dict(self._catalog.names)
+
+    def take_changes(self) -> list[tuple[bytes, bytes, bool]]:
+        """The blocks written (True) and dropped (False) since the last call, in order: (scope, key, written);
+        a key b"" stands for every block of the scope, a scope b"" for every scope."""
+        with self._lock:
+            changes, self._changes = self._changes, []
+        return changes
+
+    def stats(self) -> DiskStats:
+        with self._lock:
+            return DiskStats(**self._counts, blocks=sum(map(len, self._index.values())),  # type: ignore[arg-type]
+                             bytes=sum(seg.size for seg in self._segments.values()), segments=len(self._segments),
+                             capacity_bytes=self.capacity_bytes, direct_io=bool(self._direct), healthy=self._healthy,
+                             error=self._error)
+
+    async def aclose(self, drain_s: float) -> None:
+        """Finish the writes and catalog saves under way (whatever `drain_s`: they are short), then close the
+        active segment (footer and index checkpoint) and release the directory, on the tier's threads (the
+        daemon stops those after). Fetches find nothing after it; writes behind are dropped (counted)."""
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await Threads.run(self._io, self._close)
+
+    # -- the contract's parts on the event loop (in memory; brief) ----------------------------------------
+
+    def _leading(self, scope: bytes, keys: Sequence[bytes]) -> int:
+        """How many of the leading keys are on disk; counted as hits, the rest as misses."""
         found = 0
         with self._lock:
             index = self._index.get(scope) if self._healthy and not self._closed else None
@@ -153,10 +237,10 @@ class DiskTier(Segments):
             self._counts["misses"] += len(keys) - found
         return found
 
-    def admit(self, scope: bytes, keys: Sequence[bytes], length: int) -> list[int]:
-        """Which of these blocks (`length` bytes each) to hand to `write`: those not on disk nor queued,
+    def _admit(self, scope: bytes, keys: Sequence[bytes], length: int) -> list[int]:
+        """Which of these blocks (`length` bytes each) to hand to `_write`: those not on disk nor queued,
         while they fit in the write queue (the rest are dropped, counted). Reserves their room until
-        `write` (or `cancel`) gets their keys. In memory; brief."""
+        `_write` gets their keys."""
         chosen: list[int] = []
         with self._lock:
             if not self._healthy or self._closed:
@@ -175,23 +259,9 @@ class DiskTier(Segments):
                 chosen.append(i)
         return chosen
 
-    def cancel(self, scope: bytes, keys: Sequence[bytes]) -> None:
-        """Release the queue room `admit` reserved for these keys (blocks that will not be written)."""
-        with self._lock:
-            for key in keys:
-                self._counts["queued_bytes"] -= self._queued.pop(scope + key, 0)
-
-    def unwritten(self, scope: bytes, key: bytes) -> None:
-        """A block that will never be offered to `write` (evicted from the pool before its seal): a dropped
-        write, unless the disk has its key already."""
-        with self._lock:
-            if key not in self._index.get(scope, ()):
-                self._counts["write_dropped"] += 1
-
-    def clear(self, scopes: Sequence[bytes] | None) -> dict[bytes, dict[bytes, int]]:
-        """Drop the blocks of these namespaces (None: of every namespace): reads and lookups miss them from
-        now on. Returns the keys dropped, by namespace. In memory; `save_catalog` makes it last across a
-        restart (see Clear in docs/tiers.md)."""
+    def _clear(self, scopes: Sequence[bytes] | None) -> dict[bytes, dict[bytes, int]]:
+        """Drop the blocks of these namespaces (None: of every namespace) from the index, and record the
+        clear in the catalog (in memory: `_save_catalog` writes it). Returns the keys dropped, by namespace."""
         with self._lock:
             at = self._position()
             if scopes is None:
@@ -200,36 +270,43 @@ class DiskTier(Segments):
                 # holds: they stay, on disk too)
                 dropped = {scope: keys for scope in scopes if (keys := self._index.pop(scope, None))}
             if dropped:
-                self.catalog.record_clear(None if scopes is None else list(dropped), at)
+                self._catalog.record_clear(None if scopes is None else list(dropped), at)
                 self._changes.extend([(b"", b"", False)] if scopes is None else [(s, b"", False) for s in dropped])
             return dropped
 
-    def names(self) -> dict[bytes, str]:
-        """The names of the namespaces with blocks on disk, where `write` was told them: scope -> name."""
-        with self._lock:
-            return dict(self.catalog.names)
+    async def _write_behind(self, memory: Memory, scope: Scope, keys: list[bytes], offsets: list[int],
+                            checksums: list[int], release: Callable[[int], None]) -> None:
+        try:
+            await Threads.run(self._io, self._write, scope.ns_hash, keys, memory.base, offsets, scope.block_bytes,
+                              checksums, scope.name)
+        except Exception:  # (I/O failures disable the tier inside; this is a bug)
+            log.exception("writing %d blocks to disk failed", len(keys))
+        finally:
+            for n in range(len(keys)):
+                release(n)
 
-    def stats(self) -> DiskStats:
-        with self._lock:
-            return DiskStats(**self._counts, blocks=sum(map(len, self._index.values())),  # type: ignore[arg-type]
-                             bytes=sum(seg.size for seg in self._segments.values()), segments=len(self._segments),
-                             capacity_bytes=self.capacity_bytes, direct_io=bool(self._direct), healthy=self._healthy,
-                             error=self._error)
+    async def _save_catalog_behind(self) -> None:
+        try:
+            await Threads.run(self._io, self._save_catalog)
+        except Exception:  # (I/O failures disable the tier inside; this is a bug)
+            log.exception("writing the disk tier's catalog failed")
 
-    @property
-    def healthy(self) -> bool:
-        return self._healthy
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)  # (aclose waits for it)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
-    # -- the worker threads' calls ----------------------------------------------------------------
+    # -- the contract's I/O, on the tier's threads (blocking) ----------------------------------------------
 
-    def write(self, scope: bytes, keys: Sequence[bytes], base: int, offsets: Sequence[int], length: int,
-              crcs: Sequence[int], name: str = "") -> int:
+    def _write(self, scope: bytes, keys: Sequence[bytes], base: int, offsets: Sequence[int], length: int,
+               crcs: Sequence[int], name: str = "") -> int:
         """Write the blocks at ``base + offsets[i]`` (``length`` bytes, CRC32C ``crcs[i]``) that are not
-        on disk yet; blocking, for a worker thread (the blocks must not change until it returns).
-        Returns how many it wrote; the others were on disk already or are dropped (counted): tier
-        disabled, no space that could be reclaimed. Never raises for I/O failures (the tier disables
-        itself); ValueError for malformed arguments. Releases the keys' `admit` reservations. `name`:
-        the namespace's, saved in the catalog before its first record (see `names`)."""
+        on disk yet (the blocks must not change until it returns). Returns how many it wrote; the others
+        were on disk already or are dropped (counted): tier disabled, no space that could be reclaimed.
+        Never raises for I/O failures (the tier disables itself); ValueError for malformed arguments.
+        Releases the keys' `_admit` reservations. `name`: the namespace's, saved in the catalog before
+        its first record (see `names`)."""
         key_size = check_batch(scope, keys, length, offsets, crcs)
         start = time.perf_counter()
         written = dropped = 0
@@ -249,12 +326,11 @@ class DiskTier(Segments):
                 self._counts["write_seconds"] += time.perf_counter() - start
         return written
 
-    def read(self, scope: bytes, keys: Sequence[bytes], base: int, offsets: Sequence[int],
-             length: int) -> list[int | None]:
-        """Read each key's block into ``base + offsets[i]`` and verify it; blocking, for a worker thread.
-        Returns each block's CRC32C (verified), or None: not on disk (or not of this length), corrupt
-        (dropped, counted), or the tier failed. Never raises for I/O failures; ValueError for
-        malformed arguments."""
+    def _read(self, scope: bytes, keys: Sequence[bytes], base: int, offsets: Sequence[int],
+              length: int) -> list[int | None]:
+        """Read each key's block into ``base + offsets[i]`` and verify it. Returns each block's CRC32C
+        (verified), or None: not on disk (or not of this length), corrupt (dropped, counted), or the tier
+        failed. Never raises for I/O failures; ValueError for malformed arguments."""
         key_size = check_batch(scope, keys, length, offsets)
         out: list[int | None] = [None] * len(keys)
         if not keys or not self._usable():
@@ -271,10 +347,10 @@ class DiskTier(Segments):
             self._finish_read(scope, keys, length, plan, results, out, time.perf_counter() - start)
         return out
 
-    def save_catalog(self) -> None:
+    def _save_catalog(self) -> None:
         """Write the catalog (clears, names) if it changed, flushed, then a clear's marker into the active
-        segment: a clear lasts from when this returns. Blocking, for a worker thread (it waits for a write
-        under way). Never raises for I/O failures (the tier disables itself)."""
+        segment: a clear lasts from when this returns. Waits for a write under way. Never raises for I/O
+        failures (the tier disables itself)."""
         try:
             self._write_catalog()
             with self._write_lock:
@@ -283,9 +359,9 @@ class DiskTier(Segments):
         except OSError as e:
             self._fail("writing the catalog", e)
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Close the active segment (footer and index checkpoint) and release the directory. No
-        `write`/`read` may run meanwhile; after it they find nothing."""
+        `_write`/`_read` may run meanwhile; after it they find nothing."""
         with self._write_lock:
             if self._closed:
                 return
@@ -301,7 +377,7 @@ class DiskTier(Segments):
             except OSError as e:
                 self._fail("closing it", e)
             finally:
-                with self.catalog.lock, self._lock:  # (a catalog write under way has finished)
+                with self._catalog.lock, self._lock:  # (a catalog write under way has finished)
                     self._closed = True
                 if self._active_fd >= 0:
                     os.close(self._active_fd)
@@ -389,81 +465,3 @@ class DiskTier(Segments):
             log.warning("disk tier %s: %d block(s) failed verification at a read and were dropped", self.path, corrupt)
         if failed:
             self._fail("a read", OSError(-failed, os.strerror(-failed), self.path))
-
-    # -- the tiers' contract (tiers/base.py): on the event loop, the I/O on the tier's threads -----------
-
-    def write_behind(self, memory: Memory, scope: Scope, keys: Sequence[bytes], offsets: Sequence[int],
-                     checksums: Sequence[int], release: Callable[[int], None]) -> int:
-        """`admit`, then `write` the blocks admitted on the tier's threads; the others are released at once."""
-        chosen = self.admit(scope.ns_hash, keys, scope.block_bytes)
-        for i in sorted(set(range(len(keys))) - set(chosen)):
-            release(i)
-        if chosen:
-            self._spawn(self._write_behind(memory, scope, [keys[i] for i in chosen], [offsets[i] for i in chosen],
-                                           [checksums[i] for i in chosen], lambda n: release(chosen[n])))
-        return len(chosen)
-
-    async def _write_behind(self, memory: Memory, scope: Scope, keys: list[bytes], offsets: list[int],
-                            checksums: list[int], release: Callable[[int], None]) -> None:
-        try:
-            await Threads.run(self._io, self.write, scope.ns_hash, keys, memory.base, offsets, scope.block_bytes,
-                              checksums, scope.name)
-        except Exception:  # (I/O failures disable the tier inside; this is a bug)
-            log.exception("writing %d blocks to disk failed", len(keys))
-        finally:
-            for n in range(len(keys)):
-                release(n)
-
-    async def fetch_verified(self, memory: Memory, scope: Scope, keys: Sequence[bytes],
-                             place: Place) -> AsyncGenerator[list[int]]:
-        """The leading keys on disk, read into their places and verified in one batch."""
-        n = self.leading(scope.ns_hash, keys)
-        offsets = place(0, n) if n else []  # (a store may have brought some meanwhile)
-        if not offsets:
-            return
-        sums: list[int | None] = [None] * len(offsets)
-        try:
-            sums = await Threads.run(self._io, self.read, scope.ns_hash, keys[:len(offsets)], memory.base, offsets,
-                                     scope.block_bytes)
-        except Exception:
-            log.exception("reading %d blocks from disk failed", len(offsets))
-        good = list(takewhile(lambda s: s is not None, sums))
-        if good:
-            yield good  # type: ignore[misc]
-
-    def holds(self, scope: Scope, keys: Sequence[bytes]) -> set[bytes]:
-        """Those of `keys` on disk, from the index in memory (brief; not counted as hits or misses)."""
-        with self._lock:
-            index = self._index.get(scope.ns_hash) if self._healthy and not self._closed else None
-            return index.keys() & keys if index else set()
-
-    def take_changes(self) -> list[tuple[bytes, bytes, bool]]:
-        """The blocks written (True) and dropped (False) since the last call, in order: (scope, key, written);
-        a key b"" stands for every block of the scope, a scope b"" for every scope."""
-        with self._lock:
-            changes, self._changes = self._changes, []
-        return changes
-
-    def forget(self, scopes: Sequence[bytes] | None) -> Forgotten:
-        """`clear`, and `save_catalog` on the tier's threads (the task to await before answering)."""
-        dropped = self.clear(scopes)
-        return Forgotten(dropped, self._spawn(self._save_catalog()) if dropped else None)
-
-    async def _save_catalog(self) -> None:
-        try:
-            await Threads.run(self._io, self.save_catalog)
-        except Exception:  # (I/O failures disable the tier inside; this is a bug)
-            log.exception("writing the disk tier's catalog failed")
-
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(work)
-        self._tasks.add(task)  # (aclose waits for it)
-        task.add_done_callback(self._tasks.discard)
-        return task
-
-    async def aclose(self, drain_s: float) -> None:
-        """Finish the writes under way (whatever `drain_s`: they are short), then `close` on the tier's threads
-        (the daemon stops those after)."""
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        await Threads.run(self._io, self.close)

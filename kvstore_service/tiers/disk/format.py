@@ -154,13 +154,16 @@ def parse_catalog(data: bytes) -> tuple[Position, dict[bytes, Position], dict[by
 
 
 
-def check_batch(scope: bytes, keys: Sequence[bytes], length: int, offsets: Sequence[int],
+def check_batch(scope: bytes, keys: Sequence[bytes], length: int, offsets: Sequence[int] | None = None,
                  crcs: Sequence[int] | None = None) -> int:
-    """The keys' common length, after checking the arguments' shapes (ValueError: a caller's bug)."""
+    """The keys' common length, after checking the arguments' shapes (ValueError: a caller's bug); the
+    offsets and CRCs, where given, one per key."""
     if len(scope) != SCOPE_BYTES:
         raise ValueError(f"scope must be {SCOPE_BYTES} bytes (got {len(scope)})")
-    if len(offsets) != len(keys) or (crcs is not None and len(crcs) != len(keys)):
-        raise ValueError(f"{len(keys)} keys but {len(offsets)} offsets" + (f" and {len(crcs)} crcs" if crcs else ""))
+    if offsets is not None and len(offsets) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(offsets)} offsets")
+    if crcs is not None and len(crcs) != len(keys):
+        raise ValueError(f"{len(keys)} keys but {len(crcs)} checksums")
     if length < 1:
         raise ValueError(f"block length must be positive (got {length})")
     key_size = len(keys[0]) if keys else 1

@@ -79,7 +79,7 @@ class Segments:
     _active_entries: list[bytes]  # the active segment's index entries, packed
     _unsynced: list[int]  # segments closed since open, not flushed to stable storage yet
     _next_seq: int
-    catalog: Catalog
+    _catalog: Catalog
     _counts: dict[str, float]  # DiskStats' counters
     _healthy: bool
     _error: str
@@ -97,26 +97,27 @@ class Segments:
             stale = name.endswith(".tmp") or (name.endswith(".idx") and name[:-4] + ".kvd" not in names)
             if stale and (name.startswith("seg-") or name == CATALOG_FILE + ".tmp"):
                 os.unlink(name, dir_fd=self._dir_fd)
-        catalog = self.catalog.read(self._dir_fd)
+        catalog = self._catalog.read(self._dir_fd)
         scanned = 0
         for seq in seqs:
             scanned += self._load_segment(seq)
         newest = max((seg.cleared for seg in self._segments.values()), default=0)
         doubt = ("is damaged" if catalog is False else f"is missing beside {len(seqs)} segment(s)"
-                 if catalog is None and seqs else f"is older than the segments (it knows {self.catalog.generation} "
-                 f"clear(s), they {newest})" if self.catalog.generation < newest else "")
+                 if catalog is None and seqs else f"is older than the segments (it knows {self._catalog.generation} "
+                 f"clear(s), they {newest})" if self._catalog.generation < newest else "")
         if doubt:  # a clear may be missing from it: drop every block there is, and stamp that clear too
             log.warning("disk tier %s: the catalog (clears, names) %s: every block on disk is dropped, lest a "
                         "cleared one come back", self.path, doubt)
-            self.catalog.clear_all, self.catalog.clears, self.catalog.names = (seqs[-1] + 1 if seqs else 1, 0), {}, {}
+            self._catalog.clear_all, self._catalog.clears, self._catalog.names = (
+                (seqs[-1] + 1 if seqs else 1, 0), {}, {})
             self._index = {}
             for seg in self._segments.values():
                 seg.keys = {}
-            self.catalog.generation, self.catalog.marker_due = max(self.catalog.generation, newest) + 1, True
+            self._catalog.generation, self._catalog.marker_due = max(self._catalog.generation, newest) + 1, True
         # Past every clear's position too: a record written from now on must come after them all.
-        self._next_seq = max([seqs[-1] + 1 if seqs else 1] + [at[0] + 1 for at in self.catalog.clears.values()]
-                             + [self.catalog.clear_all[0] + 1])
-        self.catalog.names = {scope: name for scope, name in self.catalog.names.items() if scope in self._index}
+        self._next_seq = max([seqs[-1] + 1 if seqs else 1] + [at[0] + 1 for at in self._catalog.clears.values()]
+                             + [self._catalog.clear_all[0] + 1])
+        self._catalog.names = {scope: name for scope, name in self._catalog.names.items() if scope in self._index}
         while len(self._segments) >= self.max_segments and self._reclaim_oldest():
             pass  # a smaller --disk-size than last time: keep room for a new segment
         self._write_catalog()  # (a damaged one replaced now: else a crash would drop this run's blocks too)
@@ -155,7 +156,7 @@ class Segments:
             entries, end, cleared = loaded
         seg = Segment(seq, end + ALIGN, closed=True, cleared=cleared)
         for off, length, crc, scope, key in entries:
-            if (seq, off) < self.catalog.cleared(scope):
+            if (seq, off) < self._catalog.cleared(scope):
                 continue  # written before a clear of its namespace
             self._index.setdefault(scope, {})[key] = pack_location(seq, off, length, crc)  # a later segment's wins
             seg.keys.setdefault(scope, []).append(key)
@@ -257,7 +258,7 @@ class Segments:
         self._active_entries.extend(ENTRY.pack(at[k], length, sums[k], key_size, scope, keys[chosen[k]])
                                     for k in done)
         with self._lock:
-            cleared = self.catalog.cleared(scope)
+            cleared = self._catalog.cleared(scope)
             live = [k for k in done if (seg.seq, at[k]) >= cleared]  # (the others: a clear came meanwhile)
             index = self._index.setdefault(scope, {}) if live else {}
             seg_keys = seg.keys.setdefault(scope, []) if live else []
@@ -313,16 +314,16 @@ class Segments:
         then on a catalog older than it is known for one (see Clear in docs/tiers.md). Under the
         write lock; left for the next write if no segment has room."""
         with self._lock:
-            if not self.catalog.marker_due:
+            if not self._catalog.marker_due:
                 return
-            generation = self.catalog.saved_generation
+            generation = self._catalog.saved_generation
         seg = self._room(ALIGN)
         if seg is None:
             return
         with self._lock:
             at = seg.size
             seg.size += ALIGN
-            self.catalog.marker_due = generation < self.catalog.generation
+            self._catalog.marker_due = generation < self._catalog.generation
         self._block[:] = footer_block(KIND_CLEAR, seg.seq, at, generation, 0)
         if os.pwrite(self._active_fd, self._block, at) != ALIGN:
             raise OSError(errno.EIO, "short write of a clear marker", segment_file(seg.seq))
@@ -337,19 +338,19 @@ class Segments:
     def _name(self, scope: bytes, name: str) -> None:
         """Save a namespace's name in the catalog (before its first record is written)."""
         with self._lock:
-            if not self.catalog.name(scope, name):
+            if not self._catalog.name(scope, name):
                 return
         self._write_catalog()
 
     def _write_catalog(self) -> None:
         """Replace the catalog file if the catalog changed: atomically, flushed (a clear must last)."""
-        with self.catalog.lock:
+        with self._catalog.lock:
             with self._lock:
                 if self._closed or self._dir_fd < 0:
                     return
-                data = self.catalog.encode(min(self._segments, default=None))
-                generation = self.catalog.generation
-            self.catalog.save(self._dir_fd, data, generation)
+                data = self._catalog.encode(min(self._segments, default=None))
+                generation = self._catalog.generation
+            self._catalog.save(self._dir_fd, data, generation)
 
     def _flush(self) -> None:
         """Make the segments closed since open and their index files durable (the device's write cache)."""

@@ -1,28 +1,33 @@
 """A shared cold tier on Redis/Valkey: blocks written behind to a remote store, fetched back on a miss.
 
     tier = RemoteTier.from_url("redis+cluster://10.0.0.5:6379,10.0.0.6:6379", executor=threads.remote)
-    tier.offer(tenant, namespace, keys, payloads)         # on the event loop; never waits for the store
-    found = await tier.fetch(tenant, namespace, missing)  # the leading run of verified payloads
+    tier.write_behind(pool, scope, keys, offsets, checksums, release)  # on the loop; never waits for the store
+    async for crcs in tier.fetch_verified(pool, scope, keys, place): ...  # the leading run, verified, in place
+    await tier.aclose(drain_s)                                          # uploads what it can, then closes
 
-The daemon drives it through the tiers' contract (tiers/base.py: `write_behind`, `fetch_verified`,
-`holds`, `forget`, `stats`, `aclose`). Its parts: keys and values (`Keyring`, codec.py; the bytes in
-docs/formats.md), store URLs and credentials (url.py), the store and its Redis/Valkey adapter
-(store.py), the circuit breaker (breaker.py). Capacity and eviction belong to the server
-(``maxmemory`` + ``allkeys-lru``): the tier never deletes a valid value (a Clear does not reach it), and
-a fetched block is the caller's to copy into its pool.
+That is the tiers' contract (tiers/base.py), the tier's only face: `Tiers` drives it, and so do the
+tests. A namespace is keyed by its `Scope`'s name ("tenant/namespace"; one known by hash only is not
+stored nor fetched), and every value of it holds a payload of its ``block_bytes``. The rest of the
+contract is trivial here: the store cannot tell what it holds without a round trip (`holds`: None),
+lists no namespaces (`names`), is not this node's to announce (`take_changes`), and a Clear does not
+reach it (`forget`). Its parts: keys and values (`Keyring`, codec.py; the bytes in docs/formats.md),
+store URLs and credentials (url.py), the store and its Redis/Valkey adapter (store.py), the circuit
+breaker (breaker.py). Capacity and eviction belong to the server (``maxmemory`` + ``allkeys-lru``): the
+tier never deletes a valid value.
 
 Failure model: the store is a cache, so every failure is a miss and none reaches the caller.
-- Write-behind: ``offer`` queues a view of each payload, never a copy: an upload task wraps them a
-  batch at a time and sends them in pipelined batches, each value in pieces (header, payload, MAC),
-  straight from the caller's memory (the daemon's pool slots, pinned until ``release`` says the tier is
-  done with them); encrypted values leave from their ciphertext, a copy made as the batch is wrapped.
-  Queued and in-flight bytes stay within ``queue_bytes``. A full queue, an open breaker or a closed
-  tier drops the block (counted); a failed upload is counted, not retried.
-- Reads: ``fetch`` pipelines GETs (grouped by cluster node, so a dead node fails only its own keys) in
-  batches of ``fetch_batch`` keys (fewer when that exceeds ``fetch_batch_bytes`` of known-size payloads) and
-  stops at the first miss. A value that fails verification (magic,
-  version, mode, lengths, the expected payload size, its MAC or AEAD tag) is deleted, counted as corrupt,
-  and is a miss.
+- Write-behind: ``write_behind`` queues a view of each block's slot, never a copy: an upload task wraps
+  them a batch at a time and sends them in pipelined batches, each value in pieces (header, payload,
+  MAC), straight from the caller's memory (the daemon's pool slots, pinned until ``release`` says the
+  tier is done with them: once the server answered); encrypted values leave from their ciphertext, a
+  copy made as the batch is wrapped. Queued and in-flight bytes stay within ``queue_bytes``. A full
+  queue, an open breaker or a closed tier drops the block (counted); a failed upload is counted, not
+  retried.
+- Reads: ``fetch_verified`` pipelines GETs (grouped by cluster node, so a dead node fails only its own
+  keys) in batches of ``fetch_batch`` keys (fewer when that exceeds ``fetch_batch_bytes``) and stops at
+  the first miss; each batch is verified as it is copied into its places. A value that fails
+  verification (magic, version, mode, lengths, the scope's block size, its MAC or AEAD tag) is deleted,
+  counted as corrupt, and is a miss.
 - Every store call (one batch) is bounded by ``timeout_s``; an error or timeout fails the keys of that
   call (misses, or dropped uploads), counted as errors/timeouts.
 - Circuit breaker: ``breaker_failures`` failed calls in a row open it. While open (``breaker_s``) fetches
@@ -53,8 +58,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvstore_service.stats import RemoteStats
 from kvstore_service.tenants import split
 from kvstore_service.threads import Threads
-from kvstore_service.tiers.base import Forgotten, Memory, Scope
-from kvstore_service.tiers.base import Place as PoolPlace
+from kvstore_service.tiers.base import Forgotten, Memory, Place, Scope
 from kvstore_service.tiers.remote.breaker import Breaker
 from kvstore_service.tiers.remote.codec import PUBLIC, Buffer, Keyring, bytes_view
 from kvstore_service.tiers.remote.store import RedisStore, RemoteStore
@@ -65,8 +69,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Where a fetch copies its payloads: called on the loop with (first, count), the keys[first:first + count]
 # of a batch that arrived; returns a writable view per key, in order, as many as it takes (fewer: the
-# batch ends there).
-Place: TypeAlias = Callable[[int, int], Sequence[memoryview]]
+# batch ends there). The pool's slots (base.Place), as views.
+_Views: TypeAlias = Callable[[int, int], Sequence[memoryview]]
 _VERIFY_IN_THREAD_BYTES: Final = 1 << 20  # a fetched batch at least this big is verified off the loop
 
 # -- the tier ------------------------------------------------------------------------------------
@@ -85,13 +89,10 @@ class _Upload(NamedTuple):
     size: int  # value bytes
 
 
-def _keep(_: int) -> None:
-    """`offer` without ``release``: the payloads are the caller's to keep alive (bytes are)."""
-
-
 class RemoteTier:
-    """Write-behind and prefix fetch over a `RemoteStore`; see the module docstring for the failure model.
-    Use it from one event loop (the daemon's): nothing in it is thread-safe."""
+    """Write-behind and prefix fetch over a `RemoteStore`, through the tiers' contract; see the module
+    docstring for the failure model. Use it from one event loop (the daemon's): nothing in it is
+    thread-safe."""
 
     def __init__(self, store: RemoteStore, *, executor: Executor, url: str = "", keyring: Keyring = PUBLIC,
                  queue_bytes: int = 256 << 20, timeout_s: float = 1.0, breaker_s: float = 10.0,
@@ -138,36 +139,109 @@ class RemoteTier:
         return cls(store, executor=executor, url=masked, keyring=keyring, timeout_s=timeout_s,
                    **options)  # type: ignore[arg-type]
 
+    # -- the tiers' contract (tiers/base.py) --
+
+    def write_behind(self, memory: Memory, scope: Scope, keys: Sequence[bytes], offsets: Sequence[int],
+                     checksums: Sequence[int], release: Callable[[int], None]) -> int:
+        """Queue these blocks' slots for upload, never a copy (a value carries its own MAC: the checksums
+        are not needed). Each slot is read until ``release(i)`` (once per block, when it is uploaded,
+        failed, dropped or skipped; maybe before this returns). Never waits. Returns how many were newly
+        queued: keys already queued or uploading are skipped; when the queue is full, or the breaker open,
+        the rest are dropped (counted). A namespace known by hash only has no name to key by: nothing is
+        taken. ValueError where `offsets` are not one per key."""
+        if not scope.name:
+            for i in range(len(keys)):
+                release(i)
+            return 0
+        tenant, name = split(scope.name)
+        return self._offer(tenant, name, keys, [memory.view(offset, scope.block_bytes) for offset in offsets],
+                           release)
+
+    async def fetch_verified(self, memory: Memory, scope: Scope, keys: Sequence[bytes],
+                             place: Place) -> AsyncGenerator[list[int]]:
+        """The leading run of `keys` in the store, a batch at a time, each copied into the slots `place`
+        gives as it is verified (one pass over the bytes) and yielded as its CRC32Cs (verified: the pool's
+        seal checksum of the block); a value of another size than the scope's is corrupt. The next
+        batch's GETs are under way while one is verified and handed over; a batch past the first miss is
+        fetched for nothing, at most one. Never raises for store failures."""
+        if not scope.name:
+            return
+        tenant, name = split(scope.name)
+
+        def views(first: int, count: int) -> list[memoryview]:
+            return [memory.view(offset, scope.block_bytes) for offset in place(first, count)]
+        async with contextlib.aclosing(self._fetch_batches(tenant, name, keys, scope.block_bytes, views)) as batches:
+            async for batch in batches:
+                yield batch
+
+    def holds(self, scope: Scope, keys: Sequence[bytes]) -> None:
+        """Not known without asking the store (a round trip): only a fetch tells."""
+        return None
+
+    def unwritten(self, scope: Scope, keys: Sequence[bytes]) -> None:
+        """Not counted: the store's dropped uploads are counted by cause (queue full, unhealthy, closed)."""
+
+    def forget(self, scopes: Sequence[bytes] | None) -> Forgotten:
+        """Nothing: the store's keys cannot be listed by namespace, and its values age out under the
+        server's eviction; a Clear does not reach it."""
+        return Forgotten({}, None)
+
+    def names(self) -> dict[bytes, str]:
+        return {}  # (the store's keys cannot be listed by namespace)
+
+    def take_changes(self) -> list[tuple[bytes, bytes, bool]]:
+        return []  # (shared by nodes: not this node's blocks to announce)
+
+    def stats(self) -> RemoteStats:
+        c = self._counts
+        return RemoteStats(url=self.url, breaker=self.breaker.state, breaker_opens=self.breaker.opens,
+                           fetch_seconds_sum=self._fetch_seconds, queued_blocks=len(self._queue) + len(self._in_flight),
+                           queued_bytes=self._bytes, queue_limit_bytes=self.queue_bytes,
+                           **{k: c[k] for k in _COUNTERS})
+
+    async def aclose(self, drain_s: float) -> None:
+        """Stop: upload what is queued for up to ``drain_s``, drop the rest (counted), close the store."""
+        if drain_s > 0 and not self._idle.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(drain_s):
+                    await self._idle.wait()
+        self._closed = True
+        self._counts["dropped_closed"] += len(self._queue) + len(self._in_flight)
+        if self._uploader is not None:
+            self._uploader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._uploader
+            self._uploader = None
+        await asyncio.gather(*self._spare_reads, return_exceptions=True)
+        self._drop_queue()
+        self._idle.set()
+        await self.store.close()
+
     # -- write-behind --
 
-    def offer(self, tenant: str, namespace: str, keys: Sequence[bytes], payloads: Sequence[Buffer],
-              release: Callable[[int], None] | None = None) -> int:
-        """Queue blocks for upload. The payloads are not copied: each must stay unchanged until
-        ``release(i)`` is called for it (once per offered block, when it is uploaded, failed, dropped or
-        skipped; maybe before this returns). Never waits. Returns how many were newly queued: keys
-        already queued or uploading are skipped; when the queue is full, or the breaker open, the rest
-        are dropped (counted). Call it on the loop."""
+    def _offer(self, tenant: str, namespace: str, keys: Sequence[bytes], payloads: Sequence[Buffer],
+               release: Callable[[int], None]) -> int:
+        """`write_behind` of these payloads (views of the caller's memory, unchanged until released)."""
         if len(keys) != len(payloads):
-            raise ValueError("offer: keys and payloads differ in length")
-        done = release or _keep
+            raise ValueError(f"{len(keys)} keys but {len(payloads)} offsets")
         if self._closed or self.breaker.blocked():
             self._counts["dropped_closed" if self._closed else "dropped_unhealthy"] += len(keys)
             for i in range(len(keys)):
-                done(i)
+                release(i)
             return 0
         queued = 0
         for i, rkey in enumerate(self.keyring.remote_keys(tenant, namespace, keys)):
             payload = bytes_view(payloads[i])
             size = self.keyring.value_bytes(payload.nbytes)
             if rkey in self._queue or rkey in self._in_flight:
-                done(i)
+                release(i)
                 continue
             if self._bytes + size > self.queue_bytes:  # later blocks of a chain are useless without this one
                 self._counts["dropped_full"] += len(keys) - i
                 for j in range(i, len(keys)):
-                    done(j)
+                    release(j)
                 break
-            self._queue[rkey] = _Upload(tenant, payload, partial(done, i), size)
+            self._queue[rkey] = _Upload(tenant, payload, partial(release, i), size)
             self._bytes += size
             queued += 1
         if queued:
@@ -227,29 +301,12 @@ class RemoteTier:
             upload.release()
         self._queue.clear()
 
-    async def drain(self) -> None:
-        """Wait until every queued block is uploaded or dropped."""
-        await self._idle.wait()
-
     # -- fetch --
 
-    async def fetch(self, tenant: str, namespace: str, keys: Sequence[bytes],
-                    payload_bytes: int | None = None) -> list[memoryview]:
-        """The payloads of the leading ``keys`` found in the store, verified (views of the received values,
-        not copies): a prefix of ``keys``, stopping at the first absent, failed or corrupt block. With
-        ``payload_bytes``, a payload of another size is corrupt. Never raises for store failures."""
-        found: list[memoryview] = []
-        async for batch in self.fetch_batches(tenant, namespace, keys, payload_bytes):
-            found += (payload for payload, _ in batch)
-        return found
-
-    async def fetch_batches(self, tenant: str, namespace: str, keys: Sequence[bytes], payload_bytes: int | None = None,
-                            place: Place | None = None) -> AsyncGenerator[list[tuple[memoryview, int]]]:
-        """`fetch`, one batch at a time, each payload with its CRC32C (verified: the pool's seal checksum
-        of the block): the next batch's GETs are under way while one is verified and handed over; a batch
-        past the first miss is fetched for nothing, at most one. With `place`, each batch's payloads are
-        copied where it says as they are verified (one pass over the bytes), and the batch
-        ends where its places do."""
+    async def _fetch_batches(self, tenant: str, namespace: str, keys: Sequence[bytes], payload_bytes: int,
+                             place: _Views) -> AsyncGenerator[list[int]]:
+        """`fetch_verified` of the payloads of `payload_bytes` under these names: the CRC32Cs of each
+        batch copied to its places, up to the first absent, failed or corrupt block."""
         if not keys:
             return
         self._counts["fetches"] += 1
@@ -261,11 +318,10 @@ class RemoteTier:
                 return
             asked = True
             rkeys = self.keyring.remote_keys(tenant, namespace, keys)
-            size = self.fetch_batch
-            if payload_bytes:  # batches of at most fetch_batch_bytes: the caller copies one as the next comes
-                size = max(1, min(size, self.fetch_batch_bytes // payload_bytes))
+            # (batches of at most fetch_batch_bytes: the caller copies one as the next comes)
+            size = max(1, min(self.fetch_batch, self.fetch_batch_bytes // payload_bytes))
             chunks = [rkeys[i:i + size] for i in range(0, len(rkeys), size)]
-            value_bytes = self.keyring.value_bytes(payload_bytes) if payload_bytes else None
+            value_bytes = self.keyring.value_bytes(payload_bytes)
             reading = asyncio.ensure_future(self._get(chunks[0], value_bytes))
             for n, chunk in enumerate(chunks):
                 values, ahead = await reading, None
@@ -275,7 +331,7 @@ class RemoteTier:
                 found += len(good)
                 self._counts["bytes_down"] += sum(payload.nbytes for payload, _ in good)
                 if good:
-                    yield good
+                    yield [crc for _, crc in good]
                 if len(good) < len(chunk):
                     break
         finally:
@@ -288,21 +344,20 @@ class RemoteTier:
             self._counts["hits"] += found
             self._counts["misses"] += len(keys) - found
 
-    async def _get(self, keys: list[bytes], value_bytes: int | None) -> list[bytes | BaseException | None]:
+    async def _get(self, keys: list[bytes], value_bytes: int) -> list[bytes | BaseException | None]:
         return await self._call(self.store.get_many(keys, value_bytes), len(keys))
 
     async def _verify(self, tenant: str, keys: list[bytes], values: list[bytes | BaseException | None],
-                      payload_bytes: int | None, place: Place | None, first: int) -> list[tuple[memoryview, int]]:
-        """The payloads (and CRC32C) of the leading valid values (copied to their places, with `place`:
-        keys[i] is the request's key first + i); a value that fails verification is deleted."""
+                      payload_bytes: int, place: _Views, first: int) -> list[tuple[memoryview, int]]:
+        """The payloads (and CRC32C) of the leading valid values, copied to their places (keys[i] is the
+        request's key first + i); a value that fails verification is deleted."""
         present: list[bytes] = []
         for value in values:
             if not isinstance(value, bytes):
                 break
             present.append(value)
-        places = place(first, len(present)) if place is not None and present else None
-        if places is not None:
-            present = present[:len(places)]
+        places = place(first, len(present)) if present else []
+        present = present[:len(places)]
         good = await self._verifying(sum(map(len, present)), self._open_leading, tenant, keys, present,
                                      payload_bytes, places)
         if len(good) < len(present):  # present[len(good)] is corrupt; of the rest, those that do not open too
@@ -322,19 +377,19 @@ class RemoteTier:
             return await Threads.run(self._threads, verify, *args)
         return verify(*args)
 
-    def _open_leading(self, tenant: str, keys: Sequence[bytes], values: Sequence[bytes], payload_bytes: int | None,
-                      places: Sequence[memoryview] | None) -> list[tuple[memoryview, int]]:
-        """The leading values that open (a prefix of `keys`), each copied to its place if given."""
+    def _open_leading(self, tenant: str, keys: Sequence[bytes], values: Sequence[bytes], payload_bytes: int,
+                      places: Sequence[memoryview]) -> list[tuple[memoryview, int]]:
+        """The leading values that open (a prefix of `keys`), each copied to its place."""
         good = []
         for i, value in enumerate(values):
-            opened = self.keyring.unwrap(tenant, keys[i], value, payload_bytes, None if places is None else places[i])
+            opened = self.keyring.unwrap(tenant, keys[i], value, payload_bytes, places[i])
             if opened is None:
                 break
             good.append(opened)
         return good
 
     def _unopened(self, tenant: str, keys: Sequence[bytes], values: Sequence[bytes | BaseException | None],
-                  indexes: range, payload_bytes: int | None) -> list[int]:
+                  indexes: range, payload_bytes: int) -> list[int]:
         """Of these values, the indexes of those read that do not open (corrupt: to delete)."""
         read = [(i, v) for i in indexes if isinstance(v := values[i], bytes)]
         return [i for i, v in read if self.keyring.unwrap(tenant, keys[i], v, payload_bytes, None) is None]
@@ -361,74 +416,6 @@ class RemoteTier:
             self.breaker.success()
         return results
 
-    # -- the tiers' contract (tiers/base.py) --
-
-    def write_behind(self, memory: Memory, scope: Scope, keys: Sequence[bytes], offsets: Sequence[int],
-                     checksums: Sequence[int], release: Callable[[int], None]) -> int:
-        """`offer` from the pool's slots (a value carries its own MAC: the checksums are not needed). A
-        namespace known by hash only has no name to key by: nothing is taken."""
-        if not scope.name:
-            for i in range(len(keys)):
-                release(i)
-            return 0
-        tenant, name = split(scope.name)
-        return self.offer(tenant, name, keys, [memory.view(offset, scope.block_bytes) for offset in offsets],
-                          release=release)
-
-    async def fetch_verified(self, memory: Memory, scope: Scope, keys: Sequence[bytes],
-                             place: PoolPlace) -> AsyncGenerator[list[int]]:
-        """`fetch_batches` into the slots `place` gives: each batch verified as it is copied there."""
-        if not scope.name:
-            return
-        tenant, name = split(scope.name)
-
-        def views(first: int, count: int) -> list[memoryview]:
-            return [memory.view(offset, scope.block_bytes) for offset in place(first, count)]
-        async with contextlib.aclosing(self.fetch_batches(tenant, name, keys, scope.block_bytes, views)) as batches:
-            async for batch in batches:
-                yield [crc for _, crc in batch]
-
-    def holds(self, scope: Scope, keys: Sequence[bytes]) -> None:
-        """Not known without asking the store (a round trip): only a fetch tells."""
-        return None
-
-    def take_changes(self) -> list[tuple[bytes, bytes, bool]]:
-        return []  # (shared by nodes: not this node's blocks to announce)
-
-    def forget(self, scopes: Sequence[bytes] | None) -> Forgotten:
-        """Nothing: the store's keys cannot be listed by namespace, and its values age out under the
-        server's eviction; a Clear does not reach it."""
-        return Forgotten({}, None)
-
-    async def aclose(self, drain_s: float) -> None:
-        await self.close(drain_s=drain_s)
-
-    # -- state --
-
-    def stats(self) -> RemoteStats:
-        c = self._counts
-        return RemoteStats(url=self.url, breaker=self.breaker.state, breaker_opens=self.breaker.opens,
-                           fetch_seconds_sum=self._fetch_seconds, queued_blocks=len(self._queue) + len(self._in_flight),
-                           queued_bytes=self._bytes, queue_limit_bytes=self.queue_bytes,
-                           **{k: c[k] for k in _COUNTERS})
-
-    async def close(self, drain_s: float = 0.0) -> None:
-        """Stop: upload what is queued for up to ``drain_s``, drop the rest (counted), close the store."""
-        if drain_s > 0 and not self._idle.is_set():
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(drain_s):
-                    await self.drain()
-        self._closed = True
-        self._counts["dropped_closed"] += len(self._queue) + len(self._in_flight)
-        if self._uploader is not None:
-            self._uploader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._uploader
-            self._uploader = None
-        await asyncio.gather(*self._spare_reads, return_exceptions=True)
-        self._drop_queue()
-        self._idle.set()
-        await self.store.close()
 
 
 def _log_death(task: asyncio.Task[None]) -> None:
