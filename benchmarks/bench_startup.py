@@ -1,9 +1,11 @@
-"""A new pool's start-up against the memory's speed: the daemon faults every page of a fresh pool in before
-it serves (csrc/populate.cpp, `--populate-threads`). Interleaved rounds of:
+"""A new pool's start-up against the memory's speed: the daemon faults a fresh pool's first --populate-first
+bytes in before it serves and the rest while it serves (csrc/populate.cpp, `--populate-threads`).
+Interleaved rounds of:
 
 - bare: MADV_POPULATE_WRITE over a fresh memfd of the same size on one thread, and on N threads (the limit);
 - the pool set up in this process (`Pool(..., fresh=True)`: file, populate, header);
-- the daemon process from its start until health says SERVING (Python's start and imports included);
+- the daemon process from its start until health says SERVING (Python's start and imports included), and
+  until its whole pool is ready (stats' ready_bytes);
 - with `--huge DIR` (a hugetlbfs mount, or a tmpfs mounted with huge=always): the pool set up, and the
   daemon started, on 2 MiB pages there.
 
@@ -45,21 +47,26 @@ def bare(size: int, threads: int) -> float:
 def pool(size: int, threads: int, folder: str) -> float:
     path = os.path.join(folder, "pool")
     started = time.perf_counter()
-    p = Pool(path, size, 64 << 20, fresh=True, populate_threads=threads)
+    p = Pool(path, size, 64 << 20, fresh=True, populate_threads=threads)  # (populate_first None: all of it)
     seconds = time.perf_counter() - started
     p.close()
     os.unlink(path)
     return seconds
 
 
-def daemon(size: int, threads: int, folder: str, pool_dir: str | None = None) -> float:
+def daemon(size: int, threads: int, folder: str, pool_dir: str | None = None) -> tuple[float, float]:
+    """(seconds to SERVING, seconds until the whole pool is ready)."""
     d = DaemonProcess(folder, str(size), "64MiB", "--fresh", "--populate-threads", str(threads),
                       pool_path=os.path.join(pool_dir, "pool") if pool_dir else None)
     started = time.perf_counter()
     d.start(timeout=600)
-    seconds = time.perf_counter() - started
+    serving = time.perf_counter() - started
+    client = d.client()
+    while (stats := client.stats()).ready_bytes < stats.capacity_bytes:
+        time.sleep(0.01)
+    ready = time.perf_counter() - started
     d.cleanup()
-    return seconds
+    return serving, ready
 
 
 def main() -> None:
@@ -71,22 +78,31 @@ def main() -> None:
     args = p.parse_args()
     size = int(args.gib * (1 << 30)) // (64 << 20) * (64 << 20)
     n = args.threads
-    runs: dict[str, Callable[[str], float]] = {
-        "bare populate, 1 thread": lambda tmp: bare(size, 1),
-        f"bare populate, {n} threads": lambda tmp: bare(size, n),
-        f"pool set up, {n} threads": lambda tmp: pool(size, n, tmp),
-        "pool set up, 1 thread": lambda tmp: pool(size, 1, tmp),
-        f"daemon start to SERVING, {n} threads": lambda tmp: daemon(size, n, tmp),
+    def started(pool_dir: str | None = None) -> Callable[[str], dict[str, float]]:
+        def run(tmp: str) -> dict[str, float]:
+            serving, ready = daemon(size, n, tmp, pool_dir)
+            where = " on huge pages" if pool_dir else ""
+            return {f"daemon start{where} to SERVING, {n} threads": serving,
+                    f"daemon start{where} to all ready, {n} threads": ready}
+        return run
+
+    runs: dict[str, Callable[[str], dict[str, float]]] = {
+        "bare 1": lambda tmp: {"bare populate, 1 thread": bare(size, 1)},
+        "bare n": lambda tmp: {f"bare populate, {n} threads": bare(size, n)},
+        "pool n": lambda tmp: {f"pool set up (all of it), {n} threads": pool(size, n, tmp)},
+        "pool 1": lambda tmp: {"pool set up (all of it), 1 thread": pool(size, 1, tmp)},
+        "daemon": started(),
     }
     if args.huge:
-        runs[f"pool set up on huge pages, {n} threads"] = lambda tmp: pool(size, n, args.huge)
-        runs[f"daemon start on huge pages, {n} threads"] = lambda tmp: daemon(size, n, tmp, args.huge)
-    times: dict[str, list[float]] = {name: [] for name in runs}
+        runs["pool huge"] = lambda tmp: {f"pool set up on huge pages, {n} threads": pool(size, n, args.huge)}
+        runs["daemon huge"] = started(args.huge)
+    times: dict[str, list[float]] = {}
     for r in range(args.rounds):
         names = list(runs)[r % len(runs):] + list(runs)[: r % len(runs)]
         for name in names:
             with tempfile.TemporaryDirectory(dir="/dev/shm") as tmp:
-                times[name].append(runs[name](tmp))
+                for what, seconds in runs[name](tmp).items():
+                    times.setdefault(what, []).append(seconds)
     limit = statistics.median(times[f"bare populate, {n} threads"])
     print(f"{size / 2**30:.1f} GiB, {args.rounds} interleaved rounds, {n} threads on {os.cpu_count()} cores")
     for name, seconds in times.items():

@@ -77,6 +77,10 @@ class Config(BaseSettings):
         description="Threads that fault a new pool's pages in at start, before the daemon serves (page faults "
         "run at one core's speed per thread); 0: one per core the daemon may run on.",
     )
+    populate_first: ByteSize = Field(
+        ByteSize(1 << 30), description="Bytes of a new pool faulted in before the daemon serves; the rest is "
+        "faulted in while it serves (--populate-threads, in steps of about 256 MiB), its usable capacity growing "
+        "(stats: ready_bytes). Stores meanwhile take the capacity ready, evicting within it.")
     pool_numa: str = Field(
         "interleave", description="How a new pool's pages are placed on NUMA nodes: 'interleave' spreads them over "
         "every node the daemon may allocate on (when there are several: engines of every device share the "

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 REMOTE_DRAIN_S = 2.0  # a stopping daemon waits this long for queued uploads
 MAX_POLL_WAIT_MS = 60_000
 EVENT_BATCH = 512  # block events per WatchBlocks message
+GROW_STEP_BYTES = 256 << 20  # a new pool grows by about this much at a time while the daemon serves
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class Daemon:
         self.threads = threads
         self.pool = Pool(config.pool_path, int(config.pool_size), int(config.segment_size), fresh=config.fresh,
                          populate_threads=config.populate_threads or len(os.sched_getaffinity(0)),
-                         numa_nodes=config.numa_nodes())
+                         numa_nodes=config.numa_nodes(), populate_first=int(config.populate_first))
+        self._growing: asyncio.Task[None] | None = None
         self.index = BlockIndex(self.pool)
         self.events = self.index.events = BlockEvents(int(config.max_event_bytes),
                                                       int(config.max_event_description_bytes), config.max_event_queue,
@@ -222,7 +224,8 @@ class Daemon:
         visible = [n for n, ns in zip(namespaces, self.index.namespaces.values(), strict=True)
                    if caller is None or caller.admin or (ns.name and n.tenant == caller.tenant)]
         return Stats(
-            capacity_bytes=self.pool.capacity, used_bytes=sum(n.used_bytes for n in namespaces),
+            capacity_bytes=self.pool.capacity, ready_bytes=self.pool.ready_bytes,
+            used_bytes=sum(n.used_bytes for n in namespaces),
             blocks=self.index.count, hits=sum(n.hits for n in namespaces), misses=sum(n.misses for n in namespaces),
             stored_blocks=sum(n.stored_blocks for n in namespaces),
             loaded_blocks=sum(n.loaded_blocks for n in namespaces), evictions=self.index.evictions,
@@ -303,8 +306,19 @@ class Daemon:
         self.jobs.on_sealed = self.tiers.sealed
 
     def start_verifying(self) -> None:
-        """Once serving after a restart: the blocks recovered from the pool are verified in the background."""
+        """Once serving: the blocks recovered from the pool after a restart are verified, and a new pool's
+        segments not faulted in yet are, in the background."""
         self.jobs.verify_recovered()
+        if self.pool.unready:
+            self._growing = asyncio.get_running_loop().create_task(self._grow())
+
+    async def _grow(self) -> None:
+        """The pool's capacity grows a step at a time as its pages are faulted in (on the populate thread)."""
+        started, step = time.monotonic(), max(1, GROW_STEP_BYTES // self.pool.segment_size)
+        while self.pool.unready:
+            self.pool.add_ready(await Threads.run(self.threads.populate, self.pool.populate_next, step))
+        log.info("pool %s: all %d bytes ready (%.1f s while serving)", self.config.pool_path, self.pool.capacity,
+                 time.monotonic() - started)
 
     def count_error(self, code: str) -> None:
         """A request failed with this status code (for the metrics)."""
@@ -337,6 +351,8 @@ class Daemon:
 
     async def shutdown(self) -> None:
         """Drop mappings (engines register again with the next daemon), seal what is queued, close."""
+        if self._growing is not None:
+            self._growing.cancel()  # (the step under way ends on its thread; the threads' close waits for it)
         await self.sessions.end_all()
         await self.jobs.shutdown()
         if self.tiers is not None:

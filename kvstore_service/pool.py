@@ -154,7 +154,9 @@ class Pool:
     """Owns the mapped pool file and hands out slots of a given payload size."""
 
     def __init__(self, path: str, size: int, segment_size: int, fresh: bool = False, populate_threads: int = 1,
-                 numa_nodes: list[int] | None = None) -> None:
+                 numa_nodes: list[int] | None = None, populate_first: int | None = None) -> None:
+        """A new pool's first `populate_first` bytes (None: all) are faulted in here; the rest wait, unusable,
+        for `populate_next` and `add_ready` (the daemon grows the pool while it serves)."""
         if segment_size < 1 << 20:
             raise ValueError("segment size must be at least 1 MiB")
         self.path = path
@@ -169,11 +171,25 @@ class Pool:
         self._check_room()  # before anything is built for a pool that cannot be
         self.segments = [Segment(i, self.data_offset + i * self.segment_size) for i in range(num_segments)]
         self.free_segments: list[int] = []
+        self.unready: list[int] = []  # segments not faulted in yet, last first: a new pool's, as it grows
+        self.populate_threads = populate_threads
         self.partial: dict[int, set[int]] = {}  # payload size -> segments with a free slot
         self.reattached = False
         self._generation = 0
-        self._mmap = self._open(fresh, populate_threads, numa_nodes)
+        self._mmap = self._open(fresh, numa_nodes)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
+        if not self.reattached:
+            self.unready = list(range(len(self.segments) - 1, -1, -1))
+            first = -(-(self.capacity if populate_first is None else populate_first) // self.segment_size)
+            log.info("setting up a new pool of %d bytes on %d threads%s: %d bytes before serving, the rest while "
+                     "serving", self.size, populate_threads, f", interleaved over NUMA nodes {numa_nodes}"
+                     if numa_nodes else "", min(first, len(self.segments)) * self.segment_size)
+            self.add_ready(self.populate_next(first))
+
+    @property
+    def ready_bytes(self) -> int:
+        """The capacity set up and usable (a new pool's grows as `add_ready` adds segments)."""
+        return (len(self.segments) - len(self.unready)) * self.segment_size
 
     # -- file ------------------------------------------------------------------------------------
 
@@ -192,7 +208,7 @@ class Pool:
             raise PoolFullError(f"{folder} has {free.f_bavail * free.f_frsize} bytes free, the pool needs "
                                 f"{self.size}: lower --pool-size or grow the shared-memory mount")
 
-    def _open(self, fresh: bool, populate_threads: int, numa_nodes: list[int] | None) -> mmap.mmap:
+    def _open(self, fresh: bool, numa_nodes: list[int] | None) -> mmap.mmap:
         fd = _open_private(self.path)
         try:
             existing = os.fstat(fd).st_size
@@ -214,23 +230,33 @@ class Pool:
         finally:
             os.close(fd)
         if not self.reattached:
-            # Fault every page in now, once, on a thread per core: a first touch during a store costs
-            # more than the copy. Spread over the NUMA nodes first, where asked: every device's engines
-            # share the blocks, so no one node is theirs (the threads would place them at random).
+            # Spread over the NUMA nodes before any page is faulted in, where asked: every device's engines
+            # share the blocks, so no one node is theirs (the populating threads would place them at random).
             base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
             if numa_nodes and (rc := native.interleave(base, self.size, numa_nodes)):
                 log.warning("pool %s: not spread over NUMA nodes %s (%s); pages go where first touched",
                             self.path, numa_nodes, os.strerror(rc))
-            log.info("setting up a new pool of %d bytes on %d threads%s: the daemon serves once its pages are in",
-                     self.size, populate_threads, f", interleaved over NUMA nodes {numa_nodes}" if numa_nodes else "")
-            if native.populate(base, self.size, populate_threads):  # (kernels before 5.14)
-                ctypes.memset(base, 0, self.size)
             mm[: POOL_HEADER.size] = expected
-        if self.reattached:
-            self._load_segment_table(mm)
         else:
-            self.free_segments = list(range(len(self.segments) - 1, -1, -1))
+            self._load_segment_table(mm)
         return mm
+
+    def populate_next(self, segments: int) -> list[int]:
+        """Blocking (a thread's): fault the next `segments` unready segments in, on `populate_threads`
+        threads (a first touch during a store costs more than the copy); returns them for `add_ready`.
+        Only the caller's thread may grow the pool, one call at a time."""
+        chosen = self.unready[-segments:] if segments > 0 else []
+        for first, run in _runs(sorted(chosen)):
+            start, size = self.segments[first].offset, run * self.segment_size
+            if native.populate(self.base + start, size, self.populate_threads):  # (kernels before 5.14)
+                ctypes.memset(self.base + start, 0, size)
+        return chosen
+
+    def add_ready(self, segments: list[int]) -> None:
+        """These segments, populated, are usable from now on."""
+        ready = set(segments)
+        self.unready = [s for s in self.unready if s not in ready]
+        self.free_segments[:0] = sorted(ready, reverse=True)  # (taken last: segments freed since go first)
 
     def _load_segment_table(self, mm: mmap.mmap) -> None:
         for seg in self.segments:
@@ -367,3 +393,14 @@ class Pool:
                 self._unassign(seg)
             elif not seg.free_slots:
                 self.partial[seg.payload_size].discard(seg.index)
+
+
+def _runs(indexes: list[int]) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive indexes in a sorted list."""
+    runs: list[tuple[int, int]] = []
+    for i in indexes:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((i, 1))
+    return runs

@@ -237,6 +237,8 @@ class Stats:
     loaded_tokens: int = field(metadata=counter("kvstore_loaded_tokens", "Served: tokens loaded into engines, of the "
                                                 "namespaces that name their block size in tokens."))
     events: EventStats = field(default_factory=EventStats)
+    ready_bytes: int = field(default=0, metadata=gauge("kvstore_pool_ready_bytes", "Pool bytes set up and usable: "
+                                                       "a new pool grows to its capacity while the daemon serves."))
 
     @property
     def hit_rate(self) -> float:

@@ -115,7 +115,8 @@ def _summary_rows(stats: Stats) -> list[tuple[str, str]]:
         ("served: loaded into engines", _served(stats)),
         ("stored by engines", f"{stats.stored_blocks} blocks"),
         ("pool", f"{human_bytes(stats.used_bytes)} / {human_bytes(stats.capacity_bytes)} ({stats.used_fraction:.0%}), "
-                 f"{stats.blocks} blocks"),
+                 f"{stats.blocks} blocks" + (f"; {human_bytes(stats.ready_bytes)} set up so far"
+                                             if stats.ready_bytes < stats.capacity_bytes else "")),
         ("asked: lookup hits / misses", f"{stats.hits} / {stats.misses} blocks" + (
             f" ({stats.hit_rate:.1%} of lookups; hits include blocks engines held themselves)"
             if stats.hits + stats.misses else "")),

@@ -8,6 +8,8 @@
                   engine moves a call's records on threads of its own besides)
     remote        the remote tier's wrapping of an upload batch (a MAC or an encryption) and opening of
                   a large fetched batch (tiers/remote)
+    populate      a new pool's growth while the daemon serves: one step of segments at a time (the native
+                  populate runs --populate-threads threads of its own)
 
 The event loop owns all state; a thread gets a self-contained piece of work (a planned chunk, a
 batch to checksum, one device call, one disk read or write, one batch to wrap or open) and hands its
@@ -44,6 +46,7 @@ class Threads:
         self._lanes: dict[tuple[str, int], ThreadPoolExecutor] = {}
         self._disk: ThreadPoolExecutor | None = None
         self._remote: ThreadPoolExecutor | None = None
+        self.populate = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-populate")
 
     def lane(self, backend: str, device: int) -> Executor:
         """The copy threads of this device: one GPU's copies never queue behind another's."""
@@ -102,6 +105,6 @@ class Threads:
     def close(self) -> None:
         """Every thread stopped, after the work under way."""
         self.close_copies()
-        for tier in (self._disk, self._remote):
+        for tier in (self._disk, self._remote, self.populate):
             if tier is not None:
                 tier.shutdown(wait=True)

@@ -310,7 +310,7 @@ class EventStats(_message.Message):
     def __init__(self, sent: _Optional[int] = ..., resyncs: _Optional[int] = ..., dropped: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines", "leases", "jobs_in_flight", "failed_blocks", "store_failures_pool_full", "lease_expiries", "corrupt_blocks", "uptime_s", "namespaces", "daemon_version", "unsealed_blocks", "failed_load_blocks", "unverified_blocks", "remote", "disk", "loaded_bytes", "loaded_tokens", "events")
+    __slots__ = ("capacity_bytes", "used_bytes", "blocks", "hits", "misses", "stored_blocks", "loaded_blocks", "evictions", "engines", "leases", "jobs_in_flight", "failed_blocks", "store_failures_pool_full", "lease_expiries", "corrupt_blocks", "uptime_s", "namespaces", "daemon_version", "unsealed_blocks", "failed_load_blocks", "unverified_blocks", "remote", "disk", "loaded_bytes", "loaded_tokens", "events", "ready_bytes")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +337,7 @@ class StatsResponse(_message.Message):
     LOADED_BYTES_FIELD_NUMBER: _ClassVar[int]
     LOADED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    READY_BYTES_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     blocks: int
@@ -363,7 +364,8 @@ class StatsResponse(_message.Message):
     loaded_bytes: int
     loaded_tokens: int
     events: EventStats
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., leases: _Optional[int] = ..., jobs_in_flight: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., store_failures_pool_full: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., uptime_s: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., unsealed_blocks: _Optional[int] = ..., failed_load_blocks: _Optional[int] = ..., unverified_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ..., loaded_bytes: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., events: _Optional[_Union[EventStats, _Mapping]] = ...) -> None: ...
+    ready_bytes: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., stored_blocks: _Optional[int] = ..., loaded_blocks: _Optional[int] = ..., evictions: _Optional[int] = ..., engines: _Optional[int] = ..., leases: _Optional[int] = ..., jobs_in_flight: _Optional[int] = ..., failed_blocks: _Optional[int] = ..., store_failures_pool_full: _Optional[int] = ..., lease_expiries: _Optional[int] = ..., corrupt_blocks: _Optional[int] = ..., uptime_s: _Optional[int] = ..., namespaces: _Optional[_Iterable[_Union[NamespaceStats, _Mapping]]] = ..., daemon_version: _Optional[str] = ..., unsealed_blocks: _Optional[int] = ..., failed_load_blocks: _Optional[int] = ..., unverified_blocks: _Optional[int] = ..., remote: _Optional[_Union[RemoteStats, _Mapping]] = ..., disk: _Optional[_Union[DiskStats, _Mapping]] = ..., loaded_bytes: _Optional[int] = ..., loaded_tokens: _Optional[int] = ..., events: _Optional[_Union[EventStats, _Mapping]] = ..., ready_bytes: _Optional[int] = ...) -> None: ...
 
 class DiskStats(_message.Message):
     __slots__ = ("blocks", "bytes", "capacity_bytes", "segments", "hits", "misses", "read_blocks", "read_bytes", "read_seconds", "written", "write_bytes", "write_seconds", "write_dropped", "queued_bytes", "corrupt", "errors", "reclaimed_segments", "direct_io", "healthy", "error")

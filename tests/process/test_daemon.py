@@ -381,3 +381,20 @@ def test_a_new_pool_is_spread_over_the_numa_nodes_asked(daemon_factory) -> None:
     assert pool_policy(missing) == "default" and "not spread over NUMA nodes [63]" in missing.log.read_text()
     default = daemon_factory().start()
     assert pool_policy(default) == ("default" if allowed == first else f"interleave:{allowed}")
+
+
+def test_a_new_pool_serves_before_it_is_all_set_up_and_grows_to_its_capacity(daemon_factory) -> None:
+    """--populate-first: the daemon serves once that much of a new pool is faulted in, stores meanwhile
+    take what is ready, and the rest is added while it serves (stats' ready_bytes)."""
+    daemon = daemon_factory("--populate-first", "16MiB", pool_size="1GiB", segment_size="8MiB").start()
+    client = daemon.client()
+    assert client.stats().ready_bytes >= 16 << 20
+    engine = Engine(daemon.socket, "grow", 16, KB64)
+    keys = [key_of("g", i) for i in range(16)]
+    engine.fill(keys, list(range(16)))
+    assert engine.session.wait([job := engine.session.store(keys, list(range(16)))])[job].ok
+    assert wait_for(lambda: client.stats().ready_bytes == client.stats().capacity_bytes == 1 << 30, timeout=60)
+    log = daemon.log.read_text()
+    assert 0 < log.index(" serving on ") < log.index("all 1073741824 bytes ready")  # (served first)
+    assert engine.session.lookup(keys) == (16, b"")
+    engine.close()

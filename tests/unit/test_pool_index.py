@@ -4,7 +4,10 @@ stay unseen until verified."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
+import secrets
 
 import pytest
 from support.daemon import sealed_blocks
@@ -28,6 +31,50 @@ def pool(tmp_path) -> Pool:
 
 def keys_of(n: int, tag: int = 0) -> list[bytes]:
     return [bytes([tag, i]) * 16 for i in range(n)]
+
+
+def resident_pages(pool: Pool, segment: int) -> int:
+    """Pages of one segment in memory (mincore)."""
+    page = 4096
+    size = pool.segment_size
+    out = (ctypes.c_ubyte * (size // page))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(pool.base + pool.segments[segment].offset, size, out) == 0
+    return sum(b & 1 for b in out)
+
+
+@pytest.fixture
+def shm_path() -> str:
+    """A pool file in /dev/shm, where the daemon's lives (on tmpfs a page is resident once faulted in)."""
+    path = f"/dev/shm/kvstore-test-pool-{secrets.token_hex(4)}"
+    yield path
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def test_a_new_pool_serves_its_first_segments_and_grows_as_the_rest_are_faulted_in(shm_path: str) -> None:
+    """populate_first: the segments faulted in at once are the only ones handed out; `populate_next` faults
+    the next ones in (their pages resident before they are usable) and `add_ready` adds them."""
+    pool = Pool(shm_path, 8 * MB, MB, fresh=True, populate_first=3 * MB)
+    try:
+        per_segment = pool.slots_per_segment(BLOCK)
+        assert (pool.ready_bytes, pool.capacity) == (3 * MB, 8 * MB)
+        assert resident_pages(pool, 2) == MB // 4096 and resident_pages(pool, 3) == 0
+        assert sum(len(slots) for _, slots in pool.allocate_many(BLOCK, 100)) == 3 * per_segment  # no more
+        grown = pool.populate_next(4)
+        assert sorted(grown) == [3, 4, 5, 6] and all(resident_pages(pool, s) == MB // 4096 for s in grown)
+        assert resident_pages(pool, 7) == 0 and pool.ready_bytes == 3 * MB  # (not usable until added)
+        pool.add_ready(grown)
+        assert pool.ready_bytes == 7 * MB
+        assert sum(len(slots) for _, slots in pool.allocate_many(BLOCK, 100)) == 4 * per_segment
+        pool.add_ready(pool.populate_next(4))  # (one left)
+        assert pool.ready_bytes == pool.capacity and not pool.unready
+    finally:
+        pool.close()
+    again = Pool(shm_path, 8 * MB, MB, populate_first=MB)  # re-attached: all of it is there
+    assert again.reattached and again.ready_bytes == again.capacity
+    again.close()
 
 
 def test_allocate_many_spans_segments_and_stops_when_full(pool: Pool) -> None:
