@@ -316,7 +316,12 @@ class Daemon:
         """The pool's capacity grows a step at a time as its pages are faulted in (on the populate thread)."""
         started, step = time.monotonic(), max(1, GROW_STEP_BYTES // self.pool.segment_size)
         while self.pool.unready:
-            self.pool.add_ready(await Threads.run(self.threads.populate, self.pool.populate_next, step))
+            try:
+                self.pool.add_ready(await Threads.run(self.threads.populate, self.pool.populate_next, step))
+            except OSError as e:
+                log.error("%s: the pool stays at %d of its %d bytes", e.strerror, self.pool.ready_bytes,
+                          self.pool.capacity)
+                return
         log.info("pool %s: all %d bytes ready (%.1f s while serving)", self.config.pool_path, self.pool.capacity,
                  time.monotonic() - started)
 

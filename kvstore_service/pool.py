@@ -19,6 +19,7 @@ This module knows bytes and offsets only; which key lives where (and LRU, pins) 
 from __future__ import annotations
 
 import ctypes
+import errno
 import logging
 import mmap
 import os
@@ -244,12 +245,16 @@ class Pool:
     def populate_next(self, segments: int) -> list[int]:
         """Blocking (a thread's): fault the next `segments` unready segments in, on `populate_threads`
         threads (a first touch during a store costs more than the copy); returns them for `add_ready`.
-        Only the caller's thread may grow the pool, one call at a time."""
+        Only the caller's thread may grow the pool, one call at a time. OSError where the memory is not
+        there (a shared-memory mount filled by others since the start): those segments stay unready."""
         chosen = self.unready[-segments:] if segments > 0 else []
         for first, run in _runs(sorted(chosen)):
             start, size = self.segments[first].offset, run * self.segment_size
-            if native.populate(self.base + start, size, self.populate_threads):  # (kernels before 5.14)
+            rc = native.populate(self.base + start, size, self.populate_threads)
+            if rc == errno.EINVAL:  # a kernel before 5.14: touched instead
                 ctypes.memset(self.base + start, 0, size)
+            elif rc:
+                raise OSError(rc, f"pool {self.path}: faulting {size} bytes in failed ({os.strerror(rc)})")
         return chosen
 
     def add_ready(self, segments: list[int]) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import ctypes
 import os
 import secrets
+import subprocess
 
 import pytest
 from support.daemon import sealed_blocks
@@ -75,6 +76,25 @@ def test_a_new_pool_serves_its_first_segments_and_grows_as_the_rest_are_faulted_
     again = Pool(shm_path, 8 * MB, MB, populate_first=MB)  # re-attached: all of it is there
     assert again.reattached and again.ready_bytes == again.capacity
     again.close()
+
+
+def test_a_pool_that_cannot_grow_says_so_and_keeps_what_is_ready(tmp_path) -> None:
+    """A shared-memory mount filled by others after the start: the next segments cannot be faulted in, and
+    that is an OSError naming the pool (never a SIGBUS on a first touch); they stay unready."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root; CI runs as root")
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "none", str(mount)], check=True)
+    try:
+        pool = Pool(str(mount / "pool"), 6 * MB, MB, fresh=True, populate_first=2 * MB)
+        (mount / "other").write_bytes(b"x" * (5 * MB))  # another process's file takes the room
+        with pytest.raises(OSError, match="pool .* faulting"):
+            pool.populate_next(4)
+        assert pool.ready_bytes == 2 * MB and len(pool.unready) == 4
+        pool.close()
+    finally:
+        subprocess.run(["umount", str(mount)], check=False, capture_output=True)
 
 
 def test_allocate_many_spans_segments_and_stops_when_full(pool: Pool) -> None:
