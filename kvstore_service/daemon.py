@@ -15,7 +15,6 @@ end (servicer.py) calls; the process around it all, sockets and signals, is serv
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import gc
 import logging
@@ -31,7 +30,7 @@ from kvstore_service import __version__
 from kvstore_service.backends import Backend
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
-from kvstore_service.event_journal import JOURNAL_SLACK, Journal
+from kvstore_service.event_journal import journal_of
 from kvstore_service.events import Batch, BlockEvents
 from kvstore_service.index import BlockIndex, namespace_hash
 from kvstore_service.jobs import JobResult, Jobs
@@ -366,17 +365,6 @@ class Daemon:
         self.pool.close()
         if self.events.journal is not None:
             self.events.journal.close()
-
-
-def journal_of(config: Config) -> Journal | None:
-    """Where the block descriptions are kept across restarts (--event-journal); a fresh pool starts without."""
-    if config.event_journal == "off":
-        return None
-    path = config.event_journal or f"{config.pool_path}.events"
-    if config.fresh:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    return Journal(path, 2 * int(config.max_event_bytes) + 2 * JOURNAL_SLACK)
 
 
 def open_disk(config: Config, threads: Threads) -> DiskTier:

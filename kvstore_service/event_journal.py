@@ -20,6 +20,8 @@ import stat
 import struct
 from collections.abc import Iterable, Iterator
 
+from kvstore_service.config import Config
+
 log = logging.getLogger(__name__)
 
 HEADER = b"KVSEVJ1\n"
@@ -28,6 +30,17 @@ JOURNAL_SLACK = 1 << 20  # bytes a journal may grow past twice its live descript
 MAX_KEY = 64
 
 Entry = tuple[bytes, bytes, bytes]  # (namespace hash, key, description)
+
+
+def journal_of(config: Config) -> Journal | None:
+    """Where the block descriptions are kept across restarts (--event-journal); a fresh pool starts without."""
+    if config.event_journal == "off":
+        return None
+    path = config.event_journal or f"{config.pool_path}.events"
+    if config.fresh:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return Journal(path, 2 * int(config.max_event_bytes) + 2 * JOURNAL_SLACK)
 
 
 def encode(entries: Iterable[Entry]) -> bytes:

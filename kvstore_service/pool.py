@@ -247,9 +247,9 @@ class Pool:
         threads (a first touch during a store costs more than the copy); returns them for `add_ready`.
         Only the caller's thread may grow the pool, one call at a time. OSError where the memory is not
         there (a shared-memory mount filled by others since the start): those segments stay unready."""
-        chosen = self.unready[-segments:] if segments > 0 else []
-        for first, run in _runs(sorted(chosen)):
-            start, size = self.segments[first].offset, run * self.segment_size
+        chosen = self.unready[-segments:] if segments > 0 else []  # (the lowest: one run, as unready is)
+        if chosen:
+            start, size = self.segments[chosen[-1]].offset, len(chosen) * self.segment_size
             rc = native.populate(self.base + start, size, self.populate_threads)
             if rc == errno.EINVAL:  # a kernel before 5.14: touched instead
                 ctypes.memset(self.base + start, 0, size)
@@ -398,14 +398,3 @@ class Pool:
                 self._unassign(seg)
             elif not seg.free_slots:
                 self.partial[seg.payload_size].discard(seg.index)
-
-
-def _runs(indexes: list[int]) -> list[tuple[int, int]]:
-    """(first, count) of each run of consecutive indexes in a sorted list."""
-    runs: list[tuple[int, int]] = []
-    for i in indexes:
-        if runs and runs[-1][0] + runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((i, 1))
-    return runs
