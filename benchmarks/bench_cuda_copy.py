@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvstore_service import native
+from kvstore_service import native, native_device
 
 SIZES_KIB = [4, 16, 64, 256, 1024, 2048]
 
@@ -52,7 +52,7 @@ def main() -> None:
     host = mmap.mmap(-1, span)
     host_base = ctypes.addressof(ctypes.c_char.from_buffer(host))
     host.write(b"\x01" * span)
-    native.cuda_host_register(host_base, span, 0)
+    native_device.cuda_host_register(host_base, span, 0)
     dev = torch.empty(span, dtype=torch.uint8, device="cuda")
     dev_base = dev.data_ptr()
     pool = ThreadPoolExecutor(max_workers=args.threads)
@@ -69,7 +69,7 @@ def main() -> None:
     finally:
         pool.shutdown()
         torch.cuda.synchronize()
-        native.cuda_host_unregister(host_base, 0)
+        native_device.cuda_host_unregister(host_base, 0)
 
 
 def measure(size: int, total: int, span: int, bases: tuple[int, int], direction: str, pool: ThreadPoolExecutor,
@@ -82,12 +82,12 @@ def measure(size: int, total: int, span: int, bases: tuple[int, int], direction:
     sizes = array("Q", [size] * n)
 
     def copy(lo: int, hi: int, batch: bool) -> None:
-        native.cuda_copy_blocks(src_base, dst_base, src[lo:hi], dst[lo:hi], sizes[lo:hi], direction, 0,
-                                allow_batch=batch)
+        native_device.cuda_copy_blocks(src_base, dst_base, src[lo:hi], dst[lo:hi], sizes[lo:hi], direction, 0,
+                                       allow_batch=batch)
 
     def contiguous() -> None:
-        native.cuda_copy_blocks(src_base, dst_base, array("Q", [0]), array("Q", [0]), array("Q", [total]),
-                                direction, 0)
+        native_device.cuda_copy_blocks(src_base, dst_base, array("Q", [0]), array("Q", [0]), array("Q", [total]),
+                                       direction, 0)
 
     def threaded() -> None:
         step = -(-n // args.threads)

@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvstore_service import native
+from kvstore_service import native, native_disk
 from kvstore_service.pool import Pool, slots_per_segment
 from kvstore_service.threads import Threads
 from kvstore_service.tiers.base import Scope
@@ -102,8 +102,8 @@ class Raw:
         fd = os.open(os.path.join(self.path, f"round-{r}"), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
         try:
             os.posix_fallocate(fd, 0, count * self.request)
-            write = timed(lambda: native.disk_raw_io(fd, 0, count, self.request, True, self.threads))
-            read = timed(lambda: native.disk_raw_io(fd, 0, count, self.request, False, self.threads))
+            write = timed(lambda: native_disk.disk_raw_io(fd, 0, count, self.request, True, self.threads))
+            read = timed(lambda: native_disk.disk_raw_io(fd, 0, count, self.request, False, self.threads))
         finally:
             os.close(fd)
         return write, read

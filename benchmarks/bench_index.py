@@ -24,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from kvstore_service import native
+from kvstore_service import native_blocks
 from kvstore_service.chunks import load_check
 from kvstore_service.events import BlockEvents
 from kvstore_service.index import Block, BlockIndex, Namespace
@@ -49,7 +49,7 @@ def store_into(index: BlockIndex, ns: Namespace, keys: list[bytes], stored: list
 def seal(index: BlockIndex, blocks: list[Block]) -> None:
     for s in range(0, len(blocks), SEAL_BATCH):
         held = index.hold(blocks[s:s + SEAL_BATCH])
-        native.block_offsets(held), native.block_offsets(held, headers=True), b"".join(map(_key, held))
+        native_blocks.block_offsets(held), native_blocks.block_offsets(held, headers=True), b"".join(map(_key, held))
         list(map(_checksum, held))
         index.seal(held, list(range(len(held))))
 

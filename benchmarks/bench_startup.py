@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from kvstore_service import native
+from kvstore_service import native_memory
 from kvstore_service.harness import DaemonProcess
 from kvstore_service.pool import Pool
 
@@ -35,7 +35,7 @@ def bare(size: int, threads: int) -> float:
         mm = mmap.mmap(fd, size)
         anchor = ctypes.c_char.from_buffer(mm)
         started = time.perf_counter()
-        assert native.populate(ctypes.addressof(anchor), size, threads) == 0
+        assert native_memory.populate(ctypes.addressof(anchor), size, threads) == 0
         seconds = time.perf_counter() - started
         del anchor
         mm.close()

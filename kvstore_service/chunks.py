@@ -12,7 +12,7 @@ import random
 from array import array
 from dataclasses import dataclass
 
-from kvstore_service import native
+from kvstore_service import native, native_blocks
 from kvstore_service.backends import TransferPlan
 from kvstore_service.backends.base import ChecksumSample, ProgressWord
 from kvstore_service.index import Block
@@ -82,7 +82,7 @@ def plan_chunk(session: EngineSession, block_ids: array[int], indexes: list[int]
     in_order = indexes == list(range(first, first + len(indexes)))
     ids = block_ids[first:first + len(indexes)] if in_order else array("Q", [block_ids[i] for i in indexes])
     pool_offsets, engine_addresses, sizes = native.plan_transfer(
-        native.block_offsets(blocks), ids, session.regions,
+        native_blocks.block_offsets(blocks), ids, session.regions,
         layout.num_blocks, pool_size, layout.shard * layout.block_bytes)
     return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_addresses, sizes), in_order)
 

@@ -36,7 +36,7 @@ from kvstore_service.index import BlockIndex, namespace_hash
 from kvstore_service.jobs import JobResult, Jobs
 from kvstore_service.keys import PackedKeys, unpack_keys
 from kvstore_service.metrics import Metrics
-from kvstore_service.native import StickyDeviceError
+from kvstore_service.native_device import StickyDeviceError
 from kvstore_service.peercred import PeerCred
 from kvstore_service.pool import Pool
 from kvstore_service.sessions import EngineSession, Registration, Session, Sessions, open_backend

@@ -39,7 +39,7 @@ from itertools import chain, compress, groupby, repeat, takewhile
 from typing import TYPE_CHECKING
 
 from kvstore_client.protocol.groups import grouped_hit
-from kvstore_service import native
+from kvstore_service import native_blocks
 from kvstore_service.keys import unpack_keys
 from kvstore_service.pool import SLOT_HEADER_BYTES, Pool, SlotRef
 
@@ -93,9 +93,9 @@ class Namespace:
         return len(self._committed) + len(self._writing) + len(self._recovered)
 
 
-class Block(native.BlockRecord):
+class Block(native_blocks.BlockRecord):
     """A key's slot in the pool. Its fields live in a native record (csrc/block.cpp): a store makes
-    thousands of blocks in one `native.make_blocks` call each (a dataclass's Python __init__ per
+    thousands of blocks in one `native_blocks.make_blocks` call each (a dataclass's Python __init__ per
     block took a third of a store's bookkeeping). Identity is equality, as for any object."""
 
     __slots__ = ()
@@ -160,8 +160,8 @@ class BlockIndex:
         self.namespaces: dict[bytes, Namespace] = {}
         self.count = 0
         self.evictions = 0
-        self._lru: dict[int, native.LruList[Block]] = {}  # payload size -> committed blocks, oldest first
-        self._tails: dict[int, native.LruList[Block]] = {}  # ... the tails among them: evicted first
+        self._lru: dict[int, native_blocks.LruList[Block]] = {}  # payload size -> committed blocks, oldest first
+        self._tails: dict[int, native_blocks.LruList[Block]] = {}  # ... the tails among them: evicted first
         self._by_segment: dict[int, dict[int, Block]] = {}
         # Told of the blocks evicted (not of those cleared or replaced): the disk tier counts the ones
         # evicted before their seal, which never reach it (tiers/).
@@ -234,14 +234,14 @@ class BlockIndex:
         """Keep blocks of one namespace from eviction (a lease, a load), most recently used from now."""
         if not blocks:
             return
-        native.add_pins(blocks, 1, BlockState.DOOMED)
+        native_blocks.add_pins(blocks, 1, BlockState.DOOMED)
         size = blocks[0].namespace.block_bytes
         for lru in (self._lru.get(size), self._tails.get(size)):
             if lru is not None:
                 lru.touch(blocks)  # (those on it)
 
     def unpin(self, blocks: Sequence[Block]) -> None:
-        doomed = native.add_pins(blocks, -1, BlockState.DOOMED)
+        doomed = native_blocks.add_pins(blocks, -1, BlockState.DOOMED)
         if doomed:
             self._free(doomed)
 
@@ -249,11 +249,11 @@ class BlockIndex:
         """Put the block at the end (most recent) of its LRU list, whether it is on it or not."""
         self._list_of(block.namespace.block_bytes, block.tail).append([block])
 
-    def _list_of(self, payload_size: int, tail: bool) -> native.LruList[Block]:
+    def _list_of(self, payload_size: int, tail: bool) -> native_blocks.LruList[Block]:
         lists = self._tails if tail else self._lru
         lru = lists.get(payload_size)
         if lru is None:
-            lru = lists[payload_size] = native.LruList()
+            lru = lists[payload_size] = native_blocks.LruList()
         return lru
 
     # -- stores ----------------------------------------------------------------------------------
@@ -338,7 +338,7 @@ class BlockIndex:
         at a time (this runs for every stored block)."""
         blocks: list[Block] = []
         for seg, slots in self.pool.allocate_many(ns.block_bytes, len(keys)):
-            new = native.make_blocks(
+            new = native_blocks.make_blocks(
                 Block, keys[len(blocks):len(blocks) + len(slots)], ns, seg.index, slots, seg.payload_base,
                 seg.payload_stride, seg.offset, SLOT_HEADER_BYTES, BlockState.WRITING)
             self._by_segment.setdefault(seg.index, {}).update(zip(slots, new, strict=True))
@@ -402,7 +402,7 @@ class BlockIndex:
         if not ok:
             self._drop(list(compress(blocks, self.present_all(blocks))))
             return []
-        done = native.commit(blocks, ns._writing, ns._committed, BlockState.COMMITTED)
+        done = native_blocks.commit(blocks, ns._writing, ns._committed, BlockState.COMMITTED)
         if self.events is not None:
             self.events.committed(ns.ns_hash, map(_key, done))
         tail = done[-1] if done and done[-1].tail else None  # (a chunk's tail is its last block)
@@ -443,7 +443,7 @@ class BlockIndex:
         """Those of these blocks still present, pinned (their slots must not be reused while their
         checksums are taken): `seal` them if committed, `verify` them if recovered."""
         held = list(compress(blocks, self.present_all(blocks)))
-        native.add_pins(held, 1, BlockState.DOOMED)  # (not touched: a seal is no use)
+        native_blocks.add_pins(held, 1, BlockState.DOOMED)  # (not touched: a seal is no use)
         return held
 
     def seal(self, blocks: list[Block], checksums: list[int] | None) -> None:

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
-from kvstore_service import native
+from kvstore_service import native, native_device
 from kvstore_service.chunks import CHUNK_BLOCKS, Chunk, chunks, load_check, plan_chunk, track_progress
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
@@ -133,7 +133,7 @@ class EngineJobs:
 
 class Jobs:
     def __init__(self, config: Config, pool: Pool, index: BlockIndex, metrics: Metrics,
-                 fatal: Callable[[native.StickyDeviceError], None], threads: Threads) -> None:
+                 fatal: Callable[[native_device.StickyDeviceError], None], threads: Threads) -> None:
         self.config = config
         self.fatal = fatal  # a device is unusable for the whole process: the daemon must restart
         self.pool = pool
@@ -178,7 +178,7 @@ class Jobs:
         """Run a blocking device call in a thread and await it."""
         try:
             return await self.threads.device_call(fn, *args)
-        except native.StickyDeviceError as e:
+        except native_device.StickyDeviceError as e:
             self.fatal(e)
             raise
 
@@ -264,7 +264,7 @@ class Jobs:
             return session.backend.order_pending(session.mappings[0], seq)
         except RuntimeError as e:  # cannot tell when the engine's writes are done: copying would be unordered
             job.error = f"cannot order the copy after the engine's work: {e}"
-            if isinstance(e, native.StickyDeviceError):
+            if isinstance(e, native_device.StickyDeviceError):
                 self.fatal(e)
             return []
 
@@ -292,7 +292,7 @@ class Jobs:
                 pending = session.backend.order_waiting(session.mappings[0], pending)
             except RuntimeError as e:
                 job.error = f"cannot order the copy after the engine's work: {e}"
-                if isinstance(e, native.StickyDeviceError):
+                if isinstance(e, native_device.StickyDeviceError):
                     self.fatal(e)
                 return False
         return not job.error
@@ -368,7 +368,7 @@ class Jobs:
                 log.exception("job %d copy failed", job.job_id)
                 job.error = f"copy failed: {e}"
                 corrupt = None
-                if isinstance(e, native.StickyDeviceError):
+                if isinstance(e, native_device.StickyDeviceError):
                     self.fatal(e)
             if corrupt is not None:
                 job.copied_bytes += chunk.plan.total_bytes

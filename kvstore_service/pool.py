@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import NamedTuple
 
-from kvstore_service import native
+from kvstore_service import native, native_memory
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ class Pool:
             # Spread over the NUMA nodes before any page is faulted in, where asked: every device's engines
             # share the blocks, so no one node is theirs (the populating threads would place them at random).
             base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-            if numa_nodes and (rc := native.interleave(base, self.size, numa_nodes)):
+            if numa_nodes and (rc := native_memory.interleave(base, self.size, numa_nodes)):
                 log.warning("pool %s: not spread over NUMA nodes %s (%s); pages go where first touched",
                             self.path, numa_nodes, os.strerror(rc))
             mm[: POOL_HEADER.size] = expected
@@ -250,7 +250,7 @@ class Pool:
         chosen = self.unready[-segments:] if segments > 0 else []  # (the lowest: one run, as unready is)
         if chosen:
             start, size = self.segments[chosen[-1]].offset, len(chosen) * self.segment_size
-            rc = native.populate(self.base + start, size, self.populate_threads)
+            rc = native_memory.populate(self.base + start, size, self.populate_threads)
             if rc == errno.EINVAL:  # a kernel before 5.14: touched instead
                 ctypes.memset(self.base + start, 0, size)
             elif rc:

@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import cast
 
-from kvstore_service import native
+from kvstore_service import native, native_blocks
 from kvstore_service.config import Config
 from kvstore_service.index import Block, BlockIndex
 from kvstore_service.pool import Pool, SlotState
@@ -113,8 +113,8 @@ class Seals:
         """Checksum committed, held blocks of one namespace in the pool and seal the checksums into
         their slot headers."""
         ns = blocks[0].namespace
-        offsets = native.block_offsets(blocks)  # (C-level: a seal's loop time is thousands of blocks')
-        headers = native.block_offsets(blocks, headers=True)
+        offsets = native_blocks.block_offsets(blocks)  # (C-level: a seal's loop time is thousands of blocks')
+        headers = native_blocks.block_offsets(blocks, headers=True)
         keys = b"".join(map(_key, blocks))
         generation = self.pool.next_generation()
 
@@ -170,7 +170,7 @@ class Seals:
                 task.cancel()
 
     async def _verify_batch(self, blocks: list[Block]) -> None:
-        offsets = native.block_offsets(blocks)
+        offsets = native_blocks.block_offsets(blocks)
         checksums = None
         try:
             checksums = await Threads.run(self.threads.shared, native.checksum_blocks, self.pool.base, offsets,

@@ -27,7 +27,7 @@ from kvstore_service.config import Config
 from kvstore_service.daemon import Daemon
 from kvstore_service.jobs_socket import SubmitSocket
 from kvstore_service.metrics import HttpServer
-from kvstore_service.native import StickyDeviceError
+from kvstore_service.native_device import StickyDeviceError
 from kvstore_service.peercred import PeerCredServer
 from kvstore_service.pool import PoolFullError
 from kvstore_service.servicer import GrpcServer

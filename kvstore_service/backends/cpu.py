@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 
 from kvstore_client.protocol import memfd
-from kvstore_service import native
+from kvstore_service import native, native_memory
 from kvstore_service.backends.base import Backend, ChecksumSample, Mapping, ProgressWord, TransferPlan
 
 POPULATE_CHUNK = 64 << 20  # the session can end between two chunks (~10-20 ms each)
@@ -27,19 +27,19 @@ PLAIN_LOAD_BYTES = 64 << 20
 def _populate(addr: int, size: int, stop: threading.Event) -> None:
     """Map every page the layout addresses into our page table now, a chunk at a time until told to
     stop. Otherwise the first copies of each page fault (one per 4 KiB written, one per 64 KiB
-    read), which halves the first stores' and loads' speed. native.populate releases the GIL: the daemon
+    read), which halves the first stores' and loads' speed. native_memory.populate releases the GIL: the daemon
     serves meanwhile. Kernels before 5.14 lack the advice (EINVAL): pages then fault in on use."""
     for start in range(0, size, POPULATE_CHUNK):
         if stop.is_set():
             return
-        native.populate(addr + start, min(POPULATE_CHUNK, size - start), 1)
+        native_memory.populate(addr + start, min(POPULATE_CHUNK, size - start), 1)
 
 
 @dataclass
 class _Held:
     """What a CPU mapping keeps until unmap: the mmap, the ctypes view whose address is the mapping's
     base (an export of the mmap, dropped before closing it), the thread populating its pages and, for
-    memory its owner can shrink, its guard (native.guard_memory)."""
+    memory its owner can shrink, its guard (native_memory.guard_memory)."""
 
     mm: mmap.mmap
     anchor: ctypes.c_char | None
@@ -67,7 +67,7 @@ class CpuBackend(Backend):
         base = ctypes.addressof(anchor)
         # Not sealed: the engine could pull pages from under a copy (SIGBUS); the guard catches that.
         try:
-            guard = None if sealed else native.guard_memory(base, size)
+            guard = None if sealed else native_memory.guard_memory(base, size)
         except ValueError:
             del anchor
             mm.close()
@@ -84,7 +84,7 @@ class CpuBackend(Backend):
         held.stop.set()
         held.populating.join()  # it must not touch the range once unmapped (and maybe reused)
         if held.guard is not None:
-            native.unguard_memory(held.guard)
+            native_memory.unguard_memory(held.guard)
         held.anchor = None
         mapping.handle = None
         try:
@@ -131,5 +131,5 @@ class CpuBackend(Backend):
 
 def _check_intact(mapping: Mapping) -> None:
     held = mapping.handle
-    if isinstance(held, _Held) and held.guard is not None and native.guard_faulted(held.guard):
+    if isinstance(held, _Held) and held.guard is not None and native_memory.guard_faulted(held.guard):
         raise ShrunkMemory("the engine shrank its KV memory under the daemon's mapping: its jobs fail")

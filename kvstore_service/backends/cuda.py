@@ -32,10 +32,10 @@ mid-copy); the host-side logic is also tested without a GPU. See docs/devices.md
   pieces (base.pool_pieces), all or none: at the daemon's start (--devices cuda) on its GPU 0,
   else on the device of the first mapping, not on GPU 0, which would create a context on a GPU no
   engine uses. Unpinned piece by piece at close.
-* copy: `native.cuda_copy_blocks` on the device's primary context (the one torch's runtime uses,
+* copy: `native_device.cuda_copy_blocks` on the device's primary context (the one torch's runtime uses,
   so the IPC pointer is valid there), returning once every byte landed. A sticky driver error
   (700 illegal address, 719 launch failed, ...: the context is dead for the whole process) raises
-  `StickyDeviceError` (kvstore_service.native): the daemon must exit and be restarted.
+  `StickyDeviceError` (kvstore_service.native_device): the daemon must exit and be restarted.
 * a load's checksum sample (--verify-loads) is taken on the copy thread once the chunk's DMA is
   enqueued, while it runs (`load_checksummed`): hidden behind the copy, not before it (as the cpu
   backend's, a corrupt block may land in the engine; the job names it failed).
@@ -57,10 +57,10 @@ from kvstore_client.protocol.handle import (
     normalize_uuid,
     resolve_handle,
 )
-from kvstore_service import native
+from kvstore_service import native, native_device
 from kvstore_service.backends.base import Backend, ChecksumSample, Mapping, TransferPlan
 from kvstore_service.errors import KVError
-from kvstore_service.native import StickyDeviceError, is_sticky_cuda_error
+from kvstore_service.native_device import StickyDeviceError, is_sticky_cuda_error
 
 __all__ = ["CudaBackend", "StickyDeviceError", "check_ipc_bounds", "is_sticky_cuda_error", "require_cuda"]
 
@@ -156,7 +156,7 @@ class CudaBackend(Backend):
                 pinned: list[tuple[int, int]] = []
                 try:
                     for addr, size in self.pieces:
-                        native.cuda_host_register(addr, size, device)
+                        native_device.cuda_host_register(addr, size, device)
                         pinned.append((addr, size))
                 except StickyDeviceError:
                     raise
@@ -183,7 +183,7 @@ class CudaBackend(Backend):
     def _unpin(pieces: list[tuple[int, int]], device: int) -> None:
         for addr, _ in pieces:
             try:
-                native.cuda_host_unregister(addr, device)
+                native_device.cuda_host_unregister(addr, device)
             except RuntimeError as e:
                 log.warning("cuMemHostUnregister of a pool piece failed: %s", e)
 
@@ -245,7 +245,7 @@ class CudaBackend(Backend):
             events: list[int] = []
             try:
                 for i in range(0, len(handles), IPC_EVENT_HANDLE_BYTES):
-                    events.append(native.cuda_open_ipc_event(handles[i:i + IPC_EVENT_HANDLE_BYTES], device))
+                    events.append(native_device.cuda_open_ipc_event(handles[i:i + IPC_EVENT_HANDLE_BYTES], device))
             except RuntimeError as e:
                 self._destroy(events, device)
                 if isinstance(e, StickyDeviceError):
@@ -268,7 +268,7 @@ class CudaBackend(Backend):
     def _destroy(events: list[int], device: int) -> None:
         for event in events:
             try:
-                native.cuda_destroy_event(event, device)
+                native_device.cuda_destroy_event(event, device)
             except RuntimeError as e:
                 log.warning("cuEventDestroy of an engine's event failed: %s", e)
 
@@ -291,20 +291,20 @@ class CudaBackend(Backend):
         return self.order_waiting(mapping, held.events)
 
     def order_waiting(self, mapping: Mapping, pending: list[int]) -> list[int]:
-        return [e for e in pending if not native.cuda_query_event(e, mapping.device)]
+        return [e for e in pending if not native_device.cuda_query_event(e, mapping.device)]
 
     def load_checksummed(self, mapping: Mapping, pool_base: int, plan: TransferPlan,
                          check: ChecksumSample) -> list[int]:
-        return native.cuda_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes, "h2d",
-                                       mapping.device, checksum_base=pool_base, checksum_offsets=check.offsets,
-                                       checksum_size=check.size)
+        return native_device.cuda_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes, "h2d",
+                                              mapping.device, checksum_base=pool_base, checksum_offsets=check.offsets,
+                                              checksum_size=check.size)
 
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         # Ordered already: the job's copies start only once the engine's records made before the job
         # arrived are done (order_pending / order_waiting).
         if to_engine:
-            native.cuda_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes,
-                                    "h2d", mapping.device)
+            native_device.cuda_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes,
+                                           "h2d", mapping.device)
         else:
-            native.cuda_copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes,
-                                    "d2h", mapping.device)
+            native_device.cuda_copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes,
+                                           "d2h", mapping.device)

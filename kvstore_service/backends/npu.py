@@ -44,9 +44,9 @@ from typing import Any
 
 from kvstore_client.protocol.handle import NPU_IPC_ALIGNMENT, check_inside_allocation, resolve_handle
 from kvstore_client.protocol.npu_identity import npu_identity
-from kvstore_service import native
+from kvstore_service import native, native_device
 from kvstore_service.backends.base import Backend, ChecksumSample, Mapping, TransferPlan
-from kvstore_service.native import StickyDeviceError
+from kvstore_service.native_device import StickyDeviceError
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +181,7 @@ class NpuBackend(Backend):
         done: list[int] = []
         try:
             for addr, size in self.pieces:
-                native.acl_host_register(addr, host_register_size(size), device)
+                native_device.acl_host_register(addr, host_register_size(size), device)
                 done.append(addr)
         except StickyDeviceError:  # the NPU is gone for this process: the daemon restarts
             raise
@@ -206,7 +206,7 @@ class NpuBackend(Backend):
     def _unregister(addresses: list[int], device: int) -> None:
         for addr in addresses:
             try:
-                native.acl_host_unregister(addr, device)
+                native_device.acl_host_unregister(addr, device)
             except RuntimeError as e:
                 log.warning("aclrtHostUnregister of a pool piece failed: %s", e)
 
@@ -241,14 +241,14 @@ class NpuBackend(Backend):
 
     def load_checksummed(self, mapping: Mapping, pool_base: int, plan: TransferPlan,
                          check: ChecksumSample) -> list[int]:
-        return native.acl_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes, "h2d",
-                                      mapping.device, checksum_base=pool_base, checksum_offsets=check.offsets,
-                                      checksum_size=check.size)
+        return native_device.acl_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes, "h2d",
+                                             mapping.device, checksum_base=pool_base, checksum_offsets=check.offsets,
+                                             checksum_size=check.size)
 
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         if to_engine:
-            native.acl_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes,
-                                   "h2d", mapping.device)
+            native_device.acl_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes,
+                                          "h2d", mapping.device)
         else:
-            native.acl_copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes,
-                                   "d2h", mapping.device)
+            native_device.acl_copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes,
+                                          "d2h", mapping.device)

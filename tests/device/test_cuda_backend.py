@@ -25,7 +25,7 @@ from kvstore_client import client as client_module
 from kvstore_client.client import MemorySpec, Session
 from kvstore_client.errors import FailedPrecondition
 from kvstore_client.protocol.handle import DeviceHandle, encode_handle
-from kvstore_service import native
+from kvstore_service import native, native_device
 from kvstore_service.backends import cuda as cuda_backend
 from kvstore_service.backends.base import Mapping, TransferPlan, pool_pieces
 from kvstore_service.backends.cuda import CudaBackend, Held, StickyDeviceError, check_ipc_bounds
@@ -95,9 +95,9 @@ def fake_backend(monkeypatch: pytest.MonkeyPatch, range_rc: int = 0) -> tuple[Cu
     monkeypatch.setattr(cuda_backend, "local_cuda_uuids", lambda: [UUID_B, UUID_A])
     backend = CudaBackend()
     monkeypatch.setattr(backend, "_allocation_range", lambda ptr: (range_rc, BASE, 1 << 20))
-    monkeypatch.setattr(cuda_backend.native, "cuda_host_register",
+    monkeypatch.setattr(cuda_backend.native_device, "cuda_host_register",
                         lambda addr, size, device=0: calls.append(("register", (addr, size, device))))
-    monkeypatch.setattr(cuda_backend.native, "cuda_host_unregister",
+    monkeypatch.setattr(cuda_backend.native_device, "cuda_host_unregister",
                         lambda addr, device=0: calls.append(("unregister", (addr, device))))
     return backend, calls
 
@@ -168,7 +168,7 @@ def test_a_failed_pinning_unpins_its_pieces_is_not_fatal_and_not_retried(monkeyp
         if len(attempts) == 3:
             raise RuntimeError("cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
 
-    monkeypatch.setattr(cuda_backend.native, "cuda_host_register", fail_third)
+    monkeypatch.setattr(cuda_backend.native_device, "cuda_host_register", fail_third)
     pieces = pool_pieces(0x1000_0000, 2 << 20, 64 << 20, 4)
     backend.register_pool(pieces)
     backend.map(cuda_handle(), 1 << 20, device=0)
@@ -191,7 +191,7 @@ def test_a_failed_pinning_refuses_every_mapping_when_the_copy_kernel_reads_the_p
         calls.append(("register", addr))
         raise RuntimeError("cuMemHostRegister failed: CUDA_ERROR_OUT_OF_MEMORY (2)")
 
-    monkeypatch.setattr(cuda_backend.native, "cuda_host_register", fail)
+    monkeypatch.setattr(cuda_backend.native_device, "cuda_host_register", fail)
     backend.register_pool(POOL_PIECES)
     for _ in range(2):
         with pytest.raises(KVError, match="KVSTORE_CUDA_COPY_KERNEL is set, but the pool could not be pinned .*"
@@ -207,7 +207,7 @@ def test_a_sticky_error_while_pinning_is_raised(monkeypatch: pytest.MonkeyPatch)
     def sticky(addr: int, size: int, device: int = 0) -> None:
         raise StickyDeviceError("cuMemHostRegister failed (700)", 700, device)
 
-    monkeypatch.setattr(cuda_backend.native, "cuda_host_register", sticky)
+    monkeypatch.setattr(cuda_backend.native_device, "cuda_host_register", sticky)
     with pytest.raises(StickyDeviceError):
         backend.register_pool(POOL_PIECES, device=0)
 
@@ -243,12 +243,12 @@ def test_open_backend_turns_a_sticky_pinning_error_into_a_refusal(monkeypatch: p
 
 @pytest.mark.parametrize("code", [700, 719, 702, 714, 715, 716, 717, 718, 226, 721, 810, 911])
 def test_sticky_codes(code: int) -> None:
-    assert native.is_sticky_cuda_error(code)
+    assert native_device.is_sticky_cuda_error(code)
 
 
 @pytest.mark.parametrize("code", [None, 0, 1, 2, 100, 201, 400, 701, 720, 801, 999])
 def test_recoverable_codes(code: int | None) -> None:
-    assert not native.is_sticky_cuda_error(code)
+    assert not native_device.is_sticky_cuda_error(code)
 
 
 def raising(code: int | None) -> Any:
@@ -262,23 +262,23 @@ def raising(code: int | None) -> Any:
 
 
 def test_a_sticky_copy_error_raises_sticky_device_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_native", SimpleNamespace(cuda_copy_blocks=raising(700)))
+    monkeypatch.setattr(native_device, "_native", SimpleNamespace(cuda_copy_blocks=raising(700)))
     with pytest.raises(StickyDeviceError, match=r"\(700\).*sticky") as info:
-        native.cuda_copy_blocks(0, 0, [0], [0], [1], "h2d", 3)
+        native_device.cuda_copy_blocks(0, 0, [0], [0], [1], "h2d", 3)
     assert (info.value.code, info.value.device) == (700, 3)
     assert isinstance(info.value, RuntimeError)  # callers catching RuntimeError still do
 
 
 @pytest.mark.parametrize("code", [None, 0, 1, 801])
 def test_other_copy_errors_stay_runtime_errors(monkeypatch: pytest.MonkeyPatch, code: int | None) -> None:
-    monkeypatch.setattr(native, "_native", SimpleNamespace(cuda_copy_blocks=raising(code)))
+    monkeypatch.setattr(native_device, "_native", SimpleNamespace(cuda_copy_blocks=raising(code)))
     with pytest.raises(RuntimeError) as info:
-        native.cuda_copy_blocks(0, 0, [0], [0], [1], "h2d", 0)
+        native_device.cuda_copy_blocks(0, 0, [0], [0], [1], "h2d", 0)
     assert not isinstance(info.value, StickyDeviceError)
 
 
 def test_backend_copy_propagates_sticky_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native, "_native", SimpleNamespace(cuda_copy_blocks=raising(719)))
+    monkeypatch.setattr(native_device, "_native", SimpleNamespace(cuda_copy_blocks=raising(719)))
     from array import array
 
     backend = CudaBackend.__new__(CudaBackend)
@@ -292,7 +292,7 @@ def test_backend_copy_propagates_sticky_errors(monkeypatch: pytest.MonkeyPatch) 
 def test_the_native_error_carries_the_driver_code() -> None:
     """Without a driver the failure is not a driver call's: code 0, not sticky."""
     with pytest.raises(RuntimeError, match="CUDA driver not available") as info:
-        native.cuda_copy_blocks(BASE, 0x1000, [0], [0], [4096], "h2d", 0)
+        native_device.cuda_copy_blocks(BASE, 0x1000, [0], [0], [4096], "h2d", 0)
     assert getattr(info.value, "cuda_error", None) == 0
     assert not isinstance(info.value, StickyDeviceError)
 
@@ -304,9 +304,9 @@ def features_with(value: str | None) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if k != "KVSTORE_CUDA_BATCH_MEMCPY"}
     if value is not None:
         env["KVSTORE_CUDA_BATCH_MEMCPY"] = value
-    code = ("import json; from kvstore_service import native; f = native.features(); "
+    code = ("import json; from kvstore_service import native, native_device; f = native.features(); "
             "print(json.dumps([f['cuda_batch_memcpy_allowed'], f['cuda_batch_memcpy'], f['cuda_available'], "
-            "native.cuda_batch_memcpy_allowed()]))")
+            "native_device.cuda_batch_memcpy_allowed()]))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     allowed, batch, available, helper = __import__("json").loads(out.stdout)
     assert helper == allowed
@@ -1005,7 +1005,7 @@ def test_a_copy_kernel_that_ran_out_of_memory_is_loaded_again_at_the_next_copy(f
 # host through 32 KiB runs at scattered places, and runs of odd sizes and addresses (the byte path).
 KERNEL_ROUND_TRIP = r"""
 import ctypes, random
-from kvstore_service import native
+from kvstore_service import native_device
 cuda = ctypes.CDLL("libcuda.so.1")
 ctx, dev = ctypes.c_void_p(), ctypes.c_uint64()
 assert cuda.cuInit(0) == 0 and cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
@@ -1015,19 +1015,19 @@ assert cuda.cuMemAlloc_v2(ctypes.byref(dev), ctypes.c_size_t(2 * count * block))
 host = (ctypes.c_ubyte * (count * block)).from_buffer_copy(random.Random(5).randbytes(count * block))
 back = (ctypes.c_ubyte * (count * block))()
 base, back_base = ctypes.addressof(host), ctypes.addressof(back)
-native.cuda_host_register(base, count * block)
-native.cuda_host_register(back_base, count * block)
+native_device.cuda_host_register(base, count * block)
+native_device.cuda_host_register(back_base, count * block)
 ids = random.Random(6).sample(range(2 * count), count)
 host_offs, dev_offs = [i * block for i in range(count)], [i * block for i in ids]
 sizes = [block] * count
 sizes[3], host_offs[7], dev_offs[9] = block - 5, host_offs[7] + 3, dev_offs[9] + 1  # odd: byte by byte
 sizes[7] = sizes[9] = block - 3
-native.cuda_copy_blocks(base, dev.value, host_offs, dev_offs, sizes, "h2d", 0)
-native.cuda_copy_blocks(dev.value, back_base, dev_offs, host_offs, sizes, "d2h", 0)
+native_device.cuda_copy_blocks(base, dev.value, host_offs, dev_offs, sizes, "h2d", 0)
+native_device.cuda_copy_blocks(dev.value, back_base, dev_offs, host_offs, sizes, "d2h", 0)
 for h, n in zip(host_offs, sizes):
     assert bytes(back[h:h + n]) == bytes(host[h:h + n]), h
-native.cuda_host_unregister(base)
-native.cuda_host_unregister(back_base)
+native_device.cuda_host_unregister(base)
+native_device.cuda_host_unregister(back_base)
 cuda.cuMemFree_v2(dev)
 print("ok")
 """

@@ -32,7 +32,7 @@ from kvstore_client.protocol.npu_identity import (
     parse_npu_smi_map,
     physical_npu,
 )
-from kvstore_service import native
+from kvstore_service import native_device
 from kvstore_service.backends.base import ChecksumSample, Mapping, TransferPlan, pool_pieces
 from kvstore_service.backends.npu import (
     ACL_NOT_SUPPORTED,
@@ -397,25 +397,25 @@ def raising_acl(code: int | None):  # type: ignore[no-untyped-def]
     return call
 
 
-@pytest.mark.parametrize("code", sorted(native.STICKY_ACL_ERRORS))
+@pytest.mark.parametrize("code", sorted(native_device.STICKY_ACL_ERRORS))
 def test_a_device_fatal_acl_error_is_sticky(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
     """The NPU or its memory failed (UCE, ECC, lost heartbeat, ...): the daemon must restart, as on a
     sticky CUDA error (jobs.py and daemon.py exit 75 on StickyDeviceError)."""
-    monkeypatch.setattr(native, "_native", SimpleNamespace(acl_copy_blocks=raising_acl(code),
-                                                           acl_host_register=raising_acl(code)))
-    with pytest.raises(native.StickyDeviceError, match=native.STICKY_ACL_ERRORS[code]) as info:
-        native.acl_copy_blocks(0, 0, [0], [0], [1], "h2d", 3)
+    monkeypatch.setattr(native_device, "_native", SimpleNamespace(acl_copy_blocks=raising_acl(code),
+                                                                  acl_host_register=raising_acl(code)))
+    with pytest.raises(native_device.StickyDeviceError, match=native_device.STICKY_ACL_ERRORS[code]) as info:
+        native_device.acl_copy_blocks(0, 0, [0], [0], [1], "h2d", 3)
     assert (info.value.code, info.value.device) == (code, 3)
-    with pytest.raises(native.StickyDeviceError):
-        native.acl_host_register(0, 4096, 1)
+    with pytest.raises(native_device.StickyDeviceError):
+        native_device.acl_host_register(0, 4096, 1)
 
 
 @pytest.mark.parametrize("code", [None, 0, 107000, 207000, 507011])
 def test_other_acl_errors_stay_runtime_errors(monkeypatch: pytest.MonkeyPatch, code: int | None) -> None:
-    monkeypatch.setattr(native, "_native", SimpleNamespace(acl_copy_blocks=raising_acl(code)))
+    monkeypatch.setattr(native_device, "_native", SimpleNamespace(acl_copy_blocks=raising_acl(code)))
     with pytest.raises(RuntimeError) as info:
-        native.acl_copy_blocks(0, 0, [0], [0], [1], "h2d", 0)
-    assert not isinstance(info.value, native.StickyDeviceError)
+        native_device.acl_copy_blocks(0, 0, [0], [0], [1], "h2d", 0)
+    assert not isinstance(info.value, native_device.StickyDeviceError)
 
 
 def test_fake_acl_d2d_never_batches(fake_acl: dict[str, Path]) -> None:
@@ -484,6 +484,7 @@ def bare_backend(monkeypatch: pytest.MonkeyPatch, stub: StubNative, release: str
     from kvstore_service.backends import npu
 
     monkeypatch.setattr(npu, "native", stub)
+    monkeypatch.setattr(npu, "native_device", stub)
     monkeypatch.setattr(npu.os, "uname", lambda: os.uname_result(("Linux", "n", release, "#1", "aarch64")))
     backend = object.__new__(npu.NpuBackend)  # no torch_npu here: skip __init__
     backend.pieces, backend.registered, backend.registered_on = [], [], None

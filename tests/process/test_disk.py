@@ -26,7 +26,7 @@ from typing import TypeVar
 import pytest
 from support.tier_contract import Slots, fetch, write, write_behind
 
-from kvstore_service import native
+from kvstore_service import native, native_disk
 from kvstore_service.pool import Pool
 from kvstore_service.stats import DiskStats
 from kvstore_service.threads import Threads
@@ -588,7 +588,7 @@ def test_records_a_write_placed_before_a_clear_are_not_kept(tmp_path: Path, disk
     disk = disks.open(path)
     keys = keys_of(6)
     disk.write(keys[:1], length)
-    real = native.disk_write
+    real = native_disk.disk_write
     forgotten = []
 
     def clear_meanwhile(*args: object, **kwargs: object) -> bytes:
@@ -604,7 +604,7 @@ def test_records_a_write_placed_before_a_clear_are_not_kept(tmp_path: Path, disk
             assert done.wait(10)
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(native, "disk_write", clear_meanwhile)
+    monkeypatch.setattr(native_disk, "disk_write", clear_meanwhile)
     assert disk.write(keys[1:], length) == 5  # written, but not kept
     monkeypatch.undo()
     [clear] = forgotten
@@ -910,23 +910,25 @@ def test_native_read_reports_short_files_and_foreign_records(tmp_path: Path, mem
     try:
         at = [0, record_bytes(length)]
         keys = b"".join(keys_of(2))
-        assert native.disk_write([fd, fd], at, [7, 7], mem.pool.base, offsets, length, crcs, SCOPE, keys, 32) == [0, 0]
-        header = native.disk_parse_header(os.pread(fd, ALIGN, at[1]))
+        assert native_disk.disk_write([fd, fd], at, [7, 7], mem.pool.base, offsets, length, crcs, SCOPE, keys,
+                                      32) == [0, 0]
+        header = native_disk.disk_parse_header(os.pread(fd, ALIGN, at[1]))
         assert header == (1, 7, at[1], length, crcs[1], SCOPE, keys_of(2)[1])
         dst = mem.slots(2, length)
 
         def read(segment: int = 7, scope: bytes = SCOPE, key_bytes: bytes = keys, sums: list[int] = crcs) -> list[int]:
-            return native.disk_read([fd, fd], at, [segment] * 2, mem.pool.base, dst, length, sums, scope, key_bytes, 32)
+            return native_disk.disk_read([fd, fd], at, [segment] * 2, mem.pool.base, dst, length, sums, scope,
+                                         key_bytes, 32)
 
         assert read() == [0, 0]
-        assert read(segment=8) == [native.DISK_CORRUPT_HEADER] * 2  # another segment's file
-        assert read(scope=OTHER_SCOPE) == [native.DISK_CORRUPT_HEADER] * 2
-        assert read(key_bytes=keys[32:] + keys[:32]) == [native.DISK_CORRUPT_HEADER] * 2  # records swapped
+        assert read(segment=8) == [native_disk.DISK_CORRUPT_HEADER] * 2  # another segment's file
+        assert read(scope=OTHER_SCOPE) == [native_disk.DISK_CORRUPT_HEADER] * 2
+        assert read(key_bytes=keys[32:] + keys[:32]) == [native_disk.DISK_CORRUPT_HEADER] * 2  # records swapped
         os.truncate(tmp_path / "records", at[1] + ALIGN + 100)
-        assert read() == [0, native.DISK_SHORT_READ]
+        assert read() == [0, native_disk.DISK_SHORT_READ]
         os.pwrite(fd, b"\xff", ALIGN + 5)  # a payload byte of record 0
-        assert read()[0] == native.DISK_CORRUPT_PAYLOAD
-        assert native.disk_parse_header(bytes(ALIGN)) is None
+        assert read()[0] == native_disk.DISK_CORRUPT_PAYLOAD
+        assert native_disk.disk_parse_header(bytes(ALIGN)) is None
     finally:
         os.close(fd)
 
@@ -934,12 +936,12 @@ def test_native_read_reports_short_files_and_foreign_records(tmp_path: Path, mem
 def test_native_raw_io_round_trip(tmp_path: Path) -> None:
     fd = os.open(tmp_path / "raw", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        native.disk_raw_io(fd, 0, 5, 2 * ALIGN, True, threads=2)
+        native_disk.disk_raw_io(fd, 0, 5, 2 * ALIGN, True, threads=2)
         assert os.fstat(fd).st_size == 10 * ALIGN
-        native.disk_raw_io(fd, 0, 5, 2 * ALIGN, False, threads=2)
+        native_disk.disk_raw_io(fd, 0, 5, 2 * ALIGN, False, threads=2)
         with pytest.raises(OSError):
-            native.disk_raw_io(-1, 0, 1, ALIGN, False)
+            native_disk.disk_raw_io(-1, 0, 1, ALIGN, False)
         with pytest.raises(ValueError):
-            native.disk_raw_io(fd, 1, 1, ALIGN, False)
+            native_disk.disk_raw_io(fd, 1, 1, ALIGN, False)
     finally:
         os.close(fd)

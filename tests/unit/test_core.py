@@ -22,7 +22,7 @@ import pytest
 from kvstore_client.protocol import PROTOCOL_VERSION
 from kvstore_client.protocol.completion import Completion, CompletionChannel
 from kvstore_service import jobs as jobs_module
-from kvstore_service import native
+from kvstore_service import native, native_device
 from kvstore_service import seals as seals_module
 from kvstore_service.backends import Backend, Mapping, TransferPlan
 from kvstore_service.backends.cpu import CpuBackend
@@ -57,7 +57,7 @@ class FakeBackend(Backend):
         self.copies_waiting = 0  # copies that found gate closed
         self.unmapped: list[Mapping] = []
         self.device_seconds = 0.0  # how long opening or closing engine memory takes (a device call)
-        self.broken: native.StickyDeviceError | None = None  # raised by every copy once set
+        self.broken: native_device.StickyDeviceError | None = None  # raised by every copy once set
         self.loads: list[tuple[int, bool]] = []  # (bytes, whole) of each load plan copied
         # Of each progress report of a load: (regions reported, which regions had landed by then).
         self.progress: list[tuple[int, list[bool]]] = []
@@ -113,7 +113,7 @@ class Core:
         self.config = Config(pool_path=str(tmp_path / "pool"), pool_size=-(-pool_blocks // per_segment) * segment,
                              segment_size=segment, **chosen)
         self.backend = FakeBackend()
-        self.fatal: list[native.StickyDeviceError] = []
+        self.fatal: list[native_device.StickyDeviceError] = []
         # The daemon's own composition (its constructor), with the fake device backend beside the cpu one.
         self.daemon = Daemon(self.config, self.fatal.append, Threads(self.config.copy_threads), {"fake": self.backend})
         self.pool, self.index, self.jobs, self.sessions = (self.daemon.pool, self.daemon.index, self.daemon.jobs,
@@ -918,7 +918,7 @@ def test_empty_namespaces_without_sessions_are_forgotten(tmp_path: Path) -> None
 def test_a_sticky_device_error_fails_the_job_and_asks_the_daemon_to_restart(tmp_path: Path) -> None:
     async def body(core: Core) -> None:
         engine = await core.engine()
-        core.backend.broken = native.StickyDeviceError("CUDA_ERROR_ILLEGAL_ADDRESS", 700, 0)
+        core.backend.broken = native_device.StickyDeviceError("CUDA_ERROR_ILLEGAL_ADDRESS", 700, 0)
         assert await finish(core.jobs, engine, 1, keys_of(2), [0, 1], True) == (0, 2)
         assert [e.code for e in core.fatal] == [700]
         assert core.index.count == 0  # nothing half-stored stays

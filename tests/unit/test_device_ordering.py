@@ -30,7 +30,7 @@ from kvstore_client.client import Session
 from kvstore_client.protocol import PROTOCOL_VERSION
 from kvstore_client.protocol import kvstore_pb2 as pb
 from kvstore_client.protocol.completion import CompletionChannel
-from kvstore_service import native
+from kvstore_service import native_device
 from kvstore_service.backends import Mapping, TransferPlan
 from kvstore_service.daemon import Daemon
 from kvstore_service.errors import KVError
@@ -274,7 +274,7 @@ def test_a_failed_query_fails_the_job_and_a_sticky_one_is_fatal(tmp_path: Path) 
         backend.query_error = None
         core.jobs.submit(a, 2, keys_of(1), [0], True)
         await asyncio.sleep(0.01)
-        backend.query_error = native.StickyDeviceError("cuEventQuery failed (700)", 700, 0)  # while it polls
+        backend.query_error = native_device.StickyDeviceError("cuEventQuery failed (700)", 700, 0)  # while it polls
         assert await outcome(a, 2) == (0, 1)
         assert [e.code for e in core.fatal] == [700] and backend.copied == []
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvstore_service import native
+from kvstore_service import native, native_device, native_memory
 from kvstore_service.pool import SLOT_HEADER_BYTES, parse_slot_header
 
 NATIVE = native._native
@@ -421,7 +421,7 @@ else:
 
 @pytest.mark.parametrize("kind", ["cuda", "acl"])
 def test_device_copy_validates_arguments_first(kind: str) -> None:
-    device_copy = getattr(native, f"{kind}_copy_blocks")
+    device_copy = getattr(native_device, f"{kind}_copy_blocks")
     with pytest.raises(ValueError, match="direction"):
         device_copy(0, 0, [0], [0], [8], "sideways", 0)
     with pytest.raises(ValueError, match="same length"):
@@ -437,11 +437,11 @@ def test_cuda_raises_cleanly_without_driver() -> None:
     assert feats["cuda_error"]
     mem = Mem(4096)
     with pytest.raises(RuntimeError, match="CUDA"):
-        native.cuda_copy_blocks(mem.addr, 0x1000, [0], [0], [4096], "h2d", 0)
+        native_device.cuda_copy_blocks(mem.addr, 0x1000, [0], [0], [4096], "h2d", 0)
     with pytest.raises(RuntimeError, match="CUDA"):
-        native.cuda_host_register(mem.addr, 4096)
+        native_device.cuda_host_register(mem.addr, 4096)
     with pytest.raises(RuntimeError, match="CUDA"):
-        native.cuda_host_unregister(mem.addr)
+        native_device.cuda_host_unregister(mem.addr)
 
 
 def test_acl_raises_cleanly_without_runtime() -> None:
@@ -451,9 +451,9 @@ def test_acl_raises_cleanly_without_runtime() -> None:
     mem = Mem(4096)
     match = "not compiled" if not feats["acl_compiled"] else "Ascend|acl"
     with pytest.raises(RuntimeError, match=match):
-        native.acl_copy_blocks(mem.addr, 0x1000, [0], [0], [4096], "h2d", 0)
+        native_device.acl_copy_blocks(mem.addr, 0x1000, [0], [0], [4096], "h2d", 0)
     with pytest.raises(RuntimeError, match=match):
-        native.acl_host_register(mem.addr, 4096)
+        native_device.acl_host_register(mem.addr, 4096)
 
 
 @pytest.mark.parametrize("allow_batch", [True, False])
@@ -469,19 +469,19 @@ def test_cuda_round_trip_on_gpu(allow_batch: bool) -> None:
     assert cuda.cuMemAlloc_v2(ctypes.byref(dev_ptr), ctypes.c_size_t(block * count * 2)) == 0
     try:
         host, back = Mem(block * count, seed=17), Mem(block * count)
-        native.cuda_host_register(host.addr, host.size)
+        native_device.cuda_host_register(host.addr, host.size)
         ids = random.Random(18).sample(range(count * 2), count)
         host_offs = [i * block for i in range(count)]
         dev_offs = [i * block for i in ids]
         sizes = [block] * count
-        sums = native.cuda_copy_blocks(host.addr, dev_ptr.value, host_offs, dev_offs, sizes, "h2d", 0,
-                                       allow_batch=allow_batch, checksum_base=host.addr,
-                                       checksum_offsets=host_offs[::5], checksum_size=block)
+        sums = native_device.cuda_copy_blocks(host.addr, dev_ptr.value, host_offs, dev_offs, sizes, "h2d", 0,
+                                              allow_batch=allow_batch, checksum_base=host.addr,
+                                              checksum_offsets=host_offs[::5], checksum_size=block)
         assert sums == native.checksum_blocks(host.addr, host_offs[::5], block)  # taken while it copied
-        native.cuda_copy_blocks(dev_ptr.value, back.addr, dev_offs, host_offs, sizes, "d2h", 0,
-                                allow_batch=allow_batch)
+        native_device.cuda_copy_blocks(dev_ptr.value, back.addr, dev_offs, host_offs, sizes, "d2h", 0,
+                                       allow_batch=allow_batch)
         assert back.read() == host.read()
-        native.cuda_host_unregister(host.addr)
+        native_device.cuda_host_unregister(host.addr)
     finally:
         cuda.cuMemFree_v2(dev_ptr)
 
@@ -532,9 +532,9 @@ def test_populate_faults_every_page_in_on_its_threads(threads: int) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         assert libc.mincore(base, size, resident) == 0 and sum(b & 1 for b in resident) == 0
-        assert native.populate(base, size, threads) == 0
+        assert native_memory.populate(base, size, threads) == 0
         assert libc.mincore(base, size, resident) == 0 and all(b & 1 for b in resident)
         with pytest.raises(ValueError, match="page-aligned"):
-            native.populate(base + 1, 4096, 1)
+            native_memory.populate(base + 1, 4096, 1)
     finally:
         os.close(fd)

@@ -13,8 +13,9 @@ bytes, keys the records; its ``name`` is kept in the catalog; its ``block_bytes`
 length), keys are 1..64 bytes (all of one length in a call), and ``offsets`` the blocks' payload offsets
 in the pool's memory (``Pool.base``). Its parts: the bytes (format.py; described in docs/formats.md),
 the directory's trust and lock (directory.py), the clears and names that outlive a restart
-(catalog.py), the segment files and the index of their records (segments.py). Clear, restart,
-durability and space: docs/tiers.md.
+(catalog.py), the segment files and the index of their records (segments.py), loaded at open
+(loading.py), written to (writing.py) and read back verified (reading.py). Clear, restart, durability
+and space: docs/tiers.md.
 
 Failure model: the tier is a cache under the pool, so its faults never reach the caller. A directory
 that is unsafe (a symbolic link, another uid's, group/world writable) or in use by another process is
@@ -51,7 +52,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from concurrent.futures import Executor
 from itertools import takewhile
@@ -62,16 +62,10 @@ from kvstore_service.threads import Threads
 from kvstore_service.tiers.base import Forgotten, Memory, Place, Scope
 from kvstore_service.tiers.disk.catalog import Catalog
 from kvstore_service.tiers.disk.directory import DiskDirectoryError, open_directory, probe_direct_io, take_lock
-from kvstore_service.tiers.disk.format import (
-    ALIGN,
-    IO_MODES,
-    MIN_SEGMENT_BYTES,
-    SEQ_SHIFT,
-    check_batch,
-    pad,
-    unpack_location,
-)
-from kvstore_service.tiers.disk.segments import Segments
+from kvstore_service.tiers.disk.format import ALIGN, IO_MODES, MIN_SEGMENT_BYTES, check_batch
+from kvstore_service.tiers.disk.loading import Loading
+from kvstore_service.tiers.disk.reading import Reading
+from kvstore_service.tiers.disk.writing import Writing
 
 __all__ = ["ALIGN", "DiskDirectoryError", "DiskTier"]
 
@@ -83,7 +77,7 @@ _COUNTERS: Final = tuple(f.name for f in dataclasses.fields(DiskStats)
                                            "error"))
 
 
-class DiskTier(Segments):
+class DiskTier(Writing, Reading, Loading):
     """Blocks in segment files under one directory; see the module docstring. Build with `open`."""
 
     def __init__(self, path: str, size: int, *, executor: Executor, segment_bytes: int = 256 << 20,
@@ -297,55 +291,7 @@ class DiskTier(Segments):
         task.add_done_callback(self._tasks.discard)
         return task
 
-    # -- the contract's I/O, on the tier's threads (blocking) ----------------------------------------------
-
-    def _write(self, scope: bytes, keys: Sequence[bytes], base: int, offsets: Sequence[int], length: int,
-               crcs: Sequence[int], name: str = "") -> int:
-        """Write the blocks at ``base + offsets[i]`` (``length`` bytes, CRC32C ``crcs[i]``) that are not
-        on disk yet (the blocks must not change until it returns). Returns how many it wrote; the others
-        were on disk already or are dropped (counted): tier disabled, no space that could be reclaimed.
-        Never raises for I/O failures (the tier disables itself); ValueError for malformed arguments.
-        Releases the keys' `_admit` reservations. `name`: the namespace's, saved in the catalog before
-        its first record (see `names`)."""
-        key_size = check_batch(scope, keys, length, offsets, crcs)
-        start = time.perf_counter()
-        written = dropped = 0
-        try:
-            if self._usable():
-                with self._write_lock:
-                    written, dropped = self._write_locked(scope, keys, key_size, base, offsets, length, crcs, name)
-            else:
-                dropped = len(keys)
-        finally:
-            with self._lock:
-                for key in keys:
-                    self._counts["queued_bytes"] -= self._queued.pop(scope + key, 0)
-                self._counts["written"] += written
-                self._counts["write_bytes"] += written * length
-                self._counts["write_dropped"] += dropped
-                self._counts["write_seconds"] += time.perf_counter() - start
-        return written
-
-    def _read(self, scope: bytes, keys: Sequence[bytes], base: int, offsets: Sequence[int],
-              length: int) -> list[int | None]:
-        """Read each key's block into ``base + offsets[i]`` and verify it. Returns each block's CRC32C
-        (verified), or None: not on disk (or not of this length), corrupt (dropped, counted), or the tier
-        failed. Never raises for I/O failures; ValueError for malformed arguments."""
-        key_size = check_batch(scope, keys, length, offsets)
-        out: list[int | None] = [None] * len(keys)
-        if not keys or not self._usable():
-            return out
-        start = time.perf_counter()
-        plan = self._start_read(scope, keys, length)  # [(i, packed location)]; their segments pinned
-        results: list[int] | None = None
-        try:
-            if plan:
-                results = self._read_records(scope, keys, key_size, plan, base, offsets, length)
-        except OSError as e:
-            self._fail("a read", e)
-        finally:
-            self._finish_read(scope, keys, length, plan, results, out, time.perf_counter() - start)
-        return out
+    # -- the contract's I/O, on the tier's threads (blocking; writes: writing.py, reads: reading.py) -----
 
     def _save_catalog(self) -> None:
         """Write the catalog (clears, names) if it changed, flushed, then a clear's marker into the active
@@ -387,81 +333,3 @@ class DiskTier(Segments):
                         os.close(fd)
                 self._lock_fd = self._dir_fd = -1
                 self._block.close()
-
-    # -- writing and reading ----------------------------------------------------------------------
-
-    def _write_locked(self, scope: bytes, keys: Sequence[bytes], key_size: int, base: int, offsets: Sequence[int],
-                      length: int, crcs: Sequence[int], name: str) -> tuple[int, int]:
-        """(written, dropped) of one write call, under the write lock."""
-        todo: list[int] = []
-        seen: set[bytes] = set()  # a key twice in one call is written once
-        with self._lock:
-            index = self._index.get(scope, {})
-            for i, key in enumerate(keys):
-                if key not in index and key not in seen:
-                    seen.add(key)
-                    todo.append(i)
-        record = ALIGN + pad(length)
-        if record > self.segment_bytes - ALIGN:
-            log.warning("disk tier %s: a %d-byte block does not fit a %d-byte segment; not written", self.path,
-                        length, self.segment_bytes)
-            return 0, len(todo)
-        written = 0
-        try:
-            self._write_marker()  # (one that found no room before)
-            if todo and name:
-                self._name(scope, name)
-            while todo and self._usable():
-                seg = self._room(record)
-                if seg is None:
-                    break  # every older segment is being read: try again with the next write
-                fit = min(len(todo), (self.segment_bytes - ALIGN - seg.size) // record)
-                written += self._write_records(seg, scope, keys, key_size, todo[:fit], base, offsets, length, crcs)
-                todo = todo[fit:]
-        except OSError as e:
-            self._fail("a write", e)
-        return written, len(todo)
-
-    # -- reading ----------------------------------------------------------------------------------
-
-    def _start_read(self, scope: bytes, keys: Sequence[bytes], length: int) -> list[tuple[int, int]]:
-        """(i, location) of the keys on disk with blocks of this length; their segments pinned."""
-        plan: list[tuple[int, int]] = []
-        with self._lock:
-            index = self._index.get(scope, {})
-            for i, key in enumerate(keys):
-                value = index.get(key)
-                if value is not None and unpack_location(value)[2] == length:
-                    plan.append((i, value))
-            for seq in {value >> SEQ_SHIFT for _, value in plan}:
-                self._segments[seq].readers += 1
-        return plan
-
-    def _finish_read(self, scope: bytes, keys: Sequence[bytes], length: int, plan: list[tuple[int, int]],
-                     results: list[int] | None, out: list[int | None], seconds: float) -> None:
-        """Unpin the segments; fill `out`; drop and count corrupt records; an I/O error disables."""
-        corrupt = 0
-        failed = 0
-        with self._lock:
-            for seq in {value >> SEQ_SHIFT for _, value in plan}:
-                self._segments[seq].readers -= 1
-            index = self._index.get(scope, {})
-            for (i, value), rc in zip(plan, results or (), strict=False):
-                if rc == 0:
-                    out[i] = value & 0xFFFFFFFF
-                elif rc > 0:
-                    corrupt += 1
-                    if index.get(keys[i]) == value:
-                        del index[keys[i]]
-                        self._changes.append((scope, keys[i], False))
-                else:
-                    failed = failed or rc
-            done = sum(v is not None for v in out)
-            self._counts["read_blocks"] += done
-            self._counts["read_bytes"] += done * length
-            self._counts["corrupt"] += corrupt
-            self._counts["read_seconds"] += seconds
-        if corrupt:
-            log.warning("disk tier %s: %d block(s) failed verification at a read and were dropped", self.path, corrupt)
-        if failed:
-            self._fail("a read", OSError(-failed, os.strerror(-failed), self.path))

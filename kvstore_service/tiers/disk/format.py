@@ -11,14 +11,14 @@ import struct
 from collections.abc import Sequence
 from typing import Final
 
-from kvstore_service import native
+from kvstore_service import native, native_disk
 
-ALIGN: Final[int] = native.DISK_RECORD_ALIGN  # 4 KiB: header block, payload padding, record offsets
+ALIGN: Final[int] = native_disk.DISK_RECORD_ALIGN  # 4 KiB: header block, payload padding, record offsets
 FORMAT_VERSION: Final = 1
 SCOPE_BYTES: Final = 16
-MAX_KEY: Final[int] = native.DISK_MAX_KEY
+MAX_KEY: Final[int] = native_disk.DISK_MAX_KEY
 MIN_SEGMENT_BYTES: Final = 64 << 10
-IO_MODES: Final = {"staged": native.DISK_MODE_STAGED, "direct": native.DISK_MODE_DIRECT}
+IO_MODES: Final = {"staged": native_disk.DISK_MODE_STAGED, "direct": native_disk.DISK_MODE_DIRECT}
 
 # magic, version, kind, segment, offset, records, CRC32C of the index entries, CRC32C of the bytes before it
 FOOTER = struct.Struct("<IHHQQQII")

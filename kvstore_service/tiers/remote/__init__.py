@@ -12,8 +12,9 @@ contract is trivial here: the store cannot tell what it holds without a round tr
 lists no namespaces (`names`), is not this node's to announce (`take_changes`), and a Clear does not
 reach it (`forget`). Its parts: keys and values (`Keyring`, codec.py; the bytes in docs/formats.md),
 store URLs and credentials (url.py), the store and its Redis/Valkey adapter (store.py), the circuit
-breaker (breaker.py). Capacity and eviction belong to the server (``maxmemory`` + ``allkeys-lru``): the
-tier never deletes a valid value.
+breaker (breaker.py), the calls to the store under its timeout and breaker (calls.py), the uploads of
+the blocks written behind (uploading.py) and the fetches (fetching.py). Capacity and eviction belong to
+the server (``maxmemory`` + ``allkeys-lru``): the tier never deletes a valid value.
 
 Failure model: the store is a cache, so every failure is a miss and none reaches the caller.
 - Write-behind: ``write_behind`` queues a view of each block's slot, never a copy: an upload task wraps
@@ -46,32 +47,22 @@ import contextlib
 import dataclasses
 import logging
 import os
-import time
 from collections import OrderedDict
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Executor
-from functools import partial
-from typing import Any, Final, NamedTuple, TypeAlias, TypeVar
-
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from typing import Any
 
 from kvstore_service.stats import RemoteStats
 from kvstore_service.tenants import split
-from kvstore_service.threads import Threads
 from kvstore_service.tiers.base import Forgotten, Memory, Place, Scope
 from kvstore_service.tiers.remote.breaker import Breaker
-from kvstore_service.tiers.remote.codec import PUBLIC, Buffer, Keyring, bytes_view
+from kvstore_service.tiers.remote.codec import PUBLIC, Keyring
+from kvstore_service.tiers.remote.fetching import Fetching
 from kvstore_service.tiers.remote.store import RedisStore, RemoteStore
+from kvstore_service.tiers.remote.uploading import Uploading
 from kvstore_service.tiers.remote.url import parse_url, resolve_password
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
-# Where a fetch copies its payloads: called on the loop with (first, count), the keys[first:first + count]
-# of a batch that arrived; returns a writable view per key, in order, as many as it takes (fewer: the
-# batch ends there). The pool's slots (base.Place), as views.
-_Views: TypeAlias = Callable[[int, int], Sequence[memoryview]]
-_VERIFY_IN_THREAD_BYTES: Final = 1 << 20  # a fetched batch at least this big is verified off the loop
 
 # -- the tier ------------------------------------------------------------------------------------
 
@@ -80,16 +71,7 @@ _COUNTERS = tuple(f.name for f in dataclasses.fields(RemoteStats)
                                     "queued_bytes", "queue_limit_bytes"))
 
 
-class _Upload(NamedTuple):
-    """A queued block: its value is wrapped from ``payload`` (a view of the caller's memory) when it is sent."""
-
-    tenant: str
-    payload: memoryview
-    release: Callable[[], None]  # the caller's memory is no longer read
-    size: int  # value bytes
-
-
-class RemoteTier:
+class RemoteTier(Uploading, Fetching):
     """Write-behind and prefix fetch over a `RemoteStore`, through the tiers' contract; see the module
     docstring for the failure model. Use it from one event loop (the daemon's): nothing in it is
     thread-safe."""
@@ -104,7 +86,7 @@ class RemoteTier:
         self.fetch_batch, self.upload_batch_bytes = max(1, fetch_batch), upload_batch_bytes
         self.fetch_batch_bytes = fetch_batch_bytes
         self.breaker = Breaker(breaker_failures, breaker_s)
-        self._queue: OrderedDict[bytes, _Upload] = OrderedDict()
+        self._queue = OrderedDict()  # key -> a block queued (see Uploading)
         self._in_flight: dict[bytes, int] = {}  # key -> value bytes, being uploaded
         self._bytes = 0  # queued + in flight
         self._counts = dict.fromkeys(_COUNTERS, 0)
@@ -216,209 +198,3 @@ class RemoteTier:
         self._drop_queue()
         self._idle.set()
         await self.store.close()
-
-    # -- write-behind --
-
-    def _offer(self, tenant: str, namespace: str, keys: Sequence[bytes], payloads: Sequence[Buffer],
-               release: Callable[[int], None]) -> int:
-        """`write_behind` of these payloads (views of the caller's memory, unchanged until released)."""
-        if len(keys) != len(payloads):
-            raise ValueError(f"{len(keys)} keys but {len(payloads)} offsets")
-        if self._closed or self.breaker.blocked():
-            self._counts["dropped_closed" if self._closed else "dropped_unhealthy"] += len(keys)
-            for i in range(len(keys)):
-                release(i)
-            return 0
-        queued = 0
-        for i, rkey in enumerate(self.keyring.remote_keys(tenant, namespace, keys)):
-            payload = bytes_view(payloads[i])
-            size = self.keyring.value_bytes(payload.nbytes)
-            if rkey in self._queue or rkey in self._in_flight:
-                release(i)
-                continue
-            if self._bytes + size > self.queue_bytes:  # later blocks of a chain are useless without this one
-                self._counts["dropped_full"] += len(keys) - i
-                for j in range(i, len(keys)):
-                    release(j)
-                break
-            self._queue[rkey] = _Upload(tenant, payload, partial(release, i), size)
-            self._bytes += size
-            queued += 1
-        if queued:
-            self._idle.clear()
-            self._wake.set()
-            if self._uploader is None or self._uploader.done():  # first use, or it died (logged)
-                self._uploader = asyncio.get_running_loop().create_task(self._upload_loop(), name="remote-upload")
-                self._uploader.add_done_callback(_log_death)
-        return queued
-
-    async def _upload_loop(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._queue:
-                if not self.breaker.allow():
-                    self._counts["dropped_unhealthy"] += len(self._queue)
-                    self._drop_queue()
-                    break
-                await self._upload(self._take_batch())
-            if not self._queue and not self._in_flight:
-                self._idle.set()
-
-    def _take_batch(self) -> list[tuple[bytes, _Upload]]:
-        batch: list[tuple[bytes, _Upload]] = []
-        size = 0
-        # (payload bytes count: 32 values of 1 MiB are one batch, not 31 and a straggler)
-        while self._queue and (not batch or size + next(iter(self._queue.values())).payload.nbytes
-                               <= self.upload_batch_bytes):
-            key, upload = self._queue.popitem(last=False)
-            batch.append((key, upload))
-            self._in_flight[key] = upload.size
-            size += upload.payload.nbytes
-        return batch
-
-    async def _upload(self, batch: list[tuple[bytes, _Upload]]) -> None:
-        try:  # (wrapped off the loop: a MAC or an encryption is a pass over the payload)
-            values = await Threads.run(self._threads, self._wrap, batch)
-            results = await self._call(self.store.put_many(values), len(batch))
-        finally:
-            for key, upload in batch:
-                self._bytes -= self._in_flight.pop(key)
-                upload.release()  # answered (every byte sent) or failed: the payload is not read again
-        for (_, upload), result in zip(batch, results, strict=True):
-            if result is not None:
-                self._counts["upload_failed"] += 1
-                continue
-            self._counts["uploaded"] += 1
-            self._counts["bytes_up"] += upload.size
-
-    def _wrap(self, batch: list[tuple[bytes, _Upload]]) -> list[tuple[bytes, Sequence[Buffer]]]:
-        return [(key, self.keyring.wrap(u.tenant, key, u.payload)) for key, u in batch]
-
-    def _drop_queue(self) -> None:
-        for upload in self._queue.values():
-            self._bytes -= upload.size
-            upload.release()
-        self._queue.clear()
-
-    # -- fetch --
-
-    async def _fetch_batches(self, tenant: str, namespace: str, keys: Sequence[bytes], payload_bytes: int,
-                             place: _Views) -> AsyncGenerator[list[int]]:
-        """`fetch_verified` of the payloads of `payload_bytes` under these names: the CRC32Cs of each
-        batch copied to its places, up to the first absent, failed or corrupt block."""
-        if not keys:
-            return
-        self._counts["fetches"] += 1
-        found, asked, start = 0, False, time.monotonic()
-        ahead: asyncio.Future[Any] | None = None
-        try:
-            if not self.breaker.allow():
-                self._counts["skipped"] += len(keys)
-                return
-            asked = True
-            rkeys = self.keyring.remote_keys(tenant, namespace, keys)
-            # (batches of at most fetch_batch_bytes: the caller copies one as the next comes)
-            size = max(1, min(self.fetch_batch, self.fetch_batch_bytes // payload_bytes))
-            chunks = [rkeys[i:i + size] for i in range(0, len(rkeys), size)]
-            value_bytes = self.keyring.value_bytes(payload_bytes)
-            reading = asyncio.ensure_future(self._get(chunks[0], value_bytes))
-            for n, chunk in enumerate(chunks):
-                values, ahead = await reading, None
-                if n + 1 < len(chunks):
-                    ahead = reading = asyncio.ensure_future(self._get(chunks[n + 1], value_bytes))
-                good = await self._verify(tenant, chunk, values, payload_bytes, place, n * size)
-                found += len(good)
-                self._counts["bytes_down"] += sum(payload.nbytes for payload, _ in good)
-                if good:
-                    yield [crc for _, crc in good]
-                if len(good) < len(chunk):
-                    break
-        finally:
-            if ahead is not None:  # past the first miss: let it finish (cancelling a pipeline drops its connection)
-                self._spare_reads.add(ahead)
-                ahead.add_done_callback(self._spare_reads.discard)
-            if asked:  # (the caller's time between batches included: the latency its lookup sees)
-                self._fetch_seconds += time.monotonic() - start
-                self._counts["fetch_seconds_count"] += 1
-            self._counts["hits"] += found
-            self._counts["misses"] += len(keys) - found
-
-    async def _get(self, keys: list[bytes], value_bytes: int) -> list[bytes | BaseException | None]:
-        return await self._call(self.store.get_many(keys, value_bytes), len(keys))
-
-    async def _verify(self, tenant: str, keys: list[bytes], values: list[bytes | BaseException | None],
-                      payload_bytes: int, place: _Views, first: int) -> list[tuple[memoryview, int]]:
-        """The payloads (and CRC32C) of the leading valid values, copied to their places (keys[i] is the
-        request's key first + i); a value that fails verification is deleted."""
-        present: list[bytes] = []
-        for value in values:
-            if not isinstance(value, bytes):
-                break
-            present.append(value)
-        places = place(first, len(present)) if present else []
-        present = present[:len(places)]
-        good = await self._verifying(sum(map(len, present)), self._open_leading, tenant, keys, present,
-                                     payload_bytes, places)
-        if len(good) < len(present):  # present[len(good)] is corrupt; of the rest, those that do not open too
-            rest = range(len(good) + 1, len(values))
-            others = await self._verifying(sum(len(v) for v in values[rest.start:] if isinstance(v, bytes)),
-                                           self._unopened, tenant, keys, values, rest, payload_bytes)
-            bad = [len(good), *others]
-            self._counts["corrupt"] += len(bad)
-            log.warning("remote store: %d values (the first under %r) failed verification (corrupt, or not "
-                        "wrapped with this daemon's secret) and were deleted", len(bad), keys[len(good)][:24])
-            await self._call(self._delete([keys[i] for i in bad]), len(bad))
-        return good
-
-    async def _verifying(self, nbytes: int, verify: Callable[..., T], *args: Any) -> T:
-        """verify(*args), on the remote threads where it checks enough bytes to hold the loop up."""
-        if nbytes >= _VERIFY_IN_THREAD_BYTES:
-            return await Threads.run(self._threads, verify, *args)
-        return verify(*args)
-
-    def _open_leading(self, tenant: str, keys: Sequence[bytes], values: Sequence[bytes], payload_bytes: int,
-                      places: Sequence[memoryview]) -> list[tuple[memoryview, int]]:
-        """The leading values that open (a prefix of `keys`), each copied to its place."""
-        good = []
-        for i, value in enumerate(values):
-            opened = self.keyring.unwrap(tenant, keys[i], value, payload_bytes, places[i])
-            if opened is None:
-                break
-            good.append(opened)
-        return good
-
-    def _unopened(self, tenant: str, keys: Sequence[bytes], values: Sequence[bytes | BaseException | None],
-                  indexes: range, payload_bytes: int) -> list[int]:
-        """Of these values, the indexes of those read that do not open (corrupt: to delete)."""
-        read = [(i, v) for i in indexes if isinstance(v := values[i], bytes)]
-        return [i for i, v in read if self.keyring.unwrap(tenant, keys[i], v, payload_bytes, None) is None]
-
-    async def _delete(self, keys: list[bytes]) -> list[BaseException | None]:
-        await self.store.delete(keys)
-        return [None] * len(keys)
-
-    async def _call(self, op: Awaitable[list[T]], n: int) -> list[T | BaseException]:
-        """Await one store call under the timeout; count its failures and tell the breaker."""
-        results: list[T | BaseException]
-        try:
-            async with asyncio.timeout(self.timeout_s):
-                results = list(await op)
-        except Exception as e:  # TimeoutError included: a failed call fails each of its keys
-            results = [e] * n
-        failed = [r for r in results if isinstance(r, BaseException)]
-        self._counts["errors"] += len(failed)
-        self._counts["timeouts"] += sum(isinstance(r, (TimeoutError, RedisTimeoutError)) for r in failed)
-        if failed:
-            log.debug("remote store: %d of %d keys failed: %r", len(failed), n, failed[0])
-            self.breaker.failure(failed[0])
-        else:
-            self.breaker.success()
-        return results
-
-
-
-def _log_death(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.error("remote tier: the upload task died; restarted on the next offer", exc_info=task.exception())
-
