@@ -236,22 +236,27 @@ class BlockEvents:
                 self._announce(ns, key, meta)
 
     def removed(self, ns_hash: bytes, keys: Iterable[bytes]) -> None:
+        self._remove(ns_hash, keys, disk=False)
+
+    def _remove(self, ns_hash: bytes, keys: Iterable[bytes], disk: bool) -> None:
+        """Announced blocks of one medium gone: their descriptions dropped there, their removal streamed."""
         ns = self._namespaces.get(ns_hash)
-        if ns is None or not ns.announced:  # nothing announced (no router listens, say)
+        held = None if ns is None else ns.on_disk if disk else ns.announced
+        if not held:  # nothing announced (no router listens, say)
             return
+        assert ns is not None
         for key in keys:
-            meta = ns.announced.pop(key, None)
-            if meta is None:
-                continue
-            self.stats.bytes -= cost(key, meta)
-            event = Event(True, key)
-            for sub in ns.subscribers:
-                sub.push(event, self.stats)
+            meta = held.pop(key, None)
+            if meta is not None:
+                self.stats.bytes -= cost(key, meta)
+                self._push(ns, Event(True, key, disk=disk))
         self._forget_if_idle(ns_hash, ns)
 
     def _announce(self, ns: _Namespace, key: bytes, meta: bytes) -> None:
         ns.announced[key] = meta
-        event = Event(False, key, meta)
+        self._push(ns, Event(False, key, meta))
+
+    def _push(self, ns: _Namespace, event: Event) -> None:
         for sub in ns.subscribers:
             sub.push(event, self.stats)
 
@@ -267,25 +272,11 @@ class BlockEvents:
                 if ns is not None and (meta := ns.description(key)) is not None:
                     self._announce_on_disk(ns, key, meta)
             elif key:
-                self._drop_on_disk(ns_hash, (key,))
+                self._remove(ns_hash, (key,), disk=True)
             else:  # every block of the namespace (b"": of every namespace): a clear, a disk that failed
                 for each in [ns_hash] if ns_hash else list(self._namespaces):
                     if (ns := self._namespaces.get(each)) is not None:
-                        self._drop_on_disk(each, list(ns.on_disk))
-
-    def _drop_on_disk(self, ns_hash: bytes, keys: Iterable[bytes]) -> None:
-        ns = self._namespaces.get(ns_hash)
-        if ns is None or not ns.on_disk:
-            return
-        for key in keys:
-            meta = ns.on_disk.pop(key, None)
-            if meta is None:
-                continue
-            self.stats.bytes -= cost(key, meta)
-            event = Event(True, key, disk=True)
-            for sub in ns.subscribers:
-                sub.push(event, self.stats)
-        self._forget_if_idle(ns_hash, ns)
+                        self._remove(each, list(ns.on_disk), disk=True)
 
     def _announce_on_disk(self, ns: _Namespace, key: bytes, meta: bytes) -> None:
         if key in ns.on_disk:
@@ -294,9 +285,7 @@ class BlockEvents:
             self.stats.dropped += 1
             return
         ns.on_disk[key] = meta
-        event = Event(False, key, meta, disk=True)
-        for sub in ns.subscribers:
-            sub.push(event, self.stats)
+        self._push(ns, Event(False, key, meta, disk=True))
 
     # -- to engines --------------------------------------------------------------------------------
 

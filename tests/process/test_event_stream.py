@@ -13,16 +13,22 @@ from support.daemon import sealed_blocks, wait_for
 from support.engine import Engine
 
 
+def store_described(socket: str, namespace: str, keys: list, descriptions: list) -> Engine:
+    """An engine that described and stored these blocks (ids 0..n-1), as the connector does."""
+    engine = Engine(socket, namespace, 16, 64 * 1024)
+    engine.session.describe_blocks(keys, descriptions)
+    engine.fill(keys, list(range(len(keys))))
+    job = engine.session.store(keys, list(range(len(keys))))
+    assert engine.session.wait([job])[job].ok
+    return engine
+
+
 def test_engines_of_a_namespace_watch_the_blocks_one_of_them_stored(daemon) -> None:
     """Through the real daemon: A describes and stores; B, attached later, gets them in its reset; a clear
     removes them; B's stream ends with its session."""
 
-    a = Engine(daemon.socket, "events-ns", 16, 64 * 1024)
     keys = [key_of("e", i) for i in range(6)]
-    a.session.describe_blocks(keys, [b"desc-%d" % i for i in range(6)])
-    a.fill(keys, list(range(6)))
-    job = a.session.store(keys, list(range(6)))
-    assert a.session.wait([job])[job].ok
+    a = store_described(daemon.socket, "events-ns", keys, [b"desc-%d" % i for i in range(6)])
     b = Engine(daemon.socket, "events-ns", 16, 64 * 1024)
     got: list = []
     stop = threading.Event()
@@ -140,13 +146,9 @@ def test_disk_blocks_are_announced_and_a_killed_daemons_blocks_come_back_announc
     that only watches: nobody stores them again."""
     daemon = daemon_factory("--disk-path", str(tmp_path / "disk"), "--disk-size", "32MiB",
                             "--disk-segment-size", "4MiB").start()
-    a = Engine(daemon.socket, "tiers-ns", 16, 64 * 1024)
     keys = [key_of("t", i) for i in range(6)]
     descriptions = [b"desc-%d" % i for i in range(6)]
-    a.session.describe_blocks(keys, descriptions)
-    a.fill(keys, list(range(6)))
-    job = a.session.store(keys, list(range(6)))
-    assert a.session.wait([job])[job].ok
+    store_described(daemon.socket, "tiers-ns", keys, descriptions)
     both = {(k, disk): d for k, d in zip(keys, descriptions, strict=True) for disk in (False, True)}
     assert watched(daemon.socket, lambda held: held == both) == both
 
@@ -161,12 +163,8 @@ def test_evicted_and_corrupt_blocks_are_announced_removed(daemon_factory) -> Non
     """A block that fails its checksum at a load is dropped and announced removed at once; blocks the pool
     evicts for another namespace's stores are announced removed, the engine's stream told each."""
     daemon = daemon_factory("--verify-loads", "1", pool_size="8MiB", segment_size="4MiB").start()
-    a = Engine(daemon.socket, "tiers-ns", 16, 64 * 1024)
     keys = [key_of("v", i) for i in range(8)]
-    a.session.describe_blocks(keys, [b"d%d" % i for i in range(8)])
-    a.fill(keys, list(range(8)))
-    job = a.session.store(keys, list(range(8)))
-    assert a.session.wait([job])[job].ok
+    a = store_described(daemon.socket, "tiers-ns", keys, [b"d%d" % i for i in range(8)])
     watcher = Watcher(daemon.socket)
     try:
         assert len(watcher.wait(lambda held: len(held) == 8)) == 8
