@@ -333,7 +333,7 @@ class Daemon:
         empty namespaces forgotten."""
         self.sessions.expire_leases()
         if self.tiers is not None:
-            self.events.disk_changed(self.tiers.disk_changes())
+            self.events.disk_changed(self.tiers.take_changes())
         if not self.index.unverified_blocks:  # (descriptions read back wait for their blocks' verification)
             self.events.expire()
         await self.sessions.reap_unattached()

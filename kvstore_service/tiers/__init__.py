@@ -64,9 +64,10 @@ class Tiers:
         # finds it in the pool instead of fetching it again.
         self._promoting: dict[bytes, asyncio.Lock] = {}
 
-    def disk_changes(self) -> list[tuple[bytes, bytes, bool]]:
-        """The blocks the disk tier wrote and dropped since last asked, for the routers' events (base.py)."""
-        return self.disk.take_changes() if self.disk is not None else []
+    def take_changes(self) -> list[tuple[bytes, bytes, bool]]:
+        """The blocks the tiers of this node (the disk) wrote and dropped since last asked, for the routers'
+        events (base.py)."""
+        return [change for tier in self.tiers for change in tier.take_changes()]
 
     # -- down: sealed blocks -----------------------------------------------------------------------
 
