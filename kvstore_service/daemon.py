@@ -15,7 +15,6 @@ end (servicer.py) calls; the process around it all, sockets and signals, is serv
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import gc
 import logging
 import os
@@ -222,6 +221,7 @@ class Daemon:
                 loaded_bytes=c.loaded_bytes))
         visible = [n for n, ns in zip(namespaces, self.index.namespaces.values(), strict=True)
                    if caller is None or caller.admin or (ns.name and n.tenant == caller.tenant)]
+        tiers = self.tiers.stats() if self.tiers is not None else (DiskStats(), RemoteStats())
         return Stats(
             capacity_bytes=self.pool.capacity, ready_bytes=self.pool.ready_bytes,
             used_bytes=sum(n.used_bytes for n in namespaces),
@@ -235,8 +235,7 @@ class Daemon:
             uptime_s=int(time.monotonic() - self.started), namespaces=visible, daemon_version=__version__,
             unsealed_blocks=self.jobs.unsealed_blocks, failed_load_blocks=self.jobs.failed_load_blocks,
             unverified_blocks=self.index.unverified_blocks,
-            remote=self.tiers.remote.stats() if self.tiers and self.tiers.remote else RemoteStats(),
-            disk=disk_stats(self.tiers.disk) if self.tiers and self.tiers.disk else DiskStats(),
+            disk=tiers[0], remote=tiers[1],
             loaded_bytes=sum(n.loaded_bytes for n in namespaces),
             loaded_tokens=sum(n.loaded_tokens for n in namespaces),
             events=replace(self.events.stats),
@@ -376,10 +375,6 @@ def open_disk(config: Config, threads: Threads) -> DiskTier:
     log.info("disk tier %s: %d blocks in %d segments (%s)", config.disk_path, s.blocks, s.segments,
              "healthy" if s.healthy else f"disabled: {s.error}")
     return disk
-
-
-def disk_stats(disk: DiskTier) -> DiskStats:
-    return DiskStats(**dataclasses.asdict(disk.stats()))
 
 
 def _clear_scope(caller: Caller, tenant: str, namespace: str) -> str | None:

@@ -26,6 +26,7 @@ from itertools import groupby
 from kvstore_client.protocol.groups import grouped_hit
 from kvstore_service.index import Block, BlockIndex, BlockState, Namespace
 from kvstore_service.pool import Pool
+from kvstore_service.stats import DiskStats, RemoteStats
 from kvstore_service.tiers.base import Scope, Tier
 from kvstore_service.tiers.disk import DiskTier
 from kvstore_service.tiers.remote import RemoteTier
@@ -63,6 +64,11 @@ class Tiers:
         # One promotion per namespace at a time: a second lookup of the same prefix waits, then
         # finds it in the pool instead of fetching it again.
         self._promoting: dict[bytes, asyncio.Lock] = {}
+
+    def stats(self) -> tuple[DiskStats, RemoteStats]:
+        """The disk's and the remote store's (empty where there is none)."""
+        return (self.disk.stats() if self.disk is not None else DiskStats(),
+                self.remote.stats() if self.remote is not None else RemoteStats())
 
     def take_changes(self) -> list[tuple[bytes, bytes, bool]]:
         """The blocks the tiers of this node (the disk) wrote and dropped since last asked, for the routers'
