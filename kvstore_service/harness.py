@@ -23,7 +23,7 @@ _WITH_FILE_LIMIT = ("import os, resource, sys; n = int(sys.argv[1]); "
 class DaemonProcess:
     def __init__(self, workdir: str | Path, pool_size: str = "64MiB", segment_size: str = "4MiB", *extra: str,
                  max_open_files: int | None = None, env: dict[str, str] | None = None,
-                 pool_path: str | None = None) -> None:
+                 pool_path: str | None = None, uid: int | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.socket = str(self.workdir / "kvstore.sock")
@@ -31,6 +31,7 @@ class DaemonProcess:
         self.log = self.workdir / "daemon.log"
         self.max_open_files = max_open_files  # the daemon's RLIMIT_NOFILE; None: inherited
         self.env = None if env is None else {**os.environ, **env}  # added to ours; None: ours
+        self.uid = uid  # run the daemon as this uid and gid, no other groups (needs root); None: ours
         self.args = ["--socket", self.socket, "--pool-path", self.pool_path, "--pool-size", pool_size,
                      "--segment-size", segment_size, "--attach-timeout-s", "3", *extra]
         self.proc: subprocess.Popen | None = None
@@ -54,7 +55,8 @@ class DaemonProcess:
             command = [sys.executable, "-c", _WITH_FILE_LIMIT, str(self.max_open_files), *command]
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=self.workdir,
-                                         env=self.env)
+                                         env=self.env, user=self.uid, group=self.uid,
+                                         extra_groups=None if self.uid is None else [])
         client = KVStoreClient(self.socket, timeout=1.0)
         deadline = time.monotonic() + timeout
         try:
