@@ -49,7 +49,8 @@ class ConnectorSettings:
     # from a store this machine does not hold; change it to start over with an empty cache.
     model_identity: str = ""
     # With vLLM's KV events on (--kv-events-config), announce the node's pool blocks in them as this
-    # engine's CPU tier, for cache-aware routers (client/vllm/events.py). False: never.
+    # engine's CPU tier and the disk tier's as its STORAGE tier, for cache-aware routers
+    # (client/vllm/events.py). False: never.
     kv_events: bool = True
 
     @classmethod

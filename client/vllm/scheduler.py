@@ -76,8 +76,8 @@ class Scheduler:
         self.client = KVStoreClient(settings.socket, timeout=settings.timeout_s)
         self.session: Session = self.client.session(namespace or "off", None, engine_id="vllm-scheduler",
                                                     wait=False)
-        # vLLM's KV events on: this engine announces the namespace's pool blocks as its CPU tier
-        # (client/vllm/events.py) and describes the blocks it stores.
+        # vLLM's KV events on: this engine announces the namespace's pool and disk blocks as its CPU and
+        # STORAGE tiers (client/vllm/events.py) and describes the blocks it stores.
         events = vllm_config.kv_events_config
         self.announcer: Announcer | None = None
         if namespace and settings.kv_events and events is not None and events.enable_kv_cache_events:
