@@ -48,9 +48,8 @@ class ConnectorSettings:
     # Set it to name the weights yourself (e.g. "llama-3.1-8b@2026-11-27"), or where vLLM streams them
     # from a store this machine does not hold; change it to start over with an empty cache.
     model_identity: str = ""
-    # With vLLM's KV events on (--kv-events-config), announce the node's pool blocks in them as this
-    # engine's CPU tier and the disk tier's as its STORAGE tier, for cache-aware routers
-    # (client/vllm/events.py). False: never.
+    # With vLLM's KV events on (--kv-events-config), announce the node's pool and disk blocks as this
+    # engine's CPU and STORAGE tiers, for cache-aware routers (client/vllm/events.py). False: never.
     kv_events: bool = True
 
     @classmethod
