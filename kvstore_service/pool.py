@@ -172,7 +172,7 @@ class Pool:
         self._check_room()  # before anything is built for a pool that cannot be
         self.segments = [Segment(i, self.data_offset + i * self.segment_size) for i in range(num_segments)]
         self.free_segments: list[int] = []
-        self.unready: list[int] = []  # segments not faulted in yet, last first: a new pool's, as it grows
+        self.unready = range(0)  # segments not faulted in yet: a new pool's last ones, fewer as it grows
         self.populate_threads = populate_threads
         self.partial: dict[int, set[int]] = {}  # payload size -> segments with a free slot
         self.reattached = False
@@ -180,7 +180,7 @@ class Pool:
         self._mmap = self._open(fresh, numa_nodes)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
         if not self.reattached:
-            self.unready = list(range(len(self.segments) - 1, -1, -1))
+            self.unready = range(len(self.segments))
             first = -(-(self.capacity if populate_first is None else populate_first) // self.segment_size)
             log.info("setting up a new pool of %d bytes on %d threads%s: %d bytes before serving, the rest while "
                      "serving", self.size, populate_threads, f", interleaved over NUMA nodes {numa_nodes}"
@@ -247,9 +247,9 @@ class Pool:
         threads (a first touch during a store costs more than the copy); returns them for `add_ready`.
         Only the caller's thread may grow the pool, one call at a time. OSError where the memory is not
         there (a shared-memory mount filled by others since the start): those segments stay unready."""
-        chosen = self.unready[-segments:] if segments > 0 else []  # (the lowest: one run, as unready is)
+        chosen = list(self.unready[:max(segments, 0)])
         if chosen:
-            start, size = self.segments[chosen[-1]].offset, len(chosen) * self.segment_size
+            start, size = self.segments[chosen[0]].offset, len(chosen) * self.segment_size
             rc = native_memory.populate(self.base + start, size, self.populate_threads)
             if rc == errno.EINVAL:  # a kernel before 5.14: touched instead
                 ctypes.memset(self.base + start, 0, size)
@@ -258,10 +258,10 @@ class Pool:
         return chosen
 
     def add_ready(self, segments: list[int]) -> None:
-        """These segments, populated, are usable from now on."""
-        ready = set(segments)
-        self.unready = [s for s in self.unready if s not in ready]
-        self.free_segments[:0] = sorted(ready, reverse=True)  # (taken last: segments freed since go first)
+        """These segments (`populate_next`'s), populated, are usable from now on."""
+        assert segments == list(self.unready[:len(segments)])
+        self.unready = self.unready[len(segments):]
+        self.free_segments[:0] = segments[::-1]  # (taken last: segments freed since go first)
 
     def _load_segment_table(self, mm: mmap.mmap) -> None:
         for seg in self.segments:
