@@ -30,6 +30,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 from kvstore_service.event_journal import Entry, Journal
@@ -202,9 +204,10 @@ class BlockEvents:
             return 0
         journal, self.journal = self.journal, None  # (not appended to while read)
         read = 0
-        for ns_hash, key, meta in journal.read(self.max_description_bytes):
-            self.describe(ns_hash, (key,), (meta,))
-            read += 1
+        for ns_hash, run in groupby(journal.read(self.max_description_bytes), key=itemgetter(0)):
+            entries = list(run)  # (a namespace's in a row, as they were described: one describe each run)
+            self.describe(ns_hash, [key for _, key, _ in entries], [meta for _, _, meta in entries])
+            read += len(entries)
         self.journal = journal
         journal.rewrite(self.entries())
         return read
