@@ -25,7 +25,7 @@ DAEMON_UID = 10001  # the chart's securityContext.runAsUser
 
 def _engine_round(socket: str, namespace: str, blocks: int, num_blocks: int = 64, first: int = 0) -> dict[str, object]:
     """A root engine stores `blocks` blocks (written late, behind a slow kernel) at ids first.., loads them
-    into the next ids, and counts the wrong ones."""
+    into the next ids, and counts the wrong ones; `exact`: every block stored and loaded, none wrong."""
     from support.blocks import key_of
     from support.cuda_engine import CudaEngine
 
@@ -35,7 +35,8 @@ def _engine_round(socket: str, namespace: str, blocks: int, num_blocks: int = 64
         stored_ids, loaded_ids = list(range(first, first + blocks)), list(range(first + blocks, first + 2 * blocks))
         stored = engine.store(keys, stored_ids)
         loaded = engine.load(keys, loaded_ids)
-        return {"stored": stored, "loaded": loaded, "wrong": engine.wrong_blocks(keys, loaded_ids)}
+        wrong = engine.wrong_blocks(keys, loaded_ids)
+        return {"stored": stored, "loaded": loaded, "wrong": wrong, "exact": stored == loaded == blocks and not wrong}
     finally:
         engine.close()
 
@@ -62,9 +63,8 @@ def check_nonroot() -> int:
             say(registration=str(e)[:500])
             return result(False, f"a root engine's registration with a uid-{DAEMON_UID} daemon failed: {e}"[:300])
         say(**out)
-        ok = out["stored"] == out["loaded"] == 16 and not out["wrong"]
-        return result(ok, f"uid-{DAEMON_UID} daemon, root engine: stored {out['stored']}, loaded {out['loaded']}, "
-                          f"wrong {out['wrong']}")
+        return result(bool(out["exact"]), f"uid-{DAEMON_UID} daemon, root engine: stored {out['stored']}, "
+                                          f"loaded {out['loaded']}, wrong {out['wrong']}")
     finally:
         d.cleanup()
         shutil.rmtree(work, ignore_errors=True)
@@ -128,8 +128,7 @@ def check_kernel() -> int:
     finally:
         d.cleanup()
         shutil.rmtree(work, ignore_errors=True)
-    exact = out["stored"] == out["loaded"] == 32 and not out["wrong"]
-    if not exact:
+    if not out["exact"]:
         return result(False, f"copy kernel on IPC memory: {out}")
     say(injected="a sticky fault in the kernel daemon's context")
     return check_fatal()  # (its daemon inherits KVSTORE_CUDA_COPY_KERNEL=1): must exit 75
@@ -157,7 +156,7 @@ def check_bigpool() -> int:
         pinned = "could not pin" not in log
         say(pool_gib=size >> 30, daemon_up_s=round(up, 1), register_and_round_s=round(first_round, 1),
             pinned=pinned, **out)
-        ok = pinned and out["stored"] == out["loaded"] == 8 and not out["wrong"]
+        ok = pinned and bool(out["exact"])
         return result(ok, f"{size >> 30} GiB pool pinned {pinned} (daemon up {up:.1f} s; the first engine's "
                           f"registration and round {first_round:.1f} s); a 32 GiB cache's last blocks: {out}")
     finally:
