@@ -90,11 +90,17 @@ def cuda_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_of
     taken while the copy runs (after it was enqueued, before the wait). StickyDeviceError when the
     driver reports an error that leaves the context unusable."""
     with _sticky_cuda_errors(device):
-        sums = _native.cuda_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets),
-                                        _as_u64(sizes), direction, device, stream, allow_batch, checksum_base,
-                                        None if checksum_offsets is None else _as_u64(checksum_offsets),
-                                        checksum_size)
-    return _u64_list(sums)
+        return _copy_blocks(_native.cuda_copy_blocks, src_base, dst_base, src_offsets, dst_offsets, sizes, direction,
+                            device, stream, allow_batch, checksum_base, checksum_offsets, checksum_size)
+
+
+def _copy_blocks(copy: Callable[..., bytes], src_base: int, dst_base: int, src_offsets: U64Array, dst_offsets: U64Array,
+                 sizes: U64Array, direction: str, device: int, stream: int, allow_batch: bool, checksum_base: int,
+                 checksum_offsets: U64Array | None, checksum_size: int) -> list[int]:
+    """A device's native copy (`copy`: CUDA's or ACL's, one signature) with its arrays as the engine takes them."""
+    return _u64_list(copy(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets), _as_u64(sizes), direction,
+                          device, stream, allow_batch, checksum_base,
+                          None if checksum_offsets is None else _as_u64(checksum_offsets), checksum_size))
 
 
 def cuda_open_ipc_event(handle: bytes, device: int) -> int:
@@ -145,11 +151,8 @@ def acl_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_off
     """Ascend counterpart of cuda_copy_blocks, checksums included (unverified on hardware).
     StickyDeviceError for an error in STICKY_ACL_ERRORS."""
     with _sticky_acl_errors(device):
-        sums = _native.acl_copy_blocks(src_base, dst_base, _as_u64(src_offsets), _as_u64(dst_offsets),
-                                       _as_u64(sizes), direction, device, stream, allow_batch, checksum_base,
-                                       None if checksum_offsets is None else _as_u64(checksum_offsets),
-                                       checksum_size)
-    return _u64_list(sums)
+        return _copy_blocks(_native.acl_copy_blocks, src_base, dst_base, src_offsets, dst_offsets, sizes, direction,
+                            device, stream, allow_batch, checksum_base, checksum_offsets, checksum_size)
 
 
 def acl_host_register(addr: int, size: int, device: int = 0) -> int:
