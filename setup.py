@@ -49,8 +49,9 @@ def _native_extension() -> Extension:
         includes.append(ACL_INCLUDE)
     return Extension(
         "kvstore_service._native",
-        sources=[f"{CSRC}/{name}.cpp" for name in ("copy_engine", "block", "crc32c", "cuda_copy", "acl_copy", "disk_io",
-                                                   "guard", "populate")],
+        sources=[f"{CSRC}/{name}.cpp" for name in ("module", "buffers", "copy", "checksums", "plan", "transfer",
+                                                   "slot_headers", "device_args", "block", "crc32c", "cuda_copy",
+                                                   "acl_copy", "disk_io", "guard", "populate")],
         depends=[f"{CSRC}/{name}" for name in ("kvstore_native.h", "crc32c.h", "crc32c_3way.inc", "copy_kernel_ptx.h")],
         include_dirs=includes,
         define_macros=macros,

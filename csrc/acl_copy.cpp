@@ -402,9 +402,8 @@ const char kNotBuilt[] =
 }  // namespace
 #endif
 
-PyObject* py_acl_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
-  DeviceCopyArgs a;
-  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|OpOOO:acl_copy_blocks", &a)) return nullptr;
+// A device copy with its arguments parsed: its runs enqueued, the host blocks checksummed meanwhile, then waited for.
+static PyObject* copy_parsed(const DeviceCopyArgs& a) {
 #if defined(KVSTORE_WITH_ACL)
   std::string err;
   aclError code = ACL_SUCCESS;
@@ -420,9 +419,22 @@ PyObject* py_acl_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
   }
   return u64_bytes(sums);
 #else
+  (void)a;
   PyErr_SetString(PyExc_RuntimeError, kNotBuilt);
   return nullptr;
 #endif
+}
+
+PyObject* py_acl_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
+  DeviceCopyArgs a;
+  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|OpOOO:acl_copy_blocks", &a)) return nullptr;
+  return copy_parsed(a);
+}
+
+PyObject* py_acl_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
+  DeviceCopyArgs a;
+  if (!parse_device_transfer_args(args, kwargs, "OOpi|OO:acl_transfer", &a)) return nullptr;
+  return copy_parsed(a);
 }
 
 static PyObject* acl_register_common(PyObject* args, PyObject* kwargs, bool reg) {
@@ -470,6 +482,26 @@ PyObject* py_acl_host_register(PyObject*, PyObject* args, PyObject* kwargs) {
 PyObject* py_acl_host_unregister(PyObject*, PyObject* args, PyObject* kwargs) {
   return acl_register_common(args, kwargs, false);
 }
+
+#define KV_KW(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_VARARGS | METH_KEYWORDS
+
+static PyMethodDef kAclMethods[] = {
+    {"acl_copy_blocks", KV_KW(py_acl_copy_blocks),
+     "acl_copy_blocks(src_base, dst_base, src_offsets, dst_offsets, sizes, direction, device, stream=0,\n"
+     "                allow_batch=True, checksum_base=0, checksum_offsets=None, checksum_size=0) -> bytes\n\n"
+     "Ascend version of cuda_copy_blocks (aclrtMemcpyBatchAsync or aclrtMemcpyAsync). Unverified on hardware."},
+    {"acl_transfer", KV_KW(py_acl_transfer),
+     "acl_transfer(pool_base, runs, to_engine, device, checksum_offsets=None, checksum_size=0) -> bytes\n\n"
+     "Ascend version of cuda_transfer. Unverified on hardware."},
+    {"acl_host_register", KV_KW(py_acl_host_register),
+     "acl_host_register(addr, size, device=0) -> int\n\n"
+     "aclrtHostRegister(ptr, size, ACL_HOST_REGISTER_MAPPED); returns the device-side address."},
+    {"acl_host_unregister", KV_KW(py_acl_host_unregister),
+     "acl_host_unregister(addr, device=0) -> None\n\nUndo acl_host_register."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+bool add_acl(PyObject* module) { return PyModule_AddFunctions(module, kAclMethods) == 0; }
 
 bool add_acl_features(PyObject* features) {
   // Loads libascendcl.so and resolves its symbols; does not call aclInit (see load_runtime).

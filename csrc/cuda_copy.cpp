@@ -693,11 +693,8 @@ void raise_cuda_error(const std::string& message, cu::CUresult code) {
   Py_DECREF(exc);
 }
 
-}  // namespace
-
-PyObject* py_cuda_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
-  DeviceCopyArgs a;
-  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|OpOOO:cuda_copy_blocks", &a)) return nullptr;
+// A device copy with its arguments parsed: its runs enqueued, the host blocks checksummed meanwhile, then waited for.
+PyObject* copy_parsed(const DeviceCopyArgs& a) {
   std::string err;
   cu::CUresult code = cu::kSuccess;
   std::vector<uint64_t> sums;
@@ -709,6 +706,20 @@ PyObject* py_cuda_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
     return nullptr;
   }
   return u64_bytes(sums);
+}
+
+}  // namespace
+
+PyObject* py_cuda_copy_blocks(PyObject*, PyObject* args, PyObject* kwargs) {
+  DeviceCopyArgs a;
+  if (!parse_device_copy_args(args, kwargs, "OOOOOOi|OpOOO:cuda_copy_blocks", &a)) return nullptr;
+  return copy_parsed(a);
+}
+
+PyObject* py_cuda_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
+  DeviceCopyArgs a;
+  if (!parse_device_transfer_args(args, kwargs, "OOpi|OO:cuda_transfer", &a)) return nullptr;
+  return copy_parsed(a);
 }
 
 static PyObject* host_register_common(PyObject* args, PyObject* kwargs, bool reg) {
@@ -816,6 +827,37 @@ PyObject* py_cuda_destroy_event(PyObject*, PyObject* args, PyObject* kwargs) {
   }
   Py_RETURN_NONE;
 }
+
+#define KV_KW(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_VARARGS | METH_KEYWORDS
+
+PyMethodDef kCudaMethods[] = {
+    {"cuda_copy_blocks", KV_KW(py_cuda_copy_blocks),
+     "cuda_copy_blocks(src_base, dst_base, src_offsets, dst_offsets, sizes, direction, device, stream=0,\n"
+     "                 allow_batch=True, checksum_base=0, checksum_offsets=None, checksum_size=0) -> bytes\n\n"
+     "Copy merged runs with cuMemcpyBatchAsync (driver >= 12.8) or cuMemcpyAsync per run, on `stream` or\n"
+     "a dedicated stream of `device`, and wait for completion (GIL released). direction: 'h2d', 'd2h', 'd2d'.\n"
+     "Returns the CRC32C (native-endian uint64 values) of the host blocks of checksum_size bytes at\n"
+     "checksum_base + checksum_offsets[i], taken once the runs are enqueued, while they copy."},
+    {"cuda_transfer", KV_KW(py_cuda_transfer),
+     "cuda_transfer(pool_base, runs, to_engine, device, checksum_offsets=None, checksum_size=0) -> bytes\n\n"
+     "A chunk's Runs (plan_transfer's) copied as cuda_copy_blocks copies, pool -> engine if to_engine; the\n"
+     "CRC32C of the pool blocks of checksum_size bytes at pool_base + checksum_offsets[i], taken meanwhile."},
+    {"cuda_host_register", KV_KW(py_cuda_host_register),
+     "cuda_host_register(addr, size, device=0) -> None\n\nPin host memory (cuMemHostRegister, portable)."},
+    {"cuda_host_unregister", KV_KW(py_cuda_host_unregister),
+     "cuda_host_unregister(addr, device=0) -> None\n\nUndo cuda_host_register."},
+    {"cuda_open_ipc_event", KV_KW(py_cuda_open_ipc_event),
+     "cuda_open_ipc_event(handle, device=0) -> int\n\n"
+     "Open another process's 64-byte IPC event handle (cuIpcOpenEventHandle) on `device`; the CUevent."},
+    {"cuda_query_event", KV_KW(py_cuda_query_event),
+     "cuda_query_event(event, device=0) -> bool\n\n"
+     "Whether the work recorded in an event cuda_open_ipc_event opened is done (cuEventQuery; never blocks)."},
+    {"cuda_destroy_event", KV_KW(py_cuda_destroy_event),
+     "cuda_destroy_event(event, device=0) -> None\n\nDestroy an event cuda_open_ipc_event opened."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+bool add_cuda(PyObject* module) { return PyModule_AddFunctions(module, kCudaMethods) == 0; }
 
 bool add_cuda_features(PyObject* features) {
   const Driver* d;

@@ -27,7 +27,7 @@
 // Reads verify before they report success: the header must be valid and be the expected record
 // (segment, offset, scope, key, length, payload CRC), and the payload's CRC32C is computed again.
 //
-// Memory safety as in copy_engine.cpp: keeping base + offset + length inside the pool is the caller's job.
+// Memory safety as in kvstore_native.h: keeping base + offset + length inside the pool is the caller's job.
 
 #include <fcntl.h>
 #include <linux/aio_abi.h>
@@ -208,7 +208,7 @@ bool header_matches(const Batch& b, size_t i, const uint8_t* block) {
 
 // Copies with non-temporal stores where AVX2 is there: the destination (a staging buffer the device
 // reads next, or a pool slot) is not read again soon, and skipping the read-for-ownership of every
-// destination line doubles a cold 2 MiB copy here (19 GB/s against memcpy's 9.5; as in copy_engine.cpp).
+// destination line doubles a cold 2 MiB copy here (19 GB/s against memcpy's 9.5; as in copy.cpp).
 #if defined(__x86_64__)
 __attribute__((target("avx2"))) void stream_copy_avx2(uint8_t* dst, const uint8_t* src, uint64_t n) {
   uint64_t head = std::min<uint64_t>(n, (32 - (reinterpret_cast<uintptr_t>(dst) & 31)) & 31);

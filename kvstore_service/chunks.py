@@ -6,7 +6,6 @@ each chunk here (`plan_chunk`), and hands it to a copy thread, which only makes 
 
 from __future__ import annotations
 
-import functools
 import math
 import random
 from array import array
@@ -81,10 +80,9 @@ def plan_chunk(session: EngineSession, block_ids: array[int], indexes: list[int]
     first = indexes[0]
     in_order = indexes == list(range(first, first + len(indexes)))
     ids = block_ids[first:first + len(indexes)] if in_order else array("Q", [block_ids[i] for i in indexes])
-    pool_offsets, engine_addresses, sizes = native.plan_transfer(
-        native_blocks.block_offsets(blocks), ids, session.regions,
-        layout.num_blocks, pool_size, layout.shard * layout.block_bytes)
-    return Chunk(indexes, blocks, TransferPlan(pool_offsets, engine_addresses, sizes), in_order)
+    runs = native.plan_transfer(native_blocks.block_offsets(blocks), ids, session.regions, layout.num_blocks, pool_size,
+                                layout.shard * layout.block_bytes)
+    return Chunk(indexes, blocks, TransferPlan(runs), in_order)
 
 
 def load_check(blocks: list[Block], block_bytes: int, verify: float) -> ChecksumSample | None:
@@ -105,9 +103,7 @@ def load_check(blocks: list[Block], block_bytes: int, verify: float) -> Checksum
 
 def track_progress(session: EngineSession, job_id: int, plan: TransferPlan) -> None:
     """Set a whole load's plan (copied by one thread in layout order: runs are region-major, one per
-    block) to report the regions' arrival in the engine's completion channel (the CPU engine writes the
-    channel's progress word itself, see ProgressWord)."""
-    channel = session.channel
+    block) to report the regions' arrival in the engine's completion channel: the copy writes the
+    channel's progress word itself (ProgressWord)."""
     plan.regions = len(session.layout.regions)
-    address, word = channel.progress_target(job_id)
-    plan.progress = ProgressWord(address, word, functools.partial(channel.post_progress, job_id))
+    plan.progress = ProgressWord(*session.channel.progress_target(job_id))

@@ -484,7 +484,7 @@ class Jobs:
         start = time.monotonic()
         _check_expiry(job)
         corrupt = session.backend.transfer(session.mappings[0], self.pool.base, chunk.plan, not job.is_store,
-                                           len(chunk.blocks), chunk.check)
+                                           chunk.check)
         job.copies.append((start, time.monotonic()))
         if job.is_store:  # read after the client gave up: the engine may have reused those blocks
             _check_expiry(job)

@@ -1,13 +1,15 @@
-"""The native copy engine (csrc/copy_engine.cpp): block copies, transfers and their plans, checksums, slot headers.
+"""The native engine (csrc/): block copies, a chunk's transfer and its plan, checksums, slot headers.
 
 The extension (``kvstore_service._native``, built from ``csrc/`` by setup.py, required) copies
 with memcpy/streaming stores on several threads and checksums with hardware CRC32C, all with the
-GIL released. It also owns the pool's slot-header layout (``SlotHeader`` in csrc/copy_engine.cpp):
+GIL released. It also owns the pool's slot-header layout (``SlotHeader`` in csrc/slot_headers.cpp):
 ``write_slot_headers`` and ``parse_slot_header`` are the only code that knows it.
 
-Offsets and sizes are uint64 buffers (``array('Q')``, numpy uint64, bytes of native uint64) or
-sequences of ints. Keeping every block inside its mapping is the caller's job: nothing here knows
-the mappings' sizes; only 64-bit overflow of base + offset + size is rejected (OverflowError).
+A chunk's runs are planned in C (``plan_transfer``) and stay there: Python holds the plan as an opaque
+``Runs`` and hands it back to the copy (``transfer``; the device backends' ``cuda_transfer`` /
+``acl_transfer``). Offsets and sizes elsewhere are uint64 buffers (``array('Q')``, numpy uint64, bytes
+of native uint64) or sequences of ints. Only plan_transfer knows the mappings: the copies reject just
+64-bit overflow of base + offset + size (OverflowError).
 
 This module loads the extension; the typed faces of its other units import it from here, with the
 buffer conversions (``_native``, ``U64Array``, ``_as_u64``, ``_u64_list``): native_blocks.py (the
@@ -21,7 +23,7 @@ import importlib
 from array import array
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Any, Final, TypeAlias
+from typing import Any, Final, Protocol, TypeAlias
 
 try:
     _native: ModuleType = importlib.import_module("kvstore_service._native")
@@ -69,40 +71,65 @@ def check_job(keys: bytes, key_size: int, block_ids: U64Array, num_blocks: int, 
     return str(_native.check_job(keys, key_size, _as_u64(block_ids), num_blocks, distinct_ids))
 
 
+class Runs(Protocol):
+    """A chunk's byte runs, held by the native engine (``_native.Runs``): `blocks` blocks' runs, region-major
+    (region r's run of block k is run ``r * blocks + k``). Made by ``plan_transfer`` (bounds-checked) or,
+    for tests and diagnostics, by ``runs_of``; copied by ``transfer`` and the device transfers."""
+
+    @property
+    def blocks(self) -> int: ...
+
+    @property
+    def total_bytes(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def without(self, positions: U64Array, /) -> Runs:
+        """The runs of every block but those at these positions."""
+        ...
+
+    def columns(self) -> bytes: ...
+
+
 def plan_transfer(slot_offsets: U64Array, block_ids: U64Array, regions: U64Array, num_blocks: int, pool_size: int,
-                  shard_offset: int = 0) -> tuple[array[int], array[int], array[int]]:
-    """The byte runs of a chunk's blocks in one call: ``(pool_offsets, engine_addresses, sizes)``,
-    region-major (region r's run of block k is run ``r * n + k``). Block k's slot payload is at pool
+                  shard_offset: int = 0) -> Runs:
+    """The byte runs of a chunk's blocks in one call, region-major. Block k's slot payload is at pool
     offset ``slot_offsets[k]`` (this engine's part of it ``shard_offset`` bytes in), its engine block
     id ``block_ids[k]``; ``regions`` holds five values per region: the address of its block 0, its
     stride and block bytes, and the mapping ``[lo, hi)`` it lies in. Every run is checked against
     ``pool_size`` and its mapping, and every id against ``num_blocks``, before anything is returned
     (ValueError naming the block)."""
-    raw = _native.plan_transfer(_as_u64(slot_offsets), _as_u64(block_ids), _as_u64(regions), num_blocks, pool_size,
-                                shard_offset)
-    total = len(raw) // 24
-    out = []
-    for part in range(3):
-        values = array("Q")
-        values.frombytes(raw[part * total * 8:(part + 1) * total * 8])
-        out.append(values)
-    return out[0], out[1], out[2]
+    runs: Runs = _native.plan_transfer(_as_u64(slot_offsets), _as_u64(block_ids), _as_u64(regions), num_blocks,
+                                       pool_size, shard_offset)
+    return runs
 
 
-def transfer(pool_base: int, pool_offsets: U64Array, engine_addresses: U64Array, sizes: U64Array, to_engine: bool,
-             blocks: int, threads: int = 1, streaming: bool = True, progress: int = 0, progress_word: int = 0,
-             check: U64Array | None = None, check_offsets: U64Array | None = None, check_size: int = 0,
-             expected: U64Array | None = None) -> list[int]:
-    """A chunk of a job in one native call, the GIL released throughout. Its runs (``plan_transfer``'s,
-    ``blocks`` per region) go pool -> engine if ``to_engine``. First the blocks at positions ``check``
-    are verified: the CRC32C of ``check_size`` bytes at ``pool_base + check_offsets[i]`` must be
-    ``expected[i]`` (UNKNOWN_CHECKSUM: not checked); a block that differs is corrupt and none of its
-    runs is copied. With ``progress`` (an address: a completion channel's progress word) the copy goes
-    in layout order on this thread, a group of regions of at least 256 KiB a block at a time, and
-    stores ``progress_word | regions landed`` there after each;
-    else the runs are coalesced and copied on ``threads`` threads. Returns the corrupt positions."""
-    return _u64_list(_native.transfer(pool_base, _as_u64(pool_offsets), _as_u64(engine_addresses), _as_u64(sizes),
-                                      to_engine, blocks, threads, streaming, progress, progress_word,
+def runs_of(pool_offsets: U64Array, engine_addresses: U64Array, sizes: U64Array, blocks: int | None = None) -> Runs:
+    """Runs from arrays, `blocks` per region (None: one region, a block per run); not bounds-checked: for
+    tests and diagnostics (the daemon plans with plan_transfer)."""
+    runs: Runs = _native.Runs(_as_u64(pool_offsets), _as_u64(engine_addresses), _as_u64(sizes), blocks)
+    return runs
+
+
+def columns(runs: Runs) -> tuple[array[int], array[int], array[int]]:
+    """``(pool_offsets, engine_addresses, sizes)`` of the runs, for tests and diagnostics."""
+    values = array("Q")
+    values.frombytes(runs.columns())
+    n = len(runs)
+    return values[:n], values[n:2 * n], values[2 * n:]
+
+
+def transfer(pool_base: int, runs: Runs, to_engine: bool, threads: int = 1, streaming: bool = True,
+             progress: int = 0, progress_word: int = 0, check: U64Array | None = None,
+             check_offsets: U64Array | None = None, check_size: int = 0, expected: U64Array | None = None) -> list[int]:
+    """A chunk of a job in one native call, the GIL released throughout: its runs go pool -> engine if
+    ``to_engine``. First the blocks at positions ``check`` are verified: the CRC32C of ``check_size``
+    bytes at ``pool_base + check_offsets[i]`` must be ``expected[i]`` (UNKNOWN_CHECKSUM: not checked); a
+    block that differs is corrupt and none of its runs is copied. With ``progress`` (an address: a
+    completion channel's progress word) the copy goes in layout order on this thread, a group of
+    regions of at least 256 KiB a block at a time, and stores ``progress_word | regions landed`` there
+    after each; else the runs are coalesced and copied on ``threads`` threads. Returns the corrupt positions."""
+    return _u64_list(_native.transfer(pool_base, runs, to_engine, threads, streaming, progress, progress_word,
                                       None if check is None else _as_u64(check),
                                       None if check_offsets is None else _as_u64(check_offsets), check_size,
                                       None if expected is None else _as_u64(expected)))

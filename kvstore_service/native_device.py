@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Final
 
-from kvstore_service.native import U64Array, _as_u64, _native, _u64_list, features
+from kvstore_service.native import Runs, U64Array, _as_u64, _native, _u64_list, features
 
 # CUresults the CUDA driver API documents as sticky: "This leaves the process in an inconsistent
 # state and any further CUDA work will return the same error. To continue using CUDA, the process
@@ -103,6 +103,17 @@ def _copy_blocks(copy: Callable[..., bytes], src_base: int, dst_base: int, src_o
                           None if checksum_offsets is None else _as_u64(checksum_offsets), checksum_size))
 
 
+def cuda_transfer(pool_base: int, runs: Runs, to_engine: bool, device: int, checksum_offsets: U64Array | None = None,
+                  checksum_size: int = 0) -> list[int]:
+    """A chunk's runs (native.plan_transfer's) copied as cuda_copy_blocks copies, pool -> engine if
+    `to_engine`; returns the CRC32C of each `checksum_size`-byte pool block at pool_base +
+    checksum_offsets[i], taken while the copy runs."""
+    with _sticky_cuda_errors(device):
+        return _u64_list(_native.cuda_transfer(pool_base, runs, to_engine, device,
+                                               None if checksum_offsets is None else _as_u64(checksum_offsets),
+                                               checksum_size))
+
+
 def cuda_open_ipc_event(handle: bytes, device: int) -> int:
     """Open another process's interprocess event (its 64-byte cudaIpcEventHandle_t) in `device`'s
     primary context, the one the copies run in; returns the CUevent. Destroy it with cuda_destroy_event."""
@@ -153,6 +164,16 @@ def acl_copy_blocks(src_base: int, dst_base: int, src_offsets: U64Array, dst_off
     with _sticky_acl_errors(device):
         return _copy_blocks(_native.acl_copy_blocks, src_base, dst_base, src_offsets, dst_offsets, sizes, direction,
                             device, stream, allow_batch, checksum_base, checksum_offsets, checksum_size)
+
+
+def acl_transfer(pool_base: int, runs: Runs, to_engine: bool, device: int, checksum_offsets: U64Array | None = None,
+                 checksum_size: int = 0) -> list[int]:
+    """Ascend counterpart of cuda_transfer (unverified on hardware). StickyDeviceError for an error in
+    STICKY_ACL_ERRORS."""
+    with _sticky_acl_errors(device):
+        return _u64_list(_native.acl_transfer(pool_base, runs, to_engine, device,
+                                              None if checksum_offsets is None else _as_u64(checksum_offsets),
+                                              checksum_size))
 
 
 def acl_host_register(addr: int, size: int, device: int = 0) -> int:

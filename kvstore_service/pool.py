@@ -50,7 +50,7 @@ class SlotState(IntEnum):
 
 
 # Slot headers (state, payload length, checksum, generation, namespace hash, key, CRC32C): their
-# layout is defined once, by the native engine (SlotHeader in csrc/copy_engine.cpp), which writes
+# layout is defined once, by the native engine (SlotHeader in csrc/slot_headers.cpp), which writes
 # (Pool.write_headers) and parses (parse_slot_header) them. Changing it needs a new POOL_VERSION.
 SLOT_HEADER_BYTES: int = native.SLOT_HEADER_BYTES  # header stride at the start of a segment (128)
 

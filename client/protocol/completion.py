@@ -129,11 +129,6 @@ class CompletionChannel:
         if _SYS_FUTEX is not None and not self._mm.closed:
             _futex(self._posts_address, _FUTEX_WAKE, 0x7FFFFFFF)
 
-    def post_progress(self, job_id: int, regions: int) -> None:
-        """Daemon side: the first `regions` regions of a load job have landed."""
-        tag = (job_id + 1) & _TAG_MASK
-        PROGRESS.pack_into(self._mm, self._offset(job_id) + 16, tag << PROGRESS_BITS | min(regions, MAX_PROGRESS))
-
     def progress_target(self, job_id: int) -> tuple[int, int]:
         """Daemon side, for a copy that posts a load's progress itself: the address of the job's
         progress word (valid while the channel is open) and the word with no region landed."""

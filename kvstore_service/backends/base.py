@@ -5,8 +5,12 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (the interface itself needs no native engine)
+    from kvstore_service.native import Runs
 
 PAGE = 4096  # pieces of the pool are pinned page-aligned (aclrtHostRegister requires it; CUDA is happy)
 
@@ -21,24 +25,31 @@ class Mapping:
     handle: object = None  # whatever the backend must keep alive and release in unmap()
 
 
+@dataclass(frozen=True, slots=True)
+class ProgressWord:
+    """Where a whole load's copy posts its progress: `word | k` stored at `address` (a completion
+    channel's progress word) once k regions landed, by the copy itself (native.transfer)."""
+
+    address: int
+    word: int
+
+
 @dataclass
 class TransferPlan:
-    """Byte runs to copy: run i is `sizes[i]` bytes at pool offset `pool_offsets[i]` and at
-    `engine_addresses[i]`, an address in one of the session's mappings (a block's regions may lie in
-    several). Every run was bounds-checked against the pool and its mapping."""
+    """A chunk's byte runs (`runs`, held natively: native.plan_transfer's, every run bounds-checked against
+    the pool and its mapping), between the pool and the session's mappings (a block's regions may lie in
+    several)."""
 
-    pool_offsets: array
-    engine_addresses: array
-    sizes: array
+    runs: Runs
     # Set for a whole load (at most Backend.whole_load_bytes): its runs are `regions` equal parts in
-    # layout order, and the copy calls progress(k) once part k landed (the engine reads a layer as soon
-    # as its part is in).
+    # layout order, and the copy posts at `progress` once each part landed (the engine reads a layer as
+    # soon as its part is in).
     regions: int = 1
-    progress: Callable[[int], None] | None = None
+    progress: ProgressWord | None = None
 
     @property
     def total_bytes(self) -> int:
-        return sum(self.sizes)
+        return self.runs.total_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,28 +71,9 @@ class ChecksumSample:
                 if want not in (UNKNOWN_CHECKSUM, got)]
 
 
-class ProgressWord:
-    """TransferPlan.progress for a whole load whose copy can post its progress itself: `word | k`
-    stored at `address` (a completion channel's progress word) once k regions landed; calling it
-    posts through `post` (the same word, from Python)."""
-
-    __slots__ = ("address", "word", "post")
-
-    def __init__(self, address: int, word: int, post: Callable[[int], None]) -> None:
-        self.address, self.word, self.post = address, word, post
-
-    def __call__(self, regions: int) -> None:
-        self.post(regions)
-
-
-def without(plan: TransferPlan, skip: Sequence[int], blocks: int) -> TransferPlan:
-    """The plan minus the runs of the blocks at these positions (runs are region-major, `blocks` per region)."""
-    drop = set(skip)
-    keep = [k for k in range(blocks) if k not in drop]
-    regions = len(plan.sizes) // blocks
-    pool_offsets, engine_addresses, sizes = (array("Q", (a[r * blocks + k] for r in range(regions) for k in keep))
-                                             for a in (plan.pool_offsets, plan.engine_addresses, plan.sizes))
-    return replace(plan, pool_offsets=pool_offsets, engine_addresses=engine_addresses, sizes=sizes)
+def without(plan: TransferPlan, skip: Sequence[int]) -> TransferPlan:
+    """The plan minus the runs of the blocks at these positions."""
+    return replace(plan, runs=plan.runs.without(array("Q", skip)))
 
 
 def pool_pieces(base: int, data_offset: int, segment_size: int, segments: int) -> list[tuple[int, int]]:
@@ -144,15 +136,14 @@ class Backend(ABC):
         its device is the device of all of them. The job's order_pending records are done by now.
         Runs in one of the daemon's copy threads of the mapping's device; raises on any failure."""
 
-    def transfer(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool, blocks: int,
+    def transfer(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool,
                  check: ChecksumSample | None = None) -> list[int]:
-        """One chunk of a job (`blocks` blocks, the plan's runs region-major): copy it and verify
-        the `check` sample in the pool. Returns the positions of the corrupt ones, which the job
-        reports failed. This default checksums first, then calls copy() for the blocks that passed; a
-        load not copied whole goes to load_checksummed where the backend has it. (The engine reads none
-        of such a load's blocks before the job's completion, so a corrupt block may land there,
-        failed.) The cpu backend does both in one native call, and checksums the sample of a load not
-        copied whole as it copies it, reading its bytes once."""
+        """One chunk of a job: copy it and verify the `check` sample in the pool. Returns the positions
+        of the corrupt ones, which the job reports failed. This default checksums first, then calls
+        copy() for the blocks that passed; a load not copied whole goes to load_checksummed where the
+        backend has it. (The engine reads none of such a load's blocks before the job's completion, so a
+        corrupt block may land there, failed.) The cpu backend does both in one native call, and
+        checksums the sample of a load not copied whole as it copies it, reading its bytes once."""
         if check is not None and to_engine and plan.progress is None and self.checksums_while_copying:
             return check.corrupt(self.load_checksummed(mapping, pool_base, plan, check))
         corrupt: list[int] = []
@@ -161,7 +152,7 @@ class Backend(ABC):
 
             corrupt = check.corrupt(native.checksum_blocks(pool_base, check.offsets, check.size))
         if corrupt:
-            plan = without(plan, corrupt, blocks)
+            plan = without(plan, corrupt)
         self.copy(mapping, pool_base, plan, to_engine)
         return corrupt
 

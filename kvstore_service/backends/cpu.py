@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from kvstore_client.protocol import memfd
 from kvstore_service import native, native_memory
-from kvstore_service.backends.base import Backend, ChecksumSample, Mapping, ProgressWord, TransferPlan
+from kvstore_service.backends.base import Backend, ChecksumSample, Mapping, TransferPlan
 
 POPULATE_CHUNK = 64 << 20  # the session can end between two chunks (~10-20 ms each)
 # A load up to this size is copied whole by one thread with plain stores, so its bytes are still in
@@ -92,41 +92,29 @@ class CpuBackend(Backend):
         except BufferError:  # a stray export still holds it; the GC unmaps it later
             pass
 
-    def transfer(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool, blocks: int,
+    def transfer(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool,
                  check: ChecksumSample | None = None) -> list[int]:
         """The chunk in one native call: its checksum sample, its copy and, for a whole load, each
-        region's arrival posted in the completion channel, all without the GIL (a progress callback
-        other than the channel's own word goes through copy(), region by region)."""
-        progress = plan.progress
-        if progress is not None and not isinstance(progress, ProgressWord):
-            return super().transfer(mapping, pool_base, plan, to_engine, blocks, check)  # (copy() checks)
-        _check_intact(mapping)
-        whole = progress is not None and to_engine
-        corrupt = native.transfer(pool_base, plan.pool_offsets, plan.engine_addresses, plan.sizes, to_engine, blocks,
-                               streaming=not whole,
-                               progress=progress.address if whole and progress is not None else 0,
-                               progress_word=progress.word if whole and progress is not None else 0,
-                               check=None if check is None else check.positions,
-                               check_offsets=None if check is None else check.offsets,
-                               check_size=0 if check is None else check.size,
-                               expected=None if check is None else check.expected)
-        _check_intact(mapping)  # (a store that read zeros where the memory was shrunk commits nothing)
-        return corrupt
+        region's arrival posted in the completion channel, all without the GIL."""
+        return _transfer(mapping, pool_base, plan, to_engine, check)
 
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
-        _check_intact(mapping)
-        if to_engine and plan.progress is not None:
-            per = len(plan.sizes) // plan.regions  # runs of one region (one layer, or a part of one)
-            for k in range(plan.regions):
-                part = slice(k * per, (k + 1) * per)
-                native.copy_blocks(pool_base, 0, plan.pool_offsets[part], plan.engine_addresses[part],
-                                   plan.sizes[part], streaming=False)
-                plan.progress(k + 1)
-        elif to_engine:
-            native.copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes)
-        else:
-            native.copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes)
-        _check_intact(mapping)
+        _transfer(mapping, pool_base, plan, to_engine, None)
+
+
+def _transfer(mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool,
+              check: ChecksumSample | None) -> list[int]:
+    _check_intact(mapping)
+    progress = plan.progress if to_engine else None
+    corrupt = native.transfer(pool_base, plan.runs, to_engine, streaming=progress is None,
+                              progress=0 if progress is None else progress.address,
+                              progress_word=0 if progress is None else progress.word,
+                              check=None if check is None else check.positions,
+                              check_offsets=None if check is None else check.offsets,
+                              check_size=0 if check is None else check.size,
+                              expected=None if check is None else check.expected)
+    _check_intact(mapping)  # (a store that read zeros where the memory was shrunk commits nothing)
+    return corrupt
 
 
 def _check_intact(mapping: Mapping) -> None:

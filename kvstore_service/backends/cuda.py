@@ -295,16 +295,9 @@ class CudaBackend(Backend):
 
     def load_checksummed(self, mapping: Mapping, pool_base: int, plan: TransferPlan,
                          check: ChecksumSample) -> list[int]:
-        return native_device.cuda_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes, "h2d",
-                                              mapping.device, checksum_base=pool_base, checksum_offsets=check.offsets,
-                                              checksum_size=check.size)
+        return native_device.cuda_transfer(pool_base, plan.runs, True, mapping.device, check.offsets, check.size)
 
     def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         # Ordered already: the job's copies start only once the engine's records made before the job
         # arrived are done (order_pending / order_waiting).
-        if to_engine:
-            native_device.cuda_copy_blocks(pool_base, 0, plan.pool_offsets, plan.engine_addresses, plan.sizes,
-                                           "h2d", mapping.device)
-        else:
-            native_device.cuda_copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes,
-                                           "d2h", mapping.device)
+        native_device.cuda_transfer(pool_base, plan.runs, to_engine, mapping.device)

@@ -278,11 +278,9 @@ def test_other_copy_errors_stay_runtime_errors(monkeypatch: pytest.MonkeyPatch, 
 
 
 def test_backend_copy_propagates_sticky_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native_device, "_native", SimpleNamespace(cuda_copy_blocks=raising(719)))
-    from array import array
-
+    monkeypatch.setattr(native_device, "_native", SimpleNamespace(cuda_transfer=raising(719)))
     backend = CudaBackend.__new__(CudaBackend)
-    plan = TransferPlan(array("Q", [0]), array("Q", [0]), array("Q", [4096]))
+    plan = TransferPlan(native.runs_of([0], [0], [4096]))
     with pytest.raises(StickyDeviceError) as info:
         backend.copy(Mapping(BASE, 4096, device=2, handle=Held(None, 0, None)), 0x1000, plan, to_engine=True)
     assert info.value.code == 719 and info.value.device == 2
@@ -779,9 +777,9 @@ a2 = step("map a2", backend.map, handle(1, RING_A), 8 * BLOCK, 0)  # the same en
 b = step("map b", backend.map, handle(2, b"\x0b" * 64), 8 * BLOCK, 0)
 c = step("map c", backend.map, handle(3, b""), 8 * BLOCK, 0)  # version 1: an older client
 slot = pool.data_offset + 1024
-plan = TransferPlan(array("Q", [slot, slot + 2 * BLOCK]), array("Q", [0, 0]), array("Q", [BLOCK, BLOCK]))
+slots = array("Q", [slot, slot + 2 * BLOCK])
 def at(mapping, blocks):
-    return TransferPlan(plan.pool_offsets, array("Q", [mapping.base + i * BLOCK for i in blocks]), plan.sizes)
+    return TransferPlan(native.runs_of(slots, [mapping.base + i * BLOCK for i in blocks], [BLOCK, BLOCK]))
 if a1 is not None:
     out["pending"] = step("pending a", backend.order_pending, a1)
     out["waiting"] = step("waiting a", backend.order_waiting, a1, out["pending"] or [])
@@ -789,9 +787,9 @@ if a1 is not None:
         out[f"pending a seq {seq}"] = step(f"pending a seq {seq}", backend.order_pending, a1, seq)
     step("store a", backend.copy, a1, pool.base, at(a1, [0, 2]), False)
 if a1 is not None:  # 16 MiB of runs: spread over several streams
-    wide = TransferPlan(array("Q", [slot] * 4096), array("Q", [a1.base] * 4096), array("Q", [BLOCK] * 4096))
+    wide = TransferPlan(native.runs_of([slot] * 4096, [a1.base] * 4096, [BLOCK] * 4096))
     step("store wide", backend.copy, a1, pool.base, wide, False)
-    long = TransferPlan(array("Q", [slot]), array("Q", [a1.base]), array("Q", [80 * BLOCK]))  # one 320 KiB run
+    long = TransferPlan(native.runs_of([slot], [a1.base], [80 * BLOCK]))  # one 320 KiB run
     step("store long", backend.copy, a1, pool.base, long, False)
     out["stored long"] = ctypes.string_at(pool.base + slot, 80 * BLOCK) == bytes([1]) * 80 * BLOCK
 if b is not None:
@@ -799,8 +797,8 @@ if b is not None:
     out["loaded"] = [engines[2].raw[i * BLOCK:(i + 1) * BLOCK] == bytes([1]) * BLOCK for i in range(8)]
     # A load's checksum sample, taken as it copies: its second block's expected sum is wrong.
     good = native.crc32c(bytes([1]) * BLOCK)
-    check = ChecksumSample(array("Q", [0, 1]), plan.pool_offsets, BLOCK, array("Q", [good, good ^ 1]))
-    out["corrupt"] = step("load b checked", backend.transfer, b, pool.base, at(b, [4, 6]), True, 2, check)
+    check = ChecksumSample(array("Q", [0, 1]), slots, BLOCK, array("Q", [good, good ^ 1]))
+    out["corrupt"] = step("load b checked", backend.transfer, b, pool.base, at(b, [4, 6]), True, check)
     out["loaded checked"] = [engines[2].raw[i * BLOCK:(i + 1) * BLOCK] == bytes([1]) * BLOCK for i in range(8)]
 if c is not None:
     out["pending c"] = step("pending c", backend.order_pending, c)

@@ -32,7 +32,7 @@ from kvstore_client.protocol.npu_identity import (
     parse_npu_smi_map,
     physical_npu,
 )
-from kvstore_service import native_device
+from kvstore_service import native, native_device
 from kvstore_service.backends.base import ChecksumSample, Mapping, TransferPlan, pool_pieces
 from kvstore_service.backends.npu import (
     ACL_NOT_SUPPORTED,
@@ -299,6 +299,13 @@ if "h2d" in sys.argv[3] and not err:  # a load's checksum sample, taken while th
                                offs[:3], bs)
     out["sums_ok"] = sums == nat.checksum_blocks(addr(src), offs[:3], bs) and len(sums) == 24
     out["sums_sync"] = get("sync")
+    # A chunk's Runs, as the daemon copies them (acl_transfer): pool -> engine, the pool's sample checksummed.
+    back = mmap.mmap(-1, n * bs)
+    runs = nat.Runs(offs, array("Q", [addr(back) + o for o in offs]), sizes)
+    sums = nat.acl_transfer(addr(src), runs, True, 0, offs[:3], bs)
+    out["transfer_ok"] = (sums == nat.checksum_blocks(addr(src), offs[:3], bs)
+                          and all(back[o:o + bs] == src[o:o + bs] for o in offs) and back[bs:2 * bs] == bytes(bs))
+    out["transfer_batches"] = get("batch") - out["h2d"]["batch"]
 out["features_after"] = {k: v for k, v in nat.features().items() if k.startswith("acl")}
 try:  # run by run, one run 8 bytes off a 64-byte boundary
     nat.acl_copy_blocks(addr(src), addr(dst), array("Q", [0, 8 + bs]), array("Q", [0, 8 + bs]),
@@ -363,6 +370,7 @@ def test_fake_acl_batch_used_and_features_do_not_init(fake_acl: dict[str, Path])
     assert out["errors"] == {} and out["bytes_ok"]
     # With a checksum sample: the same copy (one more wait for the stream) and the sample's CRC32C.
     assert out["sums_ok"] and out["sums_sync"] == out["h2d"]["sync"] + 1
+    assert out["transfer_ok"] and out["transfer_batches"] == 2  # (the sample's copy, then the Runs' one)
 
 
 def test_fake_acl_unaligned_run_by_run_copies_are_refused_saying_why(fake_acl: dict[str, Path]) -> None:
@@ -560,19 +568,20 @@ def test_pool_registration_failure_unregisters_its_pieces_and_only_warns_once(
 
 def test_a_loads_checksum_sample_goes_with_its_copy(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunked load's sample is checksummed by the copy call itself, while its DMA runs: one
-    acl_copy_blocks, whose sums name the corrupt block."""
+    acl_transfer, whose sums name the corrupt block."""
     calls: list[dict] = []
 
     class CopyStub(StubNative):
-        def acl_copy_blocks(self, *args: object, **kwargs: object) -> list[int]:
-            calls.append({"args": args, **kwargs})
+        def acl_transfer(self, *args: object) -> list[int]:
+            calls.append({"args": args})
             return [11, 99]  # the second block's sum is not the one expected
 
     backend = bare_backend(monkeypatch, CopyStub(pinned=True), "6.6.0")
-    plan = TransferPlan(array("Q", [0x1000, 0x3000]), array("Q", [0x9000, 0xA000]), array("Q", [4096, 4096]))
+    runs = native.runs_of([0x1000, 0x3000], [0x9000, 0xA000], [4096, 4096])
     check = ChecksumSample(array("Q", [0, 1]), array("Q", [0x1000, 0x3000]), 4096, array("Q", [11, 22]))
     mapping = Mapping(0x9000, 8192, device=2)
-    assert backend.transfer(mapping, 0x7000_0000, plan, True, 2, check) == [1]
+    assert backend.transfer(mapping, 0x7000_0000, TransferPlan(runs), True, check) == [1]
     (call,) = calls
-    assert call["args"][5:7] == ("h2d", 2) and call["checksum_base"] == 0x7000_0000
-    assert list(call["checksum_offsets"]) == [0x1000, 0x3000] and call["checksum_size"] == 4096
+    pool_base, copied, to_engine, device, offsets, size = call["args"]
+    assert (pool_base, copied, to_engine, device, size) == (0x7000_0000, runs, True, 2, 4096)
+    assert list(offsets) == [0x1000, 0x3000]

@@ -14,7 +14,6 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -59,8 +58,6 @@ class FakeBackend(Backend):
         self.device_seconds = 0.0  # how long opening or closing engine memory takes (a device call)
         self.broken: native_device.StickyDeviceError | None = None  # raised by every copy once set
         self.loads: list[tuple[int, bool]] = []  # (bytes, whole) of each load plan copied
-        # Of each progress report of a load: (regions reported, which regions had landed by then).
-        self.progress: list[tuple[int, list[bool]]] = []
 
     def map(self, handle: bytes, size: int, device: int, fd: int | None) -> Mapping:
         time.sleep(self.device_seconds)
@@ -71,7 +68,7 @@ class FakeBackend(Backend):
         time.sleep(self.device_seconds)
         self.unmapped.append(mapping)
 
-    def copy(self, device: int, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
+    def copy(self, mapping: Mapping, pool_base: int, plan: TransferPlan, to_engine: bool) -> None:
         if not self.gate.is_set():
             self.copies_waiting += 1
         if to_engine and not self.load_gate.is_set():
@@ -81,28 +78,7 @@ class FakeBackend(Backend):
             raise self.broken
         if to_engine:
             self.loads.append((plan.total_bytes, plan.progress is not None))
-            if plan.progress is not None:
-                plan = replace(plan, progress=self._observer(pool_base, plan))
-            CpuBackend.copy(self, device, pool_base, plan, to_engine)  # type: ignore[arg-type]
-        else:
-            native.copy_blocks(0, pool_base, plan.engine_addresses, plan.pool_offsets, plan.sizes)
-
-
-    def _observer(self, pool_base: int, plan: TransferPlan) -> Callable[[int], None]:
-        """plan.progress, first noting which of the plan's regions are in the engine at each report."""
-        per, post = len(plan.sizes) // plan.regions, plan.progress
-        assert post is not None
-
-        def landed(run: int) -> bool:
-            size = plan.sizes[run]
-            return (ctypes.string_at(plan.engine_addresses[run], size)
-                    == ctypes.string_at(pool_base + plan.pool_offsets[run], size))
-
-        def observe(regions: int) -> None:
-            self.progress.append((regions, [all(landed(r * per + i) for i in range(per))
-                                            for r in range(plan.regions)]))
-            post(regions)
-        return observe
+        CpuBackend.copy(self, mapping, pool_base, plan, to_engine)  # type: ignore[arg-type]  # (the native copy)
 
 
 class Core:
@@ -337,9 +313,9 @@ def test_a_load_up_to_the_backends_whole_load_bytes_goes_whole_to_one_copy_threa
 
 
 def test_a_whole_load_reports_each_region_as_it_lands(tmp_path: Path) -> None:
-    """The CPU backend copies a whole load region by region, in layout order, and posts each region's
-    arrival in the engine's completion channel (the vLLM connector lets a forward read it layer by
-    layer); a load copied in chunks reports only its completion."""
+    """A whole load is copied with the engine's completion channel as its progress word: the copy posts each
+    region's arrival there (the vLLM connector lets a forward read it layer by layer; the order of the
+    posts and the bytes is native.transfer's spec); a load copied in chunks reports only its completion."""
     async def body(core: Core) -> None:
         engine = await core.engine(regions=4)
         for b in range(8):
@@ -347,13 +323,13 @@ def test_a_whole_load_reports_each_region_as_it_lands(tmp_path: Path) -> None:
         assert await finish(core.jobs, engine, 1, keys_of(8), list(range(8)), True) == (8, 0)
         core.backend.whole_load_bytes = 8 * BLOCK
         assert await finish(core.jobs, engine, 2, keys_of(8), list(range(16, 24)), False) == (8, 0)
-        assert core.backend.progress == [(k, [r < k for r in range(4)]) for k in range(1, 5)]
+        assert core.backend.loads == [(8 * BLOCK, True)]
         assert engine.channel.progress(2) == 4
         assert engine.channel.progress(2 + SLOTS) == 0  # the same slot, another job: not its progress
         assert all(block_bytes(engine, 16 + b) == bytes([0x30 + b]) * BLOCK for b in range(8))
         core.backend.whole_load_bytes = 0
         assert await finish(core.jobs, engine, 3, keys_of(8), list(range(24, 32)), False) == (8, 0)
-        assert engine.channel.progress(3) == 0 and len(core.backend.progress) == 4
+        assert engine.channel.progress(3) == 0 and core.backend.loads[1:] == [(8 * BLOCK, False)]
 
     run(tmp_path, body)
 

@@ -296,6 +296,16 @@ def test_the_architecture_map_names_every_module_of_the_daemon() -> None:
     assert sorted(rooms - named) == [], "modules docs/architecture.md does not name"
 
 
+def test_the_architecture_map_names_every_file_of_the_native_engine() -> None:
+    """docs/architecture.md's table of csrc/: each C++ file of the extension, and setup.py builds each."""
+    doc = (REPO / "docs" / "architecture.md").read_text()
+    files = sorted(path.name for path in (REPO / "csrc").glob("*.cpp"))
+    assert len(files) > 10
+    assert [name for name in files if f"`{name}`" not in doc] == [], "csrc files docs/architecture.md does not name"
+    setup = (REPO / "setup.py").read_text()
+    assert [name for name in files if f'"{name.removesuffix(".cpp")}"' not in setup] == [], "csrc files not built"
+
+
 def test_every_lock_of_the_daemon_is_named_in_the_architecture() -> None:
     """What runs off the event loop takes the locks architecture.md names, and no others: a threading
     lock made anywhere in kvstore_service is in its table."""

@@ -286,7 +286,7 @@ def test_checksum_blocks_match_portable_crc_on_big_blocks(threads: int) -> None:
 
 # ---- slot headers -------------------------------------------------------------------------------
 
-# The slot header as the pool file stores it (SlotHeader in csrc/copy_engine.cpp, the one definition
+# The slot header as the pool file stores it (SlotHeader in csrc/slot_headers.cpp, the one definition
 # the code uses), pinned here: magic, state, payload_len, checksum, generation, ns_hash, key_len, key,
 # then the CRC32C of those 116 bytes. A change that breaks this needs a new pool.POOL_VERSION.
 PINNED_BODY = struct.Struct("<IIQQQ16sI64s")
@@ -428,6 +428,13 @@ def test_device_copy_validates_arguments_first(kind: str) -> None:
         device_copy(0, 0, [0, 8], [0], [8], "h2d", 0)
     with pytest.raises(OverflowError):
         device_copy(2**64 - 4, 0, [0], [0], [8], "d2h", 0)
+    transfer = getattr(native_device, f"{kind}_transfer")  # a chunk's Runs: checked the same way, before any call
+    with pytest.raises(TypeError, match="runs must be a Runs"):
+        transfer(0, [0, 8], True, 0)
+    with pytest.raises(OverflowError):
+        transfer(2**64 - 4, native.runs_of([0], [0], [8]), False, 0)
+    with pytest.raises(OverflowError, match="checksum"):
+        transfer(2**64 - 4, native.runs_of([0], [0], [0]), True, 0, [0], 8)
 
 
 def test_cuda_raises_cleanly_without_driver() -> None:
@@ -438,6 +445,8 @@ def test_cuda_raises_cleanly_without_driver() -> None:
     mem = Mem(4096)
     with pytest.raises(RuntimeError, match="CUDA"):
         native_device.cuda_copy_blocks(mem.addr, 0x1000, [0], [0], [4096], "h2d", 0)
+    with pytest.raises(RuntimeError, match="CUDA"):
+        native_device.cuda_transfer(mem.addr, native.runs_of([0], [0x1000], [4096]), True, 0)
     with pytest.raises(RuntimeError, match="CUDA"):
         native_device.cuda_host_register(mem.addr, 4096)
     with pytest.raises(RuntimeError, match="CUDA"):
@@ -452,6 +461,8 @@ def test_acl_raises_cleanly_without_runtime() -> None:
     match = "not compiled" if not feats["acl_compiled"] else "Ascend|acl"
     with pytest.raises(RuntimeError, match=match):
         native_device.acl_copy_blocks(mem.addr, 0x1000, [0], [0], [4096], "h2d", 0)
+    with pytest.raises(RuntimeError, match=match):
+        native_device.acl_transfer(mem.addr, native.runs_of([0], [0x1000], [4096]), True, 0)
     with pytest.raises(RuntimeError, match=match):
         native_device.acl_host_register(mem.addr, 4096)
 

@@ -1,5 +1,6 @@
 """The native chunk path: plan_transfer (a chunk's runs over the registered regions, bounds-checked
-before anything moves) and transfer (checksum sample, copy and progress word in one call)."""
+before anything moves, held natively as Runs) and transfer (checksum sample, copy and progress word in
+one call)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ def regions_of(base: int, size: int, count: int, num_blocks: int) -> array[int]:
 
 def test_the_plan_is_region_major_with_the_shard_offset_and_every_run_in_bounds() -> None:
     engine, base = buffer(2 * 8 * BLOCK)
-    pool_offsets, addresses, sizes = native.plan_transfer([1000, 5000], [3, 6], regions_of(base, len(engine), 2, 8),
-                                                          8, 1 << 20, shard_offset=7)
+    runs = native.plan_transfer([1000, 5000], [3, 6], regions_of(base, len(engine), 2, 8), 8, 1 << 20,
+                                shard_offset=7)
+    assert (runs.blocks, len(runs), runs.total_bytes) == (2, 4, 4 * BLOCK)
+    pool_offsets, addresses, sizes = native.columns(runs)
     assert list(pool_offsets) == [1007, 5007, 1007 + BLOCK, 5007 + BLOCK]
     assert list(addresses) == [base + 3 * BLOCK, base + 6 * BLOCK, base + 11 * BLOCK, base + 14 * BLOCK]
     assert list(sizes) == [BLOCK] * 4
@@ -64,7 +67,7 @@ def test_transfer_copies_both_ways_and_names_the_blocks_that_fail_their_checksum
                                 len(pool))
     sums = native.checksum_blocks(pool_base, slots, count * BLOCK)
     expected = array("Q", [sums[1] ^ 1, native.UNKNOWN_CHECKSUM, sums[3]])  # block 1 corrupt, 2 unknown
-    corrupt = native.transfer(pool_base, *plan, to_engine=True, blocks=num_blocks, check=[1, 2, 3],
+    corrupt = native.transfer(pool_base, plan, to_engine=True, check=[1, 2, 3],
                               check_offsets=[slots[1], slots[2], slots[3]], check_size=count * BLOCK,
                               expected=expected)
     assert corrupt == [1]
@@ -74,7 +77,7 @@ def test_transfer_copies_both_ways_and_names_the_blocks_that_fail_their_checksum
             if k != 1:  # (a chunked load's corrupt block may land: its job names it failed)
                 assert got == ctypes.string_at(pool_base + slots[k] + r * BLOCK, BLOCK), (k, r)
     ctypes.memset(pool, 0, len(pool))
-    assert native.transfer(pool_base, *plan, to_engine=False, blocks=num_blocks, threads=2) == []
+    assert native.transfer(pool_base, plan, to_engine=False, threads=2) == []
     assert ctypes.string_at(pool_base + slots[1], BLOCK) == ctypes.string_at(base, BLOCK)  # engine block 0
     assert ctypes.string_at(pool_base + slots[0], BLOCK) == ctypes.string_at(base + 2 * BLOCK, BLOCK)
 
@@ -98,7 +101,7 @@ def test_a_chunked_load_checksums_its_sample_as_it_copies_the_shard_it_reads(shi
     sums = native.checksum_blocks(pool_base, slots, payload)
 
     def load() -> list[int]:
-        return native.transfer(pool_base, *plan, to_engine=True, blocks=num_blocks, check=[0, 2],
+        return native.transfer(pool_base, plan, to_engine=True, check=[0, 2],
                                check_offsets=[slots[0], slots[2]], check_size=payload,
                                expected=array("Q", [sums[0], sums[2]]))
     assert load() == []
@@ -117,7 +120,7 @@ def test_a_sample_whose_payload_does_not_hold_the_runs_of_its_block_is_verified_
     plan = native.plan_transfer([0, BLOCK], [0, 1], regions_of(base, len(engine), 1, 2), 2, len(pool))
     elsewhere = 2 * BLOCK  # (the checked bytes are not the block's)
     wrong = native.checksum_blocks(pool_base, [elsewhere], BLOCK)[0] ^ 1
-    assert native.transfer(pool_base, *plan, to_engine=True, blocks=2, check=[1], check_offsets=[elsewhere],
+    assert native.transfer(pool_base, plan, to_engine=True, check=[1], check_offsets=[elsewhere],
                            check_size=BLOCK, expected=[wrong]) == [1]
     assert ctypes.string_at(base, BLOCK) == bytes([0x42]) * BLOCK
     assert ctypes.string_at(base + BLOCK, BLOCK) == bytes(BLOCK)  # not copied
@@ -131,7 +134,7 @@ def test_a_whole_load_verifies_before_it_copies_and_posts_the_regions_landed_in_
     plan = native.plan_transfer([0, count * BLOCK], [0, 1], regions_of(base, len(engine), count, num_blocks),
                                 num_blocks, len(pool))
     wrong = native.checksum_blocks(pool_base, [count * BLOCK], count * BLOCK)[0] ^ 1
-    assert native.transfer(pool_base, *plan, to_engine=True, blocks=num_blocks, streaming=False,
+    assert native.transfer(pool_base, plan, to_engine=True, streaming=False,
                            progress=ctypes.addressof(word), progress_word=7 << 16, check=[1],
                            check_offsets=[count * BLOCK], check_size=count * BLOCK, expected=[wrong]) == [1]
     assert word[0] == 7 << 16 | count
@@ -140,12 +143,25 @@ def test_a_whole_load_verifies_before_it_copies_and_posts_the_regions_landed_in_
         assert ctypes.string_at(base + (r * num_blocks + 1) * BLOCK, BLOCK) == bytes(BLOCK)
 
 
+def test_runs_without_some_blocks_keep_the_others_region_major() -> None:
+    runs = native.runs_of([0, 10, 20, 30, 40, 50], [100, 110, 120, 130, 140, 150], [1, 2, 3, 4, 5, 6], blocks=3)
+    rest = runs.without(array("Q", [1]))
+    assert (rest.blocks, rest.total_bytes) == (2, 1 + 3 + 4 + 6)
+    assert [list(c) for c in native.columns(rest)] == [[0, 20, 30, 50], [100, 120, 130, 150], [1, 3, 4, 6]]
+    assert runs.without(array("Q", [0, 1, 2])).blocks == 0 and len(runs) == 6  # (the original is unchanged)
+    with pytest.raises(ValueError, match="position 3 is not among 3 blocks"):
+        runs.without(array("Q", [3]))
+
+
 def test_transfer_validates_its_arguments_first() -> None:
     with pytest.raises(ValueError, match="not whole regions of 2 blocks"):
-        native.transfer(0, [0, 8, 16], [0, 8, 16], [8, 8, 8], True, 2)
+        native.runs_of([0, 8, 16], [0, 8, 16], [8, 8, 8], blocks=2)
     with pytest.raises(ValueError, match="same length"):
-        native.transfer(0, [0], [0, 8], [8], True, 1)
+        native.runs_of([0], [0, 8], [8])
+    with pytest.raises(TypeError, match="runs must be a Runs"):
+        native.transfer(0, [0, 8], True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not a position among 1 blocks"):
-        native.transfer(0, [0], [0], [8], True, 1, check=[1], check_offsets=[0], check_size=8, expected=[0])
+        native.transfer(0, native.runs_of([0], [0], [8]), True, check=[1], check_offsets=[0], check_size=8,
+                        expected=[0])
     with pytest.raises(OverflowError):
-        native.transfer(2**64 - 4, [0], [0], [8], True, 1)
+        native.transfer(2**64 - 4, native.runs_of([0], [0], [8]), True)
