@@ -40,7 +40,7 @@ def main() -> int:
     from support.vllm.tiny_model import build_tiny_model
 
     model = build_tiny_model(args.model_dir, size="bench")
-    daemon = bv.Daemon(work, args.pool_size).start()
+    daemon = bv.BenchDaemon(work, args.pool_size).start()
     pythonpath = os.environ.get("PYTHONPATH", "")
     runs: dict[str, list[float]] = {"base": [], "new": []}
     ttfts: dict[str, list[float]] = {"base": [], "new": []}  # each engine's p50 TTFT on its hits

@@ -80,14 +80,14 @@ from typing import Any
 
 # The pieces, by concept (each imports neither kvstore nor vLLM at module level: the engine processes and
 # vLLM's spawned workers import this module, the LMCache engines in a venv without kvstore):
-from vllm_common import TESTS, Daemon, parse_bytes, pct, random_prompts, spread, ttft_run
+from vllm_common import TESTS, BenchDaemon, parse_bytes, pct, random_prompts, spread, ttft_run
 from vllm_engine import engine_main
 from vllm_lmcache import LMCacheServer, side_by_side
 from vllm_report import print_report, step_summary
 from vllm_throughput import ab, throughput
 from vllm_ttft import Bench, disk_section, remote_section, ttft_sections
 
-__all__ = ["TESTS", "Bench", "Daemon", "LMCacheServer", "ab", "disk_section", "engine_main", "main", "parse_args",
+__all__ = ["TESTS", "Bench", "BenchDaemon", "LMCacheServer", "ab", "disk_section", "engine_main", "main", "parse_args",
            "parse_bytes", "pct", "print_report", "random_prompts", "remote_section", "side_by_side", "spread",
            "step_summary", "throughput", "ttft_run", "ttft_sections"]
 
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvstore-bench-vllm-"))
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"model {model}; workdir {workdir}", flush=True)
-    daemon = Daemon(workdir, args.pool_size).start()
+    daemon = BenchDaemon(workdir, args.pool_size).start()
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "skip"}
     report: dict[str, Any] = {"config": config, "workdir": str(workdir)}
     try:

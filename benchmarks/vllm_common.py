@@ -71,7 +71,7 @@ def outputs(result: dict[str, Any]) -> list[list[int]]:
     return [r["output_token_ids"] for r in result["requests"]]
 
 
-class Daemon:
+class BenchDaemon:
     """The benchmark's daemon (a `kvstore_service.harness.DaemonProcess`), plus what the report reads of it.
 
     kvstore is imported here, not at module level: vLLM's multi-process engines (CPU: spawn) re-import this
@@ -83,7 +83,7 @@ class Daemon:
         self.process = DaemonProcess(workdir, pool_size, "64MiB", "--fresh", *extra)
         self.socket = self.process.socket
 
-    def start(self) -> Daemon:
+    def start(self) -> BenchDaemon:
         self.process.start()
         return self
 

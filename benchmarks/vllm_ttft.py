@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_common import BENCH_DIR, TIMED_CONNECTOR, Daemon, outputs, parse_bytes, pct, ttft_run
+from vllm_common import BENCH_DIR, TIMED_CONNECTOR, BenchDaemon, outputs, parse_bytes, pct, ttft_run
 from vllm_lmcache import lmcache_env, side_by_side
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, model: Path, daemon: Daemon, workdir: Path) -> None:
+    def __init__(self, args: argparse.Namespace, model: Path, daemon: BenchDaemon, workdir: Path) -> None:
         self.args = args
         self.model = model
         self.daemon = daemon
@@ -130,10 +130,10 @@ class Bench:
         run = ttft_run("remote", a.prompts, tokens)
         store = RedisServer(self.workdir / "redis", free_ports(1)[0], maxmemory="4gb").start()
         url = f"redis://{store.address}"
-        node_a = Daemon(self.workdir / "node_a", a.pool_size, "--remote", url).start()
-        node_b = Daemon(self.workdir / "node_b", a.pool_size, "--remote", url).start()
+        node_a = BenchDaemon(self.workdir / "node_a", a.pool_size, "--remote", url).start()
+        node_b = BenchDaemon(self.workdir / "node_b", a.pool_size, "--remote", url).start()
 
-        def connector(node: Daemon) -> dict[str, Any]:
+        def connector(node: BenchDaemon) -> dict[str, Any]:
             return {**self.plain_connector(), "kv_connector_extra_config": {"socket": node.socket}}
 
         try:
@@ -170,7 +170,7 @@ class Bench:
         a = self.args
         run = ttft_run("disk", a.prompts, tokens)
         disk_dir = Path(a.disk_dir or self.workdir) / f"disk-{os.getpid()}-{tokens}"
-        node = Daemon(self.workdir / "disk_node", a.pool_size, "--disk-path", str(disk_dir)).start()
+        node = BenchDaemon(self.workdir / "disk_node", a.pool_size, "--disk-path", str(disk_dir)).start()
         connector = {**self.plain_connector(), "kv_connector_extra_config": {"socket": node.socket}}
         try:
             engine_a = self.engine(f"disk{tokens}_a_store", connector, **run)

@@ -94,7 +94,8 @@ class Daemon:
                 backends[name] = open_backend(name, self.pool)
             except KVError as e:
                 raise ValueError(f"--devices {name}: {e.message}") from None
-        self.sessions = Sessions(config, self.pool, self.index, self.jobs.off_loop, backends, settle=self.jobs.settle)
+        self.sessions = Sessions(config, self.pool, self.index, self.jobs.device_call, backends,
+                                 settle=self.jobs.settle)
         self.tiers: Tiers | None = None  # made on the event loop: `open_tiers`
         if self.recovered:
             log.info("re-attached pool %s: %d blocks recovered", config.pool_path, self.recovered)

@@ -358,7 +358,7 @@ class BlockIndex:
     def reserve(self, ns: Namespace, keys: list[bytes]) -> list[Block]:
         """WRITING slots for whole blocks that a lower tier holds (promotion): for the leading keys
         absent from the namespace (as far as the pool has room); commit them with
-        `complete_store(blocks, ok, whole=True)`."""
+        `complete_store(blocks, ok, all_shards=True)`."""
         committed, writing = ns._committed, ns._writing
         absent = list(takewhile(lambda k: k not in committed and k not in writing, keys))
         if ns._recovered:  # an unverified copy is replaced by the tier's verified one, as by a store
@@ -372,11 +372,11 @@ class BlockIndex:
 
     def complete_promotion(self, blocks: list[Block], checksums: Sequence[int | None]) -> list[Block]:
         """These `reserve`d blocks are in, verified by their tier with these checksums: committed (as
-        `complete_store(blocks, True, whole=True)`) and marked promoted (never written down again). Returns
+        `complete_store(blocks, True, all_shards=True)`) and marked promoted (never written down again). Returns
         the committed ones; queue them for their seal, which then only writes their slot headers."""
         for block, checksum in zip(blocks, checksums, strict=True):
             block.checksum = checksum
-        done = self.complete_store(blocks, True, whole=True)
+        done = self.complete_store(blocks, True, all_shards=True)
         for block in done:
             block.promoted = True
         return done
@@ -388,17 +388,17 @@ class BlockIndex:
             return 0
         return len(set(keys) & (ns._committed.keys() | ns._writing.keys() | ns._recovered.keys()))
 
-    def complete_store(self, blocks: list[Block], ok: bool, shard: int = 0, whole: bool = False) -> list[Block]:
+    def complete_store(self, blocks: list[Block], ok: bool, shard: int = 0, all_shards: bool = False) -> list[Block]:
         """The copy of these blocks (of one namespace) ended. If `ok`, every byte is in the pool: they
         are committed (lookups and loads see them; their headers wait for their seal). Returns the
         committed ones; a block dropped while it was written is not among them (its slot is free
         already), nor is any block of a failed copy. Sharded: a group is committed when its last
-        part is in."""
+        part is in (`all_shards`: these copies held every shard's part, as a promotion's do)."""
         if not blocks:
             return []
         ns = blocks[0].namespace
         if ns.shards > 1:
-            return self._complete_shard_store(blocks, ok, (1 << ns.shards) - 1 if whole else 1 << shard)
+            return self._complete_shard_store(blocks, ok, (1 << ns.shards) - 1 if all_shards else 1 << shard)
         if not ok:
             self._drop(list(compress(blocks, self.present_all(blocks))))
             return []

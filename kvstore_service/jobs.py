@@ -1,6 +1,6 @@
 """Store and load jobs: plan on the event loop -> copy in a thread -> complete -> publish -> seal.
 
-Its work runs on the daemon's threads (threads.py), and so do the device calls of sessions (`off_loop`). A
+Its work runs on the daemon's threads (threads.py), and so do the device calls of sessions (`device_call`). A
 job is cut into chunks; for each chunk the loop asks the index for slots (store) or pinned blocks
 (load), plans the byte runs, and hands the chunk to one of the `--copy-threads` copy threads, which
 only make native calls. While chunks copy, the loop plans the next ones; two chunks in flight keep a
@@ -174,7 +174,7 @@ class Jobs:
     def on_sealed(self, fn: Callable[[list[Block], list[int]], None] | None) -> None:
         self.seals.on_sealed = fn
 
-    async def off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+    async def device_call(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run a blocking device call in a thread and await it."""
         try:
             return await self.threads.device_call(fn, *args)

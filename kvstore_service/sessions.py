@@ -33,7 +33,7 @@ from kvstore_service.pool import Pool
 from kvstore_service.tenants import UNIX, check_namespace, scoped, split
 
 log = logging.getLogger(__name__)
-# Runs a blocking call in a thread and awaits it (Jobs.off_loop): device calls never block the loop.
+# Runs a blocking call in a thread and awaits it (Jobs.device_call): device calls never block the loop.
 OffLoop = Callable[..., Awaitable[Any]]
 
 
@@ -131,13 +131,13 @@ class Registration:
 class Sessions:
     """The registry of sessions, and the leases they hold on the index's blocks."""
 
-    def __init__(self, config: Config, pool: Pool, index: BlockIndex, off_loop: OffLoop,
+    def __init__(self, config: Config, pool: Pool, index: BlockIndex, device_call: OffLoop,
                  backends: dict[str, Backend] | None = None, *,
                  settle: Callable[[EngineSession], Awaitable[None]]) -> None:
         self.config = config
         self.pool = pool
         self.index = index
-        self.off_loop = off_loop
+        self.device_call = device_call
         self.settle = settle  # waits for an ending session's jobs (Jobs.settle): they use its memory
         self.by_id: dict[bytes, Session] = {}
         self.lease_expiries = 0
@@ -267,7 +267,7 @@ class Sessions:
             for i in range(memories):
                 # Only what the layout addresses is mapped (and prefaulted), whatever the memory's size.
                 fd = fds[1 + i] if request.backend == "cpu" else None
-                mappings.append(await self.off_loop(backend.map, request.handles[i], extents[i], request.device, fd))
+                mappings.append(await self.device_call(backend.map, request.handles[i], extents[i], request.device, fd))
             if request.backend != "cpu":
                 self._check_device(backend, mappings[0].device, memory)
             # Only a registration that got this far creates the namespace (another one may have
@@ -277,7 +277,7 @@ class Sessions:
         except BaseException as e:
             channel.close()
             for mapping in mappings:
-                await self.off_loop(backend.unmap, mapping)
+                await self.device_call(backend.unmap, mapping)
             if isinstance(e, (ValueError, OSError)):
                 raise invalid(str(e)) from None
             raise
@@ -316,7 +316,7 @@ class Sessions:
         if isinstance(known, Backend):
             return known
         if known is None:
-            known = self._backends[name] = asyncio.ensure_future(self.off_loop(open_backend, name, self.pool, False))
+            known = self._backends[name] = asyncio.ensure_future(self.device_call(open_backend, name, self.pool, False))
         try:
             backend = await asyncio.shield(known)
         except Exception:
@@ -362,7 +362,7 @@ class Sessions:
             await self.settle(session)
             session.channel.close()
             for mapping in session.mappings:  # device calls may sync the device
-                await self.off_loop(session.backend.unmap, mapping)
+                await self.device_call(session.backend.unmap, mapping)
         session.ended.set()
         self.by_id.pop(session.session_id, None)
         log.info("session %s ended", session.session_id.hex()[:8])
@@ -372,7 +372,7 @@ class Sessions:
             await self.end(session)
         for backend in self._backends.values():
             if isinstance(backend, Backend):
-                await self.off_loop(backend.unregister_pool)
+                await self.device_call(backend.unregister_pool)
 
     async def reap_unattached(self) -> None:
         """A client that registered but never attached its stream (it died in between)."""

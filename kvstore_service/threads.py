@@ -3,7 +3,7 @@
     copy lanes    --copy-threads per device (backend, index), made on first use; the shared lane runs
                   CPU copies (jobs.py), seals and the verification of recovered blocks (seals.py)
     device calls  device work that may block for long: runtime init, pinning the pool, opening or
-                  closing an engine's IPC memory (jobs.py `Jobs.off_loop`, for sessions.py too)
+                  closing an engine's IPC memory (jobs.py `Jobs.device_call`, for sessions.py too)
     disk I/O      the disk tier's opening, reads, writes and catalog saves (tiers/disk; the native
                   engine moves a call's records on threads of its own besides)
     remote        the remote tier's wrapping of an upload batch (a MAC or an encryption) and opening of

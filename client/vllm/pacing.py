@@ -39,7 +39,7 @@ IDLE_WAIT_S = 0.0005
 LOOKUP_WAIT_S = 0.005
 
 
-class InProcess:
+class ProcessConnectors:
     """The connector sides living in this process. With the scheduler here too (vLLM's uniprocess
     executor), a worker's idle wait also ends when a lookup reply arrives (`lookup_replied`, set by
     the session's background thread after each lookup)."""
@@ -64,18 +64,18 @@ def wait_for_reply(state: Lookup) -> bool:
     """A new request's lookup, the only request of an engine core that sleeps when idle: wait here (at
     most LOOKUP_WAIT_S) rather than answer "ask again", which costs a round trip to the workers and a
     1 ms sleep; the load then starts this step. Call `expect_reply` before starting the lookup."""
-    return InProcess.lookup_replied.wait(LOOKUP_WAIT_S) and state.replied
+    return ProcessConnectors.lookup_replied.wait(LOOKUP_WAIT_S) and state.replied
 
 
 def expect_reply() -> None:
-    InProcess.lookup_replied.clear()
+    ProcessConnectors.lookup_replied.clear()
 
 
 def idle_wait(lookups: Iterable[Lookup], loads_in_flight: bool, core_sleeps_when_idle: bool) -> tuple[bool, bool]:
     """(wait, lookups) for a step with nothing to compute: whether the worker waits for progress, and
     whether lookup replies are awaited (the worker in this process wakes on them)."""
-    replied = InProcess.lookup_replied
-    if InProcess.workers and replied.is_set():
+    replied = ProcessConnectors.lookup_replied
+    if ProcessConnectors.workers and replied.is_set():
         replied.clear()  # replies from here on wake the wait; earlier ones are seen below
     waiting = False
     for state in lookups:
@@ -85,7 +85,7 @@ def idle_wait(lookups: Iterable[Lookup], loads_in_flight: bool, core_sleeps_when
             waiting = True
     if loads_in_flight:
         return True, waiting
-    if waiting and (InProcess.workers or not core_sleeps_when_idle):
+    if waiting and (ProcessConnectors.workers or not core_sleeps_when_idle):
         return True, True
     return False, False  # nothing to wait for, or vLLM's engine core sleeps on its own
 
@@ -100,7 +100,7 @@ def wait_for_progress(session: Session | None, jobs: bool, loads: bool, lookups:
     most IDLE_WAIT_MAX_S (IDLE_LOAD_WAIT_MAX_S with a load in flight); returns the completions seen.
     Sleeps, never spins: the GIL and the cores go to the lookup thread and the daemon's copies. A lookup
     reply in another process cannot be seen from here: IDLE_WAIT_S."""
-    replied = InProcess.lookup_replied if lookups and InProcess.schedulers else None
+    replied = ProcessConnectors.lookup_replied if lookups and ProcessConnectors.schedulers else None
     if session is None or not jobs:  # nothing to poll: one wait
         if replied is None:
             time.sleep(IDLE_WAIT_S)

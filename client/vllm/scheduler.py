@@ -25,7 +25,7 @@ from kvstore_client.vllm.common import (
     state_groups,
 )
 from kvstore_client.vllm.events import Announcer, describe
-from kvstore_client.vllm.pacing import InProcess
+from kvstore_client.vllm.pacing import ProcessConnectors
 from kvstore_client.vllm.plan import Lookup, Planner, Req, split_group_key
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class Scheduler:
         self.tables = None if compat.LAYOUTS else compat.BlockTables()
         self.adapters = Adapters(self)
         self._keyed: dict[str, KeyedRequest] = {}  # LoRA requests as the planner sees them
-        InProcess.schedulers += 1
+        ProcessConnectors.schedulers += 1
 
     # -- vLLM's calls ----------------------------------------------------------------------------
 
@@ -233,7 +233,7 @@ class Scheduler:
             with self._handoff:
                 state.replied = True
                 dropped = state.dropped
-            InProcess.lookup_replied.set()
+            ProcessConnectors.lookup_replied.set()
             if dropped and state.lease_id:
                 self.session.release_lease(state.lease_id)
 
@@ -252,7 +252,7 @@ class Scheduler:
         self.session.describe_blocks(keys, describe(request, blocks, self.block_size))
 
     def close(self) -> None:
-        InProcess.schedulers -= 1
+        ProcessConnectors.schedulers -= 1
         if self.announcer is not None:
             self.announcer.close()
         self.session.close()

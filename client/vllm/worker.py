@@ -19,7 +19,7 @@ from kvstore_client.vllm.early_loads import EarlyLoads
 from kvstore_client.vllm.kv_memory import KVCaches
 from kvstore_client.vllm.pacing import (
     PREEMPTION_WAIT_S,
-    InProcess,
+    ProcessConnectors,
     wait_for_jobs,
     wait_for_progress,
 )
@@ -69,7 +69,7 @@ class Worker:
         self.order_copies = False  # device memory: order the step's kernels before each job (not on CPU)
         self.early = EarlyLoads()  # loads reported done before they landed, read layer by layer
         self.block_bytes = 0  # this engine's bytes of a block
-        InProcess.workers += 1
+        ProcessConnectors.workers += 1
 
     def register(self, kv_caches: KVCaches) -> None:
         """Describe the KV memory and register it with the daemon (kv_memory.py); what cannot be described
@@ -267,7 +267,7 @@ class Worker:
         return None if stats.is_empty() else stats
 
     def close(self) -> None:
-        InProcess.workers -= 1
+        ProcessConnectors.workers -= 1
         if self.session is not None:
             self.session.close()
         self.client.close()

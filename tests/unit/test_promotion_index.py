@@ -19,7 +19,7 @@ def test_a_promotion_replaces_a_recovered_block_not_verified_yet(tmp_path) -> No
     promoted = recovered.reserve(ns2, keys_of(2))  # the lookup missed them: the disk tier has them
     assert [b.key for b in promoted] == keys_of(2) and all(b.state is BlockState.DOOMED for b in old)
     assert recovered.verify(held, [b.checksum for b in old]) == 0  # replaced meanwhile: not brought back
-    assert recovered.complete_store(promoted, ok=True, whole=True) == promoted
+    assert recovered.complete_store(promoted, ok=True, all_shards=True) == promoted
     assert recovered.lookup(ns2, b"".join(keys_of(2)), 32) == promoted
     assert recovered.count == 2 and recovered.unverified_blocks == 0
     assert recovered.clear() == 2 and recovered.count == 0 and sum(s.used for s in again.segments) == 0
@@ -38,7 +38,7 @@ def test_blocks_pinned_for_a_promotion_are_not_evicted_for_it(tmp_path) -> None:
     assert [b.key for b in held] == prompt[:4]
     promoted = index.reserve(ns, prompt[4:])
     assert len(promoted) == capacity - 4  # every other block evicted, not the lookup's
-    index.complete_store(promoted, ok=True, whole=True)
+    index.complete_store(promoted, ok=True, all_shards=True)
     index.unpin(held)
     assert len(index.lookup(ns, b"".join(prompt), 32)) == capacity
     pool.close()
