@@ -22,8 +22,8 @@ from kvstore_service.config import Config
 from kvstore_service.daemon import Daemon
 from kvstore_service.errors import KVError, invalid
 from kvstore_service.events import Batch
-from kvstore_service.layout import Layout, Region
 from kvstore_service.peercred import Handshake, PeerCredServer, close_fds
+from kvstore_service.registered_layout import Layout, Region
 from kvstore_service.sessions import Registration, Session
 from kvstore_service.stats import to_proto
 from kvstore_service.tenants import Caller, Tenancy, check_namespace

@@ -27,9 +27,9 @@ from kvstore_service.backends.base import pool_pieces
 from kvstore_service.config import Config
 from kvstore_service.errors import KVError, invalid
 from kvstore_service.index import Block, BlockIndex, Namespace
-from kvstore_service.layout import Layout
 from kvstore_service.peercred import PeerCred, close_fds
 from kvstore_service.pool import Pool
+from kvstore_service.registered_layout import Layout
 from kvstore_service.tenants import UNIX, check_namespace, scoped, split
 
 log = logging.getLogger(__name__)

@@ -31,8 +31,8 @@ from kvstore_service.daemon import Daemon
 from kvstore_service.errors import KVError
 from kvstore_service.index import Block
 from kvstore_service.jobs import RESULTS_KEPT, Job, Jobs
-from kvstore_service.layout import Layout, Region
 from kvstore_service.peercred import PeerCred
+from kvstore_service.registered_layout import Layout, Region
 from kvstore_service.sessions import EngineSession, Registration, Session
 from kvstore_service.threads import Threads
 

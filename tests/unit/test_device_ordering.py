@@ -34,7 +34,7 @@ from kvstore_service import native_device
 from kvstore_service.backends import Mapping, TransferPlan
 from kvstore_service.daemon import Daemon
 from kvstore_service.errors import KVError
-from kvstore_service.layout import Layout, Region
+from kvstore_service.registered_layout import Layout, Region
 from kvstore_service.servicer import Servicer
 from kvstore_service.sessions import EngineSession, Registration
 

@@ -32,7 +32,7 @@ SERVER_MAY_IMPORT = {
     "kvstore_service.errors": {"KVError", "invalid"},
     "kvstore_service.events": {"Batch"},
     "kvstore_service.config": {"Config"},
-    "kvstore_service.layout": {"Layout", "Region"},
+    "kvstore_service.registered_layout": {"Layout", "Region"},
     "kvstore_service.sessions": {"Registration", "Session"},
     "kvstore_service.stats": {"to_proto"},
     "kvstore_service.tenants": {"Caller", "Tenancy", "check_namespace"},
