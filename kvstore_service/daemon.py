@@ -15,6 +15,7 @@ end (servicer.py) calls; the process around it all, sockets and signals, is serv
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import logging
 import os
@@ -336,6 +337,7 @@ class Daemon:
             self.events.disk_changed(self.tiers.take_changes())
         if not self.index.unverified_blocks:  # (descriptions read back wait for their blocks' verification)
             self.events.expire()
+            await self.events.rewrite_journal(functools.partial(self.threads.run, self.threads.journal))
         await self.sessions.reap_unattached()
         self.index.forget_empty({s.namespace for s in self.sessions.by_id.values() if s.namespace})
         # The index holds an object per block (millions in a large pool). A full collection

@@ -10,6 +10,8 @@
                   a large fetched batch (tiers/remote)
     populate      a new pool's growth while the daemon serves: one step of segments at a time (the native
                   populate runs --populate-threads threads of its own)
+    journal       a rewrite of the block descriptions' journal (event_journal.py): the file read back, what
+                  is still held kept
 
 The event loop owns all state; a thread gets a self-contained piece of work (a planned chunk, a
 batch to checksum, one device call, one disk read or write, one batch to wrap or open) and hands its
@@ -47,6 +49,7 @@ class Threads:
         self._disk: ThreadPoolExecutor | None = None
         self._remote: ThreadPoolExecutor | None = None
         self.populate = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-populate")
+        self.journal = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstore-journal")
 
     def lane(self, backend: str, device: int) -> Executor:
         """The copy threads of this device: one GPU's copies never queue behind another's."""
@@ -105,6 +108,6 @@ class Threads:
     def close(self) -> None:
         """Every thread stopped, after the work under way."""
         self.close_copies()
-        for tier in (self._disk, self._remote, self.populate):
+        for tier in (self._disk, self._remote, self.populate, self.journal):
             if tier is not None:
                 tier.shutdown(wait=True)

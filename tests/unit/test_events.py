@@ -281,6 +281,41 @@ def test_a_restarted_daemon_announces_its_recovered_blocks_from_the_journal(inde
     asyncio.run(scenario())
 
 
+def test_a_rewrite_runs_off_the_loop_and_keeps_what_was_appended_meanwhile(index, tmp_path, monkeypatch) -> None:
+    """The journal thread reads the file back and keeps what is still held while the loop goes on describing:
+    the new file holds both, each block once (though the file outgrew what a restart reads: the rewrite
+    brings it back); a daemon that stops meanwhile keeps the old file, and no temp file is left."""
+    monkeypatch.setattr(event_journal, "JOURNAL_SLACK", 0)
+    path = tmp_path / "pool.events"
+    events = index.events = BlockEvents(max_bytes=MB, max_description_bytes=64, max_queue=100,
+                                        is_committed=index.is_committed, journal=Journal(str(path), 1024))
+    events.restore()
+    ns = index.namespace("ns", 64 * 1024)
+    keys = keys_of(40)
+    events.describe(ns.ns_hash, keys, [b"old"] * 40)
+    store(index, ns, keys)
+    index.clear(ns)  # (gone: the file has outgrown what is held)
+    events.describe(ns.ns_hash, keys[:2], [b"old", b"new"])  # (block 0's record twice in the file, block 1's stale)
+
+    async def meanwhile(write, *args):  # the journal thread's turn: the loop describes more first
+        events.describe(ns.ns_hash, keys[2:3], [b"late"])
+        return await asyncio.to_thread(write, *args)
+
+    asyncio.run(events.rewrite_journal(meanwhile))
+    assert list(Journal(str(path), MB).read(64)) == [(ns.ns_hash, keys[0], b"old"), (ns.ns_hash, keys[1], b"new"),
+                                                     (ns.ns_hash, keys[2], b"late")]
+    before = path.read_bytes()
+    events.describe(ns.ns_hash, keys[3:8], [b"more"] * 5)
+    index.clear(ns)
+
+    async def stopped(write, *args):  # the daemon stops while the thread writes
+        events.journal.close()
+        return await asyncio.to_thread(write, *args)
+
+    asyncio.run(events.rewrite_journal(stopped))
+    assert path.read_bytes().startswith(before) and not (tmp_path / "pool.events.tmp").exists()
+
+
 def test_the_journal_is_rewritten_when_it_outgrows_what_is_held_and_ignores_what_is_not_its_own(
         index, tmp_path, monkeypatch) -> None:
     monkeypatch.setattr(event_journal, "JOURNAL_SLACK", 0)
@@ -295,7 +330,7 @@ def test_the_journal_is_rewritten_when_it_outgrows_what_is_held_and_ignores_what
     store(index, ns, keys)
     index.clear(ns)
     assert path.stat().st_size > len(HEADER) and events.stats.bytes == 0
-    events.expire()  # (housekeeping) the file held only blocks gone
+    asyncio.run(events.rewrite_journal(asyncio.to_thread))  # (housekeeping) the file held only blocks gone
     assert path.read_bytes() == HEADER
 
     too_big = Journal(str(path), len(HEADER) - 1)
