@@ -11,12 +11,12 @@
     populate      a new pool's growth while the daemon serves: one step of segments at a time (the native
                   populate runs --populate-threads threads of its own)
     journal       a rewrite of the block descriptions' journal (event_journal.py): the file read back, what
-                  is still held kept
+                  is still held kept (the one thread that reads the loop's maps: key lookups, never iterated)
 
 The event loop owns all state; a thread gets a self-contained piece of work (a planned chunk, a
 batch to checksum, one device call, one disk read or write, one batch to wrap or open) and hands its
-result back. Jobs and the tiers submit work here, and the daemon's start (the pool set up and pinned,
-the disk tier opened); no other module of the daemon makes a thread (tests/unit/test_layering.py).
+result back. Jobs, the tiers and the events submit work here, and the daemon's start (the pool set up
+and pinned, the disk tier opened); no other module of the daemon makes a thread (tests/unit/test_layering.py).
 """
 
 from __future__ import annotations
