@@ -483,8 +483,6 @@ PyObject* py_acl_host_unregister(PyObject*, PyObject* args, PyObject* kwargs) {
   return acl_register_common(args, kwargs, false);
 }
 
-#define KV_KW(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_VARARGS | METH_KEYWORDS
-
 static PyMethodDef kAclMethods[] = {
     {"acl_copy_blocks", KV_KW(py_acl_copy_blocks),
      "acl_copy_blocks(src_base, dst_base, src_offsets, dst_offsets, sizes, direction, device, stream=0,\n"

@@ -102,8 +102,6 @@ PyObject* py_crc32c_copy(PyObject*, PyObject* args, PyObject* kwargs) {
   return PyLong_FromUnsignedLong(crc);
 }
 
-#define KV_KW(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_VARARGS | METH_KEYWORDS
-
 PyMethodDef kChecksumMethods[] = {
     {"checksum_blocks", KV_KW(py_checksum_blocks),
      "checksum_blocks(base, offsets, size, threads=1) -> bytes\n\n"

@@ -154,8 +154,6 @@ PyObject* py_coalesce_runs(PyObject*, PyObject* args, PyObject* kwargs) {
   return list;
 }
 
-#define KV_KW(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_VARARGS | METH_KEYWORDS
-
 PyMethodDef kCopyMethods[] = {
     {"copy_blocks", KV_KW(py_copy_blocks),
      "copy_blocks(src_base, dst_base, src_offsets, dst_offsets, sizes, threads=1, streaming=True) -> int\n\n"

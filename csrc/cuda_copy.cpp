@@ -828,8 +828,6 @@ PyObject* py_cuda_destroy_event(PyObject*, PyObject* args, PyObject* kwargs) {
   Py_RETURN_NONE;
 }
 
-#define KV_KW(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_VARARGS | METH_KEYWORDS
-
 PyMethodDef kCudaMethods[] = {
     {"cuda_copy_blocks", KV_KW(py_cuda_copy_blocks),
      "cuda_copy_blocks(src_base, dst_base, src_offsets, dst_offsets, sizes, direction, device, stream=0,\n"

@@ -640,8 +640,6 @@ PyObject* py_disk_parse_header(PyObject*, PyObject* args, PyObject* kwargs) {
                        static_cast<Py_ssize_t>(h.key_len));
 }
 
-#define KV_KW(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_VARARGS | METH_KEYWORDS
-
 PyMethodDef kDiskMethods[] = {
     {"disk_write", KV_KW(py_disk_write),
      "disk_write(fds, file_offsets, segments, base, offsets, length, crcs, scope, keys, key_size, threads=1,\n"

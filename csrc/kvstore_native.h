@@ -25,6 +25,9 @@
 #include <thread>
 #include <vector>
 
+// A PyMethodDef's function and flags for an entry point taking (self, args, kwargs).
+#define KV_KW(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_VARARGS | METH_KEYWORDS
+
 namespace kvstore {
 
 // One contiguous copy: absolute source and destination addresses and a length in bytes.

@@ -291,8 +291,6 @@ PyObject* py_plan_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
 }
 
 
-#define KV_KW(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_VARARGS | METH_KEYWORDS
-
 PyMethodDef kPlanMethods[] = {
     {"check_job", KV_KW(py_check_job),
      "check_job(keys, key_size, block_ids, num_blocks, distinct_ids) -> str\n\n"

@@ -164,8 +164,6 @@ PyObject* py_parse_slot_header(PyObject*, PyObject* args, PyObject* kwargs) {
                        reinterpret_cast<const char*>(h.key), static_cast<Py_ssize_t>(h.key_len));
 }
 
-#define KV_KW(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_VARARGS | METH_KEYWORDS
-
 PyMethodDef kSlotHeaderMethods[] = {
     {"write_slot_headers", KV_KW(py_write_slot_headers),
      "write_slot_headers(base, offsets, state, payload_len, generation, ns_hash, keys, key_size, checksums=None)\n\n"

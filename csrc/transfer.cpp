@@ -170,8 +170,6 @@ PyObject* py_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
   return u64_bytes(corrupt);
 }
 
-#define KV_KW(fn) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(fn)), METH_VARARGS | METH_KEYWORDS
-
 PyMethodDef kTransferMethods[] = {
     {"transfer", KV_KW(py_transfer),
      "transfer(pool_base, runs, to_engine, threads=1, streaming=True, progress=0, progress_word=0, check=None,\n"
