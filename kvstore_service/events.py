@@ -189,7 +189,7 @@ class BlockEvents:
     async def rewrite_journal(self, off_loop: Callable[..., Awaitable[Written]]) -> None:
         """Housekeeping: the journal, once it has outgrown the descriptions held, rewritten with them, by
         `off_loop` (the journal thread), then put in place here (all of it on the loop, a rewrite at the
-        default 64 MiB had stalled every RPC for ~0.3 s)."""
+        default 64 MiB had stalled every RPC for 0.2-0.3 s)."""
         journal = self.journal
         if journal is None or journal.rewriting or not journal.due(self.stats.bytes):
             return
