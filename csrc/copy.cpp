@@ -183,6 +183,7 @@ void coalesce(std::vector<Run>* runs) {
   size_t out = 0;
   for (size_t i = 0; i < runs->size(); ++i) {
     const Run& r = (*runs)[i];
+    if (r.size == 0) continue;
     if (out > 0) {
       Run& prev = (*runs)[out - 1];
       if (prev.src + prev.size == r.src && prev.dst + prev.size == r.dst) {
@@ -219,7 +220,7 @@ bool build_runs(uint64_t src_base, uint64_t dst_base, PyObject* src_offsets_obj,
       PyErr_Format(PyExc_OverflowError, "block %zu: base + offset + size overflows the address space", i);
       return false;
     }
-    if (sizes[i] != 0) runs->push_back(Run{src, dst, sizes[i]});
+    runs->push_back(Run{src, dst, sizes[i]});
   }
   coalesce(runs);
   return true;

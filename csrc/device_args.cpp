@@ -1,7 +1,6 @@
 // The arguments the device copies (cuda_copy.cpp, acl_copy.cpp) share, parsed once for both: a copy of
 // arrays of offsets (the benchmarks', the device checks') or of a chunk's Runs (the daemon's).
 
-#include <algorithm>
 #include <cstring>
 
 #include "crc32c.h"
@@ -90,8 +89,6 @@ bool parse_device_transfer_args(PyObject* args, PyObject* kwargs, const char* fo
     return false;
   }
   out->dir = to_engine ? Direction::kHostToDevice : Direction::kDeviceToHost;
-  out->runs.erase(std::remove_if(out->runs.begin(), out->runs.end(), [](const Run& r) { return r.size == 0; }),
-                  out->runs.end());
   coalesce(&out->runs);
   return true;
 }

@@ -72,12 +72,13 @@ bool set_item(PyObject* dict, const char* key, PyObject* value);
 // ---- copy.cpp -----------------------------------------------------------------------------------
 
 // Validates the offset/size buffers (equal lengths, no address overflow), adds the bases, drops
-// empty entries and merges runs contiguous in both source and destination (after sorting by
+// empty runs and merges runs contiguous in both source and destination (after sorting by
 // source address). Bounds are not checked. Needs the GIL; returns false with a Python exception set.
 bool build_runs(uint64_t src_base, uint64_t dst_base, PyObject* src_offsets, PyObject* dst_offsets,
                 PyObject* sizes, std::vector<Run>* runs);
 
-// Sorts runs by source address and merges neighbours contiguous on both sides. Pure, no GIL needed.
+// Sorts runs by source address, drops empty ones and merges neighbours contiguous on both sides. Pure,
+// no GIL needed.
 void coalesce(std::vector<Run>* runs);
 
 // How many threads share `total_bytes` (at least 256 KiB each, at most `threads` and `max_parts`).

@@ -34,7 +34,7 @@ void copy_regions_with_progress(const std::vector<Run>& runs, size_t blocks, con
       group_bytes += runs[r * blocks].size;
       for (size_t k = 0; k < blocks; ++k) {
         const Run& run = runs[r * blocks + k];
-        if (!skip[k] && run.size != 0) part.push_back(run);
+        if (!skip[k]) part.push_back(run);
       }
       ++r;
     } while (r < regions && group_bytes < kProgressGroupBytes);
@@ -162,7 +162,6 @@ PyObject* py_transfer(PyObject*, PyObject* args, PyObject* kwargs) {
         corrupt.push_back(check[i]);
       }
     }
-    runs.erase(std::remove_if(runs.begin(), runs.end(), [](const Run& r) { return r.size == 0; }), runs.end());
     coalesce(&runs);
     copy_runs(runs, threads, streaming != 0);
   }
