@@ -68,7 +68,6 @@ class Journal:
         self.size = 0
         self._fd = -1
         self._since: list[bytes] | None = None  # what was appended while a rewrite is under way
-        self._upto: int | None = None  # the bytes of the file the rewrite under way reads
         self._closed = False  # closed (the daemon stops) or turned off: a rewrite under way is dropped
 
     def read(self, max_description_bytes: int, upto: int | None = None) -> Iterator[Entry]:
@@ -116,21 +115,20 @@ class Journal:
             if self._since is not None:
                 self._since.append(data)
 
-    def rewrite(self, holds: Holds, max_description_bytes: int) -> None:
-        """The file rewritten with its records still held, here and now (at start, after `restore`); the
-        journal is on from here."""
+    def rewrite(self, entries: Iterable[Entry], holds: Holds) -> None:
+        """The file replaced by these of its entries still held, here and now (at start: the entries
+        `restore` read); the journal is on from here."""
         self.begin_rewrite()
-        self.install(self.write_new(holds, max_description_bytes))
+        self.install(self.write_new(entries, holds))
 
     def begin_rewrite(self) -> None:
-        """A rewrite starts (on the loop): the file as it is now is what write_new reads; what is appended
-        from now on also goes into the new file."""
-        self._since, self._upto = [], self.size if self._fd >= 0 else None
+        """A rewrite starts (on the loop): what is appended from now on also goes into the new file."""
+        self._since = []
 
-    def write_new(self, holds: Holds, max_description_bytes: int) -> Written:
-        """The journal thread: the file's records (as of begin_rewrite) whose description `holds` still
-        holds, each block once, written to a new temp file beside the journal. Touches nothing the loop
-        writes; `holds` only looks keys up."""
+    def write_new(self, entries: Iterable[Entry], holds: Holds) -> Written:
+        """The journal thread: these entries (the file's, `read` up to its size at begin_rewrite) whose
+        description `holds` still holds, each block once, written to a new temp file beside the journal.
+        Touches nothing the loop writes; `holds` only looks keys up."""
         seen: set[bytes] = set()  # (namespace hash + key: bytes, which the collector does not track)
         tmp = f"{self.path}.tmp"
         try:
@@ -140,7 +138,7 @@ class Journal:
             try:
                 _write_all(fd, HEADER)
                 size, batch = len(HEADER), []  # (records as bytes, which the collector does not track either)
-                for ns, key, meta in self.read(max_description_bytes, self._upto):
+                for ns, key, meta in entries:
                     if ns + key not in seen and holds(ns, key, meta):
                         seen.add(ns + key)
                         batch.append(_record(ns, key, meta))

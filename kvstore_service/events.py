@@ -194,7 +194,8 @@ class BlockEvents:
         if journal is None or journal.rewriting or not journal.due(self.stats.bytes):
             return
         journal.begin_rewrite()
-        journal.install(await off_loop(journal.write_new, self.holds, self.max_description_bytes))
+        records = journal.read(self.max_description_bytes, upto=journal.size)  # (read on the thread, as it writes)
+        journal.install(await off_loop(journal.write_new, records, self.holds))
 
     def holds(self, ns_hash: bytes, key: bytes, meta: bytes) -> bool:
         """Whether this block's description is held (in the pool, pending or on disk). Safe on any thread:
@@ -209,14 +210,13 @@ class BlockEvents:
         if self.journal is None:
             return 0
         journal, self.journal = self.journal, None  # (not appended to while read)
-        read = 0
-        for ns_hash, run in groupby(journal.read(self.max_description_bytes), key=itemgetter(0)):
-            entries = list(run)  # (a namespace's in a row, as they were described: one describe each run)
-            self.describe(ns_hash, [key for _, key, _ in entries], [meta for _, _, meta in entries])
-            read += len(entries)
+        entries = list(journal.read(self.max_description_bytes))  # (read once: the rewrite keeps from these)
+        for ns_hash, run in groupby(entries, key=itemgetter(0)):  # (a namespace's in a row: one describe each)
+            described = list(run)
+            self.describe(ns_hash, [key for _, key, _ in described], [meta for _, _, meta in described])
         self.journal = journal
-        journal.rewrite(self.holds, self.max_description_bytes)
-        return read
+        journal.rewrite(entries, self.holds)
+        return len(entries)
 
     def _drop_oldest_pending(self) -> bool:
         """Drops the oldest pending description still waiting, anywhere; False if there is none."""
