@@ -109,9 +109,14 @@ def cuda_transfer(pool_base: int, runs: Runs, to_engine: bool, device: int, chec
     `to_engine`; returns the CRC32C of each `checksum_size`-byte pool block at pool_base +
     checksum_offsets[i], taken while the copy runs."""
     with _sticky_cuda_errors(device):
-        return _u64_list(_native.cuda_transfer(pool_base, runs, to_engine, device,
-                                               None if checksum_offsets is None else _as_u64(checksum_offsets),
-                                               checksum_size))
+        return _transfer(_native.cuda_transfer, pool_base, runs, to_engine, device, checksum_offsets, checksum_size)
+
+
+def _transfer(transfer: Callable[..., bytes], pool_base: int, runs: Runs, to_engine: bool, device: int,
+              checksum_offsets: U64Array | None, checksum_size: int) -> list[int]:
+    """A device's native transfer (`transfer`: CUDA's or ACL's, one signature), its offsets converted."""
+    return _u64_list(transfer(pool_base, runs, to_engine, device,
+                              None if checksum_offsets is None else _as_u64(checksum_offsets), checksum_size))
 
 
 def cuda_open_ipc_event(handle: bytes, device: int) -> int:
@@ -171,9 +176,7 @@ def acl_transfer(pool_base: int, runs: Runs, to_engine: bool, device: int, check
     """Ascend counterpart of cuda_transfer (unverified on hardware). StickyDeviceError for an error in
     STICKY_ACL_ERRORS."""
     with _sticky_acl_errors(device):
-        return _u64_list(_native.acl_transfer(pool_base, runs, to_engine, device,
-                                              None if checksum_offsets is None else _as_u64(checksum_offsets),
-                                              checksum_size))
+        return _transfer(_native.acl_transfer, pool_base, runs, to_engine, device, checksum_offsets, checksum_size)
 
 
 def acl_host_register(addr: int, size: int, device: int = 0) -> int:
